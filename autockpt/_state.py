@@ -1,0 +1,40 @@
+"""Keeping the user's model as it was: planning runs the model, and must leave no trace on it."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+
+def cuda_devices_of(*trees: Any) -> list[int]:
+    """CUDA device indices of every tensor in the given pytrees (for RNG forking)."""
+    devices = set()
+    for leaf in pytree.tree_leaves(trees):
+        if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
+            devices.add(leaf.device.index if leaf.device.index is not None else torch.cuda.current_device())
+    return sorted(devices)
+
+
+@contextlib.contextmanager
+def preserved_model_state(model: nn.Module, *inputs: Any) -> Iterator[None]:
+    """Restore buffers (BatchNorm statistics), parameter gradients, train/eval flags and RNG state on exit."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    grads = [(p, p.grad) for p in model.parameters()]
+    modes = [(m, m.training) for m in model.modules()]
+    devices = cuda_devices_of(inputs, list(model.parameters()))
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+            for param, grad in grads:
+                param.grad = grad
+            for module, training in modes:
+                module.training = training

@@ -1,0 +1,222 @@
+"""Capture: model + example inputs -> Graph (a sequence of units that can be profiled and checkpointed).
+
+Three paths, tried in order, each checked against the model's own output on the example inputs:
+
+1. ``torch.fx.symbolic_trace`` (torch-level nodes, leaf modules stay whole);
+2. ``torch.export.export(strict=False)`` (aten-level nodes; works for Hugging Face transformers v5);
+3. module level: the model runs as it is and hooks on its submodules cut the forward into units. Used for models
+   whose Python control flow depends on data; such models are checkpointed a whole submodule at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from autockpt._state import cuda_devices_of
+from autockpt.errors import CaptureError
+from autockpt.types import CaptureKind, Graph, ModuleSpan, Unit
+
+logger = logging.getLogger(__name__)
+
+_COMPUTE_OPS = ("call_function", "call_method", "call_module")
+_PLAIN_LEAVES = (torch.Tensor, int, float, bool, str, type(None))
+
+
+def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Graph:
+    """Capture ``model`` called as ``model(*args, **kwargs)``; never fails on an untraceable model."""
+    notes: list[str] = []
+    for kind, attempt in ((CaptureKind.FX, _capture_fx), (CaptureKind.EXPORT, _capture_export)):
+        try:
+            executable, extra_notes = attempt(model, args, kwargs)
+            _check_same_outputs(model, executable, args, kwargs)
+        except Exception as error:  # any failure means: try the next path
+            reason = f"{kind.value} capture not used: {type(error).__name__}: {_first_line(error)}"
+            logger.info(reason)
+            notes.append(reason)
+            continue
+        logger.info("captured the model with %s (%d units)", kind.value, len(graph_units(executable)))
+        return Graph(
+            kind=kind,
+            model=model,
+            executable=executable,
+            units=graph_units(executable),
+            module_spans=(),
+            notes=tuple(notes + extra_notes),
+        )
+    try:
+        units, spans = _record_module_units(model, args, kwargs)
+    except Exception as error:
+        raise CaptureError(
+            f"could not run {type(model).__name__} on the example inputs: {type(error).__name__}: "
+            f"{_first_line(error)}. Check that model(*example_inputs, **example_kwargs) runs in train mode."
+        ) from error
+    logger.info("captured the model at module level (%d units, %d module calls)", len(units), len(spans))
+    return Graph(
+        kind=CaptureKind.MODULE,
+        model=model,
+        executable=model,
+        units=units,
+        module_spans=spans,
+        notes=tuple(notes),
+    )
+
+
+def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The fx nodes that are units, in execution order."""
+    return [n for n in gm.graph.nodes if n.op in _COMPUTE_OPS]
+
+
+def graph_units(gm: fx.GraphModule) -> tuple[Unit, ...]:
+    units = []
+    for index, node in enumerate(compute_nodes(gm)):
+        units.append(Unit(index=index, name=node.name, op=_op_name(node), module_path=_module_path(node)))
+    return tuple(units)
+
+
+def plain_outputs(output: Any) -> tuple[Any, list[str]]:
+    """Replace output leaves that are not tensors or Python scalars by None (e.g. a KV cache object)."""
+    dropped: list[str] = []
+
+    def keep_plain(path: Any, leaf: Any) -> Any:
+        if isinstance(leaf, _PLAIN_LEAVES):
+            return leaf
+        dropped.append(f"{pytree.keystr(path) or 'output'} ({type(leaf).__name__})")
+        return None
+
+    return pytree.tree_map_with_path(keep_plain, output), dropped
+
+
+class _PlainOutputs(nn.Module):
+    """Export wrapper: returns the model's output with non-tensor objects replaced by None."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return plain_outputs(self.model(*args, **kwargs))[0]
+
+
+def _capture_fx(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, list[str]]:
+    return fx.symbolic_trace(model), []
+
+
+def _capture_export(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, list[str]]:
+    with torch.no_grad():
+        _, dropped = plain_outputs(model(*args, **kwargs))
+    exported = torch.export.export(_PlainOutputs(model), args, kwargs, strict=False)
+    notes = []
+    if dropped:
+        notes.append(
+            "outputs that are not tensors are returned as None by the optimized module: " + ", ".join(dropped)
+        )
+    return exported.module(), notes
+
+
+def _check_same_outputs(model: nn.Module, executable: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Run both on the same RNG state; raise if the captured graph computes something else."""
+    with torch.random.fork_rng(devices=cuda_devices_of(args, kwargs)), torch.no_grad():
+        seed = 1234
+        torch.manual_seed(seed)
+        expected, _ = plain_outputs(model(*args, **kwargs))
+        torch.manual_seed(seed)
+        actual = executable(*args, **kwargs)
+    expected_leaves, expected_spec = pytree.tree_flatten(expected)
+    actual_leaves, actual_spec = pytree.tree_flatten(actual)
+    if len(expected_leaves) != len(actual_leaves):
+        raise ValueError(f"output structure differs: {expected_spec} vs {actual_spec}")
+    for want, got in zip(expected_leaves, actual_leaves):
+        if isinstance(want, torch.Tensor):
+            if not isinstance(got, torch.Tensor) or want.shape != got.shape:
+                raise ValueError("captured graph returns a different tensor shape than the model")
+            if want.is_floating_point() and not torch.allclose(want, got, rtol=1e-4, atol=1e-5):
+                raise ValueError("captured graph returns different values than the model")
+            if not want.is_floating_point() and not torch.equal(want, got):
+                raise ValueError("captured graph returns different values than the model")
+
+
+class ModuleUnitRecorder:
+    """Cuts a module-level forward into units at every submodule entry and exit.
+
+    ``on_unit_start(i)`` is called when unit ``i`` begins. The unit sequence is deterministic for a given model and
+    inputs, so capture and profile see the same units.
+    """
+
+    def __init__(self, model: nn.Module, on_unit_start: Callable[[int], None] | None = None) -> None:
+        self.model = model
+        self.on_unit_start = on_unit_start
+        self.units: list[Unit] = []
+        self.spans: list[ModuleSpan] = []
+        self._stack: list[tuple[str, int]] = []
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[ModuleUnitRecorder]:
+        handles = []
+        for path, module in self.model.named_modules():
+            handles.append(module.register_forward_pre_hook(self._make_enter(path)))
+            handles.append(module.register_forward_hook(self._make_exit(path), always_call=True))
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _start_unit(self, path: str, kind: str) -> None:
+        index = len(self.units)
+        self.units.append(Unit(index=index, name=f"{path or '<root>'}:{kind}{index}", op=kind, module_path=path))
+        if self.on_unit_start is not None:
+            self.on_unit_start(index)
+
+    def _make_enter(self, path: str) -> Callable[..., None]:
+        def enter(module: nn.Module, inputs: Any) -> None:
+            self._stack.append((path, len(self.units)))
+            self._start_unit(path, "module" if not any(True for _ in module.children()) else "enter")
+
+        return enter
+
+    def _make_exit(self, path: str) -> Callable[..., None]:
+        def exit_(module: nn.Module, inputs: Any, output: Any) -> None:
+            entered_path, first_unit = self._stack.pop()
+            assert entered_path == path, f"module hooks out of order: {entered_path} vs {path}"
+            self.spans.append(ModuleSpan(path=path, first_unit=first_unit, last_unit=len(self.units) - 1))
+            if self._stack:
+                self._start_unit(self._stack[-1][0], "glue")
+
+        return exit_
+
+
+def _record_module_units(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple[Unit, ...], tuple[ModuleSpan, ...]]:
+    recorder = ModuleUnitRecorder(model)
+    with torch.random.fork_rng(devices=cuda_devices_of(args, kwargs)), torch.no_grad(), recorder.recording():
+        model(*args, **kwargs)
+    return tuple(recorder.units), tuple(recorder.spans)
+
+
+def _op_name(node: fx.Node) -> str:
+    if node.op == "call_module":
+        return f"module:{node.target}"
+    if node.op == "call_method":
+        return f"method:{node.target}"
+    return getattr(node.target, "__name__", str(node.target)) if not isinstance(node.target, str) else node.target
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path = list(stack.values())[-1][0]
+        return path.removeprefix("model.") if path.startswith("model.") else path
+    if node.op == "call_module":
+        return str(node.target)
+    return ""
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:200] if text else ""

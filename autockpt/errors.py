@@ -1,0 +1,27 @@
+"""Exception types raised by autockpt. Every message says what was given, what was expected and what to do."""
+
+from __future__ import annotations
+
+
+class AutockptError(Exception):
+    """Base class of the errors autockpt raises on purpose."""
+
+
+class InfeasibleBudgetError(AutockptError, ValueError):
+    """The budget is below the smallest peak any plan can reach.
+
+    ``min_feasible_bytes`` is the smallest predicted peak autockpt found; a budget at or above it is accepted.
+    """
+
+    def __init__(self, message: str, *, budget_bytes: int, min_feasible_bytes: int) -> None:
+        super().__init__(message)
+        self.budget_bytes = budget_bytes
+        self.min_feasible_bytes = min_feasible_bytes
+
+
+class CaptureError(AutockptError, RuntimeError):
+    """No capture path (fx, export, module-level) could run the model on the example inputs."""
+
+
+class ProfileError(AutockptError, RuntimeError):
+    """Running the captured graph forward and backward on the example inputs failed."""

@@ -1,0 +1,407 @@
+"""Profile: Graph -> Profile. Runs the captured step and measures what every unit costs.
+
+One tracked step records the memory timeline: a ``TorchDispatchMode`` sees every storage that ops create (the same
+accounting as ``torch.distributed._tools.mem_tracker.MemTracker``), weak references tell when each one is freed,
+and ``saved_tensors_hooks`` tell which unit saved which storage for backward and when backward unpacked it. Timed
+steps give per-unit forward milliseconds (median of repeats) and the step time; one forward under
+``FlopCounterMode`` gives FLOPs. The caller keeps the model's state (see ``autockpt._state``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import statistics
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from autockpt.capture import ModuleUnitRecorder, compute_nodes
+from autockpt.errors import ProfileError
+from autockpt.types import (
+    OUTSIDE_GRAPH_UNIT,
+    CaptureKind,
+    Graph,
+    MemoryEvent,
+    Phase,
+    Profile,
+    StorageLife,
+    UnitCost,
+)
+
+logger = logging.getLogger(__name__)
+
+LossFn = Callable[[Any], torch.Tensor]
+
+
+def profile(graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn, *, timing_repeats: int = 3) -> Profile:
+    """Measure the unmodified training step of ``graph`` on the example inputs."""
+    params = [p for p in graph.model.parameters()]
+    try:
+        _clear_grads(params)
+        _timed_step(graph, args, kwargs, loss_fn, num_units=len(graph.units))  # warm-up: allocator, lazy init
+        _clear_grads(params)
+        tracked = _tracked_step(graph, args, kwargs, loss_fn)
+        unit_ms_runs: list[list[float]] = []
+        step_ms_runs: list[float] = []
+        for _ in range(timing_repeats):
+            _clear_grads(params)
+            unit_ms, step_ms = _timed_step(graph, args, kwargs, loss_fn, num_units=len(graph.units))
+            unit_ms_runs.append(unit_ms)
+            step_ms_runs.append(step_ms)
+        flops = _unit_flops(graph, args, kwargs)
+    except Exception as error:
+        raise ProfileError(
+            f"running the captured {graph.kind.value} graph forward and backward failed: "
+            f"{type(error).__name__}: {error}"
+        ) from error
+    finally:
+        _clear_grads(params)
+    unit_ms = [statistics.median(run[i] for run in unit_ms_runs) for i in range(len(graph.units))]
+    return _assemble(graph, args, kwargs, tracked, unit_ms, statistics.median(step_ms_runs), flops)
+
+
+# --------------------------------------------------------------------------------------------------- unit callbacks
+
+_active_unit_callback: Callable[[int], None] | None = None
+
+
+def unit_marker(index: int) -> None:
+    """Inserted before each unit of a GraphModule while profiling; reports the unit to the active callback."""
+    if _active_unit_callback is not None:
+        _active_unit_callback(index)
+
+
+@contextlib.contextmanager
+def unit_callbacks(graph: Graph, callback: Callable[[int], None]) -> Iterator[None]:
+    """Call ``callback(i)`` whenever unit ``i`` starts while the graph's executable runs."""
+    global _active_unit_callback
+    if graph.kind is CaptureKind.MODULE:
+        with ModuleUnitRecorder(graph.model, callback).recording():
+            yield
+        return
+    gm = graph.executable
+    assert isinstance(gm, fx.GraphModule)
+    markers = []
+    for index, node in enumerate(compute_nodes(gm)):
+        with gm.graph.inserting_before(node):
+            markers.append(gm.graph.call_function(unit_marker, (index,)))
+    gm.recompile()
+    _active_unit_callback = callback
+    try:
+        yield
+    finally:
+        _active_unit_callback = None
+        for marker in markers:
+            gm.graph.erase_node(marker)
+        gm.recompile()
+
+
+# --------------------------------------------------------------------------------------------- the tracked step
+
+
+@dataclass(slots=True, eq=False)
+class _StorageRecord:
+    index: int
+    nbytes: int
+    phase: Phase
+    producer_unit: int
+    alloc_event: int
+    last_use_event: int
+    free_event: int | None = None
+    users: set[int] = field(default_factory=set)
+    mutators: set[int] = field(default_factory=set)
+    release_event_by_saver: dict[int, int] = field(default_factory=dict)
+    weak: Any = None
+
+
+@dataclass(slots=True)
+class _EventRecord:
+    phase: Phase
+    unit: int
+    start_bytes: int
+    peak_bytes: int
+
+
+class StorageTracker(TorchDispatchMode):
+    """Live bytes of every storage ops create on ``device``, split into events (windows of the step)."""
+
+    def __init__(self, device: torch.device, static_tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.device = device
+        self.records: list[_StorageRecord] = []
+        self.events: list[_EventRecord] = []
+        self._known: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.live_bytes = 0
+        for tensor in static_tensors:  # counted from the start, never attributed to a unit
+            storage = tensor.untyped_storage()
+            if storage not in self._known:
+                self._known[storage] = None
+                self.live_bytes += storage.nbytes()
+        self.static_bytes = self.live_bytes
+        self.begin_event(Phase.FORWARD, OUTSIDE_GRAPH_UNIT)
+
+    @property
+    def phase(self) -> Phase:
+        return self.events[-1].phase
+
+    @property
+    def unit(self) -> int:
+        return self.events[-1].unit
+
+    def begin_event(self, phase: Phase, unit: int) -> None:
+        self.events.append(_EventRecord(phase, unit, self.live_bytes, self.live_bytes))
+
+    def record_of(self, tensor: torch.Tensor) -> _StorageRecord | None:
+        try:
+            return self._known.get(tensor.untyped_storage())
+        except (RuntimeError, NotImplementedError):
+            return None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        event = len(self.events) - 1
+        if self.phase is Phase.FORWARD:
+            for leaf in pytree.tree_leaves((args, kwargs)):
+                if isinstance(leaf, torch.Tensor):
+                    record = self.record_of(leaf)
+                    if record is not None:
+                        record.users.add(self.unit)
+                        record.last_use_event = event
+            for leaf in _written_arguments(func, args, kwargs):
+                record = self.record_of(leaf)
+                if record is not None:
+                    record.mutators.add(self.unit)
+        for leaf in pytree.tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.device == self.device:
+                self._register(leaf, event)
+        return out
+
+    def _register(self, tensor: torch.Tensor, event: int) -> None:
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        if storage in self._known:
+            return
+        nbytes = storage.nbytes()
+        record = _StorageRecord(len(self.records), nbytes, self.phase, self.unit, event, event)
+        record.weak = weakref.ref(storage, functools.partial(self._on_free, record))
+        self._known[storage] = record
+        self.records.append(record)
+        self.live_bytes += nbytes
+        current = self.events[-1]
+        current.peak_bytes = max(current.peak_bytes, self.live_bytes)
+
+    def _on_free(self, record: _StorageRecord, _ref: Any) -> None:
+        self.live_bytes -= record.nbytes
+        record.free_event = len(self.events) - 1
+
+
+def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """Tensors an op writes into in place (``relu_``, ``add_``, ``out=``), from its schema."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    written = []
+    for position, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[position] if position < len(args) else kwargs.get(argument.name)
+        written += [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+    return written
+
+
+@dataclass(slots=True)
+class _TrackedStep:
+    tracker: StorageTracker
+    saved_by_unit: dict[int, set[int]]  # unit -> indices of storages it saved
+    static_bytes: int
+
+
+def _tracked_step(graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn) -> _TrackedStep:
+    device = _device_of(graph.model, args, kwargs)
+    static = _static_tensors(graph.model, args, kwargs)
+    tracker = StorageTracker(device, static)
+    saved_by_unit: dict[int, set[int]] = {}
+
+    def pack(tensor: torch.Tensor) -> tuple[torch.Tensor, _StorageRecord | None, int]:
+        record = tracker.record_of(tensor)
+        unit = tracker.unit
+        if record is not None and record.phase is Phase.FORWARD:
+            saved_by_unit.setdefault(unit, set()).add(record.index)
+        # detach: same storage, no reference cycle through the output's grad_fn
+        return tensor.detach(), record, unit
+
+    def unpack(packed: tuple[torch.Tensor, _StorageRecord | None, int]) -> torch.Tensor:
+        tensor, record, unit = packed
+        if tracker.phase is not Phase.BACKWARD or tracker.unit != unit:
+            tracker.begin_event(Phase.BACKWARD, unit)
+        if record is not None and record.phase is Phase.FORWARD:
+            record.release_event_by_saver[unit] = len(tracker.events) - 1
+        return tensor
+
+    def on_unit(index: int) -> None:
+        tracker.begin_event(Phase.FORWARD, index)
+
+    with tracker:
+        with unit_callbacks(graph, on_unit), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            output = graph.executable(*args, **kwargs)
+            tracker.begin_event(Phase.FORWARD, OUTSIDE_GRAPH_UNIT)  # the loss function
+            loss = loss_fn(output)
+        tracker.begin_event(Phase.BACKWARD, OUTSIDE_GRAPH_UNIT)
+        loss.backward()
+        del loss
+        tracker.begin_event(Phase.BACKWARD, OUTSIDE_GRAPH_UNIT)  # end marker: what is freed after the step
+    del output
+    return _TrackedStep(tracker, saved_by_unit, tracker.static_bytes)
+
+
+# ------------------------------------------------------------------------------------------------ timing, flops
+
+
+def _timed_step(graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn, *, num_units: int) -> tuple[list[float], float]:
+    sync = _synchronizer(graph.model, args, kwargs)
+    stamps: list[tuple[int, float]] = []
+
+    def on_unit(index: int) -> None:
+        sync()
+        stamps.append((index, time.perf_counter()))
+
+    sync()
+    start = time.perf_counter()
+    with unit_callbacks(graph, on_unit):
+        output = graph.executable(*args, **kwargs)
+    sync()
+    forward_end = time.perf_counter()
+    loss_fn(output).backward()
+    sync()
+    step_ms = (time.perf_counter() - start) * 1e3
+    unit_ms = [0.0] * num_units
+    ends = [t for _, t in stamps[1:]] + [forward_end]
+    for (index, began), ended in zip(stamps, ends):
+        unit_ms[index] += (ended - began) * 1e3
+    return unit_ms, step_ms
+
+
+def _unit_flops(graph: Graph, args: tuple, kwargs: dict) -> list[int]:
+    counter = FlopCounterMode(display=False)
+    marks: list[tuple[int, int]] = []
+
+    def on_unit(index: int) -> None:
+        marks.append((index, counter.get_total_flops()))
+
+    with torch.no_grad(), counter, unit_callbacks(graph, on_unit):
+        graph.executable(*args, **kwargs)
+    flops = [0] * len(graph.units)
+    ends = [total for _, total in marks[1:]] + [counter.get_total_flops()]
+    for (index, began), ended in zip(marks, ends):
+        flops[index] += ended - began
+    return flops
+
+
+# ---------------------------------------------------------------------------------------------------- assembly
+
+
+def _assemble(
+    graph: Graph, args: tuple, kwargs: dict, tracked: _TrackedStep, unit_ms: list[float], step_ms: float, flops: list[int]
+) -> Profile:
+    tracker = tracked.tracker
+    events = tuple(
+        MemoryEvent(index=i, phase=e.phase, unit=e.unit, start_bytes=e.start_bytes, peak_bytes=e.peak_bytes)
+        for i, e in enumerate(tracker.events)
+    )
+    storages = []
+    output_bytes = [0] * len(graph.units)
+    for record in tracker.records:
+        if record.phase is not Phase.FORWARD:
+            continue
+        if record.producer_unit >= 0:
+            output_bytes[record.producer_unit] += record.nbytes
+        savers = tuple(sorted(record.release_event_by_saver))
+        storages.append(
+            StorageLife(
+                index=len(storages),
+                nbytes=record.nbytes,
+                producer_unit=record.producer_unit,
+                alloc_event=record.alloc_event,
+                last_forward_use_event=record.last_use_event,
+                free_event=record.free_event if record.free_event != len(events) - 1 else None,
+                user_units=tuple(sorted(u for u in record.users if u >= 0)),
+                saver_units=savers,
+                saver_release_events=tuple(record.release_event_by_saver[u] for u in savers),
+                mutator_units=tuple(sorted(u for u in record.mutators if u >= 0)),
+            )
+        )
+    record_bytes = {r.index: r.nbytes for r in tracker.records}
+    units = tuple(
+        UnitCost(
+            index=u.index,
+            forward_ms=unit_ms[u.index],
+            flops=flops[u.index],
+            output_bytes=output_bytes[u.index],
+            saved_bytes=sum(record_bytes[i] for i in tracked.saved_by_unit.get(u.index, ())),
+        )
+        for u in graph.units
+    )
+    params = list(graph.model.parameters())
+    parameter_bytes = _unique_bytes(params)
+    buffer_bytes = _unique_bytes(list(graph.model.buffers()))
+    input_bytes = _unique_bytes([t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
+    gradient_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    return Profile(
+        units=units,
+        storages=tuple(storages),
+        events=events,
+        parameter_bytes=parameter_bytes,
+        buffer_bytes=buffer_bytes,
+        input_bytes=input_bytes,
+        gradient_bytes=gradient_bytes,
+        baseline_peak_bytes=max(e.peak_bytes for e in events),
+        forward_ms=sum(unit_ms),
+        step_ms=step_ms,
+    )
+
+
+def _unique_bytes(tensors: list[torch.Tensor]) -> int:
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _static_tensors(model: nn.Module, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    tensors = list(model.parameters()) + list(model.buffers())
+    tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    return tensors
+
+
+def _device_of(model: nn.Module, args: tuple, kwargs: dict) -> torch.device:
+    for tensor in list(model.parameters()) + [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]:
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _synchronizer(model: nn.Module, args: tuple, kwargs: dict) -> Callable[[], None]:
+    device = _device_of(model, args, kwargs)
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def _clear_grads(params: list[torch.Tensor]) -> None:
+    for param in params:
+        param.grad = None

@@ -1,0 +1,220 @@
+"""Rewrite: (Graph, Plan) -> nn.Module that recomputes exactly the planned regions.
+
+fx/export captures: each region's nodes are moved into a sub-GraphModule that runs under
+``torch.utils.checkpoint(use_reentrant=False, preserve_rng_state=True)``, so dropout draws the same mask when the
+region is recomputed. Module-level captures: the chosen submodules' ``forward`` is wrapped in the same checkpoint
+while (and only while) the optimized module runs.
+
+During a recomputation (inside backward) the buffers the region touches are put back afterwards, so BatchNorm
+running statistics advance exactly once per step. The returned module mirrors the original's children, parameters
+and buffers under the same names, so ``state_dict`` keys, optimizers and checkpoints work with either module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import operator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import checkpoint
+
+from autockpt.capture import compute_nodes
+from autockpt.types import CaptureKind, Graph, Plan, Region
+
+logger = logging.getLogger(__name__)
+
+
+def rewrite(graph: Graph, plan: Plan, args: tuple, kwargs: dict) -> OptimizedModule:
+    """Build the optimized module. Consumes ``graph.executable`` (it is edited in place)."""
+    if graph.kind is CaptureKind.MODULE:
+        spans = {(s.first_unit, s.last_unit): s.path for s in graph.module_spans}
+        modules = [graph.model.get_submodule(spans[(r.first_unit, r.last_unit)]) for r in plan.regions]
+        return OptimizedModule(graph.model, plan, input_signature(args, kwargs), executable=None, checkpointed_modules=modules)
+    gm = graph.executable
+    assert isinstance(gm, fx.GraphModule)
+    nodes = compute_nodes(gm)
+    for index, region in enumerate(plan.regions):
+        _outline_region(gm, nodes, region, index)
+    gm.graph.lint()
+    gm.recompile()
+    return OptimizedModule(graph.model, plan, input_signature(args, kwargs), executable=gm, checkpointed_modules=())
+
+
+def input_signature(args: tuple, kwargs: dict) -> tuple:
+    """What a plan was made for: input structure, tensor shapes/dtypes/devices, other argument values."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    described = tuple(
+        (tuple(leaf.shape), leaf.dtype, leaf.device) if isinstance(leaf, torch.Tensor) else repr(leaf) for leaf in leaves
+    )
+    return (str(spec), described)
+
+
+@contextlib.contextmanager
+def _buffers_restored_when_recomputing(buffers: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Inside backward (a recomputation) keep buffers as they were, so running statistics update once per step."""
+    if torch._C._current_graph_task_id() == -1 or not buffers:
+        yield
+        return
+    saved = [b.detach().clone() for b in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in zip(buffers, saved):
+                buffer.copy_(value)
+
+
+class CheckpointedRegion(nn.Module):
+    """One planned region: its nodes as a GraphModule, run under non-reentrant activation checkpointing."""
+
+    def __init__(self, body: fx.GraphModule) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, *inputs: Any) -> Any:
+        return checkpoint(self._run, *inputs, use_reentrant=False, preserve_rng_state=True)
+
+    def _run(self, *inputs: Any) -> Any:
+        with _buffers_restored_when_recomputing(list(self.body.buffers())):
+            return self.body(*inputs)
+
+
+def _outline_region(gm: fx.GraphModule, nodes: list[fx.Node], region: Region, index: int) -> None:
+    region_nodes = nodes[region.first_unit : region.last_unit + 1]
+    inside = set(region_nodes)
+    inputs: list[fx.Node] = []
+    for node in region_nodes:
+        for source in node.all_input_nodes:
+            # parameters and buffers are read inside the body, not passed in: a buffer that BatchNorm updates in
+            # place must not be a saved checkpoint input
+            if source not in inside and source.op != "get_attr" and source not in inputs:
+                inputs.append(source)
+    body_graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {source: body_graph.placeholder(source.name) for source in inputs}
+    for node in region_nodes:
+        for source in node.all_input_nodes:
+            if source.op == "get_attr" and source not in env:
+                env[source] = body_graph.get_attr(source.target)
+        env[node] = body_graph.node_copy(node, lambda n: env[n])
+    outputs = [node for node in region_nodes if any(user not in inside for user in node.users)]
+    body_graph.output(tuple(env[node] for node in outputs))
+    body = fx.GraphModule(gm, body_graph, class_name=f"Region{index}")
+    name = f"autockpt_region_{index}"
+    gm.add_submodule(name, CheckpointedRegion(body))
+    with gm.graph.inserting_after(region_nodes[-1]):
+        call = gm.graph.call_module(name, tuple(inputs))
+    anchor = call
+    for position, node in enumerate(outputs):
+        with gm.graph.inserting_after(anchor):
+            anchor = gm.graph.call_function(operator.getitem, (call, position))
+        node.replace_all_uses_with(anchor, delete_user_cb=lambda user: user not in inside)
+    for node in reversed(region_nodes):
+        gm.graph.erase_node(node)
+
+
+def _checkpointed_forward(module: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def run(*inner_args: Any, **inner_kwargs: Any) -> Any:
+        with _buffers_restored_when_recomputing(list(module.buffers())):
+            return forward(*inner_args, **inner_kwargs)
+
+    return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+
+class OptimizedModule(nn.Module):
+    """The model, trained under a memory plan. Same parameters, buffers and state_dict keys as the original.
+
+    In eval mode, under ``torch.no_grad()``, or for inputs whose shapes differ from the ones the plan was made for,
+    it runs the original model unchanged.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: Plan,
+        signature: tuple,
+        *,
+        executable: fx.GraphModule | None,
+        checkpointed_modules: Sequence[nn.Module],
+    ) -> None:
+        super().__init__()
+        self._modules.update(model._modules)
+        self._parameters.update(model._parameters)
+        self._buffers.update(model._buffers)
+        self._non_persistent_buffers_set = set(model._non_persistent_buffers_set)
+        self.training = model.training
+        # plain attributes (not registered): the optimized module's state is exactly the model's
+        self.__dict__["_autockpt_model"] = model
+        self.__dict__["_autockpt_plan"] = plan
+        self.__dict__["_autockpt_signature"] = signature
+        self.__dict__["_autockpt_executable"] = executable
+        self.__dict__["_autockpt_checkpointed"] = tuple(checkpointed_modules)
+        self.__dict__["_autockpt_warned"] = False
+
+    @property
+    def original_module(self) -> nn.Module:
+        return self.__dict__["_autockpt_model"]
+
+    @property
+    def plan(self) -> Plan:
+        return self.__dict__["_autockpt_plan"]
+
+    def train(self, mode: bool = True) -> OptimizedModule:
+        super().train(mode)
+        self.original_module.train(mode)
+        return self
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        model = self.original_module
+        if not (self.training and torch.is_grad_enabled()):
+            return model(*args, **kwargs)
+        if input_signature(args, kwargs) != self.__dict__["_autockpt_signature"]:
+            if not self.__dict__["_autockpt_warned"]:
+                logger.warning(
+                    "autockpt: inputs differ from the example inputs the plan was made for (shapes, dtypes or "
+                    "argument values); running the original model without the plan. Call autockpt.optimize with "
+                    "these inputs to plan for them."
+                )
+                self.__dict__["_autockpt_warned"] = True
+            return model(*args, **kwargs)
+        executable = self.__dict__["_autockpt_executable"]
+        if executable is not None:
+            return executable(*args, **kwargs)
+        with _patched_forwards(self.__dict__["_autockpt_checkpointed"]):
+            return model(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            model = self.__dict__.get("_autockpt_model")
+            if model is None:
+                raise
+            return getattr(model, name)  # e.g. a Hugging Face model's .config
+
+    def extra_repr(self) -> str:
+        plan = self.plan
+        return f"autockpt plan: {len(plan.regions)} checkpointed regions, capture={plan.capture.value}"
+
+
+@contextlib.contextmanager
+def _patched_forwards(modules: Sequence[nn.Module]) -> Iterator[None]:
+    patched = []
+    try:
+        for module in modules:
+            had_own = "forward" in module.__dict__
+            original = module.forward
+            module.forward = functools.partial(_checkpointed_forward, module, original)
+            patched.append((module, had_own, original))
+        yield
+    finally:
+        for module, had_own, original in reversed(patched):
+            if had_own:
+                module.forward = original
+            else:
+                del module.forward

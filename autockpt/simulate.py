@@ -1,0 +1,170 @@
+"""Simulate: (Profile, regions) -> Timeline. Scores any plan; knows nothing about how the plan was found.
+
+The prediction starts from the *measured* timeline of the unmodified step and applies what checkpointing changes,
+storage by storage, following the semantics of ``torch.utils.checkpoint(use_reentrant=False)``:
+
+* a storage produced inside a region and saved only by units of that region is freed after its last forward use;
+  when backward first reaches the region, the region is re-run and a fresh copy lives until the saver that used it
+  last has run its backward;
+* a storage that a region reads from outside is held by the checkpoint until the region's backward is done;
+* storages saved by units outside every region live as measured.
+
+Everything the plan does not touch (parameter gradients, backward temporaries) stays as measured, which is what makes
+the prediction close to a real measurement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from autockpt.types import Phase, Profile, Region, StorageLife, Timeline
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RegionWindow:
+    """Where a region's recomputation happens on the measured timeline."""
+
+    first_backward_event: int | None  # the unpack that triggers recomputation; None: nothing saved inside
+    last_backward_event: int | None  # the checkpoint frame (and the region's inputs) is released here
+    last_saver_unit: int | None  # recomputation stops after this unit (early stop)
+
+
+def region_windows(profile: Profile, regions: Sequence[Region]) -> list[RegionWindow]:
+    region_of = unit_regions(len(profile.units), regions)
+    first: list[int | None] = [None] * len(regions)
+    last: list[int | None] = [None] * len(regions)
+    for event in profile.events:
+        if event.phase is not Phase.BACKWARD or event.unit < 0:
+            continue
+        r = region_of[event.unit]
+        if r is None:
+            continue
+        first[r] = event.index if first[r] is None else first[r]
+        last[r] = event.index
+    last_saver: list[int | None] = [None] * len(regions)
+    for r, region in enumerate(regions):
+        savers = [u for u in range(region.first_unit, region.last_unit + 1) if profile.units[u].saved_bytes > 0]
+        last_saver[r] = max(savers) if savers else None
+    return [RegionWindow(first_backward_event=f, last_backward_event=l, last_saver_unit=s) for f, l, s in zip(first, last, last_saver)]
+
+
+def unit_regions(num_units: int, regions: Sequence[Region]) -> list[int | None]:
+    """Region index of every unit (None when not checkpointed); raises on overlapping regions."""
+    region_of: list[int | None] = [None] * num_units
+    for r, region in enumerate(regions):
+        if region.last_unit >= num_units:
+            raise ValueError(f"region {region} reaches past the last unit ({num_units - 1})")
+        for unit in range(region.first_unit, region.last_unit + 1):
+            if region_of[unit] is not None:
+                raise ValueError(f"regions overlap at unit {unit}: {regions[region_of[unit]]} and {region}")
+            region_of[unit] = r
+    return region_of
+
+
+def simulate(profile: Profile, regions: Sequence[Region]) -> Timeline:
+    """Predict the memory of one training step when ``regions`` are checkpointed."""
+    num_events = len(profile.events)
+    region_of = unit_regions(len(profile.units), regions)
+    windows = region_windows(profile, regions)
+    delta = [0] * (num_events + 1)  # difference array over events
+    copy_bytes_at_burst = [0] * len(regions)
+
+    def add(first: int, last: int, nbytes: int) -> None:
+        if first <= last:
+            delta[first] += nbytes
+            delta[last + 1] -= nbytes
+
+    for storage in profile.storages:
+        base_free = storage.free_event if storage.free_event is not None else num_events - 1
+        plan_free = _plan_free_event(storage, region_of, windows, num_events)
+        if plan_free < base_free:
+            add(plan_free + 1, base_free, -storage.nbytes)
+        elif plan_free > base_free:
+            add(base_free + 1, plan_free, storage.nbytes)
+        home = region_of[storage.producer_unit] if storage.producer_unit >= 0 else None
+        if home is None:
+            continue
+        releases = [e for u, e in zip(storage.saver_units, storage.saver_release_events) if region_of[u] == home]
+        window = windows[home]
+        if releases and window.first_backward_event is not None:
+            add(window.first_backward_event, max(releases), storage.nbytes)
+            copy_bytes_at_burst[home] += storage.nbytes
+
+    event_bytes = []
+    running = 0
+    for event in profile.events:
+        running += delta[event.index]
+        event_bytes.append(event.peak_bytes + running)
+
+    burst_bytes = []
+    recompute_ms = 0.0
+    for r, (region, window) in enumerate(zip(regions, windows)):
+        if window.first_backward_event is None or window.last_saver_unit is None:
+            burst_bytes.append(0)
+            continue
+        c = window.first_backward_event
+        offset = sum(delta[: c + 1])
+        before_recompute = profile.events[c].start_bytes + offset - copy_bytes_at_burst[r]
+        burst = before_recompute + _replay_peak(profile, region, window.last_saver_unit, region_of, r)
+        burst_bytes.append(burst)
+        event_bytes[c] = max(event_bytes[c], burst)
+        recompute_ms += sum(profile.units[u].forward_ms for u in range(region.first_unit, window.last_saver_unit + 1))
+
+    peak_event = max(range(num_events), key=event_bytes.__getitem__)
+    return Timeline(
+        event_bytes=tuple(event_bytes),
+        burst_bytes=tuple(burst_bytes),
+        peak_bytes=event_bytes[peak_event],
+        peak_event=peak_event,
+        recompute_ms=recompute_ms,
+    )
+
+
+def _plan_free_event(
+    storage: StorageLife, region_of: list[int | None], windows: list[RegionWindow], num_events: int
+) -> int:
+    """Event after which the original storage is gone under the plan."""
+    if storage.free_event is None:
+        return num_events - 1
+    home = region_of[storage.producer_unit] if storage.producer_unit >= 0 else None
+    holds = [storage.last_forward_use_event]
+    for saver, release in zip(storage.saver_units, storage.saver_release_events):
+        if region_of[saver] is None:
+            holds.append(release)  # autograd keeps it for a unit that is not checkpointed
+    for user in storage.user_units:
+        other = region_of[user]
+        if other is not None and other != home and windows[other].last_backward_event is not None:
+            holds.append(windows[other].last_backward_event)  # a checkpoint input, held by the frame
+    return max(holds)
+
+
+def _replay_peak(profile: Profile, region: Region, stop_unit: int, region_of: list[int | None], r: int) -> int:
+    """Peak bytes the recomputation of ``region`` adds on top of memory at its start."""
+    fwd_event_of_unit = {e.unit: e.index for e in profile.events if e.phase is Phase.FORWARD and e.unit >= 0}
+    produced: dict[int, list[StorageLife]] = {}
+    for storage in profile.storages:
+        if storage.producer_unit >= 0 and region_of[storage.producer_unit] == r:
+            produced.setdefault(storage.producer_unit, []).append(storage)
+    live = 0
+    peak = 0
+    transient_until: dict[int, int] = {}  # storage index -> last unit in the region that reads it
+    transient_bytes: dict[int, int] = {}
+    for unit in range(region.first_unit, stop_unit + 1):
+        event = profile.events[fwd_event_of_unit[unit]] if unit in fwd_event_of_unit else None
+        workspace = 0
+        if event is not None:
+            following = profile.events[event.index + 1].start_bytes if event.index + 1 < len(profile.events) else event.start_bytes
+            workspace = max(0, event.peak_bytes - max(event.start_bytes, following))
+        for storage in produced.get(unit, ()):
+            live += storage.nbytes
+            saved_here = any(region_of[s] == r for s in storage.saver_units)
+            if not saved_here:
+                readers = [u for u in storage.user_units if region_of[u] == r and u > unit]
+                transient_until[storage.index] = max(readers) if readers else unit
+                transient_bytes[storage.index] = storage.nbytes
+        peak = max(peak, live + workspace)
+        for index in [i for i, last in transient_until.items() if last <= unit]:
+            live -= transient_bytes.pop(index)
+            del transient_until[index]
+    return peak

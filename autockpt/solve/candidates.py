@@ -1,0 +1,93 @@
+"""Which regions may be checkpointed: contiguous unit ranges that are safe and worth considering.
+
+For fx and export graphs, the unit sequence is cut where few bytes cross the cut (a transformer's residual stream
+between sub-blocks, a chain's single activation), spread over the graph; a candidate region is any run of up to
+``max_segments_per_region`` consecutive pieces. For module-level captures, a candidate is one call of a submodule.
+Found from the measured graph, never from model-specific names.
+"""
+
+from __future__ import annotations
+
+from autockpt.types import CaptureKind, Graph, Profile, Region
+
+
+def candidate_regions(
+    graph: Graph, profile: Profile, *, max_segments: int = 48, max_segments_per_region: int = 12
+) -> tuple[list[Region], list[Region]]:
+    """Return (elementary segments, candidate regions)."""
+    num_units = len(profile.units)
+    if num_units == 0:
+        return [], []
+    if graph.kind is CaptureKind.MODULE:
+        segments = [Region(first_unit=u, last_unit=u) for u in range(num_units)]
+        calls: dict[str, int] = {}
+        for span in graph.module_spans:
+            calls[span.path] = calls.get(span.path, 0) + 1
+        regions = {
+            (s.first_unit, s.last_unit)
+            for s in graph.module_spans
+            if s.path and calls[s.path] == 1 and s.last_unit < num_units
+        }
+        candidates = [Region(first_unit=f, last_unit=l) for f, l in sorted(regions)]
+    else:
+        segments = _segments(profile, max_segments)
+        candidates = [
+            Region(first_unit=segments[a].first_unit, last_unit=segments[b].last_unit)
+            for a in range(len(segments))
+            for b in range(a, min(len(segments), a + max_segments_per_region))
+        ]
+    saves = [u.saved_bytes > 0 for u in profile.units]
+    unsafe = _mutation_hazards(profile)
+    useful = [
+        r
+        for r in candidates
+        if any(saves[r.first_unit : r.last_unit + 1]) and not any(r.first_unit <= m <= r.last_unit and p < r.first_unit for p, m in unsafe)
+    ]
+    return segments, useful
+
+
+def crossing_bytes(profile: Profile) -> list[int]:
+    """Bytes of activations alive across the cut after unit p (p = 0 .. n-2)."""
+    num_units = len(profile.units)
+    diff = [0] * (num_units + 1)
+    for storage in profile.storages:
+        if not storage.user_units:
+            continue
+        first = max(storage.producer_unit, 0)
+        last = max(storage.user_units) - 1
+        if first <= last:
+            diff[first] += storage.nbytes
+            diff[last + 1] -= storage.nbytes
+    crossing, running = [], 0
+    for p in range(num_units - 1):
+        running += diff[p]
+        crossing.append(running)
+    return crossing
+
+
+def _segments(profile: Profile, max_segments: int) -> list[Region]:
+    num_units = len(profile.units)
+    crossing = crossing_bytes(profile)
+    min_gap = max(1, num_units // (2 * max_segments))
+    chosen: list[int] = []
+    for p in sorted(range(len(crossing)), key=lambda q: (crossing[q], q)):
+        if len(chosen) >= max_segments - 1:
+            break
+        if all(abs(p - q) >= min_gap for q in chosen):
+            chosen.append(p)
+    bounds = sorted(chosen)
+    segments, start = [], 0
+    for cut in bounds:
+        segments.append(Region(first_unit=start, last_unit=cut))
+        start = cut + 1
+    segments.append(Region(first_unit=start, last_unit=num_units - 1))
+    return segments
+
+
+def _mutation_hazards(profile: Profile) -> list[tuple[int, int]]:
+    """(producer unit, mutating unit) pairs: a region must not write into a storage made before it starts.
+
+    ``torch.utils.checkpoint`` saves a region's inputs; an in-place write into one of them inside the region makes
+    the recomputation read the changed value (autograd reports it as a modified saved tensor).
+    """
+    return [(s.producer_unit, m) for s in profile.storages for m in s.mutator_units if m > s.producer_unit]

@@ -1,0 +1,247 @@
+"""Solve: (Profile, candidate regions, budget) -> the regions to checkpoint, via a PuLP integer program.
+
+The model, in one paragraph. Each candidate region I is scored alone by the simulator: ``gain_I(e)`` is how many
+bytes fewer (or, during its recomputation, more) the step holds at event e when only I is checkpointed, and
+``cost_I`` its recompute milliseconds. Effects of disjoint regions are taken as additive, events are grouped into
+blocks (a segment's forward events, a segment's backward events) and each block is charged its largest baseline
+bytes minus the smallest gain in the block, which over-estimates memory. The simulator then scores the chosen
+regions exactly as a plan, and the effective budget handed to the program is moved until the simulated peak sits
+just under the user's budget. Optimality is with respect to this program and the candidate regions.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pulp
+
+from autockpt.errors import InfeasibleBudgetError
+from autockpt.simulate import simulate
+from autockpt.types import Phase, PlanStatus, Profile, Region, Timeline
+
+logger = logging.getLogger(__name__)
+
+GB = 10**9
+GIB = 2**30
+
+
+class SolverName:
+    AUTO = "auto"
+    CBC = "cbc"
+    HIGHS = "highs"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SolverOptions:
+    solver: str = SolverName.AUTO  # "auto": HiGHS when highspy is installed, else PuLP's bundled CBC
+    time_limit_s: float = 60.0  # per program; the best incumbent is used when it runs out
+    relative_gap: float = 1e-4
+    refinement_rounds: int = 8  # re-solves that move the effective budget towards the user's
+    write_lp_path: str | None = None  # debug: write each program as an .lp file here
+
+    def __post_init__(self) -> None:
+        if self.solver not in (SolverName.AUTO, SolverName.CBC, SolverName.HIGHS):
+            raise ValueError(f"solver must be 'auto', 'cbc' or 'highs', got {self.solver!r}")
+        if not (self.time_limit_s > 0) or not (0 <= self.relative_gap < 1):
+            raise ValueError(
+                f"need time_limit_s > 0 and 0 <= relative_gap < 1, got {self.time_limit_s}, {self.relative_gap}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SolveResult:
+    regions: tuple[Region, ...]
+    timeline: Timeline
+    baseline: Timeline
+    min_feasible_bytes: int
+    status: PlanStatus
+    solver: str
+    solve_time_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    region: Region
+    cost_ms: float
+    gains: dict[int, int]  # block index -> smallest gain over the block (bytes; negative = extra memory)
+
+
+def solve(
+    profile: Profile,
+    segments: Sequence[Region],
+    candidates: Sequence[Region],
+    budget_bytes: int,
+    options: SolverOptions | None = None,
+) -> SolveResult:
+    """Cheapest set of non-overlapping candidate regions whose simulated peak is at most ``budget_bytes``."""
+    options = options or SolverOptions()
+    started = time.perf_counter()
+    baseline = simulate(profile, ())
+    blocks = _event_blocks(profile, segments)
+    scored = _score_candidates(profile, candidates, baseline, blocks)
+    block_base = [max(baseline.event_bytes[e] for e in block) for block in blocks]
+    solver_name = _solver_name(options)
+
+    floor_regions, floor_status = _solve_program(scored, segments, block_base, None, options, solver_name)
+    floor_timeline = simulate(profile, floor_regions)
+    min_feasible = min(floor_timeline.peak_bytes, baseline.peak_bytes)
+
+    if budget_bytes >= baseline.peak_bytes:
+        return SolveResult(
+            regions=(), timeline=baseline, baseline=baseline, min_feasible_bytes=min_feasible,
+            status=PlanStatus.IDENTITY, solver=solver_name, solve_time_s=time.perf_counter() - started,
+        )
+    if budget_bytes < min_feasible:
+        raise InfeasibleBudgetError(
+            f"budget {_fmt(budget_bytes)} is below the smallest peak autockpt can reach for this model and input, "
+            f"{_fmt(min_feasible)} (static memory alone, parameters + buffers + gradients + inputs, is "
+            f"{_fmt(profile.static_bytes)}; the unmodified step peaks at {_fmt(baseline.peak_bytes)}). "
+            f"Use a budget of at least {min_feasible} bytes, or a smaller batch or sequence.",
+            budget_bytes=budget_bytes,
+            min_feasible_bytes=min_feasible,
+        )
+
+    best: tuple[tuple[Region, ...], Timeline, PlanStatus] | None = None
+    if floor_timeline.peak_bytes <= budget_bytes:
+        best = (floor_regions, floor_timeline, PlanStatus.FEASIBLE)
+    effective = float(budget_bytes)
+    too_low, too_high = -math.inf, math.inf  # effective budgets known to be feasible / too loose
+    for _ in range(options.refinement_rounds):
+        regions, status = _solve_program(scored, segments, block_base, effective, options, solver_name)
+        if regions is None:
+            too_low = max(too_low, effective)
+            effective = effective + (budget_bytes - effective) / 2 + 1 if too_high == math.inf else (effective + too_high) / 2
+            continue
+        timeline = simulate(profile, regions)
+        if timeline.peak_bytes <= budget_bytes:
+            if best is None or timeline.recompute_ms < best[1].recompute_ms:
+                best = (regions, timeline, status)
+            too_low = max(too_low, effective)
+            slack = budget_bytes - timeline.peak_bytes
+            if slack <= 0.002 * budget_bytes:
+                break
+            effective = effective + slack if too_high == math.inf else (effective + too_high) / 2
+        else:
+            too_high = min(too_high, effective)
+            overshoot = timeline.peak_bytes - budget_bytes
+            effective = effective - overshoot - 0.001 * budget_bytes if too_low == -math.inf else (effective + too_low) / 2
+        if too_high - too_low < 0.001 * budget_bytes:
+            break
+    if best is None:
+        raise InfeasibleBudgetError(
+            f"no plan found under the budget {_fmt(budget_bytes)}; the smallest simulated peak found is "
+            f"{_fmt(floor_timeline.peak_bytes)}. Raise the budget to at least {floor_timeline.peak_bytes} bytes.",
+            budget_bytes=budget_bytes,
+            min_feasible_bytes=floor_timeline.peak_bytes,
+        )
+    regions, timeline, status = best
+    return SolveResult(
+        regions=regions, timeline=timeline, baseline=baseline, min_feasible_bytes=min_feasible,
+        status=status, solver=solver_name, solve_time_s=time.perf_counter() - started,
+    )
+
+
+def _event_blocks(profile: Profile, segments: Sequence[Region]) -> list[list[int]]:
+    """Group events: per segment, its forward events and its backward events; outside-graph events alone."""
+    segment_of = {}
+    for s, segment in enumerate(segments):
+        for unit in range(segment.first_unit, segment.last_unit + 1):
+            segment_of[unit] = s
+    grouped: dict[tuple[Phase, int], list[int]] = {}
+    singles: list[list[int]] = []
+    for event in profile.events:
+        if event.unit < 0:
+            singles.append([event.index])
+        else:
+            grouped.setdefault((event.phase, segment_of[event.unit]), []).append(event.index)
+    return list(grouped.values()) + singles
+
+
+def _score_candidates(
+    profile: Profile, candidates: Sequence[Region], baseline: Timeline, blocks: list[list[int]]
+) -> list[_Candidate]:
+    scored = []
+    for region in candidates:
+        alone = simulate(profile, (region,))
+        gains_by_event = [b - a for b, a in zip(baseline.event_bytes, alone.event_bytes)]
+        if max(gains_by_event) <= 0:
+            continue  # never frees anything
+        gains = {}
+        for index, block in enumerate(blocks):
+            gain = min(gains_by_event[e] for e in block)
+            if gain != 0:
+                gains[index] = gain
+        scored.append(_Candidate(region, alone.recompute_ms, gains))
+    return scored
+
+
+def _solve_program(
+    candidates: list[_Candidate],
+    segments: Sequence[Region],
+    block_base: list[int],
+    budget: float | None,
+    options: SolverOptions,
+    solver_name: str,
+) -> tuple[tuple[Region, ...] | None, PlanStatus]:
+    """budget None: minimise the peak (the memory floor). Returns (regions or None if infeasible, status)."""
+    prob = pulp.LpProblem("autockpt_floor" if budget is None else "autockpt_plan", pulp.LpMinimize)
+    # w_i: 1 if candidate region i is checkpointed
+    w = [pulp.LpVariable(f"w_{i}", cat=pulp.LpBinary) for i in range(len(candidates))]
+    total_cost = pulp.lpSum(c.cost_ms * w[i] for i, c in enumerate(candidates))
+    if budget is None:
+        # P: the peak bytes to minimise (in GB so coefficients stay well scaled)
+        peak = pulp.LpVariable("peak_gb", lowBound=0)
+        prob += peak + 1e-6 * total_cost
+        limit = peak * GB
+    else:
+        prob += total_cost
+        limit = budget
+
+    # [Constraint] checkpoint regions do not overlap
+    for s, segment in enumerate(segments):
+        covering = [w[i] for i, c in enumerate(candidates) if c.region.first_unit <= segment.last_unit and c.region.last_unit >= segment.first_unit]
+        if len(covering) > 1:
+            prob += pulp.lpSum(covering) <= 1, f"no_overlap_segment_{s}"
+
+    # [Constraint] predicted bytes of every event block under the budget
+    by_block: dict[int, list[tuple[int, int]]] = {}
+    for i, c in enumerate(candidates):
+        for block, gain in c.gains.items():
+            by_block.setdefault(block, []).append((i, gain))
+    for block, base in enumerate(block_base):
+        terms = by_block.get(block, [])
+        prob += base - pulp.lpSum(gain * w[i] for i, gain in terms) <= limit, f"memory_block_{block}"
+
+    if options.write_lp_path:
+        prob.writeLP(f"{options.write_lp_path}.{prob.name}.lp")
+    prob.solve(_make_solver(solver_name, options))
+    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        if budget is None:
+            return (), PlanStatus.FEASIBLE
+        return None, PlanStatus.FEASIBLE
+    chosen = tuple(sorted((c.region for i, c in enumerate(candidates) if (w[i].value() or 0) > 0.5), key=lambda r: r.first_unit))
+    proven = prob.sol_status == pulp.LpSolutionOptimal
+    return chosen, PlanStatus.OPTIMAL if proven else PlanStatus.FEASIBLE
+
+
+def _solver_name(options: SolverOptions) -> str:
+    if options.solver != SolverName.AUTO:
+        return options.solver
+    return SolverName.HIGHS if pulp.HiGHS(msg=False).available() else SolverName.CBC
+
+
+def _make_solver(name: str, options: SolverOptions) -> pulp.LpSolver:
+    if name == SolverName.HIGHS:
+        solver = pulp.HiGHS(msg=False, timeLimit=options.time_limit_s, gapRel=options.relative_gap)
+        if not solver.available():
+            raise ValueError("solver='highs' needs the highspy package: pip install highspy (or use solver='cbc')")
+        return solver
+    return pulp.PULP_CBC_CMD(msg=False, timeLimit=options.time_limit_s, gapRel=options.relative_gap)
+
+
+def _fmt(nbytes: float) -> str:
+    return f"{nbytes / GB:.3f} GB ({nbytes / GIB:.3f} GiB)"

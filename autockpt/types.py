@@ -1,0 +1,236 @@
+"""Values passed between the pipeline stages: capture -> profile -> solve -> simulate -> rewrite.
+
+This module is the only contract between stages. Sizes are ``int`` bytes, times are milliseconds or seconds as the
+field name says, and positions in the step are *units* (one fx node, or one stretch of a module-level run) and
+*events* (one window of the measured memory timeline).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from torch import nn
+
+# A unit index used for work that happens outside the captured graph (the loss function, autograd's start).
+OUTSIDE_GRAPH_UNIT = -1
+
+
+class CaptureKind(str, Enum):
+    """How the model was turned into a sequence of units."""
+
+    FX = "fx"  # torch.fx.symbolic_trace: one unit per torch-level fx node
+    EXPORT = "export"  # torch.export.export(strict=False): one unit per aten-level fx node
+    MODULE = "module"  # hooks on submodules: one unit per stretch of a module's forward; checkpoint whole modules
+
+
+class Decision(str, Enum):
+    """What happens to the activations a unit saves for backward."""
+
+    KEEP = "keep"  # saved in forward, held until backward
+    RECOMPUTE = "recompute"  # dropped after forward, recomputed in backward inside its checkpoint region
+
+
+class PlanStatus(str, Enum):
+    """How the plan was obtained."""
+
+    IDENTITY = "identity"  # budget at or above the unmodified peak: nothing recomputed
+    OPTIMAL = "optimal"  # the solver proved its model optimal and the simulator confirmed the budget
+    FEASIBLE = "feasible"  # within budget per the simulator, optimality not proven (time limit or refinement)
+
+
+class Phase(str, Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Unit:
+    """One schedulable step of the forward pass."""
+
+    index: int
+    name: str
+    op: str
+    module_path: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModuleSpan:
+    """The units one call of a submodule covers (inclusive range), for module-level checkpointing."""
+
+    path: str
+    first_unit: int
+    last_unit: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Graph:
+    """Output of capture: something that runs the model as a sequence of units."""
+
+    kind: CaptureKind
+    model: nn.Module  # the user's model, never modified
+    executable: nn.Module  # fx/export: an fx.GraphModule sharing the model's parameters; module: the model itself
+    units: tuple[Unit, ...]
+    module_spans: tuple[ModuleSpan, ...]
+    notes: tuple[str, ...] = ()  # why earlier capture paths were not used, outputs that had to be dropped
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UnitCost:
+    """Measured cost of one unit in the unmodified step."""
+
+    index: int
+    forward_ms: float
+    flops: int
+    output_bytes: int
+    saved_bytes: int  # bytes autograd saves for backward while this unit runs, counted once per storage
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StorageLife:
+    """One storage allocated during the forward pass and how it lived in the measured unmodified step."""
+
+    index: int
+    nbytes: int
+    producer_unit: int
+    alloc_event: int
+    last_forward_use_event: int
+    free_event: int | None  # None: still alive after backward (e.g. part of the model's output)
+    user_units: tuple[int, ...]  # units whose ops read this storage in forward
+    saver_units: tuple[int, ...]  # units that saved it for backward
+    saver_release_events: tuple[int, ...]  # per saver: the last backward event that unpacked it
+    mutator_units: tuple[int, ...] = ()  # units whose ops wrote into it in place
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryEvent:
+    """One window of the measured timeline: a unit's forward, or the backward work after one unpack."""
+
+    index: int
+    phase: Phase
+    unit: int
+    start_bytes: int
+    peak_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Profile:
+    """Output of profile: what the unmodified training step costs, per unit and over time."""
+
+    units: tuple[UnitCost, ...]
+    storages: tuple[StorageLife, ...]
+    events: tuple[MemoryEvent, ...]
+    parameter_bytes: int
+    buffer_bytes: int
+    input_bytes: int
+    gradient_bytes: int  # bytes of the parameter gradients one step creates
+    baseline_peak_bytes: int  # measured peak of the unmodified step (same definition as autockpt.measure)
+    forward_ms: float
+    step_ms: float  # forward + backward, median of repeats
+
+    @property
+    def static_bytes(self) -> int:
+        """Parameters, buffers, inputs and parameter gradients: memory no plan can remove."""
+        return self.parameter_bytes + self.buffer_bytes + self.input_bytes + self.gradient_bytes
+
+    @property
+    def num_forward_events(self) -> int:
+        return sum(1 for e in self.events if e.phase is Phase.FORWARD)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Region:
+    """A contiguous run of units executed under one ``torch.utils.checkpoint`` call (inclusive range)."""
+
+    first_unit: int
+    last_unit: int
+
+    def __post_init__(self) -> None:
+        if self.first_unit < 0 or self.last_unit < self.first_unit:
+            raise ValueError(f"Region needs 0 <= first_unit <= last_unit, got {self.first_unit}..{self.last_unit}")
+
+    def __contains__(self, unit: int) -> bool:
+        return self.first_unit <= unit <= self.last_unit
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Timeline:
+    """Output of simulate: predicted memory of one training step under a plan."""
+
+    event_bytes: tuple[int, ...]  # predicted peak within each event of the profile's timeline
+    burst_bytes: tuple[int, ...]  # per region: predicted peak while it recomputes
+    peak_bytes: int
+    peak_event: int
+    recompute_ms: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodePlan:
+    """One row of the plan: a unit, what it costs and what was decided."""
+
+    index: int
+    name: str
+    op: str
+    module_path: str
+    saved_bytes: int
+    output_bytes: int
+    forward_ms: float
+    flops: int
+    decision: Decision
+    region: int | None  # index into Plan.regions, None when not checkpointed
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """What autockpt decided for one model, inputs and budget, with its predictions.
+
+    Bytes are exact integers; ``summary()`` prints them in GB (10^9 bytes) and GiB (2^30 bytes).
+    """
+
+    budget_bytes: int
+    predicted_peak_bytes: int
+    baseline_peak_bytes: int  # predicted (= measured in profiling) peak with nothing recomputed
+    min_feasible_bytes: int
+    static_bytes: int
+    predicted_overhead: float  # recompute time / unmodified step time
+    recompute_ms: float
+    baseline_step_ms: float
+    capture: CaptureKind
+    status: PlanStatus
+    solver: str
+    solve_time_s: float
+    capture_time_s: float
+    profile_time_s: float
+    regions: tuple[Region, ...]
+    nodes: tuple[NodePlan, ...]
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def recomputed_units(self) -> tuple[int, ...]:
+        return tuple(n.index for n in self.nodes if n.decision is Decision.RECOMPUTE)
+
+    def summary(self) -> str:
+        from autockpt.report import plan_summary
+
+        return plan_summary(self)
+
+    def to_dataframe(self) -> pd.DataFrame:
+        from autockpt.report import plan_dataframe
+
+        return plan_dataframe(self)
+
+    def __repr__(self) -> str:
+        return (
+            f"Plan(capture={self.capture.value}, status={self.status.value}, budget_bytes={self.budget_bytes}, "
+            f"predicted_peak_bytes={self.predicted_peak_bytes}, baseline_peak_bytes={self.baseline_peak_bytes}, "
+            f"regions={len(self.regions)}, predicted_overhead={self.predicted_overhead:.3f})"
+        )
+
+
+def describe_value(value: Any) -> str:
+    """Short description of a user-supplied value for error messages."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

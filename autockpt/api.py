@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import numbers
@@ -20,7 +21,10 @@ from autockpt.rewrite import OptimizedModule, rewrite
 from autockpt.solve.candidates import candidate_regions
 from autockpt.solve.ilp import SolverOptions, solve
 from autockpt.simulate import unit_regions
-from autockpt.types import Decision, Graph, NodePlan, Plan, describe_value
+from autockpt.errors import InfeasibleBudgetError
+from autockpt.measure import measure_step
+from autockpt.report import format_bytes
+from autockpt.types import Decision, Graph, NodePlan, Plan, PlanStatus, Profile, describe_value
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +44,37 @@ def optimize(
     """Return a module that trains like ``model`` with a step peak of at most the budget (GB = 10^9 bytes).
 
     The returned module shares ``model``'s parameters and buffers (same ``state_dict`` keys) and returns the same
-    outputs and gradients. ``autockpt.get_plan(result)`` tells what was decided.
+    outputs and gradients. Before returning, one real training step on the example inputs is measured; if it went
+    over the budget, the plan is tightened by the overshoot and checked again. ``autockpt.get_plan(result)`` tells
+    what was decided and what was measured.
     """
-    graph, the_plan, args, kwargs = _plan(model, budget_gb, budget_bytes, example_inputs, example_kwargs, loss_fn, solver_options)
-    return rewrite(graph, the_plan, args, kwargs)
+    request = _Request.check(model, budget_gb, budget_bytes, example_inputs, example_kwargs, loss_fn, solver_options)
+    with preserved_model_state(model, request.args, request.kwargs):
+        model.train()
+        graph, measured, timings = _capture_and_profile(request)
+        target = request.budget
+        for attempt in range(_VERIFY_ATTEMPTS):
+            if attempt > 0:
+                graph = capture(model, request.args, request.kwargs)  # the previous executable was rewritten
+                if len(graph.units) != len(measured.units):
+                    raise RuntimeError("re-capturing the model gave a different graph; please report this model")
+            the_plan = _solve_plan(request, graph, measured, timings, target)
+            module = rewrite(graph, the_plan, request.args, request.kwargs)
+            if the_plan.status is PlanStatus.IDENTITY:
+                return module
+            peak = measure_step(module, request.args, request.kwargs, request.loss).peak_bytes
+            module.set_plan(dataclasses.replace(the_plan, budget_bytes=request.budget, measured_peak_bytes=peak))
+            if peak <= request.budget:
+                return module
+            logger.info("measured peak %d bytes is over the budget %d; tightening the plan", peak, request.budget)
+            target -= peak - request.budget + max(1, request.budget // 1000)
+    raise InfeasibleBudgetError(
+        f"after {_VERIFY_ATTEMPTS} attempts the measured peak ({format_bytes(peak)}) is still above the budget "
+        f"{format_bytes(request.budget)}; the simulator predicted {format_bytes(the_plan.predicted_peak_bytes)}. "
+        f"Use a budget of at least {peak} bytes.",
+        budget_bytes=request.budget,
+        min_feasible_bytes=peak,
+    )
 
 
 def plan(
@@ -56,8 +87,12 @@ def plan(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     solver_options: SolverOptions | None = None,
 ) -> Plan:
-    """Like ``optimize`` but only plans: returns the Plan, leaves the model as it is."""
-    return _plan(model, budget_gb, budget_bytes, example_inputs, example_kwargs, loss_fn, solver_options)[1]
+    """Like ``optimize`` but only plans (no rewrite, no verification step): returns the Plan."""
+    request = _Request.check(model, budget_gb, budget_bytes, example_inputs, example_kwargs, loss_fn, solver_options)
+    with preserved_model_state(model, request.args, request.kwargs):
+        model.train()
+        graph, measured, timings = _capture_and_profile(request)
+    return _solve_plan(request, graph, measured, timings, request.budget)
 
 
 def get_plan(module: nn.Module) -> Plan:
@@ -104,39 +139,81 @@ def budget_to_bytes(budget_gb: Any, budget_bytes: Any) -> int:
     return result
 
 
-def _plan(
-    model: Any,
-    budget_gb: Any,
-    budget_bytes: Any,
-    example_inputs: Any,
-    example_kwargs: Any,
-    loss_fn: Any,
-    solver_options: SolverOptions | None,
-) -> tuple[Graph, Plan, tuple, dict]:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(model, OptimizedModule):
-        raise TypeError("model was already optimized by autockpt; pass autockpt.get_plan(model) users the original")
-    budget = budget_to_bytes(budget_gb, budget_bytes)
-    args, kwargs = _example_arguments(example_inputs, example_kwargs)
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable (output -> scalar tensor), got {type(loss_fn).__name__}")
-    if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError(f"{type(model).__name__} has no parameter that requires grad: there is no training step to plan")
-    loss = loss_fn or default_loss
+_VERIFY_ATTEMPTS = 3
 
-    with preserved_model_state(model, args, kwargs):
-        model.train()  # the plan is for training steps
-        started = time.perf_counter()
-        graph = capture(model, args, kwargs)
-        captured = time.perf_counter()
-        measured = profile(graph, args, kwargs, loss)
-        profiled = time.perf_counter()
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class _Request:
+    """A checked call of optimize/plan."""
+
+    model: nn.Module
+    budget: int
+    args: tuple
+    kwargs: dict
+    loss: Callable[[Any], torch.Tensor]
+    solver_options: SolverOptions | None
+
+    @staticmethod
+    def check(
+        model: Any,
+        budget_gb: Any,
+        budget_bytes: Any,
+        example_inputs: Any,
+        example_kwargs: Any,
+        loss_fn: Any,
+        solver_options: Any,
+    ) -> _Request:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(model, OptimizedModule):
+            raise TypeError(
+                "model was already optimized by autockpt; pass the original model (module.original_module)"
+            )
+        budget = budget_to_bytes(budget_gb, budget_bytes)
+        args, kwargs = _example_arguments(example_inputs, example_kwargs)
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable (output -> scalar tensor), got {type(loss_fn).__name__}")
+        if solver_options is not None and not isinstance(solver_options, SolverOptions):
+            raise TypeError(f"solver_options must be autockpt.SolverOptions, got {type(solver_options).__name__}")
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ValueError(
+                f"{type(model).__name__} has no parameter that requires grad: there is no training step to plan"
+            )
+        return _Request(
+            model=model, budget=budget, args=args, kwargs=kwargs, loss=loss_fn or default_loss, solver_options=solver_options
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class _Timed:
+    capture_s: float
+    profile_s: float
+
+
+def _capture_and_profile(request: _Request) -> tuple[Graph, Profile, _Timed]:
+    started = time.perf_counter()
+    graph = capture(request.model, request.args, request.kwargs)
+    captured = time.perf_counter()
+    measured = profile(graph, request.args, request.kwargs, request.loss)
+    return graph, measured, _Timed(capture_s=captured - started, profile_s=time.perf_counter() - captured)
+
+
+def _solve_plan(request: _Request, graph: Graph, measured: Profile, timings: _Timed, target_bytes: int) -> Plan:
     segments, candidates = candidate_regions(graph, measured)
-    result = solve(measured, segments, candidates, budget, solver_options)
+    try:
+        result = solve(measured, segments, candidates, target_bytes, request.solver_options)
+    except InfeasibleBudgetError as error:
+        if target_bytes == request.budget:
+            raise
+        raise InfeasibleBudgetError(
+            f"the budget {format_bytes(request.budget)} could not be kept when measured; the smallest peak found is "
+            f"{format_bytes(error.min_feasible_bytes)} predicted. Use a larger budget.",
+            budget_bytes=request.budget,
+            min_feasible_bytes=max(error.min_feasible_bytes, request.budget + 1),
+        ) from error
     logger.info(
-        "plan: %s, %d regions, predicted peak %d bytes (budget %d), solve %.1fs",
-        result.status.value, len(result.regions), result.timeline.peak_bytes, budget, result.solve_time_s,
+        "plan: %s, %d regions, predicted peak %d bytes (target %d), solve %.1fs",
+        result.status.value, len(result.regions), result.timeline.peak_bytes, target_bytes, result.solve_time_s,
     )
     region_of = unit_regions(len(graph.units), result.regions)
     nodes = tuple(
@@ -154,8 +231,8 @@ def _plan(
         )
         for unit, cost in zip(graph.units, measured.units)
     )
-    the_plan = Plan(
-        budget_bytes=budget,
+    return Plan(
+        budget_bytes=request.budget,
         predicted_peak_bytes=result.timeline.peak_bytes,
         baseline_peak_bytes=result.baseline.peak_bytes,
         min_feasible_bytes=result.min_feasible_bytes,
@@ -167,13 +244,12 @@ def _plan(
         status=result.status,
         solver=result.solver,
         solve_time_s=result.solve_time_s,
-        capture_time_s=captured - started,
-        profile_time_s=profiled - captured,
+        capture_time_s=timings.capture_s,
+        profile_time_s=timings.profile_s,
         regions=result.regions,
         nodes=nodes,
         notes=graph.notes,
     )
-    return graph, the_plan, args, kwargs
 
 
 def _example_arguments(example_inputs: Any, example_kwargs: Any) -> tuple[tuple, dict]:

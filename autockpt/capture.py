@@ -11,6 +11,7 @@ Three paths, tried in order, each checked against the model's own output on the 
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -87,10 +88,14 @@ def plain_outputs(output: Any) -> tuple[Any, list[str]]:
     def keep_plain(path: Any, leaf: Any) -> Any:
         if isinstance(leaf, _PLAIN_LEAVES):
             return leaf
-        dropped.append(f"{pytree.keystr(path) or 'output'} ({type(leaf).__name__})")
+        dropped.append(f"{pytree.keystr(path) if path else 'an output'} ({type(leaf).__name__})")
         return None
 
-    return pytree.tree_map_with_path(keep_plain, output), dropped
+    try:
+        return pytree.tree_map_with_path(keep_plain, output), dropped
+    except ValueError:  # a pytree node type registered without key paths (e.g. diffusers' BaseOutput)
+        dropped.clear()
+        return pytree.tree_map(lambda leaf: keep_plain((), leaf), output), dropped
 
 
 class _PlainOutputs(nn.Module):
@@ -111,13 +116,27 @@ def _capture_fx(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphMo
 def _capture_export(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, list[str]]:
     with torch.no_grad():
         _, dropped = plain_outputs(model(*args, **kwargs))
-    exported = torch.export.export(_PlainOutputs(model), args, kwargs, strict=False)
+    # a failed export logs a warning and prints the partial graph to stderr; the reason is kept in Graph.notes instead
+    with _quiet_logger("torch.fx.experimental.symbolic_shapes"), contextlib.redirect_stderr(io.StringIO()):
+        exported = torch.export.export(_PlainOutputs(model), args, kwargs, strict=False)
     notes = []
     if dropped:
         notes.append(
             "outputs that are not tensors are returned as None by the optimized module: " + ", ".join(dropped)
         )
     return exported.module(), notes
+
+
+@contextlib.contextmanager
+def _quiet_logger(name: str) -> Iterator[None]:
+    """Drop one library logger's records for the duration (a filter, removed afterwards)."""
+    target = logging.getLogger(name)
+    drop_all = logging.Filter(name="\0never-matches")
+    target.addFilter(drop_all)
+    try:
+        yield
+    finally:
+        target.removeFilter(drop_all)
 
 
 def _check_same_outputs(model: nn.Module, executable: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -70,19 +70,25 @@ def _buffers_restored_when_recomputing(buffers: Sequence[torch.Tensor]) -> Itera
                 buffer.copy_(value)
 
 
-class CheckpointedRegion(nn.Module):
-    """One planned region: its nodes as a GraphModule, run under non-reentrant activation checkpointing."""
+class CheckpointedRegion:
+    """One planned region: its nodes as a GraphModule, run under non-reentrant activation checkpointing.
 
-    def __init__(self, body: fx.GraphModule) -> None:
-        super().__init__()
+    A plain callable, not an ``nn.Module``: module hooks (MemTracker's ModTracker, user hooks) would otherwise see
+    the region as a module and could hold on to its inputs and outputs. ``__name__``/``__module__`` let fx codegen
+    call it from the rewritten graph.
+    """
+
+    def __init__(self, body: fx.GraphModule, name: str) -> None:
         self.body = body
+        self.__name__ = self.__qualname__ = name
+        self.__module__ = __name__
 
-    def forward(self, *inputs: Any) -> Any:
+    def __call__(self, *inputs: Any) -> Any:
         return checkpoint(self._run, *inputs, use_reentrant=False, preserve_rng_state=True)
 
     def _run(self, *inputs: Any) -> Any:
         with _buffers_restored_when_recomputing(list(self.body.buffers())):
-            return self.body(*inputs)
+            return self.body.forward(*inputs)
 
 
 def _outline_region(gm: fx.GraphModule, nodes: list[fx.Node], region: Region, index: int) -> None:
@@ -105,10 +111,8 @@ def _outline_region(gm: fx.GraphModule, nodes: list[fx.Node], region: Region, in
     outputs = [node for node in region_nodes if any(user not in inside for user in node.users)]
     body_graph.output(tuple(env[node] for node in outputs))
     body = fx.GraphModule(gm, body_graph, class_name=f"Region{index}")
-    name = f"autockpt_region_{index}"
-    gm.add_submodule(name, CheckpointedRegion(body))
     with gm.graph.inserting_after(region_nodes[-1]):
-        call = gm.graph.call_module(name, tuple(inputs))
+        call = gm.graph.call_function(CheckpointedRegion(body, f"autockpt_region_{index}"), tuple(inputs))
     anchor = call
     for position, node in enumerate(outputs):
         with gm.graph.inserting_after(anchor):
@@ -163,6 +167,12 @@ class OptimizedModule(nn.Module):
     @property
     def plan(self) -> Plan:
         return self.__dict__["_autockpt_plan"]
+
+    def set_plan(self, plan: Plan) -> None:
+        """Replace the attached plan (same regions; used to record the measured peak)."""
+        if plan.regions != self.plan.regions:
+            raise ValueError("set_plan only updates a plan's figures; its regions must stay the same")
+        self.__dict__["_autockpt_plan"] = plan
 
     def train(self, mode: bool = True) -> OptimizedModule:
         super().train(mode)

@@ -206,6 +206,7 @@ class Plan:
     profile_time_s: float
     regions: tuple[Region, ...]
     nodes: tuple[NodePlan, ...]
+    measured_peak_bytes: int | None = None  # optimize() runs one real step on the example inputs to check the budget
     notes: tuple[str, ...] = field(default=())
 
     @property

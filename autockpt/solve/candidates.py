@@ -36,6 +36,7 @@ def candidate_regions(
             for a in range(len(segments))
             for b in range(a, min(len(segments), a + max_segments_per_region))
         ]
+        candidates += [r for r in _cheap_runs(profile) if r not in set(candidates)]
     saves = [u.saved_bytes > 0 for u in profile.units]
     unsafe = _mutation_hazards(profile)
     useful = [
@@ -66,22 +67,64 @@ def crossing_bytes(profile: Profile) -> list[int]:
 
 
 def _segments(profile: Profile, max_segments: int) -> list[Region]:
+    """Cut where few bytes cross, one cut per slice of equal saved-for-backward bytes.
+
+    Slicing by saved bytes spreads the cuts where activations are (not over cheap index arithmetic), and picking the
+    smallest crossing inside each slice lands on natural boundaries such as a residual stream between sub-blocks.
+    """
     num_units = len(profile.units)
     crossing = crossing_bytes(profile)
-    min_gap = max(1, num_units // (2 * max_segments))
-    chosen: list[int] = []
-    for p in sorted(range(len(crossing)), key=lambda q: (crossing[q], q)):
-        if len(chosen) >= max_segments - 1:
-            break
-        if all(abs(p - q) >= min_gap for q in chosen):
-            chosen.append(p)
-    bounds = sorted(chosen)
+    if not crossing:
+        return [Region(first_unit=0, last_unit=num_units - 1)]
+    cumulative, running = [], 0
+    for unit in profile.units:
+        running += unit.saved_bytes
+        cumulative.append(running)
+    total = max(running, 1)
+
+    def first_unit_reaching(fraction: float) -> int:
+        target = fraction * total
+        return next((u for u, c in enumerate(cumulative) if c >= target), num_units - 1)
+
+    cuts: set[int] = set()
+    for k in range(1, max_segments):
+        low = min(first_unit_reaching((k - 0.5) / max_segments), len(crossing) - 1)
+        high = min(first_unit_reaching((k + 0.5) / max_segments), len(crossing) - 1)
+        middle = first_unit_reaching(k / max_segments)
+        cuts.add(min(range(low, high + 1), key=lambda p: (crossing[p], abs(p - middle))))
     segments, start = [], 0
-    for cut in bounds:
-        segments.append(Region(first_unit=start, last_unit=cut))
-        start = cut + 1
-    segments.append(Region(first_unit=start, last_unit=num_units - 1))
+    for cut in sorted(cuts):
+        if cut >= start:
+            segments.append(Region(first_unit=start, last_unit=cut))
+            start = cut + 1
+    if start <= num_units - 1:
+        segments.append(Region(first_unit=start, last_unit=num_units - 1))
     return segments
+
+
+def _cheap_runs(profile: Profile) -> list[Region]:
+    """Maximal runs of units FlopCounterMode counts no FLOPs for (pointwise, normalisation, reshapes).
+
+    Checkpointing such a run keeps the outputs of the matmuls, convolutions and attention around it and recomputes
+    only cheap work: the selective recomputation that costs least time per byte saved.
+    """
+    runs, start = [], None
+    for unit in profile.units:
+        if unit.flops == 0:
+            start = unit.index if start is None else start
+        elif start is not None:
+            runs.append(Region(first_unit=start, last_unit=unit.index - 1))
+            start = None
+    if start is not None:
+        runs.append(Region(first_unit=start, last_unit=len(profile.units) - 1))
+    return runs
+
+
+def elementary_pieces(num_units: int, candidates: list[Region]) -> list[Region]:
+    """The coarsest partition of the units on which every candidate region is a union of pieces."""
+    starts = sorted({0} | {r.first_unit for r in candidates} | {r.last_unit + 1 for r in candidates if r.last_unit + 1 < num_units})
+    ends = starts[1:] + [num_units]
+    return [Region(first_unit=a, last_unit=b - 1) for a, b in zip(starts, ends)]
 
 
 def _mutation_hazards(profile: Profile) -> list[tuple[int, int]]:

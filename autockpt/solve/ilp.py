@@ -21,6 +21,7 @@ import pulp
 
 from autockpt.errors import InfeasibleBudgetError
 from autockpt.simulate import simulate
+from autockpt.solve.candidates import elementary_pieces
 from autockpt.types import Phase, PlanStatus, Profile, Region, Timeline
 
 logger = logging.getLogger(__name__)
@@ -38,9 +39,9 @@ class SolverName:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SolverOptions:
     solver: str = SolverName.AUTO  # "auto": HiGHS when highspy is installed, else PuLP's bundled CBC
-    time_limit_s: float = 60.0  # per program; the best incumbent is used when it runs out
-    relative_gap: float = 1e-4
-    refinement_rounds: int = 8  # re-solves that move the effective budget towards the user's
+    time_limit_s: float = 10.0  # per program; the best incumbent is used when it runs out
+    relative_gap: float = 0.01  # 1 % of recompute time: proving the last fraction optimal costs minutes
+    refinement_rounds: int = 5  # re-solves that move the effective budget towards the user's
     write_lp_path: str | None = None  # debug: write each program as an .lp file here
 
     def __post_init__(self) -> None:
@@ -202,10 +203,11 @@ def _solve_program(
         limit = budget
 
     # [Constraint] checkpoint regions do not overlap
-    for s, segment in enumerate(segments):
-        covering = [w[i] for i, c in enumerate(candidates) if c.region.first_unit <= segment.last_unit and c.region.last_unit >= segment.first_unit]
+    num_units = max((c.region.last_unit for c in candidates), default=-1) + 1
+    for k, piece in enumerate(elementary_pieces(num_units, [c.region for c in candidates])):
+        covering = [w[i] for i, c in enumerate(candidates) if piece.first_unit in c.region]
         if len(covering) > 1:
-            prob += pulp.lpSum(covering) <= 1, f"no_overlap_segment_{s}"
+            prob += pulp.lpSum(covering) <= 1, f"no_overlap_piece_{k}"
 
     # [Constraint] predicted bytes of every event block under the budget
     by_block: dict[int, list[tuple[int, int]]] = {}

@@ -45,7 +45,7 @@ def measure_step(
         loss = loss_fn(output)
         loss.backward()
         torch.cuda.synchronize(device)
-        return StepMeasurement(peak_bytes=torch.cuda.max_memory_allocated(device), loss=float(loss), device=str(device))
+        return StepMeasurement(peak_bytes=torch.cuda.max_memory_allocated(device), loss=float(loss.detach()), device=str(device))
 
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -56,4 +56,4 @@ def measure_step(
         loss = loss_fn(output)
         loss.backward()
     peak = tracker.get_tracker_snapshot("peak")[device]["Total"]
-    return StepMeasurement(peak_bytes=int(peak), loss=float(loss), device=str(device))
+    return StepMeasurement(peak_bytes=int(peak), loss=float(loss.detach()), device=str(device))

@@ -194,9 +194,10 @@ def _solve_program(
     w = [pulp.LpVariable(f"w_{i}", cat=pulp.LpBinary) for i in range(len(candidates))]
     total_cost = pulp.lpSum(c.cost_ms * w[i] for i, c in enumerate(candidates))
     if budget is None:
-        # P: the peak bytes to minimise (in GB so coefficients stay well scaled)
+        # P: the peak bytes to minimise (in GB so coefficients stay well scaled). Memory only: the floor must not
+        # depend on timing noise in the profile.
         peak = pulp.LpVariable("peak_gb", lowBound=0)
-        prob += peak + 1e-6 * total_cost
+        prob += peak
         limit = peak * GB
     else:
         prob += total_cost

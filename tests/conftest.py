@@ -1,0 +1,66 @@
+"""Shared helpers: PyTorch itself is the reference answer for every optimized model."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from typing import Any
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+import autockpt
+from autockpt import zoo
+from autockpt.capture import plain_outputs
+
+needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+needs_diffusers = pytest.mark.skipif(importlib.util.find_spec("diffusers") is None, reason="needs diffusers")
+
+
+@pytest.fixture(autouse=True)
+def _two_threads() -> None:
+    torch.set_num_threads(2)
+
+
+def budget_at(plan: autockpt.Plan, fraction: float) -> int:
+    """A budget ``fraction`` of the way from static bytes to the unmodified peak."""
+    return int(plan.static_bytes + fraction * (plan.baseline_peak_bytes - plan.static_bytes))
+
+
+def probe(case: zoo.ZooCase) -> autockpt.Plan:
+    return autockpt.plan(case.model, budget_bytes=10**15, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
+
+
+def run_step(module: torch.nn.Module, case: zoo.ZooCase, seed: int = 7) -> tuple[Any, dict[str, torch.Tensor]]:
+    """One training step from zero grads with a fixed RNG seed; returns (outputs, grads by parameter name)."""
+    for param in module.parameters():
+        param.grad = None
+    torch.manual_seed(seed)
+    output = module(*case.args, **case.kwargs)
+    (case.loss_fn or autockpt.default_loss)(output).backward()
+    grads = {name: p.grad.detach().clone() for name, p in module.named_parameters() if p.grad is not None}
+    return output, grads
+
+
+def assert_same_step(optimized: torch.nn.Module, reference: torch.nn.Module, case: zoo.ZooCase) -> None:
+    """Outputs, gradients and buffers after one step match the original model (rtol 1e-4)."""
+    expected_out, expected_grads = run_step(reference, case)
+    actual_out, actual_grads = run_step(optimized, case)
+    expected_leaves = pytree.tree_leaves(plain_outputs(expected_out)[0])
+    actual_leaves = pytree.tree_leaves(actual_out)
+    assert type(actual_out) is type(expected_out)
+    assert len(actual_leaves) == len(expected_leaves)
+    for want, got in zip(expected_leaves, actual_leaves):
+        if isinstance(want, torch.Tensor):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert actual_grads.keys() == expected_grads.keys() and actual_grads
+    for name, want in expected_grads.items():
+        torch.testing.assert_close(actual_grads[name], want, rtol=1e-4, atol=1e-5, msg=f"gradient of {name}")
+    for (name, want), (_, got) in zip(reference.named_buffers(), optimized.named_buffers()):
+        torch.testing.assert_close(got, want, msg=f"buffer {name}")
+
+
+def twin(case: zoo.ZooCase) -> torch.nn.Module:
+    """An independent copy of the case's model (same weights) to serve as the reference."""
+    return copy.deepcopy(case.model)

@@ -1,0 +1,157 @@
+"""Public API contract: errors, identity plans, state preservation, eval/no_grad behaviour, state_dict sharing."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import autockpt
+from autockpt import zoo
+from conftest import budget_at, probe, run_step, twin
+
+
+@pytest.fixture(scope="module")
+def cnn_probe() -> autockpt.Plan:
+    return probe(zoo.build("cnn"))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({}, "exactly one of budget_gb"),
+        ({"budget_gb": 1.0, "budget_bytes": 10**9}, "exactly one of budget_gb"),
+        ({"budget_gb": 0}, "positive"),
+        ({"budget_gb": -2.0}, "positive"),
+        ({"budget_gb": math.nan}, "positive finite"),
+        ({"budget_gb": math.inf}, "positive finite"),
+        ({"budget_bytes": 0}, "positive"),
+        ({"budget_gb": True}, "positive number"),
+        ({"budget_gb": "8GB"}, "positive number"),
+        ({"budget_gb": 1e-12}, "less than one byte"),
+    ],
+)
+def test_bad_budgets_are_value_errors(kwargs: dict, match: str) -> None:
+    case = zoo.build("mlp")
+    with pytest.raises(ValueError, match=match):
+        autockpt.plan(case.model, example_inputs=case.args, **kwargs)
+
+
+def test_infeasible_budget_reports_the_smallest_feasible(cnn_probe: autockpt.Plan) -> None:
+    case = zoo.build("cnn")
+    too_small = cnn_probe.static_bytes + 1
+    with pytest.raises(autockpt.InfeasibleBudgetError) as caught:
+        autockpt.optimize(case.model, budget_bytes=too_small, example_inputs=case.args, loss_fn=case.loss_fn)
+    error = caught.value
+    assert isinstance(error, ValueError)
+    assert error.min_feasible_bytes == cnn_probe.min_feasible_bytes > too_small
+    assert str(error.min_feasible_bytes) in str(error)
+
+
+def test_budget_at_or_above_unmodified_peak_gives_identity_plan(cnn_probe: autockpt.Plan) -> None:
+    case = zoo.build("cnn")
+    plan = autockpt.plan(case.model, budget_bytes=cnn_probe.baseline_peak_bytes, example_inputs=case.args, loss_fn=case.loss_fn)
+    assert plan.status is autockpt.PlanStatus.IDENTITY
+    assert plan.regions == () and plan.recomputed_units == ()
+    assert plan.predicted_peak_bytes == plan.baseline_peak_bytes
+    assert plan.predicted_overhead == 0.0
+
+
+def test_budget_gb_means_ten_to_the_ninth_bytes() -> None:
+    case = zoo.build("mlp")
+    plan = autockpt.plan(case.model, budget_gb=1.5, example_inputs=case.args)
+    assert plan.budget_bytes == 1_500_000_000
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda m, x: autockpt.plan("model", budget_gb=1, example_inputs=(x,)), TypeError, "torch.nn.Module"),
+        (lambda m, x: autockpt.plan(m, budget_gb=1, example_inputs={"x": x}), TypeError, "tuple of positional"),
+        (lambda m, x: autockpt.plan(m, budget_gb=1), ValueError, "example_inputs"),
+        (lambda m, x: autockpt.plan(m, budget_gb=1, example_inputs=(x,), example_kwargs=[1]), TypeError, "dict"),
+        (lambda m, x: autockpt.plan(m, budget_gb=1, example_inputs=(x,), loss_fn=3), TypeError, "callable"),
+        (lambda m, x: autockpt.get_plan(m), TypeError, "autockpt.optimize"),
+    ],
+)
+def test_bad_arguments_say_what_was_expected(call, error, match) -> None:
+    case = zoo.build("mlp")
+    with pytest.raises(error, match=match):
+        call(case.model, case.args[0])
+
+
+def test_model_without_trainable_parameters_is_rejected() -> None:
+    model = nn.Linear(4, 4).requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameter that requires grad"):
+        autockpt.plan(model, budget_gb=1, example_inputs=(torch.randn(2, 4),))
+
+
+def test_planning_leaves_weights_buffers_grads_and_rng_untouched(cnn_probe: autockpt.Plan) -> None:
+    case = zoo.build("cnn")
+    model = case.model
+    model.eval()  # planning switches to train mode internally and must switch back
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    autockpt.optimize(model, budget_bytes=budget_at(cnn_probe, 0.5), example_inputs=case.args, loss_fn=case.loss_fn)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert not model.training and all(not m.training for m in model.modules())
+    assert all(p.grad is None for p in model.parameters())
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
+def test_optimized_module_shares_parameters_and_state_dict_keys(cnn_probe: autockpt.Plan) -> None:
+    case = zoo.build("cnn")
+    optimized = autockpt.optimize(case.model, budget_bytes=budget_at(cnn_probe, 0.5), example_inputs=case.args, loss_fn=case.loss_fn)
+    assert list(optimized.state_dict()) == list(case.model.state_dict())
+    assert all(a is b for a, b in zip(optimized.parameters(), case.model.parameters()))
+    optimizer = torch.optim.SGD(optimized.parameters(), lr=0.1)
+    run_step(optimized, case)
+    optimizer.step()  # updates the shared parameters of the original model too
+    reference = twin(case)
+    reference.load_state_dict(optimized.state_dict())
+
+
+def test_eval_mode_and_no_grad_run_the_original(cnn_probe: autockpt.Plan) -> None:
+    case = zoo.build("transformer")
+    reference = twin(case)
+    optimized = autockpt.optimize(
+        case.model, budget_bytes=budget_at(probe(case), 0.5), example_inputs=case.args, loss_fn=case.loss_fn
+    )
+    optimized.eval()
+    assert not case.model.training
+    torch.testing.assert_close(optimized(*case.args), reference.eval()(*case.args))
+    optimized.train()
+    reference.train()
+    with torch.no_grad():
+        torch.manual_seed(3)
+        expected = reference(*case.args)
+        torch.manual_seed(3)
+        torch.testing.assert_close(optimized(*case.args), expected)
+
+
+def test_other_input_shapes_fall_back_to_the_original_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    case = zoo.build("mlp")
+    base = probe(case)
+    optimized = autockpt.optimize(case.model, budget_bytes=budget_at(base, 0.5), example_inputs=case.args)
+    smaller = case.args[0][:10]
+    with caplog.at_level(logging.WARNING, logger="autockpt"):
+        out = optimized(smaller)
+    assert out.shape == (10, 10)
+    assert "inputs differ from the example inputs" in caplog.text
+
+
+def test_plan_summary_and_dataframe_agree_with_regions(cnn_probe: autockpt.Plan) -> None:
+    case = zoo.build("cnn")
+    plan = autockpt.plan(case.model, budget_bytes=budget_at(cnn_probe, 0.5), example_inputs=case.args, loss_fn=case.loss_fn)
+    frame = plan.to_dataframe()
+    assert list(frame.columns[:6]) == ["name", "op", "module_path", "saved_bytes", "output_bytes", "forward_ms"]
+    assert len(frame) == len(plan.nodes)
+    recomputed = frame.index[frame["decision"] == "recompute"].tolist()
+    assert recomputed == [u for r in plan.regions for u in range(r.first_unit, r.last_unit + 1)]
+    text = plan.summary()
+    assert "GB" in text and "GiB" in text and f"{len(plan.regions)} checkpointed regions" in text
+    assert plan.capture in ("fx", "export", "module")

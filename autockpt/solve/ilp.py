@@ -147,18 +147,23 @@ def solve(
 
 
 def _event_blocks(profile: Profile, segments: Sequence[Region]) -> list[list[int]]:
-    """Group events: per segment, its forward events and its backward events; outside-graph events alone."""
+    """Group events for the memory constraints.
+
+    Backward events, where the peak and the recomputation bursts are, each get a constraint of their own; forward
+    events are grouped per segment (forward memory only falls when something is checkpointed); events outside the
+    graph (loss, autograd start) stand alone.
+    """
     segment_of = {}
     for s, segment in enumerate(segments):
         for unit in range(segment.first_unit, segment.last_unit + 1):
             segment_of[unit] = s
-    grouped: dict[tuple[Phase, int], list[int]] = {}
+    grouped: dict[int, list[int]] = {}
     singles: list[list[int]] = []
     for event in profile.events:
-        if event.unit < 0:
+        if event.unit < 0 or event.phase is Phase.BACKWARD:
             singles.append([event.index])
         else:
-            grouped.setdefault((event.phase, segment_of[event.unit]), []).append(event.index)
+            grouped.setdefault(segment_of[event.unit], []).append(event.index)
     return list(grouped.values()) + singles
 
 

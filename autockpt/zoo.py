@@ -1,6 +1,7 @@
 """Built-in example models, random-initialised from configs (no downloads), with example inputs.
 
-Used by the demo, the tests and the benchmarks. ``build(name, size)`` returns a ``ZooCase``; sizes are "tiny" (tests)
+Used by the demo, the tests and the benchmarks. Hugging Face decoder (gpt2, llama), encoder (bert, vit) and
+encoder-decoder (t5) models, a diffusers UNet, and plain PyTorch models (mlp, cnn, transformer, control_flow). ``build(name, size)`` returns a ``ZooCase``; sizes are "tiny" (tests)
 and "small" (benchmarks). Hugging Face and diffusers entries need ``pip install autockpt[zoo]``.
 """
 
@@ -195,6 +196,42 @@ def _vit(size: str) -> ZooCase:
     )
 
 
+def _bert(size: str) -> ZooCase:
+    from transformers import BertConfig, BertForMaskedLM
+
+    layers, dim, heads, seq, batch, vocab = {"tiny": (4, 64, 4, 32, 2, 128), "small": (6, 128, 4, 128, 4, 512), "bench": (6, 384, 6, 512, 4, 2048)}[size]
+    config = BertConfig(
+        vocab_size=vocab, hidden_size=dim, num_hidden_layers=layers, num_attention_heads=heads,
+        intermediate_size=4 * dim, max_position_embeddings=seq,
+    )
+    ids = torch.randint(0, vocab, (batch, seq))
+    return ZooCase(name="bert", model=BertForMaskedLM(config), args=(ids,), kwargs={"labels": ids})
+
+
+def _t5(size: str) -> ZooCase:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    layers, dim, heads, seq, batch, vocab = {"tiny": (3, 64, 4, 32, 2, 128), "small": (4, 128, 4, 128, 4, 512), "bench": (6, 384, 6, 512, 4, 2048)}[size]
+    config = T5Config(
+        vocab_size=vocab, d_model=dim, d_ff=4 * dim, num_layers=layers, num_decoder_layers=layers, num_heads=heads,
+        d_kv=dim // heads, decoder_start_token_id=0,
+    )
+    ids = torch.randint(0, vocab, (batch, seq))
+    return ZooCase(name="t5", model=T5ForConditionalGeneration(config), args=(ids,), kwargs={"labels": ids})
+
+
+def _llama(size: str) -> ZooCase:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    layers, dim, heads, seq, batch, vocab = {"tiny": (4, 64, 4, 32, 2, 128), "small": (6, 128, 4, 128, 4, 512), "bench": (6, 384, 6, 512, 4, 2048)}[size]
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=dim, intermediate_size=4 * dim, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=heads // 2, max_position_embeddings=seq,
+    )
+    ids = torch.randint(0, vocab, (batch, seq))
+    return ZooCase(name="llama", model=LlamaForCausalLM(config), args=(ids,), kwargs={"labels": ids})
+
+
 def _unet(size: str) -> ZooCase:
     from diffusers import UNet2DModel
 
@@ -224,6 +261,9 @@ BUILDERS: dict[str, Callable[[str], ZooCase]] = {
     "transformer": _transformer,
     "control_flow": _control_flow,
     "gpt2": _gpt2,
+    "bert": _bert,
+    "t5": _t5,
+    "llama": _llama,
     "vit": _vit,
     "unet": _unet,
 }

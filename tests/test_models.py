@@ -51,6 +51,22 @@ def test_budget_is_kept_and_step_matches_pytorch(name: str, fraction: float) -> 
     assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * measured, (measured, plan.predicted_peak_bytes)
 
 
+@needs_transformers
+@pytest.mark.parametrize("name", ["bert", "t5", "llama"])
+def test_more_hugging_face_architectures_at_half_budget(name: str) -> None:
+    """Encoder (BERT), encoder-decoder (T5) and a RoPE/grouped-query decoder (Llama) through the export path."""
+    case = zoo.build(name)
+    reference = twin(case)
+    budget = budget_at(probe(case), 0.5)
+    optimized = autockpt.optimize(case.model, budget_bytes=budget, example_inputs=case.args, example_kwargs=case.kwargs)
+    assert_same_step(optimized, reference, case)
+    measured = autockpt.measure_step(optimized, case.args, case.kwargs).peak_bytes
+    plan = autockpt.get_plan(optimized)
+    assert plan.capture.value == "export" and plan.regions
+    assert measured <= budget
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * measured
+
+
 @pytest.mark.parametrize("name", ["transformer", pytest.param("gpt2", marks=needs_transformers)])
 def test_memory_floor_is_at_most_half_way_on_transformers(name: str) -> None:
     plan = _probe(name)

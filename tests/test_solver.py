@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pulp
 import pytest
 import torch
 from torch import nn
@@ -86,7 +87,14 @@ def _disjoint_sets(candidates: list[Region]) -> list[tuple[Region, ...]]:
     return found
 
 
-def test_ilp_finds_the_exhaustive_optimum_on_a_small_chain() -> None:
+SOLVERS = [
+    "cbc",
+    pytest.param("highs", marks=pytest.mark.skipif(not pulp.HiGHS(msg=False).available(), reason="needs highspy")),
+]
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_ilp_finds_the_exhaustive_optimum_on_a_small_chain(solver: str) -> None:
     model, x = _chain([128] * 5, 256)
     graph = capture(model, (x,), {})
     measured = profile(graph, (x,), {}, lambda out: out.sum())
@@ -102,7 +110,7 @@ def test_ilp_finds_the_exhaustive_optimum_on_a_small_chain() -> None:
             with pytest.raises(autockpt.InfeasibleBudgetError):
                 solve(measured, segments, candidates, budget)
             continue
-        result = solve(measured, segments, candidates, budget, SolverOptions(solver="cbc"))
+        result = solve(measured, segments, candidates, budget, SolverOptions(solver=solver))
         assert result.timeline.peak_bytes <= budget
         assert result.timeline.recompute_ms <= min(feasible) * 1.01 + 1e-9, fraction
         checked += 1

@@ -109,28 +109,32 @@ def solve(
     best: tuple[tuple[Region, ...], Timeline, PlanStatus] | None = None
     if floor_timeline.peak_bytes <= budget_bytes:
         best = (floor_regions, floor_timeline, PlanStatus.FEASIBLE)
+    # Bisection on the budget handed to the program: below search_low the program's plans were (or would be) too
+    # tight or fit, above search_high the simulated peak went over the user's budget.
     effective = float(budget_bytes)
-    too_low, too_high = -math.inf, math.inf  # effective budgets known to be feasible / too loose
+    search_low, search_high = -math.inf, math.inf
     for _ in range(options.refinement_rounds):
         regions, status = _solve_program(scored, segments, block_base, effective, options, solver_name)
-        if regions is None:
-            too_low = max(too_low, effective)
-            effective = effective + (budget_bytes - effective) / 2 + 1 if too_high == math.inf else (effective + too_high) / 2
+        if regions is None:  # the program is infeasible: it over-estimates memory, give it more room
+            search_low = max(search_low, effective)
+            effective = effective + 0.01 * budget_bytes if search_high == math.inf else (effective + search_high) / 2
             continue
         timeline = simulate(profile, regions)
         if timeline.peak_bytes <= budget_bytes:
             if best is None or timeline.recompute_ms < best[1].recompute_ms:
                 best = (regions, timeline, status)
-            too_low = max(too_low, effective)
+            search_low = max(search_low, effective)
             slack = budget_bytes - timeline.peak_bytes
             if slack <= 0.002 * budget_bytes:
                 break
-            effective = effective + slack if too_high == math.inf else (effective + too_high) / 2
+            effective = effective + slack if search_high == math.inf else (effective + search_high) / 2
         else:
-            too_high = min(too_high, effective)
+            search_high = min(search_high, effective)
             overshoot = timeline.peak_bytes - budget_bytes
-            effective = effective - overshoot - 0.001 * budget_bytes if too_low == -math.inf else (effective + too_low) / 2
-        if too_high - too_low < 0.001 * budget_bytes:
+            effective = (
+                effective - overshoot - 0.001 * budget_bytes if search_low == -math.inf else (effective + search_low) / 2
+            )
+        if search_high - search_low < 0.001 * budget_bytes:
             break
     if best is None:
         raise InfeasibleBudgetError(

@@ -80,6 +80,7 @@ class CheckpointedRegion:
 
     def __init__(self, body: fx.GraphModule, name: str) -> None:
         self.body = body
+        self.buffers = list(body.buffers())  # the same tensor objects as the model's (BatchNorm statistics)
         self.__name__ = self.__qualname__ = name
         self.__module__ = __name__
 
@@ -87,7 +88,7 @@ class CheckpointedRegion:
         return checkpoint(self._run, *inputs, use_reentrant=False, preserve_rng_state=True)
 
     def _run(self, *inputs: Any) -> Any:
-        with _buffers_restored_when_recomputing(list(self.body.buffers())):
+        with _buffers_restored_when_recomputing(self.buffers):
             return self.body.forward(*inputs)
 
 

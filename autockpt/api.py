@@ -23,12 +23,11 @@ from autockpt.solve.ilp import SolverOptions, solve
 from autockpt.simulate import unit_regions
 from autockpt.errors import InfeasibleBudgetError
 from autockpt.measure import measure_step
-from autockpt.report import format_bytes
+from autockpt.report import GB, format_bytes
 from autockpt.types import Decision, Graph, NodePlan, Plan, PlanStatus, Profile, describe_value
 
 logger = logging.getLogger(__name__)
 
-GB = 10**9
 
 
 def optimize(
@@ -51,27 +50,51 @@ def optimize(
     request = _Request.check(model, budget_gb, budget_bytes, example_inputs, example_kwargs, loss_fn, solver_options)
     with preserved_model_state(model, request.args, request.kwargs):
         model.train()
-        graph, measured, timings = _capture_and_profile(request)
-        target = request.budget
-        for attempt in range(_VERIFY_ATTEMPTS):
-            if attempt > 0:
-                graph = capture(model, request.args, request.kwargs)  # the previous executable was rewritten
-                if len(graph.units) != len(measured.units):
-                    raise RuntimeError("re-capturing the model gave a different graph; please report this model")
+        module = _optimize_and_verify(request)
+    module.training = model.training  # the module mirrors the model's mode, which the context just restored
+    return module
+
+
+def _optimize_and_verify(request: _Request) -> OptimizedModule:
+    """Plan, rewrite, measure one real step; tighten by the overshoot while the measured peak is over budget."""
+    graph, measured, timings = _capture_and_profile(request)
+    target = request.budget
+    tightenings: list[str] = []
+    for attempt in range(_VERIFY_ATTEMPTS):
+        if attempt > 0:
+            graph = capture(request.model, request.args, request.kwargs)  # the previous executable was rewritten
+            if len(graph.units) != len(measured.units):
+                raise RuntimeError(
+                    f"capturing {type(request.model).__name__} a second time gave {len(graph.units)} units instead "
+                    f"of {len(measured.units)} (the model's forward is not deterministic?); call optimize again, or "
+                    "use autockpt.plan to inspect the first plan"
+                )
+        try:
             the_plan = _solve_plan(request, graph, measured, timings, target)
-            module = rewrite(graph, the_plan, request.args, request.kwargs)
-            if the_plan.status is PlanStatus.IDENTITY:
-                return module
-            peak = measure_step(module, request.args, request.kwargs, request.loss).peak_bytes
-            module.set_plan(dataclasses.replace(the_plan, budget_bytes=request.budget, measured_peak_bytes=peak))
-            if peak <= request.budget:
-                return module
-            logger.info("measured peak %d bytes is over the budget %d; tightening the plan", peak, request.budget)
-            target -= peak - request.budget + max(1, request.budget // 1000)
+        except InfeasibleBudgetError as error:
+            if attempt == 0:
+                raise
+            raise InfeasibleBudgetError(
+                f"the budget {format_bytes(request.budget)} was not kept when measured ({tightenings[-1]} bytes) "
+                f"and no tighter plan exists (smallest predicted peak {error.min_feasible_bytes} bytes). Use a "
+                f"budget of at least {peak} bytes (the measured peak) or a smaller batch.",
+                budget_bytes=request.budget,
+                min_feasible_bytes=peak,
+            ) from error
+        module = rewrite(graph, the_plan, request.args, request.kwargs)
+        if the_plan.status is PlanStatus.IDENTITY:
+            return module
+        peak = measure_step(module, request.args, request.kwargs, request.loss, only_this_step=True).peak_bytes
+        module.set_plan(dataclasses.replace(the_plan, budget_bytes=request.budget, measured_peak_bytes=peak))
+        if peak <= request.budget:
+            return module
+        tightenings.append(f"predicted {the_plan.predicted_peak_bytes}, measured {peak}")
+        logger.info("measured peak %d bytes is over the budget %d; tightening the plan", peak, request.budget)
+        target -= peak - request.budget + max(1, request.budget // 1000)
     raise InfeasibleBudgetError(
-        f"after {_VERIFY_ATTEMPTS} attempts the measured peak ({format_bytes(peak)}) is still above the budget "
-        f"{format_bytes(request.budget)}; the simulator predicted {format_bytes(the_plan.predicted_peak_bytes)}. "
-        f"Use a budget of at least {peak} bytes.",
+        f"the budget {format_bytes(request.budget)} was not kept when measured after {_VERIFY_ATTEMPTS} plans "
+        f"(bytes: {'; '.join(tightenings)}). Use a budget of at least {peak} bytes (the last measured peak) or a "
+        "smaller batch.",
         budget_bytes=request.budget,
         min_feasible_bytes=peak,
     )
@@ -200,17 +223,7 @@ def _capture_and_profile(request: _Request) -> tuple[Graph, Profile, _Timed]:
 
 def _solve_plan(request: _Request, graph: Graph, measured: Profile, timings: _Timed, target_bytes: int) -> Plan:
     segments, candidates = candidate_regions(graph, measured)
-    try:
-        result = solve(measured, segments, candidates, target_bytes, request.solver_options)
-    except InfeasibleBudgetError as error:
-        if target_bytes == request.budget:
-            raise
-        raise InfeasibleBudgetError(
-            f"the budget {format_bytes(request.budget)} could not be kept when measured; the smallest peak found is "
-            f"{format_bytes(error.min_feasible_bytes)} predicted. Use a larger budget.",
-            budget_bytes=request.budget,
-            min_feasible_bytes=max(error.min_feasible_bytes, request.budget + 1),
-        ) from error
+    result = solve(measured, segments, candidates, target_bytes, request.solver_options)
     logger.info(
         "plan: %s, %d regions, predicted peak %d bytes (target %d), solve %.1fs",
         result.status.value, len(result.regions), result.timeline.peak_bytes, target_bytes, result.solve_time_s,
@@ -257,6 +270,11 @@ def _example_arguments(example_inputs: Any, example_kwargs: Any) -> tuple[tuple,
         example_inputs = (example_inputs,)
     if isinstance(example_inputs, list):
         example_inputs = tuple(example_inputs)
+    if isinstance(example_inputs, Mapping):
+        raise TypeError(
+            f"example_inputs must be a tuple of positional arguments for model(...), got a {type(example_inputs).__name__}"
+            f" with keys {list(example_inputs)[:5]}; pass keyword arguments (e.g. a Hugging Face batch) as example_kwargs="
+        )
     if not isinstance(example_inputs, tuple):
         raise TypeError(
             f"example_inputs must be a tuple of positional arguments for model(...), got "

@@ -42,14 +42,10 @@ def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
             logger.info(reason)
             notes.append(reason)
             continue
-        logger.info("captured the model with %s (%d units)", kind.value, len(graph_units(executable)))
+        units = graph_units(executable, module_prefix=_EXPORT_PREFIX if kind is CaptureKind.EXPORT else "")
+        logger.info("captured the model with %s (%d units)", kind.value, len(units))
         return Graph(
-            kind=kind,
-            model=model,
-            executable=executable,
-            units=graph_units(executable),
-            module_spans=(),
-            notes=tuple(notes + extra_notes),
+            kind=kind, model=model, executable=executable, units=units, module_spans=(), notes=tuple(notes + extra_notes)
         )
     try:
         units, spans = _record_module_units(model, args, kwargs)
@@ -74,11 +70,12 @@ def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op in _COMPUTE_OPS]
 
 
-def graph_units(gm: fx.GraphModule) -> tuple[Unit, ...]:
-    units = []
-    for index, node in enumerate(compute_nodes(gm)):
-        units.append(Unit(index=index, name=node.name, op=_op_name(node), module_path=_module_path(node)))
-    return tuple(units)
+def graph_units(gm: fx.GraphModule, *, module_prefix: str = "") -> tuple[Unit, ...]:
+    """One unit per compute node; ``module_prefix`` is what the capture wrapper adds to module paths."""
+    return tuple(
+        Unit(index=index, name=node.name, op=_op_name(node), module_path=_module_path(node).removeprefix(module_prefix))
+        for index, node in enumerate(compute_nodes(gm))
+    )
 
 
 def plain_outputs(output: Any) -> tuple[Any, list[str]]:
@@ -96,6 +93,9 @@ def plain_outputs(output: Any) -> tuple[Any, list[str]]:
     except ValueError:  # a pytree node type registered without key paths (e.g. diffusers' BaseOutput)
         dropped.clear()
         return pytree.tree_map(lambda leaf: keep_plain((), leaf), output), dropped
+
+
+_EXPORT_PREFIX = "model."  # _PlainOutputs holds the user's model as `.model`
 
 
 class _PlainOutputs(nn.Module):
@@ -141,7 +141,7 @@ def _quiet_logger(name: str) -> Iterator[None]:
 
 def _check_same_outputs(model: nn.Module, executable: nn.Module, args: tuple, kwargs: dict) -> None:
     """Run both on the same RNG state; raise if the captured graph computes something else."""
-    with torch.random.fork_rng(devices=cuda_devices_of(args, kwargs)), torch.no_grad():
+    with torch.random.fork_rng(devices=cuda_devices_of(args, kwargs, list(model.parameters()))), torch.no_grad():
         seed = 1234
         torch.manual_seed(seed)
         expected, _ = plain_outputs(model(*args, **kwargs))
@@ -150,15 +150,17 @@ def _check_same_outputs(model: nn.Module, executable: nn.Module, args: tuple, kw
     expected_leaves, expected_spec = pytree.tree_flatten(expected)
     actual_leaves, actual_spec = pytree.tree_flatten(actual)
     if len(expected_leaves) != len(actual_leaves):
-        raise ValueError(f"output structure differs: {expected_spec} vs {actual_spec}")
-    for want, got in zip(expected_leaves, actual_leaves):
-        if isinstance(want, torch.Tensor):
-            if not isinstance(got, torch.Tensor) or want.shape != got.shape:
-                raise ValueError("captured graph returns a different tensor shape than the model")
-            if want.is_floating_point() and not torch.allclose(want, got, rtol=1e-4, atol=1e-5):
-                raise ValueError("captured graph returns different values than the model")
-            if not want.is_floating_point() and not torch.equal(want, got):
-                raise ValueError("captured graph returns different values than the model")
+        raise ValueError(f"output structure differs: the model returns {expected_spec}, the graph {actual_spec}")
+    for position, (want, got) in enumerate(zip(expected_leaves, actual_leaves)):
+        if not isinstance(want, torch.Tensor):
+            continue
+        if not isinstance(got, torch.Tensor) or want.shape != got.shape:
+            shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+            raise ValueError(f"output {position}: the model returns shape {tuple(want.shape)}, the graph {shape}")
+        same = torch.allclose(want, got, rtol=1e-4, atol=1e-5) if want.is_floating_point() else torch.equal(want, got)
+        if not same:
+            largest = (want.double() - got.double()).abs().max().item()
+            raise ValueError(f"output {position}: the graph's values differ from the model's (largest difference {largest:.3g})")
 
 
 class ModuleUnitRecorder:
@@ -213,7 +215,7 @@ class ModuleUnitRecorder:
 
 def _record_module_units(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple[Unit, ...], tuple[ModuleSpan, ...]]:
     recorder = ModuleUnitRecorder(model)
-    with torch.random.fork_rng(devices=cuda_devices_of(args, kwargs)), torch.no_grad(), recorder.recording():
+    with torch.random.fork_rng(devices=cuda_devices_of(args, kwargs, list(model.parameters()))), torch.no_grad(), recorder.recording():
         model(*args, **kwargs)
     return tuple(recorder.units), tuple(recorder.spans)
 
@@ -229,8 +231,7 @@ def _op_name(node: fx.Node) -> str:
 def _module_path(node: fx.Node) -> str:
     stack = node.meta.get("nn_module_stack")
     if stack:
-        path = list(stack.values())[-1][0]
-        return path.removeprefix("model.") if path.startswith("model.") else path
+        return str(list(stack.values())[-1][0])
     if node.op == "call_module":
         return str(node.target)
     return ""

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -28,32 +27,52 @@ def measure_step(
     example_inputs: tuple = (),
     example_kwargs: Mapping[str, Any] | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    *,
+    only_this_step: bool = False,
 ) -> StepMeasurement:
-    """Run forward + backward once (gradients are left on the parameters) and return the peak bytes."""
+    """Run forward + backward once (gradients are left on the parameters) and return the peak bytes.
+
+    On CPU the peak is MemTracker's; MemTracker cannot track a module with frozen parameters (it hooks every
+    parameter's gradient), so such modules are measured with autockpt's own tracker, which counts the same storages.
+    On CUDA it is ``torch.cuda.max_memory_allocated``; ``only_this_step=True`` leaves out device memory held by
+    tensors unrelated to the step (e.g. earlier gradients someone still references).
+    """
     from autockpt.api import default_loss
+    from autockpt.profile import StorageTracker, device_of, step_tensors, unique_storage_bytes
 
     kwargs = dict(example_kwargs or {})
     loss_fn = loss_fn or default_loss
     for param in module.parameters():
         param.grad = None
-    tensors = [t for t in pytree.tree_leaves((example_inputs, kwargs)) if isinstance(t, torch.Tensor)]
-    device = next((p.device for p in module.parameters()), tensors[0].device if tensors else torch.device("cpu"))
+    device = device_of(module, example_inputs, kwargs)
+    static = step_tensors(module, example_inputs, kwargs)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+        unrelated = torch.cuda.memory_allocated(device) - unique_storage_bytes(static) if only_this_step else 0
         output = module(*example_inputs, **kwargs)
         loss = loss_fn(output)
         loss.backward()
         torch.cuda.synchronize(device)
-        return StepMeasurement(peak_bytes=torch.cuda.max_memory_allocated(device), loss=float(loss.detach()), device=str(device))
+        peak = torch.cuda.max_memory_allocated(device) - unrelated
+        return StepMeasurement(peak_bytes=peak, loss=float(loss.detach()), device=str(device))
 
-    from torch.distributed._tools.mem_tracker import MemTracker
+    if all(p.requires_grad for p in module.parameters()):
+        from torch.distributed._tools.mem_tracker import MemTracker
 
-    tracker = MemTracker()
-    tracker.track_external(module, *tensors)
-    with tracker:
-        output = module(*example_inputs, **kwargs)
-        loss = loss_fn(output)
-        loss.backward()
-    peak = tracker.get_tracker_snapshot("peak")[device]["Total"]
+        tracker = MemTracker()
+        tracker.track_external(module, *[t for t in static if not isinstance(t, nn.Parameter)])
+        with tracker:
+            output = module(*example_inputs, **kwargs)
+            loss = loss_fn(output)
+            loss.backward()
+        peak = tracker.get_tracker_snapshot("peak")[device]["Total"]
+    else:
+        own = StorageTracker(device, static)
+        with own:
+            output = module(*example_inputs, **kwargs)
+            loss = loss_fn(output)
+            loss.backward()
+        peak = max(event.peak_bytes for event in own.events)
     return StepMeasurement(peak_bytes=int(peak), loss=float(loss.detach()), device=str(device))
+

@@ -231,8 +231,8 @@ class _TrackedStep:
 
 
 def _tracked_step(graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn) -> _TrackedStep:
-    device = _device_of(graph.model, args, kwargs)
-    static = _static_tensors(graph.model, args, kwargs)
+    device = device_of(graph.model, args, kwargs)
+    static = step_tensors(graph.model, args, kwargs)
     tracker = StorageTracker(device, static)
     saved_by_unit: dict[int, set[int]] = {}
 
@@ -356,9 +356,9 @@ def _assemble(
         for u in graph.units
     )
     params = list(graph.model.parameters())
-    parameter_bytes = _unique_bytes(params)
-    buffer_bytes = _unique_bytes(list(graph.model.buffers()))
-    input_bytes = _unique_bytes([t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
+    parameter_bytes = unique_storage_bytes(params)
+    buffer_bytes = unique_storage_bytes(list(graph.model.buffers()))
+    input_bytes = unique_storage_bytes([t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
     gradient_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     return Profile(
         units=units,
@@ -374,29 +374,28 @@ def _assemble(
     )
 
 
-def _unique_bytes(tensors: list[torch.Tensor]) -> int:
-    seen: dict[int, int] = {}
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
+def unique_storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (tied weights and views counted once)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
-def _static_tensors(model: nn.Module, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+def step_tensors(model: nn.Module, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """Tensors that exist before a step starts: parameters, buffers, existing gradients, inputs."""
     tensors = list(model.parameters()) + list(model.buffers())
     tensors += [p.grad for p in model.parameters() if p.grad is not None]
     tensors += [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     return tensors
 
 
-def _device_of(model: nn.Module, args: tuple, kwargs: dict) -> torch.device:
+def device_of(model: nn.Module, args: tuple, kwargs: dict) -> torch.device:
+    """The device the step runs on: the first parameter's, else the first input tensor's."""
     for tensor in list(model.parameters()) + [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]:
         return tensor.device
     return torch.device("cpu")
 
 
 def _synchronizer(model: nn.Module, args: tuple, kwargs: dict) -> Callable[[], None]:
-    device = _device_of(model, args, kwargs)
+    device = device_of(model, args, kwargs)
     if device.type == "cuda":
         return lambda: torch.cuda.synchronize(device)
     return lambda: None

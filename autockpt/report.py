@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from autockpt.types import Decision, Plan
+from autockpt.types import Plan
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -67,5 +67,3 @@ def plan_dataframe(plan: Plan) -> pd.DataFrame:
         }
     )
 
-
-__all__ = ["format_bytes", "plan_summary", "plan_dataframe", "Decision"]

@@ -77,15 +77,17 @@ def simulate(profile: Profile, regions: Sequence[Region]) -> Timeline:
 
     for storage in profile.storages:
         base_free = storage.free_event if storage.free_event is not None else num_events - 1
-        plan_free = _plan_free_event(storage, region_of, windows, num_events)
+        plan_free = _plan_free_event(storage, region_of, windows, base_free)
         if plan_free < base_free:
             add(plan_free + 1, base_free, -storage.nbytes)
         elif plan_free > base_free:
             add(base_free + 1, plan_free, storage.nbytes)
-        home = region_of[storage.producer_unit] if storage.producer_unit >= 0 else None
+        home = _region(region_of, storage.producer_unit)
         if home is None:
             continue
-        releases = [e for u, e in zip(storage.saver_units, storage.saver_release_events) if region_of[u] == home]
+        releases = [
+            e for u, e in zip(storage.saver_units, storage.saver_release_events) if _region(region_of, u) == home
+        ]
         window = windows[home]
         if releases and window.first_backward_event is not None:
             add(window.first_backward_event, max(releases), storage.nbytes)
@@ -121,21 +123,37 @@ def simulate(profile: Profile, regions: Sequence[Region]) -> Timeline:
     )
 
 
+def _region(region_of: list[int | None], unit: int) -> int | None:
+    """Region of a unit; work outside the graph (unit -1: the loss, autograd's start) is in none."""
+    return region_of[unit] if unit >= 0 else None
+
+
 def _plan_free_event(
-    storage: StorageLife, region_of: list[int | None], windows: list[RegionWindow], num_events: int
+    storage: StorageLife, region_of: list[int | None], windows: list[RegionWindow], base_free: int
 ) -> int:
-    """Event after which the original storage is gone under the plan."""
+    """Event after which the original storage is gone under the plan.
+
+    Only two things change a storage's life: checkpointing the region that made and saved it (autograd no longer
+    holds it for those savers), and a region that reads it (the checkpoint holds it until the region's backward is
+    done). Anything else, Python references included, stays as measured.
+    """
     if storage.free_event is None:
-        return num_events - 1
-    home = region_of[storage.producer_unit] if storage.producer_unit >= 0 else None
-    holds = [storage.last_forward_use_event]
-    for saver, release in zip(storage.saver_units, storage.saver_release_events):
-        if region_of[saver] is None:
-            holds.append(release)  # autograd keeps it for a unit that is not checkpointed
-    for user in storage.user_units:
-        other = region_of[user]
-        if other is not None and other != home and windows[other].last_backward_event is not None:
-            holds.append(windows[other].last_backward_event)  # a checkpoint input, held by the frame
+        return base_free
+    home = _region(region_of, storage.producer_unit)
+    held_by_regions = [
+        windows[r].last_backward_event
+        for r in {_region(region_of, user) for user in storage.user_units}
+        if r is not None and r != home and windows[r].last_backward_event is not None
+    ]
+    saved_in_home = home is not None and any(_region(region_of, s) == home for s in storage.saver_units)
+    if not saved_in_home:
+        return max([base_free, *held_by_regions])
+    holds = [storage.last_forward_use_event, *held_by_regions]
+    holds += [
+        release
+        for saver, release in zip(storage.saver_units, storage.saver_release_events)
+        if _region(region_of, saver) is None  # autograd keeps it for a unit that is not checkpointed
+    ]
     return max(holds)
 
 
@@ -144,7 +162,7 @@ def _replay_peak(profile: Profile, region: Region, stop_unit: int, region_of: li
     fwd_event_of_unit = {e.unit: e.index for e in profile.events if e.phase is Phase.FORWARD and e.unit >= 0}
     produced: dict[int, list[StorageLife]] = {}
     for storage in profile.storages:
-        if storage.producer_unit >= 0 and region_of[storage.producer_unit] == r:
+        if _region(region_of, storage.producer_unit) == r:
             produced.setdefault(storage.producer_unit, []).append(storage)
     live = 0
     peak = 0
@@ -158,9 +176,9 @@ def _replay_peak(profile: Profile, region: Region, stop_unit: int, region_of: li
             workspace = max(0, event.peak_bytes - max(event.start_bytes, following))
         for storage in produced.get(unit, ()):
             live += storage.nbytes
-            saved_here = any(region_of[s] == r for s in storage.saver_units)
+            saved_here = any(_region(region_of, s) == r for s in storage.saver_units)
             if not saved_here:
-                readers = [u for u in storage.user_units if region_of[u] == r and u > unit]
+                readers = [u for u in storage.user_units if _region(region_of, u) == r and u > unit]
                 transient_until[storage.index] = max(readers) if readers else unit
                 transient_bytes[storage.index] = storage.nbytes
         peak = max(peak, live + workspace)

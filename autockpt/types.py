@@ -136,10 +136,6 @@ class Profile:
         """Parameters, buffers, inputs and parameter gradients: memory no plan can remove."""
         return self.parameter_bytes + self.buffer_bytes + self.input_bytes + self.gradient_bytes
 
-    @property
-    def num_forward_events(self) -> int:
-        return sum(1 for e in self.events if e.phase is Phase.FORWARD)
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Region:

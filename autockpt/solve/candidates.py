@@ -8,6 +8,8 @@ Found from the measured graph, never from model-specific names.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from autockpt.types import CaptureKind, Graph, Profile, Region
 
 
@@ -36,14 +38,11 @@ def candidate_regions(
             for a in range(len(segments))
             for b in range(a, min(len(segments), a + max_segments_per_region))
         ]
-        candidates += [r for r in _cheap_runs(profile) if r not in set(candidates)]
+        interval_set = set(candidates)
+        candidates += [r for r in _cheap_runs(profile) if r not in interval_set]
     saves = [u.saved_bytes > 0 for u in profile.units]
-    unsafe = _mutation_hazards(profile)
-    useful = [
-        r
-        for r in candidates
-        if any(saves[r.first_unit : r.last_unit + 1]) and not any(r.first_unit <= m <= r.last_unit and p < r.first_unit for p, m in unsafe)
-    ]
+    hazards = _mutation_hazards(profile)
+    useful = [r for r in candidates if any(saves[r.first_unit : r.last_unit + 1]) and not _unsafe(r, hazards)]
     return segments, useful
 
 
@@ -127,10 +126,35 @@ def elementary_pieces(num_units: int, candidates: list[Region]) -> list[Region]:
     return [Region(first_unit=a, last_unit=b - 1) for a, b in zip(starts, ends)]
 
 
-def _mutation_hazards(profile: Profile) -> list[tuple[int, int]]:
-    """(producer unit, mutating unit) pairs: a region must not write into a storage made before it starts.
+@dataclass(frozen=True, slots=True)
+class _Hazard:
+    producer_unit: int
+    user_units: tuple[int, ...]
+    mutator_units: tuple[int, ...]
 
-    ``torch.utils.checkpoint`` saves a region's inputs; an in-place write into one of them inside the region makes
-    the recomputation read the changed value (autograd reports it as a modified saved tensor).
+
+def _mutation_hazards(profile: Profile) -> list[_Hazard]:
+    """Storages some unit writes into in place after they were made."""
+    return [
+        _Hazard(s.producer_unit, s.user_units, s.mutator_units)
+        for s in profile.storages
+        if any(m > s.producer_unit for m in s.mutator_units)
+    ]
+
+
+def _unsafe(region: Region, hazards: list[_Hazard]) -> bool:
+    """Would checkpointing ``region`` see an in-place write into one of its inputs?
+
+    ``torch.utils.checkpoint`` saves a region's inputs and checks, when it recomputes, that they were not modified.
+    An input is a storage made before the region and read inside it; a write into it inside the region, or after
+    the region in forward, makes the recomputation read a changed value (autograd raises).
     """
-    return [(s.producer_unit, m) for s in profile.storages for m in s.mutator_units if m > s.producer_unit]
+    for hazard in hazards:
+        if hazard.producer_unit >= region.first_unit:
+            continue
+        reads_inside = any(region.first_unit <= u <= region.last_unit for u in hazard.user_units)
+        writes_inside = any(region.first_unit <= m <= region.last_unit for m in hazard.mutator_units)
+        writes_after = any(m > region.last_unit for m in hazard.mutator_units)
+        if writes_inside or (reads_inside and writes_after):
+            return True
+    return False

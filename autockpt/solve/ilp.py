@@ -2,9 +2,9 @@
 
 The model, in one paragraph. Each candidate region I is scored alone by the simulator: ``gain_I(e)`` is how many
 bytes fewer (or, during its recomputation, more) the step holds at event e when only I is checkpointed, and
-``cost_I`` its recompute milliseconds. Effects of disjoint regions are taken as additive, events are grouped into
-blocks (a segment's forward events, a segment's backward events) and each block is charged its largest baseline
-bytes minus the smallest gain in the block, which over-estimates memory. The simulator then scores the chosen
+``cost_I`` its recompute milliseconds. Effects of disjoint regions are taken as additive. Every backward event gets
+its own memory constraint; forward events are grouped per segment and each group is charged its largest baseline
+bytes minus the smallest gain in it, which over-estimates memory. The simulator then scores the chosen
 regions exactly as a plan, and the effective budget handed to the program is moved until the simulated peak sits
 just under the user's budget. Optimality is with respect to this program and the candidate regions.
 """
@@ -20,14 +20,13 @@ from dataclasses import dataclass
 import pulp
 
 from autockpt.errors import InfeasibleBudgetError
+from autockpt.report import GB, format_bytes
 from autockpt.simulate import simulate
 from autockpt.solve.candidates import elementary_pieces
 from autockpt.types import Phase, PlanStatus, Profile, Region, Timeline
 
 logger = logging.getLogger(__name__)
 
-GB = 10**9
-GIB = 2**30
 
 
 class SolverName:
@@ -87,7 +86,7 @@ def solve(
     block_base = [max(baseline.event_bytes[e] for e in block) for block in blocks]
     solver_name = _solver_name(options)
 
-    floor_regions, floor_status = _solve_program(scored, segments, block_base, None, options, solver_name)
+    floor_regions, floor_status = _solve_program(scored, block_base, None, options, solver_name)
     floor_timeline = simulate(profile, floor_regions)
     min_feasible = min(floor_timeline.peak_bytes, baseline.peak_bytes)
 
@@ -98,9 +97,9 @@ def solve(
         )
     if budget_bytes < min_feasible:
         raise InfeasibleBudgetError(
-            f"budget {_fmt(budget_bytes)} is below the smallest peak autockpt can reach for this model and input, "
-            f"{_fmt(min_feasible)} (static memory alone, parameters + buffers + gradients + inputs, is "
-            f"{_fmt(profile.static_bytes)}; the unmodified step peaks at {_fmt(baseline.peak_bytes)}). "
+            f"budget {format_bytes(budget_bytes)} is below the smallest peak autockpt can reach for this model and input, "
+            f"{format_bytes(min_feasible)} (static memory alone, parameters + buffers + gradients + inputs, is "
+            f"{format_bytes(profile.static_bytes)}; the unmodified step peaks at {format_bytes(baseline.peak_bytes)}). "
             f"Use a budget of at least {min_feasible} bytes, or a smaller batch or sequence.",
             budget_bytes=budget_bytes,
             min_feasible_bytes=min_feasible,
@@ -114,7 +113,7 @@ def solve(
     effective = float(budget_bytes)
     search_low, search_high = -math.inf, math.inf
     for _ in range(options.refinement_rounds):
-        regions, status = _solve_program(scored, segments, block_base, effective, options, solver_name)
+        regions, status = _solve_program(scored, block_base, effective, options, solver_name)
         if regions is None:  # the program is infeasible: it over-estimates memory, give it more room
             search_low = max(search_low, effective)
             effective = effective + 0.01 * budget_bytes if search_high == math.inf else (effective + search_high) / 2
@@ -138,8 +137,8 @@ def solve(
             break
     if best is None:
         raise InfeasibleBudgetError(
-            f"no plan found under the budget {_fmt(budget_bytes)}; the smallest simulated peak found is "
-            f"{_fmt(floor_timeline.peak_bytes)}. Raise the budget to at least {floor_timeline.peak_bytes} bytes.",
+            f"no plan found under the budget {format_bytes(budget_bytes)}; the smallest simulated peak found is "
+            f"{format_bytes(floor_timeline.peak_bytes)}. Raise the budget to at least {floor_timeline.peak_bytes} bytes.",
             budget_bytes=budget_bytes,
             min_feasible_bytes=floor_timeline.peak_bytes,
         )
@@ -191,7 +190,6 @@ def _score_candidates(
 
 def _solve_program(
     candidates: list[_Candidate],
-    segments: Sequence[Region],
     block_base: list[int],
     budget: float | None,
     options: SolverOptions,
@@ -255,5 +253,3 @@ def _make_solver(name: str, options: SolverOptions) -> pulp.LpSolver:
     return pulp.PULP_CBC_CMD(msg=False, timeLimit=options.time_limit_s, gapRel=options.relative_gap)
 
 
-def _fmt(nbytes: float) -> str:
-    return f"{nbytes / GB:.3f} GB ({nbytes / GIB:.3f} GiB)"

@@ -1,0 +1,180 @@
+"""Models that break naive checkpointing: frozen parameters, in-place writes after a region, tied weights,
+a loss that saves activations, an eval-mode model, tuple and dict outputs, keyword-only inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import autockpt
+from autockpt import zoo
+from conftest import assert_same_step, budget_at, probe, twin
+
+
+def _optimize_at(case: zoo.ZooCase, fraction: float) -> nn.Module:
+    """Optimize at ``fraction`` of the way from static to peak, or half-way above the floor if that is lower."""
+    base = probe(case)
+    budget = max(budget_at(base, fraction), (base.min_feasible_bytes + base.baseline_peak_bytes) // 2)
+    return autockpt.optimize(
+        case.model, budget_bytes=budget, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn
+    )
+
+
+def _check(case: zoo.ZooCase, fraction: float = 0.5) -> autockpt.Plan:
+    reference = twin(case)
+    optimized = _optimize_at(case, fraction)
+    plan = autockpt.get_plan(optimized)
+    assert plan.regions
+    assert_same_step(optimized, reference, case)
+    measured = autockpt.measure_step(optimized, case.args, case.kwargs, case.loss_fn).peak_bytes
+    assert measured <= plan.budget_bytes
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * measured
+    return plan
+
+
+class _Chain(nn.Module):
+    def __init__(self, width: int = 128, depth: int = 12) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+def test_partly_frozen_model() -> None:
+    torch.manual_seed(0)
+    model = _Chain()
+    for layer in model.layers[:4]:
+        layer.requires_grad_(False)
+    _check(zoo.ZooCase(name="frozen", model=model, args=(torch.randn(256, 128),)))
+
+
+class _WritesIntoAnEarlierTensor(nn.Module):
+    """Each block reads h and later writes into h in place; fine for autograd, fatal if h were a checkpoint input."""
+
+    def __init__(self, width: int = 128, depth: int = 8) -> None:
+        super().__init__()
+        self.inner = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.outer = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for inner, outer in zip(self.inner, self.outer):
+            h = inner(x)
+            y = outer(torch.sigmoid(h) * 2)
+            h.mul_(0.5)  # in place, after h was read above; Linear saved its input x, not h
+            x = torch.tanh(y + h)
+        return x
+
+
+def test_in_place_write_after_a_region_into_its_input() -> None:
+    torch.manual_seed(0)
+    _check(zoo.ZooCase(name="inplace", model=_WritesIntoAnEarlierTensor(), args=(torch.randn(256, 128),)), 0.4)
+
+
+class _TiedLM(nn.Module):
+    def __init__(self, vocab: int = 64, width: int = 64, depth: int = 6) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.body = nn.Sequential(*[nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)) for _ in range(depth)])
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied
+
+    def forward(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        hidden = self.body(self.embed(ids))
+        logits = self.head(hidden)
+        return {"logits": logits, "loss": logits.logsumexp(-1).mean()}
+
+
+def test_tied_weights_and_dict_output_with_loss_key() -> None:
+    torch.manual_seed(0)
+    model = _TiedLM()
+    case = zoo.ZooCase(name="tied", model=model, args=(torch.randint(0, 64, (8, 64)),))
+    plan = _check(case)
+    assert plan.static_bytes > 0
+
+
+class _TupleOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.chain = _Chain(depth=10)
+
+    def forward(self, *, features: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.chain(features) * scale
+        return out, out.detach().abs()
+
+
+def test_keyword_only_inputs_and_tuple_output() -> None:
+    torch.manual_seed(0)
+    case = zoo.ZooCase(
+        name="kw", model=_TupleOut(), args=(), kwargs={"features": torch.randn(256, 128), "scale": 2.0},
+        loss_fn=lambda out: out[0].square().mean(),
+    )
+    _check(case)
+
+
+def test_loss_function_that_saves_activations_is_accounted() -> None:
+    torch.manual_seed(0)
+    case = zoo.ZooCase(name="exp-loss", model=_Chain(), args=(torch.randn(512, 128),), loss_fn=lambda out: out.exp().mean())
+    _check(case, 0.4)
+
+
+def test_optimizing_an_eval_mode_model_keeps_its_mode() -> None:
+    case = zoo.build("cnn")
+    case.model.eval()
+    optimized = _optimize_at(case, 0.5)
+    assert not optimized.training and not case.model.training
+    optimized.train()
+    assert optimized.training and case.model.training and case.model.blocks[0].bn1.training
+
+
+@pytest.mark.parametrize("fraction", [0.5])
+def test_module_level_capture_keeps_buffers_and_dropout(fraction: float) -> None:
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(
+                nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.Dropout(0.2), nn.Tanh()) for _ in range(10)
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = x + block(x) if x.sum() > 0 else x - block(x)
+            return x
+
+    torch.manual_seed(0)
+    plan = _check(zoo.ZooCase(name="branchy", model=Branchy(), args=(torch.randn(128, 64),)), fraction)
+    assert plan.capture == "module"
+
+
+def test_candidates_exclude_regions_whose_input_is_written_later() -> None:
+    import dataclasses
+
+    from autockpt.capture import capture
+    from autockpt.profile import profile
+    from autockpt.rewrite import rewrite
+    from autockpt.solve.candidates import candidate_regions
+    from autockpt.types import Region
+
+    torch.manual_seed(0)
+    model, x = _WritesIntoAnEarlierTensor(depth=2), torch.randn(64, 128)
+    measured = profile(capture(model, (x,), {}), (x,), {}, lambda out: out.sum())
+    _, candidates = candidate_regions(capture(model, (x,), {}), measured)
+    written = [s for s in measured.storages if any(m > s.producer_unit for m in s.mutator_units)]
+    assert written
+    for storage in written:
+        for region in candidates:
+            reads = any(region.first_unit <= u <= region.last_unit for u in storage.user_units)
+            if storage.producer_unit < region.first_unit and reads:
+                assert not any(m > region.last_unit for m in storage.mutator_units), region
+
+    # the hazard is real: checkpointing the first reader of such a tensor breaks backward
+    storage = written[0]
+    reader = min(u for u in storage.user_units if u > storage.producer_unit and u not in storage.mutator_units)
+    plan = autockpt.plan(model, budget_bytes=10**15, example_inputs=(x,))
+    module = rewrite(capture(model, (x,), {}), dataclasses.replace(plan, regions=(Region(first_unit=reader, last_unit=reader),)), (x,), {})
+    with pytest.raises(RuntimeError, match="inplace"):
+        module(x).sum().backward()

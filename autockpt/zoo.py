@@ -196,40 +196,47 @@ def _vit(size: str) -> ZooCase:
     )
 
 
+# layers, width, heads, sequence, batch, vocabulary of the token models below
+_TOKEN_SIZES = {"tiny": (4, 64, 4, 32, 2, 128), "small": (6, 128, 4, 128, 4, 512), "bench": (6, 384, 6, 512, 4, 2048)}
+
+
+def _token_case(name: str, model: nn.Module, vocab: int, batch: int, seq: int) -> ZooCase:
+    """Random token ids as input and as labels (the model computes its own loss)."""
+    ids = torch.randint(0, vocab, (batch, seq))
+    return ZooCase(name=name, model=model, args=(ids,), kwargs={"labels": ids})
+
+
 def _bert(size: str) -> ZooCase:
     from transformers import BertConfig, BertForMaskedLM
 
-    layers, dim, heads, seq, batch, vocab = {"tiny": (4, 64, 4, 32, 2, 128), "small": (6, 128, 4, 128, 4, 512), "bench": (6, 384, 6, 512, 4, 2048)}[size]
+    layers, dim, heads, seq, batch, vocab = _TOKEN_SIZES[size]
     config = BertConfig(
         vocab_size=vocab, hidden_size=dim, num_hidden_layers=layers, num_attention_heads=heads,
         intermediate_size=4 * dim, max_position_embeddings=seq,
     )
-    ids = torch.randint(0, vocab, (batch, seq))
-    return ZooCase(name="bert", model=BertForMaskedLM(config), args=(ids,), kwargs={"labels": ids})
+    return _token_case("bert", BertForMaskedLM(config), vocab, batch, seq)
 
 
 def _t5(size: str) -> ZooCase:
     from transformers import T5Config, T5ForConditionalGeneration
 
-    layers, dim, heads, seq, batch, vocab = {"tiny": (3, 64, 4, 32, 2, 128), "small": (4, 128, 4, 128, 4, 512), "bench": (6, 384, 6, 512, 4, 2048)}[size]
+    layers, dim, heads, seq, batch, vocab = _TOKEN_SIZES[size]
     config = T5Config(
         vocab_size=vocab, d_model=dim, d_ff=4 * dim, num_layers=layers, num_decoder_layers=layers, num_heads=heads,
         d_kv=dim // heads, decoder_start_token_id=0,
     )
-    ids = torch.randint(0, vocab, (batch, seq))
-    return ZooCase(name="t5", model=T5ForConditionalGeneration(config), args=(ids,), kwargs={"labels": ids})
+    return _token_case("t5", T5ForConditionalGeneration(config), vocab, batch, seq)
 
 
 def _llama(size: str) -> ZooCase:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    layers, dim, heads, seq, batch, vocab = {"tiny": (4, 64, 4, 32, 2, 128), "small": (6, 128, 4, 128, 4, 512), "bench": (6, 384, 6, 512, 4, 2048)}[size]
+    layers, dim, heads, seq, batch, vocab = _TOKEN_SIZES[size]
     config = LlamaConfig(
         vocab_size=vocab, hidden_size=dim, intermediate_size=4 * dim, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=heads // 2, max_position_embeddings=seq,
     )
-    ids = torch.randint(0, vocab, (batch, seq))
-    return ZooCase(name="llama", model=LlamaForCausalLM(config), args=(ids,), kwargs={"labels": ids})
+    return _token_case("llama", LlamaForCausalLM(config), vocab, batch, seq)
 
 
 def _unet(size: str) -> ZooCase:

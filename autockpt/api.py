@@ -84,7 +84,7 @@ def _optimize_and_verify(request: _Request) -> OptimizedModule:
         module = rewrite(graph, the_plan, request.args, request.kwargs)
         if the_plan.status is PlanStatus.IDENTITY:
             return module
-        peak = measure_step(module, request.args, request.kwargs, request.loss, only_this_step=True).peak_bytes
+        peak = measure_step(module, request.args, request.kwargs, request.loss).peak_bytes
         module.set_plan(dataclasses.replace(the_plan, budget_bytes=request.budget, measured_peak_bytes=peak))
         if peak <= request.budget:
             return module

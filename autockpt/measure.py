@@ -27,18 +27,15 @@ def measure_step(
     example_inputs: tuple = (),
     example_kwargs: Mapping[str, Any] | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    *,
-    only_this_step: bool = False,
 ) -> StepMeasurement:
     """Run forward + backward once (gradients are left on the parameters) and return the peak bytes.
 
     On CPU the peak is MemTracker's; MemTracker cannot track a module with frozen parameters (it hooks every
     parameter's gradient), so such modules are measured with autockpt's own tracker, which counts the same storages.
-    On CUDA it is ``torch.cuda.max_memory_allocated``; ``only_this_step=True`` leaves out device memory held by
-    tensors unrelated to the step (e.g. earlier gradients someone still references).
+    On CUDA it is ``torch.cuda.max_memory_allocated``: everything the process holds on the device counts.
     """
     from autockpt.api import default_loss
-    from autockpt.profile import StorageTracker, device_of, step_tensors, unique_storage_bytes
+    from autockpt.profile import StorageTracker, device_of, step_tensors
 
     kwargs = dict(example_kwargs or {})
     loss_fn = loss_fn or default_loss
@@ -49,12 +46,11 @@ def measure_step(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        unrelated = torch.cuda.memory_allocated(device) - unique_storage_bytes(static) if only_this_step else 0
         output = module(*example_inputs, **kwargs)
         loss = loss_fn(output)
         loss.backward()
         torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - unrelated
+        peak = torch.cuda.max_memory_allocated(device)
         return StepMeasurement(peak_bytes=peak, loss=float(loss.detach()), device=str(device))
 
     if all(p.requires_grad for p in module.parameters()):

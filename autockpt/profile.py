@@ -133,8 +133,16 @@ class _EventRecord:
     peak_bytes: int
 
 
+_CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator hands out multiples of this (MemTracker rounds the same way)
+
+
 class StorageTracker(TorchDispatchMode):
-    """Live bytes of every storage ops create on ``device``, split into events (windows of the step)."""
+    """Live bytes of every storage ops create on ``device``, split into events (windows of the step).
+
+    On CUDA, sizes are rounded up to allocator blocks and device memory that no tracked tensor explains (cuBLAS
+    workspaces, other tensors the process holds) is counted from the start, so the figures are comparable with
+    ``torch.cuda.max_memory_allocated``.
+    """
 
     def __init__(self, device: torch.device, static_tensors: list[torch.Tensor]) -> None:
         super().__init__()
@@ -147,9 +155,17 @@ class StorageTracker(TorchDispatchMode):
             storage = tensor.untyped_storage()
             if storage not in self._known:
                 self._known[storage] = None
-                self.live_bytes += storage.nbytes()
+                self.live_bytes += self.allocation_bytes(storage)
         self.static_bytes = self.live_bytes
+        if device.type == "cuda":
+            self.live_bytes = max(self.live_bytes, torch.cuda.memory_allocated(device))
         self.begin_event(Phase.FORWARD, OUTSIDE_GRAPH_UNIT)
+
+    def allocation_bytes(self, storage: torch.UntypedStorage) -> int:
+        nbytes = storage.nbytes()
+        if self.device.type == "cuda":
+            return -(-nbytes // _CUDA_BLOCK_BYTES) * _CUDA_BLOCK_BYTES
+        return nbytes
 
     @property
     def phase(self) -> Phase:
@@ -195,7 +211,7 @@ class StorageTracker(TorchDispatchMode):
             return
         if storage in self._known:
             return
-        nbytes = storage.nbytes()
+        nbytes = self.allocation_bytes(storage)
         record = _StorageRecord(len(self.records), nbytes, self.phase, self.unit, event, event)
         record.weak = weakref.ref(storage, functools.partial(self._on_free, record))
         self._known[storage] = record

@@ -178,3 +178,28 @@ def test_candidates_exclude_regions_whose_input_is_written_later() -> None:
     module = rewrite(capture(model, (x,), {}), dataclasses.replace(plan, regions=(Region(first_unit=reader, last_unit=reader),)), (x,), {})
     with pytest.raises(RuntimeError, match="inplace"):
         module(x).sum().backward()
+
+
+class _ShapeBranchConvNet(nn.Module):
+    """BatchNorm conv net with a branch on the input shape: fx cannot trace it, export can (shapes are static)."""
+
+    def __init__(self, channels: int = 16, blocks: int = 8) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU()) for _ in range(blocks)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = x + block(x) if x.shape[0] > 1 else block(x)
+        return x.mean()
+
+
+def test_batchnorm_statistics_update_once_through_the_export_path() -> None:
+    torch.manual_seed(0)
+    case = zoo.ZooCase(name="bn-export", model=_ShapeBranchConvNet(), args=(torch.randn(8, 3, 16, 16),), loss_fn=lambda out: out)
+    plan = _check(case, 0.4)
+    assert plan.capture == "export"
+    assert int(case.model.blocks[0][1].num_batches_tracked) == 2  # the checked step and the measured step, once each

@@ -23,30 +23,49 @@ from autockpt.types import Phase, Profile, Region, StorageLife, Timeline
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RegionWindow:
-    """Where a region's recomputation happens on the measured timeline."""
+    """Where a region's recomputation happens on the measured timeline, and how far it runs."""
 
     first_backward_event: int | None  # the unpack that triggers recomputation; None: nothing saved inside
     last_backward_event: int | None  # the checkpoint frame (and the region's inputs) is released here
-    last_saver_unit: int | None  # recomputation stops after this unit (early stop)
+    last_saver_unit: int | None  # the last unit that saves anything (parameters included) for backward
+    last_recomputed_unit: int | None  # the last unit whose kernels run again; None: nothing is re-run
 
 
 def region_windows(profile: Profile, regions: Sequence[Region]) -> list[RegionWindow]:
+    """Recomputation stops as soon as the region's last saved tensor is packed again (checkpoint's early stop).
+
+    Autograd packs an op's saved *inputs* before running its kernel, so when the last saver saves only tensors made
+    before it (a matmul saving its operands) its kernel is skipped; when it saves its own output it runs.
+    """
     region_of = unit_regions(len(profile.units), regions)
     first: list[int | None] = [None] * len(regions)
     last: list[int | None] = [None] * len(regions)
+    packers: set[int] = set()  # units that saved anything, parameters and inputs included
     for event in profile.events:
         if event.phase is not Phase.BACKWARD or event.unit < 0:
             continue
+        packers.add(event.unit)
         r = region_of[event.unit]
         if r is None:
             continue
         first[r] = event.index if first[r] is None else first[r]
         last[r] = event.index
-    last_saver: list[int | None] = [None] * len(regions)
+    saves_own_output = {u for s in profile.storages for u in s.saver_units if u == s.producer_unit}
+    windows = []
     for r, region in enumerate(regions):
-        savers = [u for u in range(region.first_unit, region.last_unit + 1) if profile.units[u].saved_bytes > 0]
-        last_saver[r] = max(savers) if savers else None
-    return [RegionWindow(first_backward_event=f, last_backward_event=l, last_saver_unit=s) for f, l, s in zip(first, last, last_saver)]
+        savers = [u for u in range(region.first_unit, region.last_unit + 1) if u in packers]
+        last_saver = max(savers) if savers else None
+        recomputed = None
+        if last_saver is not None:
+            recomputed = last_saver if last_saver in saves_own_output else last_saver - 1
+            recomputed = recomputed if recomputed >= region.first_unit else None
+        windows.append(
+            RegionWindow(
+                first_backward_event=first[r], last_backward_event=last[r], last_saver_unit=last_saver,
+                last_recomputed_unit=recomputed,
+            )
+        )
+    return windows
 
 
 def unit_regions(num_units: int, regions: Sequence[Region]) -> list[int | None]:
@@ -102,16 +121,19 @@ def simulate(profile: Profile, regions: Sequence[Region]) -> Timeline:
     burst_bytes = []
     recompute_ms = 0.0
     for r, (region, window) in enumerate(zip(regions, windows)):
-        if window.first_backward_event is None or window.last_saver_unit is None:
+        if window.first_backward_event is None:
             burst_bytes.append(0)
             continue
         c = window.first_backward_event
         offset = sum(delta[: c + 1])
         before_recompute = profile.events[c].start_bytes + offset - copy_bytes_at_burst[r]
-        burst = before_recompute + _replay_peak(profile, region, window.last_saver_unit, region_of, r)
+        replay = 0
+        if window.last_recomputed_unit is not None:
+            replay = _replay_peak(profile, region, window.last_recomputed_unit, region_of, r)
+            recompute_ms += sum(profile.units[u].forward_ms for u in range(region.first_unit, window.last_recomputed_unit + 1))
+        burst = before_recompute + replay
         burst_bytes.append(burst)
         event_bytes[c] = max(event_bytes[c], burst)
-        recompute_ms += sum(profile.units[u].forward_ms for u in range(region.first_unit, window.last_saver_unit + 1))
 
     peak_event = max(range(num_events), key=event_bytes.__getitem__)
     return Timeline(

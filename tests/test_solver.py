@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pulp
@@ -54,13 +55,15 @@ def test_simulator_on_a_hand_built_timeline() -> None:
     region = Region(first_unit=0, last_unit=1)
     (window,) = region_windows(profile_, (region,))
     assert (window.first_backward_event, window.last_backward_event, window.last_saver_unit) == (3, 3, 1)
+    # unit 1 saves only its input A, which autograd packs before the kernel: early stop skips unit 1 entirely
+    assert window.last_recomputed_unit == 0
     timeline = simulate(profile_, (region,))
     # A is freed after its last forward use, so the start of backward holds only static + output B
     assert timeline.event_bytes[2] == 110
-    # at unit 1's backward A is recomputed (plus the 10 B output of unit 1 while recomputing): still 2110 at peak
+    # at unit 1's backward A is recomputed by re-running unit 0 only: still 2110 at the peak of that event
     assert timeline.event_bytes[3] == 2110
-    assert timeline.burst_bytes == (110 + 1000 + 10,)
-    assert timeline.recompute_ms == 5.0
+    assert timeline.burst_bytes == (110 + 1000,)
+    assert timeline.recompute_ms == 2.0
 
 
 def _chain(widths: list[int], batch: int) -> tuple[nn.Module, torch.Tensor]:
@@ -149,7 +152,10 @@ def test_recomputed_flops_are_exactly_the_planned_units() -> None:
     plan = autockpt.get_plan(optimized)
     windows = region_windows(_profile_of(case), plan.regions)
     expected_extra = sum(
-        plan.nodes[u].flops for r, w in zip(plan.regions, windows) for u in range(r.first_unit, w.last_saver_unit + 1)
+        plan.nodes[u].flops
+        for r, w in zip(plan.regions, windows)
+        if w.last_recomputed_unit is not None
+        for u in range(r.first_unit, w.last_recomputed_unit + 1)
     )
 
     def step_flops(module: nn.Module) -> int:
@@ -165,3 +171,23 @@ def test_recomputed_flops_are_exactly_the_planned_units() -> None:
 def _profile_of(case: zoo.ZooCase) -> Profile:
     graph = capture(case.model, case.args, case.kwargs)
     return profile(graph, case.args, case.kwargs, case.loss_fn or default_loss)
+
+
+def test_a_region_ending_in_a_matmul_does_not_rerun_it() -> None:
+    """Early stop: the last Linear of a region saves only its inputs, so its matmul is not recomputed."""
+    case = zoo.build("mlp")
+    measured = _profile_of(case)
+    linear_units = [u.index for u in measured.units if u.flops > 0]
+    region = Region(first_unit=linear_units[2] + 1, last_unit=linear_units[4])  # GELU, Linear, GELU, Linear
+    (window,) = region_windows(measured, (region,))
+    assert window.last_saver_unit == linear_units[4] and window.last_recomputed_unit == linear_units[4] - 1
+    probe = autockpt.plan(case.model, budget_bytes=10**15, example_inputs=case.args)
+    module = rewrite(capture(case.model, case.args, {}), dataclasses.replace(probe, regions=(region,)), case.args, {})
+
+    def step_flops(m: nn.Module) -> int:
+        counter = FlopCounterMode(display=False)
+        with counter:
+            m(*case.args).sum().backward()
+        return counter.get_total_flops()
+
+    assert step_flops(module) - step_flops(case.model) == measured.units[linear_units[3]].flops

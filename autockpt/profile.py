@@ -243,7 +243,6 @@ def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[torch.Tenso
 class _TrackedStep:
     tracker: StorageTracker
     saved_by_unit: dict[int, set[int]]  # unit -> indices of storages it saved
-    static_bytes: int
 
 
 def _tracked_step(graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn) -> _TrackedStep:
@@ -281,7 +280,7 @@ def _tracked_step(graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn) -> _
         del loss
         tracker.begin_event(Phase.BACKWARD, OUTSIDE_GRAPH_UNIT)  # end marker: what is freed after the step
     del output
-    return _TrackedStep(tracker, saved_by_unit, tracker.static_bytes)
+    return _TrackedStep(tracker, saved_by_unit)
 
 
 # ------------------------------------------------------------------------------------------------ timing, flops

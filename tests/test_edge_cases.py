@@ -3,12 +3,20 @@ a loss that saves activations, an eval-mode model, tuple and dict outputs, keywo
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
 
 import autockpt
 from autockpt import zoo
+from autockpt.capture import capture
+from autockpt.profile import profile
+from autockpt.rewrite import rewrite
+from autockpt.simulate import simulate
+from autockpt.solve.candidates import candidate_regions
+from autockpt.types import Region
 from conftest import assert_same_step, budget_at, probe, twin
 
 
@@ -118,24 +126,16 @@ def test_keyword_only_inputs_and_tuple_output() -> None:
 
 def test_loss_function_that_saves_activations_is_accounted() -> None:
     """exp() in the loss saves the model's output; a region that ends the graph must not drop that hold."""
-    import dataclasses
-
-    from autockpt.capture import capture
-    from autockpt.rewrite import rewrite
-    from autockpt.types import Region
-
     torch.manual_seed(0)
     model, x = _Chain(depth=6), torch.randn(512, 128)
     model.head = nn.Linear(128, 2048)  # a wide output, so the loss's saved copy of it dominates the peak
     loss_fn = lambda out: out.exp().mean()  # noqa: E731
     plan = autockpt.plan(model, budget_bytes=10**15, example_inputs=(x,), loss_fn=loss_fn)
+    measured_profile = profile(capture(model, (x,), {}), (x,), {}, loss_fn)
     last = len(plan.nodes) - 1
     for first in (last - 2, last - 4):
         region = Region(first_unit=first, last_unit=last)
-        from autockpt.profile import profile
-        from autockpt.simulate import simulate
-
-        predicted = simulate(profile(capture(model, (x,), {}), (x,), {}, loss_fn), (region,)).peak_bytes
+        predicted = simulate(measured_profile, (region,)).peak_bytes
         module = rewrite(capture(model, (x,), {}), dataclasses.replace(plan, regions=(region,)), (x,), {})
         measured = autockpt.measure_step(module, (x,), None, loss_fn).peak_bytes
         assert abs(predicted - measured) <= 0.01 * measured, (region, predicted, measured)
@@ -170,14 +170,6 @@ def test_module_level_capture_keeps_buffers_and_dropout(fraction: float) -> None
 
 
 def test_candidates_exclude_regions_whose_input_is_written_later() -> None:
-    import dataclasses
-
-    from autockpt.capture import capture
-    from autockpt.profile import profile
-    from autockpt.rewrite import rewrite
-    from autockpt.solve.candidates import candidate_regions
-    from autockpt.types import Region
-
     torch.manual_seed(0)
     model, x = _WritesIntoAnEarlierTensor(depth=2), torch.randn(64, 128)
     measured = profile(capture(model, (x,), {}), (x,), {}, lambda out: out.sum())

@@ -136,7 +136,7 @@ def test_simulated_peak_equals_measured_peak_for_random_plans(name: str) -> None
         for region in rng.sample(candidates, len(candidates)):
             if all(region.last_unit < r.first_unit or region.first_unit > r.last_unit for r in chosen) and rng.random() < 0.5:
                 chosen.append(region)
-        plan = probe.__class__(**{**{f: getattr(probe, f) for f in probe.__dataclass_fields__}, "regions": tuple(sorted(chosen, key=lambda r: r.first_unit))})
+        plan = dataclasses.replace(probe, regions=tuple(sorted(chosen, key=lambda r: r.first_unit)))
         predicted = simulate(measured, plan.regions).peak_bytes
         module = rewrite(capture(case.model, case.args, case.kwargs), plan, case.args, case.kwargs)
         actual = autockpt.measure_step(module, case.args, case.kwargs, case.loss_fn).peak_bytes

@@ -7,12 +7,21 @@ Budgets are in GB = 10^9 bytes (``budget_gb``) or bytes (``budget_bytes``).
 
 from __future__ import annotations
 
-from autockpt.api import default_loss, get_plan, optimize, plan
-from autockpt.errors import AutockptError, CaptureError, InfeasibleBudgetError, ProfileError
+from autockpt.api import Planner, apply_plan, default_loss, get_plan, optimize, plan
+from autockpt.errors import (
+    AutockptError,
+    CaptureError,
+    InfeasibleBudgetError,
+    PlanFileError,
+    PlanMismatchError,
+    ProfileError,
+)
+from autockpt.estimate import MemoryEstimate, estimate
 from autockpt.measure import measure_step
+from autockpt.plan_io import load_plan
 from autockpt.rewrite import OptimizedModule
 from autockpt.solve.ilp import SolverOptions
-from autockpt.types import CaptureKind, Decision, Plan, PlanStatus, Region
+from autockpt.types import CaptureKind, Decision, MemoryCurve, ParetoPoint, Plan, PlanStatus, Region, SolverStats
 
 __all__ = [
     "AutockptError",
@@ -20,14 +29,24 @@ __all__ = [
     "CaptureKind",
     "Decision",
     "InfeasibleBudgetError",
+    "MemoryCurve",
+    "MemoryEstimate",
     "OptimizedModule",
+    "ParetoPoint",
     "Plan",
+    "PlanFileError",
+    "PlanMismatchError",
     "PlanStatus",
+    "Planner",
     "ProfileError",
     "Region",
     "SolverOptions",
+    "SolverStats",
+    "apply_plan",
     "default_loss",
+    "estimate",
     "get_plan",
+    "load_plan",
     "measure_step",
     "optimize",
     "plan",

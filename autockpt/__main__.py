@@ -1,5 +1,6 @@
-"""``python -m autockpt``: the built-in demo (plan + measured result on a small GPT-2 or transformer)."""
+"""``python -m autockpt``: the same command line as the ``autockpt`` console script."""
 
-from autockpt.demo import main
+from autockpt.cli import main
 
-main()
+if __name__ == "__main__":
+    main(prog_name="autockpt")

@@ -1,13 +1,14 @@
-"""The public entry points: optimize, plan, get_plan. Validates input, runs the stages, assembles the Plan."""
+"""The public entry points: optimize, plan, Planner, get_plan. Validates input, runs the stages, assembles the Plan."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import numbers
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -16,18 +17,20 @@ from torch.utils import _pytree as pytree
 
 from autockpt._state import preserved_model_state
 from autockpt.capture import capture
-from autockpt.profile import profile
-from autockpt.rewrite import OptimizedModule, rewrite
-from autockpt.solve.candidates import candidate_regions
-from autockpt.solve.ilp import SolverOptions, solve
-from autockpt.simulate import unit_regions
 from autockpt.errors import InfeasibleBudgetError
 from autockpt.measure import measure_step
+from autockpt.plan_io import check_fingerprint, model_fingerprint
+from autockpt.profile import profile
 from autockpt.report import GB, format_bytes
-from autockpt.types import Decision, Graph, NodePlan, Plan, PlanStatus, Profile, describe_value
+from autockpt.rewrite import OptimizedModule, rewrite
+from autockpt.simulate import memory_curve, simulate, unit_regions
+from autockpt.solve.candidates import candidate_regions
+from autockpt.solve.ilp import SolveResult, SolverOptions, solve
+from autockpt.types import Decision, Graph, NodePlan, ParetoPoint, Plan, PlanStatus, Region, Timeline, describe_value
 
 logger = logging.getLogger(__name__)
 
+_VERIFY_ATTEMPTS = 3
 
 
 def optimize(
@@ -47,57 +50,12 @@ def optimize(
     over the budget, the plan is tightened by the overshoot and checked again. ``autockpt.get_plan(result)`` tells
     what was decided and what was measured.
     """
-    request = _Request.check(model, budget_gb, budget_bytes, example_inputs, example_kwargs, loss_fn, solver_options)
-    with preserved_model_state(model, request.args, request.kwargs):
-        model.train()
-        module = _optimize_and_verify(request)
-    module.training = model.training  # the module mirrors the model's mode, which the context just restored
-    return module
-
-
-def _optimize_and_verify(request: _Request) -> OptimizedModule:
-    """Plan, rewrite, measure one real step; tighten by the overshoot while the measured peak is over budget."""
-    graph, measured, timings = _capture_and_profile(request)
-    target = request.budget
-    tightenings: list[str] = []
-    for attempt in range(_VERIFY_ATTEMPTS):
-        if attempt > 0:
-            graph = capture(request.model, request.args, request.kwargs)  # the previous executable was rewritten
-            if len(graph.units) != len(measured.units):
-                raise RuntimeError(
-                    f"capturing {type(request.model).__name__} a second time gave {len(graph.units)} units instead "
-                    f"of {len(measured.units)} (the model's forward is not deterministic?); call optimize again, or "
-                    "use autockpt.plan to inspect the first plan"
-                )
-        try:
-            the_plan = _solve_plan(request, graph, measured, timings, target)
-        except InfeasibleBudgetError as error:
-            if attempt == 0:
-                raise
-            raise InfeasibleBudgetError(
-                f"the budget {format_bytes(request.budget)} was not kept when measured ({tightenings[-1]} bytes) "
-                f"and no tighter plan exists (smallest predicted peak {error.min_feasible_bytes} bytes). Use a "
-                f"budget of at least {peak} bytes (the measured peak) or a smaller batch.",
-                budget_bytes=request.budget,
-                min_feasible_bytes=peak,
-            ) from error
-        module = rewrite(graph, the_plan, request.args, request.kwargs)
-        if the_plan.status is PlanStatus.IDENTITY:
-            return module
-        peak = measure_step(module, request.args, request.kwargs, request.loss).peak_bytes
-        module.set_plan(dataclasses.replace(the_plan, budget_bytes=request.budget, measured_peak_bytes=peak))
-        if peak <= request.budget:
-            return module
-        tightenings.append(f"predicted {the_plan.predicted_peak_bytes}, measured {peak}")
-        logger.info("measured peak %d bytes is over the budget %d; tightening the plan", peak, request.budget)
-        target -= peak - request.budget + max(1, request.budget // 1000)
-    raise InfeasibleBudgetError(
-        f"the budget {format_bytes(request.budget)} was not kept when measured after {_VERIFY_ATTEMPTS} plans "
-        f"(bytes: {'; '.join(tightenings)}). Use a budget of at least {peak} bytes (the last measured peak) or a "
-        "smaller batch.",
-        budget_bytes=request.budget,
-        min_feasible_bytes=peak,
+    budget = budget_to_bytes(budget_gb, budget_bytes)
+    planner = Planner(
+        model, example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
+        solver_options=solver_options,
     )
+    return planner.optimize(budget_bytes=budget)
 
 
 def plan(
@@ -111,11 +69,267 @@ def plan(
     solver_options: SolverOptions | None = None,
 ) -> Plan:
     """Like ``optimize`` but only plans (no rewrite, no verification step): returns the Plan."""
-    request = _Request.check(model, budget_gb, budget_bytes, example_inputs, example_kwargs, loss_fn, solver_options)
+    budget = budget_to_bytes(budget_gb, budget_bytes)
+    planner = Planner(
+        model, example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
+        solver_options=solver_options,
+    )
+    return planner.plan(budget_bytes=budget)
+
+
+def apply_plan(
+    model: nn.Module,
+    the_plan: Plan,
+    *,
+    example_inputs: Any = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+) -> nn.Module:
+    """Rewrite ``model`` to run a saved plan (``autockpt.load_plan``) without profiling or solving again.
+
+    The model is captured on the example inputs (same shapes and dtypes as when the plan was made) and its
+    fingerprint compared with the plan's: a different graph, parameter or input is refused with
+    ``PlanMismatchError`` saying what differs. Nothing is measured; ``autockpt.measure_step`` does that.
+    """
+    if not isinstance(the_plan, Plan):
+        raise TypeError(f"apply_plan expects an autockpt.Plan (autockpt.load_plan(path)), got {type(the_plan).__name__}")
+    request = _Request.check(model, example_inputs, example_kwargs, None, None)
     with preserved_model_state(model, request.args, request.kwargs):
         model.train()
-        graph, measured, timings = _capture_and_profile(request)
-    return _solve_plan(request, graph, measured, timings, request.budget)
+        graph = capture(model, request.args, request.kwargs)
+        check_fingerprint(the_plan, model_fingerprint(model, graph, request.args, request.kwargs), graph.units)
+        module = rewrite(graph, the_plan, request.args, request.kwargs)
+    module.training = model.training
+    return module
+
+
+class Planner:
+    """Capture and profile a model once; then plan at any budget, score any regions, and apply plans.
+
+        planner = autockpt.Planner(model, example_inputs=(x,))
+        plans = [planner.plan(budget_gb=b) for b in (2, 4, 6)]      # one capture and profile for all
+        module = planner.apply(plans[0])                            # rewrite, without measuring
+
+    ``on_stage(name)`` is called as each stage starts ("capture", "profile", "solve", "rewrite", "measure"), for
+    progress displays. The model is left as it was after every call (weights, buffers, gradients, RNG, modes).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        example_inputs: Any = (),
+        example_kwargs: Mapping[str, Any] | None = None,
+        loss_fn: Callable[[Any], torch.Tensor] | None = None,
+        solver_options: SolverOptions | None = None,
+        on_stage: Callable[[str], None] | None = None,
+    ) -> None:
+        self.request = _Request.check(model, example_inputs, example_kwargs, loss_fn, solver_options)
+        self._on_stage = on_stage or (lambda stage: None)
+        with self._model_state():
+            self._on_stage("capture")
+            started = time.perf_counter()
+            self.graph: Graph = capture(model, self.request.args, self.request.kwargs)
+            captured = time.perf_counter()
+            self._on_stage("profile")
+            self.profile = profile(self.graph, self.request.args, self.request.kwargs, self.request.loss)
+        self.capture_time_s = captured - started
+        self.profile_time_s = time.perf_counter() - captured
+        self.fingerprint = model_fingerprint(model, self.graph, self.request.args, self.request.kwargs)
+        self._executable_used = False  # rewriting edits graph.executable; later rewrites capture again
+        self._candidates: tuple[list[Region], list[Region]] | None = None
+
+    @property
+    def model(self) -> nn.Module:
+        return self.request.model
+
+    def plan(self, budget_gb: float | None = None, *, budget_bytes: int | None = None, pareto_points: int = 0) -> Plan:
+        """The cheapest plan under the budget (GB = 10^9 bytes). ``pareto_points`` > 0 also solves that many budgets
+        from the smallest feasible peak to the unmodified peak and stores them in ``Plan.pareto``."""
+        budget = budget_to_bytes(budget_gb, budget_bytes)
+        result = self._solve(budget)
+        the_plan = self._assemble(result.regions, budget, result.timeline, result=result)
+        if pareto_points > 0:
+            the_plan = dataclasses.replace(the_plan, pareto=self.pareto(pareto_budgets(the_plan, pareto_points)))
+        return the_plan
+
+    def pareto(self, budgets: Sequence[int]) -> tuple[ParetoPoint, ...]:
+        """Predicted peak and overhead of the plan for each budget in bytes (None where it is infeasible)."""
+        points = []
+        for budget in budgets:
+            try:
+                result = self._solve(int(budget))
+            except InfeasibleBudgetError:
+                points.append(
+                    ParetoPoint(budget_bytes=int(budget), predicted_peak_bytes=None, predicted_overhead=None, regions=0)
+                )
+                continue
+            points.append(
+                ParetoPoint(
+                    budget_bytes=int(budget), predicted_peak_bytes=result.timeline.peak_bytes,
+                    predicted_overhead=self._overhead(result.timeline.recompute_ms), regions=len(result.regions),
+                )
+            )
+        return tuple(points)
+
+    def plan_for_regions(self, regions: Sequence[Region], *, strategy: str) -> Plan:
+        """Score given regions (a baseline policy, a hand-made plan) with the same simulator as solved plans.
+
+        The plan's ``status`` is ``given`` and its budget is its own predicted peak.
+        """
+        ordered = tuple(sorted(regions, key=lambda r: r.first_unit))
+        timeline = simulate(self.profile, ordered)
+        return self._assemble(ordered, timeline.peak_bytes, timeline, strategy=strategy)
+
+    def apply(self, the_plan: Plan) -> OptimizedModule:
+        """Rewrite the model to run ``the_plan`` (made by this planner, or loaded from a file); nothing is measured.
+
+        A plan whose fingerprint does not match this model and these inputs is refused (``PlanMismatchError``).
+        """
+        check_fingerprint(the_plan, self.fingerprint, self.graph.units)
+        self._on_stage("rewrite")
+        with self._model_state():
+            module = rewrite(self._fresh_graph(), the_plan, self.request.args, self.request.kwargs)
+        module.training = self.model.training
+        return module
+
+    def optimize(self, budget_gb: float | None = None, *, budget_bytes: int | None = None) -> OptimizedModule:
+        """Plan, rewrite, measure one real step; tighten by the overshoot while the measured peak is over budget."""
+        budget = budget_to_bytes(budget_gb, budget_bytes)
+        target = budget
+        tightenings: list[str] = []
+        peak = 0
+        for attempt in range(_VERIFY_ATTEMPTS):
+            try:
+                result = self._solve(target)
+            except InfeasibleBudgetError as error:
+                if attempt == 0:
+                    raise
+                raise InfeasibleBudgetError(
+                    f"the budget {format_bytes(budget)} was not kept when measured ({tightenings[-1]} bytes) "
+                    f"and no tighter plan exists (smallest predicted peak {error.min_feasible_bytes} bytes). Use a "
+                    f"budget of at least {peak} bytes (the measured peak) or a smaller batch.",
+                    budget_bytes=budget,
+                    min_feasible_bytes=peak,
+                ) from error
+            the_plan = self._assemble(result.regions, budget, result.timeline, result=result)
+            module = self.apply(the_plan)
+            if the_plan.status is PlanStatus.IDENTITY:
+                return module
+            self._on_stage("measure")
+            with self._model_state():
+                module.training = True  # the module follows the user's train/eval flag, restored after measuring
+                peak = measure_step(module, self.request.args, self.request.kwargs, self.request.loss).peak_bytes
+            module.training = self.model.training
+            module.set_plan(dataclasses.replace(the_plan, measured_peak_bytes=peak))
+            if peak <= budget:
+                return module
+            tightenings.append(f"predicted {the_plan.predicted_peak_bytes}, measured {peak}")
+            logger.info("measured peak %d bytes is over the budget %d; tightening the plan", peak, budget)
+            target -= peak - budget + max(1, budget // 1000)
+        raise InfeasibleBudgetError(
+            f"the budget {format_bytes(budget)} was not kept when measured after {_VERIFY_ATTEMPTS} plans "
+            f"(bytes: {'; '.join(tightenings)}). Use a budget of at least {peak} bytes (the last measured peak) or a "
+            "smaller batch.",
+            budget_bytes=budget,
+            min_feasible_bytes=peak,
+        )
+
+    @contextlib.contextmanager
+    def _model_state(self) -> Iterator[None]:
+        with preserved_model_state(self.model, self.request.args, self.request.kwargs):
+            self.model.train()
+            yield
+
+    def _fresh_graph(self) -> Graph:
+        """The profiled graph the first time; a new capture afterwards (rewriting edits the executable in place)."""
+        if not self._executable_used:
+            self._executable_used = True
+            return self.graph
+        graph = capture(self.model, self.request.args, self.request.kwargs)
+        if len(graph.units) != len(self.graph.units):
+            raise RuntimeError(
+                f"capturing {type(self.model).__name__} a second time gave {len(graph.units)} units instead "
+                f"of {len(self.graph.units)} (the model's forward is not deterministic?); create a new Planner, or "
+                "use autockpt.plan to inspect the first plan"
+            )
+        return graph
+
+    def _solve(self, target_bytes: int) -> SolveResult:
+        self._on_stage("solve")
+        if self._candidates is None:
+            self._candidates = candidate_regions(self.graph, self.profile)
+        segments, candidates = self._candidates
+        result = solve(self.profile, segments, candidates, target_bytes, self.request.solver_options)
+        logger.info(
+            "plan: %s, %d regions, predicted peak %d bytes (target %d), solve %.1fs",
+            result.status.value, len(result.regions), result.timeline.peak_bytes, target_bytes, result.solve_time_s,
+        )
+        return result
+
+    def _overhead(self, recompute_ms: float) -> float:
+        return recompute_ms / self.profile.step_ms if self.profile.step_ms > 0 else 0.0
+
+    def _assemble(
+        self,
+        regions: tuple[Region, ...],
+        budget: int,
+        timeline: Timeline,
+        *,
+        result: SolveResult | None = None,
+        strategy: str = "autockpt",
+    ) -> Plan:
+        measured = self.profile
+        region_of = unit_regions(len(self.graph.units), regions)
+        rerun = set(timeline.rerun_units)
+        nodes = tuple(
+            NodePlan(
+                index=unit.index,
+                name=unit.name,
+                op=unit.op,
+                module_path=unit.module_path,
+                saved_bytes=cost.saved_bytes,
+                output_bytes=cost.output_bytes,
+                forward_ms=cost.forward_ms,
+                flops=cost.flops,
+                decision=Decision.KEEP if region_of[unit.index] is None else Decision.RECOMPUTE,
+                region=region_of[unit.index],
+                recompute_ms=cost.forward_ms if unit.index in rerun else 0.0,
+            )
+            for unit, cost in zip(self.graph.units, measured.units)
+        )
+        solved = result is not None
+        return Plan(
+            budget_bytes=budget,
+            predicted_peak_bytes=timeline.peak_bytes,
+            baseline_peak_bytes=result.baseline.peak_bytes if solved else measured.baseline_peak_bytes,
+            min_feasible_bytes=result.min_feasible_bytes if solved else timeline.peak_bytes,
+            static_bytes=measured.static_bytes,
+            predicted_overhead=self._overhead(timeline.recompute_ms),
+            recompute_ms=timeline.recompute_ms,
+            baseline_step_ms=measured.step_ms,
+            capture=self.graph.kind,
+            status=result.status if solved else PlanStatus.GIVEN,
+            solver=result.solver if solved else "none",
+            solve_time_s=result.solve_time_s if solved else 0.0,
+            capture_time_s=self.capture_time_s,
+            profile_time_s=self.profile_time_s,
+            regions=regions,
+            nodes=nodes,
+            notes=self.graph.notes,
+            strategy=strategy,
+            fingerprint=self.fingerprint,
+            solver_stats=result.stats if solved else None,
+            memory_before=memory_curve(measured, ()),
+            memory_after=memory_curve(measured, regions),
+        )
+
+
+def pareto_budgets(the_plan: Plan, points: int) -> list[int]:
+    """``points`` budgets evenly spaced from the smallest feasible peak to the unmodified peak (both included)."""
+    low, high = the_plan.min_feasible_bytes, the_plan.baseline_peak_bytes
+    if points == 1 or high <= low:
+        return [low]
+    return [int(round(low + (high - low) * i / (points - 1))) for i in range(points)]
 
 
 def get_plan(module: nn.Module) -> Plan:
@@ -162,37 +376,25 @@ def budget_to_bytes(budget_gb: Any, budget_bytes: Any) -> int:
     return result
 
 
-_VERIFY_ATTEMPTS = 3
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class _Request:
-    """A checked call of optimize/plan."""
+    """Checked model, example inputs and loss of a Planner / optimize / plan call."""
 
     model: nn.Module
-    budget: int
     args: tuple
     kwargs: dict
     loss: Callable[[Any], torch.Tensor]
     solver_options: SolverOptions | None
 
     @staticmethod
-    def check(
-        model: Any,
-        budget_gb: Any,
-        budget_bytes: Any,
-        example_inputs: Any,
-        example_kwargs: Any,
-        loss_fn: Any,
-        solver_options: Any,
-    ) -> _Request:
+    def check(model: Any, example_inputs: Any, example_kwargs: Any, loss_fn: Any, solver_options: Any) -> _Request:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if isinstance(model, OptimizedModule):
             raise TypeError(
                 "model was already optimized by autockpt; pass the original model (module.original_module)"
             )
-        budget = budget_to_bytes(budget_gb, budget_bytes)
         args, kwargs = _example_arguments(example_inputs, example_kwargs)
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable (output -> scalar tensor), got {type(loss_fn).__name__}")
@@ -202,67 +404,7 @@ class _Request:
             raise ValueError(
                 f"{type(model).__name__} has no parameter that requires grad: there is no training step to plan"
             )
-        return _Request(
-            model=model, budget=budget, args=args, kwargs=kwargs, loss=loss_fn or default_loss, solver_options=solver_options
-        )
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class _Timed:
-    capture_s: float
-    profile_s: float
-
-
-def _capture_and_profile(request: _Request) -> tuple[Graph, Profile, _Timed]:
-    started = time.perf_counter()
-    graph = capture(request.model, request.args, request.kwargs)
-    captured = time.perf_counter()
-    measured = profile(graph, request.args, request.kwargs, request.loss)
-    return graph, measured, _Timed(capture_s=captured - started, profile_s=time.perf_counter() - captured)
-
-
-def _solve_plan(request: _Request, graph: Graph, measured: Profile, timings: _Timed, target_bytes: int) -> Plan:
-    segments, candidates = candidate_regions(graph, measured)
-    result = solve(measured, segments, candidates, target_bytes, request.solver_options)
-    logger.info(
-        "plan: %s, %d regions, predicted peak %d bytes (target %d), solve %.1fs",
-        result.status.value, len(result.regions), result.timeline.peak_bytes, target_bytes, result.solve_time_s,
-    )
-    region_of = unit_regions(len(graph.units), result.regions)
-    nodes = tuple(
-        NodePlan(
-            index=unit.index,
-            name=unit.name,
-            op=unit.op,
-            module_path=unit.module_path,
-            saved_bytes=cost.saved_bytes,
-            output_bytes=cost.output_bytes,
-            forward_ms=cost.forward_ms,
-            flops=cost.flops,
-            decision=Decision.KEEP if region_of[unit.index] is None else Decision.RECOMPUTE,
-            region=region_of[unit.index],
-        )
-        for unit, cost in zip(graph.units, measured.units)
-    )
-    return Plan(
-        budget_bytes=request.budget,
-        predicted_peak_bytes=result.timeline.peak_bytes,
-        baseline_peak_bytes=result.baseline.peak_bytes,
-        min_feasible_bytes=result.min_feasible_bytes,
-        static_bytes=measured.static_bytes,
-        predicted_overhead=result.timeline.recompute_ms / measured.step_ms if measured.step_ms > 0 else 0.0,
-        recompute_ms=result.timeline.recompute_ms,
-        baseline_step_ms=measured.step_ms,
-        capture=graph.kind,
-        status=result.status,
-        solver=result.solver,
-        solve_time_s=result.solve_time_s,
-        capture_time_s=timings.capture_s,
-        profile_time_s=timings.profile_s,
-        regions=result.regions,
-        nodes=nodes,
-        notes=graph.notes,
-    )
+        return _Request(model=model, args=args, kwargs=kwargs, loss=loss_fn or default_loss, solver_options=solver_options)
 
 
 def _example_arguments(example_inputs: Any, example_kwargs: Any) -> tuple[tuple, dict]:

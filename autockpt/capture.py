@@ -72,8 +72,15 @@ def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
 
 def graph_units(gm: fx.GraphModule, *, module_prefix: str = "") -> tuple[Unit, ...]:
     """One unit per compute node; ``module_prefix`` is what the capture wrapper adds to module paths."""
+    wrapper = module_prefix.removesuffix(".")
     return tuple(
-        Unit(index=index, name=node.name, op=_op_name(node), module_path=_module_path(node).removeprefix(module_prefix))
+        Unit(
+            index=index,
+            name=node.name,
+            op=_op_name(node),
+            # the wrapper's own attribute is the user's root module: its path is ""
+            module_path="" if wrapper and _module_path(node) == wrapper else _module_path(node).removeprefix(module_prefix),
+        )
         for index, node in enumerate(compute_nodes(gm))
     )
 

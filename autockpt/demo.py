@@ -1,7 +1,7 @@
 """The README's main job: optimize a built-in model to half of its activation memory and measure the result.
 
-    python -m autockpt                 # GPT-2 (random init) when transformers is installed, else a tiny transformer
-    python -m autockpt --model cnn --fraction 0.4
+    autockpt demo                      # GPT-2 (random init) when transformers is installed, else a tiny transformer
+    autockpt demo --model cnn --fraction 0.4
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from autockpt import zoo
 from autockpt.report import format_bytes
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str = "autockpt demo") -> None:
     default_model = "gpt2" if importlib.util.find_spec("transformers") else "transformer"
-    parser = argparse.ArgumentParser(prog="python -m autockpt", description="autockpt demo on a built-in model")
+    parser = argparse.ArgumentParser(prog=prog, description="autockpt demo on a built-in model")
     parser.add_argument("--model", default=default_model, choices=sorted(zoo.BUILDERS))
     parser.add_argument("--size", default="small", choices=zoo.SIZES)
     parser.add_argument(

@@ -25,3 +25,11 @@ class CaptureError(AutockptError, RuntimeError):
 
 class ProfileError(AutockptError, RuntimeError):
     """Running the captured graph forward and backward on the example inputs failed."""
+
+
+class PlanMismatchError(AutockptError, ValueError):
+    """A saved plan was applied to a model or inputs other than the ones it was made for."""
+
+
+class PlanFileError(AutockptError, ValueError):
+    """A plan file could not be read: not JSON, not an autockpt plan, or a schema version this autockpt does not know."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import statistics
 import time
@@ -243,6 +244,7 @@ def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[torch.Tenso
 class _TrackedStep:
     tracker: StorageTracker
     saved_by_unit: dict[int, set[int]]  # unit -> indices of storages it saved
+    gradient_allocations: list[tuple[int, int]]  # (event, bytes) of each parameter gradient's storage
 
 
 def _tracked_step(graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn) -> _TrackedStep:
@@ -280,7 +282,9 @@ def _tracked_step(graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn) -> _
         del loss
         tracker.begin_event(Phase.BACKWARD, OUTSIDE_GRAPH_UNIT)  # end marker: what is freed after the step
     del output
-    return _TrackedStep(tracker, saved_by_unit)
+    gradient_records = {tracker.record_of(p.grad) for p in graph.model.parameters() if p.grad is not None}
+    gradient_allocations = [(r.alloc_event, r.nbytes) for r in gradient_records if r is not None]
+    return _TrackedStep(tracker, saved_by_unit, gradient_allocations)
 
 
 # ------------------------------------------------------------------------------------------------ timing, flops
@@ -375,6 +379,10 @@ def _assemble(
     buffer_bytes = unique_storage_bytes(list(graph.model.buffers()))
     input_bytes = unique_storage_bytes([t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
     gradient_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    gradient_added = [0] * (len(events) + 1)
+    for event, nbytes in tracked.gradient_allocations:
+        gradient_added[event] += nbytes
+    gradient_by_event = list(itertools.accumulate(gradient_added[: len(events)]))
     return Profile(
         units=units,
         storages=tuple(storages),
@@ -386,6 +394,7 @@ def _assemble(
         baseline_peak_bytes=max(e.peak_bytes for e in events),
         forward_ms=sum(unit_ms),
         step_ms=step_ms,
+        gradient_bytes_by_event=tuple(gradient_by_event),
     )
 
 

@@ -1,10 +1,15 @@
-"""Report: Plan -> readable text and a pandas DataFrame."""
+"""Report: Plan -> readable text, a pandas DataFrame, and full reports (self-contained HTML with plots, markdown)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import io
+import os
+from dataclasses import dataclass
+from html import escape as html_escape
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from autockpt.types import Plan
+from autockpt.types import Decision, Plan
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -14,8 +19,12 @@ GIB = 2**30
 
 
 def format_bytes(nbytes: float) -> str:
-    """Bytes as GB (10^9) with GiB (2^30) beside, e.g. '1.500 GB (1.397 GiB)'."""
-    return f"{nbytes / GB:.3f} GB ({nbytes / GIB:.3f} GiB)"
+    """Bytes in decimal units with the binary ones beside, sized to the value: '1.500 GB (1.397 GiB)',
+    '3.96 MB (3.78 MiB)', '849.4 kB (829.5 KiB)'. GB = 10^9, GiB = 2^30 bytes (MB = 10^6, MiB = 2^20, ...)."""
+    for decimal, binary, power, decimals in (("GB", "GiB", 3, 3), ("MB", "MiB", 2, 2), ("kB", "KiB", 1, 1)):
+        if abs(nbytes) >= 1000**power or power == 1:
+            return f"{nbytes / 1000**power:.{decimals}f} {decimal} ({nbytes / 1024**power:.{decimals}f} {binary})"
+    raise AssertionError("unreachable")
 
 
 def plan_summary(plan: Plan, *, max_regions: int = 12) -> str:
@@ -67,3 +76,296 @@ def plan_dataframe(plan: Plan) -> pd.DataFrame:
         }
     )
 
+
+
+# ------------------------------------------------------------------------------------------------- full reports
+
+_CATEGORIES = (  # (MemoryCurve field, label, colour)
+    ("parameter_bytes", "parameters, buffers, inputs", "#4c72b0"),
+    ("gradient_bytes", "gradients", "#55a868"),
+    ("activation_bytes", "activations (forward tensors alive)", "#dd8452"),
+    ("recomputed_bytes", "recomputed", "#c44e52"),
+    ("temporary_bytes", "temporaries", "#8c8c8c"),
+)
+
+
+def write_report(plan: Plan, path: str | os.PathLike[str], *, depth: int = 2) -> None:
+    """HTML (self-contained, plots inline as SVG) when ``path`` ends in .html/.htm, else markdown."""
+    target = Path(path)
+    html = target.suffix.lower() in (".html", ".htm")
+    target.write_text(report_html(plan, depth=depth) if html else report_markdown(plan, depth=depth))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModuleRow:
+    """Per-module effect of a plan: activation bytes no longer kept, and forward time spent again."""
+
+    path: str
+    saved_bytes: int  # bytes the module's recomputed units would have saved for backward
+    recompute_ms: float
+    recomputed_units: int
+    units: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RegionRow:
+    index: int
+    first: str
+    last: str
+    units: int
+    module_path: str
+    saved_bytes: int
+    recompute_ms: float
+
+
+def module_rows(plan: Plan, depth: int) -> list[ModuleRow]:
+    """Modules to ``depth`` levels (the model is depth 0) in order of first appearance in the graph."""
+    totals: dict[str, list[float]] = {}
+    for node in plan.nodes:
+        parts = node.module_path.split(".") if node.module_path else []
+        recomputed = node.decision is Decision.RECOMPUTE
+        for level in range(min(depth, len(parts)) + 1):
+            row = totals.setdefault(".".join(parts[:level]), [0, 0.0, 0, 0])
+            row[0] += node.saved_bytes if recomputed else 0
+            row[1] += node.recompute_ms
+            row[2] += recomputed
+            row[3] += 1
+    return [
+        ModuleRow(path=path, saved_bytes=int(s), recompute_ms=float(ms), recomputed_units=int(r), units=int(n))
+        for path, (s, ms, r, n) in totals.items()
+    ]
+
+
+def region_rows(plan: Plan) -> list[RegionRow]:
+    rows = []
+    for index, region in enumerate(plan.regions):
+        nodes = plan.nodes[region.first_unit : region.last_unit + 1]
+        paths = [n.module_path for n in nodes]
+        rows.append(
+            RegionRow(
+                index=index, first=nodes[0].name, last=nodes[-1].name, units=len(nodes),
+                module_path=_common_module(paths), saved_bytes=sum(n.saved_bytes for n in nodes),
+                recompute_ms=sum(n.recompute_ms for n in nodes),
+            )
+        )
+    return rows
+
+
+def _common_module(paths: list[str]) -> str:
+    split = [p.split(".") if p else [] for p in paths]
+    common: list[str] = []
+    for parts in zip(*split):
+        if any(part != parts[0] for part in parts):
+            break
+        common.append(parts[0])
+    return ".".join(common)
+
+
+def _headline(plan: Plan) -> list[tuple[str, str]]:
+    rows = [
+        ("strategy / status", f"{plan.strategy} / {plan.status.value}"),
+        ("capture", plan.capture.value),
+        ("budget", format_bytes(plan.budget_bytes)),
+        ("predicted peak", format_bytes(plan.predicted_peak_bytes)),
+        ("unmodified peak (predicted = profiled)", format_bytes(plan.baseline_peak_bytes)),
+        ("smallest feasible peak", format_bytes(plan.min_feasible_bytes)),
+        ("static (parameters, buffers, gradients, inputs)", format_bytes(plan.static_bytes)),
+        ("predicted overhead", f"+{100 * plan.predicted_overhead:.1f}% of the step (recompute {plan.recompute_ms:.1f} ms "
+                               f"of {plan.baseline_step_ms:.1f} ms)"),
+        ("recomputed", f"{len(plan.recomputed_units)} of {len(plan.nodes)} units in {len(plan.regions)} regions"),
+    ]
+    if plan.measured_peak_bytes is not None:
+        rows.append(("measured peak (one real step)", format_bytes(plan.measured_peak_bytes)))
+    if plan.fingerprint is not None:
+        rows.append(("model", plan.fingerprint.model_class))
+        rows.append(("inputs", ", ".join(f"{s.name}: {s.dtype.removeprefix('torch.')}{list(s.shape)}"
+                                         for s in plan.fingerprint.inputs)))
+    return rows
+
+
+def _solver_rows(plan: Plan) -> list[tuple[str, str]]:
+    rows = [("solver", plan.solver), ("solve time", f"{plan.solve_time_s:.2f} s"),
+            ("capture / profile time", f"{plan.capture_time_s:.2f} s / {plan.profile_time_s:.2f} s")]
+    stats = plan.solver_stats
+    if stats is not None:
+        gap = "not reported by this solver" if stats.relative_gap is None else f"{100 * stats.relative_gap:.2f}%"
+        rows += [
+            ("last program's status", stats.status),
+            ("last program's relative gap", gap),
+            ("variables / constraints", f"{stats.variables} / {stats.constraints}"),
+            ("programs solved", str(stats.programs)),
+        ]
+    return rows
+
+
+def _timeline_svg(plan: Plan) -> str:
+    from matplotlib.figure import Figure
+
+    curves = [("unmodified step", plan.memory_before), ("under this plan", plan.memory_after)]
+    figure = Figure(figsize=(10, 6.4), layout="constrained")
+    axes = figure.subplots(2, 1, sharex=True, sharey=True)
+    for ax, (title, curve) in zip(axes, curves):
+        assert curve is not None
+        x = range(len(curve.phases))
+        stacks = [[value / GB for value in getattr(curve, name)] for name, _, _ in _CATEGORIES]
+        ax.stackplot(x, *stacks, labels=[label for _, label, _ in _CATEGORIES],
+                     colors=[colour for _, _, colour in _CATEGORIES], step="post", linewidth=0)
+        ax.axhline(plan.budget_bytes / GB, color="black", linestyle="--", linewidth=1.2, label="budget")
+        backward = next((i for i, phase in enumerate(curve.phases) if phase.value == "backward"), None)
+        if backward is not None:
+            ax.axvline(backward, color="#444444", linewidth=0.8, linestyle=":")
+            ax.text(backward, ax.get_ylim()[1] * 0.02, "  backward", fontsize=8, color="#444444")
+        peak = max(curve.total_bytes)
+        ax.set_title(f"{title}: peak {format_bytes(peak)}", fontsize=10, loc="left")
+        ax.set_ylabel("GB (10^9 bytes)")
+    axes[1].set_xlabel("event of the training step (forward units, then backward)")
+    axes[0].legend(loc="upper left", fontsize=8, ncols=3)
+    return _svg(figure)
+
+
+def _pareto_svg(plan: Plan) -> str:
+    from matplotlib.figure import Figure
+
+    points = [p for p in plan.pareto if p.predicted_peak_bytes is not None and p.predicted_overhead is not None]
+    figure = Figure(figsize=(6.5, 4), layout="constrained")
+    ax = figure.subplots()
+    ax.plot([p.predicted_peak_bytes / GB for p in points], [100 * p.predicted_overhead for p in points],
+            marker="o", color="#4c72b0", label="plans at other budgets")
+    ax.plot([plan.predicted_peak_bytes / GB], [100 * plan.predicted_overhead], marker="*", markersize=14,
+            color="#c44e52", linestyle="none", label="this plan")
+    ax.set_xlabel("predicted peak, GB (10^9 bytes)")
+    ax.set_ylabel("predicted overhead, % of the step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _svg(figure)
+
+
+def _svg(figure: Any) -> str:
+    buffer = io.StringIO()
+    figure.savefig(buffer, format="svg")
+    text = buffer.getvalue()
+    return text[text.index("<svg"):]  # drop the XML prolog and doctype: the SVG sits inside the HTML page
+
+
+def report_html(plan: Plan, *, depth: int = 2) -> str:
+    """A self-contained HTML page (no external files or scripts); plots need matplotlib (pip install matplotlib)."""
+    e = html_escape
+    parts = [
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
+        f"<title>autockpt plan: {e(plan.fingerprint.model_class if plan.fingerprint else 'model')}</title>",
+        f"<style>{_CSS}</style></head><body>",
+        "<h1>autockpt memory plan</h1>",
+        "<p class='units'>GB = 10<sup>9</sup> bytes, GiB = 2<sup>30</sup> bytes. Everything below is predicted by "
+        "autockpt's simulator from one profiled step, except a measured peak, which is said.</p>",
+        _html_table(["", ""], _headline(plan), show_header=False, css="summary"),
+        "<h2>Memory of one training step</h2>",
+    ]
+    if plan.memory_before is not None and plan.memory_after is not None:
+        parts.append(f"<figure>{_timeline_svg(plan)}</figure>")
+    else:
+        parts.append("<p>No timeline in this plan (it was not made by autockpt's planner).</p>")
+    parts.append(f"<h2>Per module (depth {depth})</h2>")
+    parts.append(_html_table(
+        ["module", "activation bytes not kept", "recompute ms", "recomputed units"],
+        [("&nbsp;" * 4 * (r.path.count(".") + 1 if r.path else 0) + e(r.path or "(model)"), format_bytes(r.saved_bytes),
+          f"{r.recompute_ms:.2f}", f"{r.recomputed_units} / {r.units}") for r in module_rows(plan, depth)],
+        escape=False,
+    ))
+    parts.append(f"<h2>Decisions: {len(plan.regions)} checkpointed regions</h2>")
+    if plan.regions:
+        parts.append(_html_table(
+            ["#", "first unit", "last unit", "units", "module", "saved bytes (unmodified)", "recompute ms"],
+            [(str(r.index), e(r.first), e(r.last), str(r.units), e(r.module_path or "(model)"),
+              format_bytes(r.saved_bytes), f"{r.recompute_ms:.2f}") for r in region_rows(plan)],
+            escape=False,
+        ))
+    else:
+        parts.append("<p>Nothing is recomputed: the unmodified step fits the budget.</p>")
+    parts.append("<h2>Solver</h2>")
+    parts.append(_html_table(["", ""], _solver_rows(plan), show_header=False, css="summary"))
+    parts.append("<h2>Pareto curve: predicted peak vs predicted overhead</h2>")
+    if plan.pareto:
+        parts.append(f"<figure>{_pareto_svg(plan)}</figure>")
+        parts.append(_html_table(["budget", "predicted peak", "predicted overhead", "regions"], _pareto_rows(plan)))
+    else:
+        parts.append("<p>Not computed for this plan (<code>autockpt plan --pareto N</code> or "
+                     "<code>Planner.plan(..., pareto_points=N)</code>).</p>")
+    if plan.notes:
+        parts.append("<h2>Notes</h2><ul>" + "".join(f"<li>{e(note)}</li>" for note in plan.notes) + "</ul>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def _pareto_rows(plan: Plan) -> list[tuple[str, ...]]:
+    return [
+        (format_bytes(p.budget_bytes),
+         "infeasible" if p.predicted_peak_bytes is None else format_bytes(p.predicted_peak_bytes),
+         "" if p.predicted_overhead is None else f"+{100 * p.predicted_overhead:.1f}%", str(p.regions))
+        for p in plan.pareto
+    ]
+
+
+def report_markdown(plan: Plan, *, depth: int = 2) -> str:
+    """The report's tables in markdown (plots are in the HTML report)."""
+    lines = ["# autockpt memory plan", "", "GB = 10^9 bytes, GiB = 2^30 bytes; figures are predicted unless said.", ""]
+    lines += _md_table(["", ""], _headline(plan))
+    if plan.memory_after is not None:
+        after = plan.memory_after
+        peak_event = max(range(len(after.phases)), key=after.total_bytes.__getitem__)
+        lines += ["", "## At the predicted peak", ""]
+        lines += _md_table(["category", "bytes"], [
+            (label, format_bytes(getattr(after, name)[peak_event])) for name, label, _ in _CATEGORIES
+        ] + [("total", format_bytes(after.total_bytes[peak_event]))])
+    lines += ["", f"## Per module (depth {depth})", ""]
+    lines += _md_table(
+        ["module", "activation bytes not kept", "recompute ms", "recomputed units"],
+        [(r.path or "(model)", format_bytes(r.saved_bytes), f"{r.recompute_ms:.2f}", f"{r.recomputed_units} / {r.units}")
+         for r in module_rows(plan, depth)],
+    )
+    lines += ["", f"## Decisions: {len(plan.regions)} checkpointed regions", ""]
+    lines += _md_table(
+        ["#", "first unit", "last unit", "units", "module", "saved bytes (unmodified)", "recompute ms"],
+        [(str(r.index), r.first, r.last, str(r.units), r.module_path or "(model)", format_bytes(r.saved_bytes),
+          f"{r.recompute_ms:.2f}") for r in region_rows(plan)],
+    )
+    lines += ["", "## Solver", ""]
+    lines += _md_table(["", ""], _solver_rows(plan))
+    if plan.pareto:
+        lines += ["", "## Pareto curve", ""]
+        lines += _md_table(["budget", "predicted peak", "predicted overhead", "regions"], _pareto_rows(plan))
+    if plan.notes:
+        lines += ["", "## Notes", ""] + [f"- {note}" for note in plan.notes]
+    return "\n".join(lines) + "\n"
+
+
+def _md_table(header: list[str], rows: list[tuple[str, ...]]) -> list[str]:
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def _html_table(
+    columns: list[str], rows: list[tuple[str, ...]], *, show_header: bool = True, css: str = "", escape: bool = True
+) -> str:
+    """A table; cells are escaped unless ``escape`` is False (the caller escaped them and added markup)."""
+    clean = html_escape if escape else (lambda text: text)
+    head = "<tr>" + "".join(f"<th>{html_escape(c)}</th>" for c in columns) + "</tr>" if show_header else ""
+    body = "".join("<tr>" + "".join(f"<td>{clean(cell)}</td>" for cell in row) + "</tr>" for row in rows)
+    return f"<table class='{css}'>{head}{body}</table>"
+
+
+_CSS = """
+body { font-family: system-ui, -apple-system, 'Segoe UI', sans-serif; margin: 2em auto; max-width: 1100px;
+       color: #222; line-height: 1.4; padding: 0 1em; }
+h1 { font-size: 1.6em; } h2 { font-size: 1.2em; margin-top: 1.8em; border-bottom: 1px solid #ddd; }
+table { border-collapse: collapse; font-size: 0.9em; }
+th, td { border: 1px solid #ddd; padding: 3px 8px; text-align: left; }
+td:not(:first-child) { font-variant-numeric: tabular-nums; }
+th { background: #f3f3f3; }
+table.summary td:first-child { font-weight: 600; background: #fafafa; }
+figure { margin: 0.5em 0; } figure svg { max-width: 100%; height: auto; }
+.units { color: #555; font-size: 0.9em; }
+"""

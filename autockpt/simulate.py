@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autockpt.types import Phase, Profile, Region, StorageLife, Timeline
+from autockpt.types import MemoryCurve, Phase, Profile, Region, StorageLife, Timeline
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,24 +83,70 @@ def unit_regions(num_units: int, regions: Sequence[Region]) -> list[int | None]:
 
 def simulate(profile: Profile, regions: Sequence[Region]) -> Timeline:
     """Predict the memory of one training step when ``regions`` are checkpointed."""
+    return _predict(profile, regions).timeline
+
+
+def memory_curve(profile: Profile, regions: Sequence[Region]) -> MemoryCurve:
+    """The predicted step of ``simulate`` per event, stacked by category (for reports); sums to its event bytes.
+
+    Categories are assigned in a fixed order, each capped by what is left of the event's predicted bytes:
+    parameters/buffers/inputs, gradients, recomputed copies, forward tensors, then the rest as temporaries.
+    """
+    prediction = _predict(profile, regions)
+    static = profile.parameter_bytes + profile.buffer_bytes + profile.input_bytes
+    gradients = profile.gradient_bytes_by_event or (0,) * len(profile.events)
+    columns: list[list[int]] = [[], [], [], [], []]
+    for event, total in enumerate(prediction.timeline.event_bytes):
+        left = total
+        parts = (static, gradients[event], prediction.copy_bytes[event], prediction.forward_bytes[event])
+        for column, value in zip(columns, parts):
+            taken = max(0, min(value, left))
+            column.append(taken)
+            left -= taken
+        columns[4].append(left)
+    return MemoryCurve(
+        phases=tuple(e.phase for e in profile.events),
+        parameter_bytes=tuple(columns[0]),
+        gradient_bytes=tuple(columns[1]),
+        recomputed_bytes=tuple(columns[2]),
+        activation_bytes=tuple(columns[3]),
+        temporary_bytes=tuple(columns[4]),
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Prediction:
+    timeline: Timeline
+    forward_bytes: list[int]  # per event: bytes of forward-made storages alive under the plan
+    copy_bytes: list[int]  # per event: recomputed copies alive, plus the replay burst where it sets the peak
+
+
+def _predict(profile: Profile, regions: Sequence[Region]) -> _Prediction:
     num_events = len(profile.events)
     region_of = unit_regions(len(profile.units), regions)
     windows = region_windows(profile, regions)
-    delta = [0] * (num_events + 1)  # difference array over events
+    # difference arrays over events: original forward storages (as measured, then as the plan changes them) and
+    # recomputed copies
+    forward_delta = [0] * (num_events + 1)
+    copy_delta = [0] * (num_events + 1)
     copy_bytes_at_burst = [0] * len(regions)
 
-    def add(first: int, last: int, nbytes: int) -> None:
+    def add(delta: list[int], first: int, last: int, nbytes: int) -> None:
         if first <= last:
             delta[first] += nbytes
             delta[last + 1] -= nbytes
 
+    plan_delta = [0] * (num_events + 1)  # what the plan changes, on top of the measured timeline
     for storage in profile.storages:
         base_free = storage.free_event if storage.free_event is not None else num_events - 1
+        add(forward_delta, storage.alloc_event, base_free, storage.nbytes)
         plan_free = _plan_free_event(storage, region_of, windows, base_free)
         if plan_free < base_free:
-            add(plan_free + 1, base_free, -storage.nbytes)
+            add(plan_delta, plan_free + 1, base_free, -storage.nbytes)
+            add(forward_delta, plan_free + 1, base_free, -storage.nbytes)
         elif plan_free > base_free:
-            add(base_free + 1, plan_free, storage.nbytes)
+            add(plan_delta, base_free + 1, plan_free, storage.nbytes)
+            add(forward_delta, base_free + 1, plan_free, storage.nbytes)
         home = _region(region_of, storage.producer_unit)
         if home is None:
             continue
@@ -109,40 +155,52 @@ def simulate(profile: Profile, regions: Sequence[Region]) -> Timeline:
         ]
         window = windows[home]
         if releases and window.first_backward_event is not None:
-            add(window.first_backward_event, max(releases), storage.nbytes)
+            add(plan_delta, window.first_backward_event, max(releases), storage.nbytes)
+            add(copy_delta, window.first_backward_event, max(releases), storage.nbytes)
             copy_bytes_at_burst[home] += storage.nbytes
 
-    event_bytes = []
-    running = 0
+    event_bytes, forward_bytes, copy_bytes = [], [], []
+    running = forward_running = copy_running = 0
     for event in profile.events:
-        running += delta[event.index]
+        running += plan_delta[event.index]
+        forward_running += forward_delta[event.index]
+        copy_running += copy_delta[event.index]
         event_bytes.append(event.peak_bytes + running)
+        forward_bytes.append(forward_running)
+        copy_bytes.append(copy_running)
 
     burst_bytes = []
     recompute_ms = 0.0
+    rerun_units: list[int] = []
     for r, (region, window) in enumerate(zip(regions, windows)):
         if window.first_backward_event is None:
             burst_bytes.append(0)
             continue
         c = window.first_backward_event
-        offset = sum(delta[: c + 1])
+        offset = sum(plan_delta[: c + 1])
         before_recompute = profile.events[c].start_bytes + offset - copy_bytes_at_burst[r]
         replay = 0
         if window.last_recomputed_unit is not None:
             replay = _replay_peak(profile, region, window.last_recomputed_unit, region_of, r)
-            recompute_ms += sum(profile.units[u].forward_ms for u in range(region.first_unit, window.last_recomputed_unit + 1))
+            rerun = range(region.first_unit, window.last_recomputed_unit + 1)
+            recompute_ms += sum(profile.units[u].forward_ms for u in rerun)
+            rerun_units += rerun
         burst = before_recompute + replay
         burst_bytes.append(burst)
-        event_bytes[c] = max(event_bytes[c], burst)
+        if burst > event_bytes[c]:
+            copy_bytes[c] += burst - event_bytes[c]
+            event_bytes[c] = burst
 
     peak_event = max(range(num_events), key=event_bytes.__getitem__)
-    return Timeline(
+    timeline = Timeline(
         event_bytes=tuple(event_bytes),
         burst_bytes=tuple(burst_bytes),
         peak_bytes=event_bytes[peak_event],
         peak_event=peak_event,
         recompute_ms=recompute_ms,
+        rerun_units=tuple(rerun_units),
     )
+    return _Prediction(timeline=timeline, forward_bytes=forward_bytes, copy_bytes=copy_bytes)
 
 
 def _region(region_of: list[int | None], unit: int) -> int | None:

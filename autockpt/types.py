@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ class PlanStatus(str, Enum):
     IDENTITY = "identity"  # budget at or above the unmodified peak: nothing recomputed
     OPTIMAL = "optimal"  # the solver proved its model optimal and the simulator confirmed the budget
     FEASIBLE = "feasible"  # within budget per the simulator, optimality not proven (time limit or refinement)
+    GIVEN = "given"  # regions chosen by the caller (a baseline policy), scored by the simulator, not solved
 
 
 class Phase(str, Enum):
@@ -130,6 +132,7 @@ class Profile:
     baseline_peak_bytes: int  # measured peak of the unmodified step (same definition as autockpt.measure)
     forward_ms: float
     step_ms: float  # forward + backward, median of repeats
+    gradient_bytes_by_event: tuple[int, ...] = ()  # per event: bytes of parameter gradients allocated so far
 
     @property
     def static_bytes(self) -> int:
@@ -161,6 +164,67 @@ class Timeline:
     peak_bytes: int
     peak_event: int
     recompute_ms: float
+    rerun_units: tuple[int, ...] = ()  # units whose kernels run again in backward (early stop skips a region's tail)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryCurve:
+    """Predicted bytes of one training step per event, stacked by category; the categories add up to the event's
+    predicted peak (``total_bytes``), so ``max(total_bytes)`` is the plan's predicted peak."""
+
+    phases: tuple[Phase, ...]
+    parameter_bytes: tuple[int, ...]  # parameters, buffers and inputs
+    gradient_bytes: tuple[int, ...]  # parameter gradients made so far in backward
+    activation_bytes: tuple[int, ...]  # tensors made in forward still alive (kept for backward, or not yet freed)
+    recomputed_bytes: tuple[int, ...]  # copies made by recomputation, and the recomputation's own temporaries
+    temporary_bytes: tuple[int, ...]  # everything else: backward temporaries, activation gradients, workspaces
+
+    @property
+    def total_bytes(self) -> tuple[int, ...]:
+        return tuple(map(sum, zip(self.parameter_bytes, self.gradient_bytes, self.activation_bytes,
+                                  self.recomputed_bytes, self.temporary_bytes)))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TensorSpec:
+    """Name, shape and dtype of a parameter or an input: what a saved plan must match to apply."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # e.g. "torch.float32"; for a non-tensor input, "python" and ``value`` holds its repr
+    value: str = ""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelFingerprint:
+    """What a plan was made for. Applying a plan to a model or inputs with another fingerprint is refused."""
+
+    model_class: str
+    graph_digest: str  # sha256 of the captured units' ops and module paths, in order
+    num_units: int
+    parameters: tuple[TensorSpec, ...]
+    inputs: tuple[TensorSpec, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SolverStats:
+    """How the MILP went (the last program solved); zeros when no program was needed."""
+
+    status: str  # the solver's own word for the last program: "Optimal", "Not Solved", ...
+    relative_gap: float | None  # proven gap of the last program (None when the solver did not say)
+    variables: int
+    constraints: int
+    programs: int  # programs solved: min-peak floor, first solve and budget refinements
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParetoPoint:
+    """One budget of a sweep: what the plan for it predicts."""
+
+    budget_bytes: int
+    predicted_peak_bytes: int | None  # None: infeasible
+    predicted_overhead: float | None
+    regions: int
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -177,6 +241,7 @@ class NodePlan:
     flops: int
     decision: Decision
     region: int | None  # index into Plan.regions, None when not checkpointed
+    recompute_ms: float = 0.0  # forward ms run again in backward (0 for the tail a region's early stop skips)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -204,6 +269,12 @@ class Plan:
     nodes: tuple[NodePlan, ...]
     measured_peak_bytes: int | None = None  # optimize() runs one real step on the example inputs to check the budget
     notes: tuple[str, ...] = field(default=())
+    strategy: str = "autockpt"  # "autockpt" for solved plans; a baseline policy's name otherwise
+    fingerprint: ModelFingerprint | None = None
+    solver_stats: SolverStats | None = None
+    memory_before: MemoryCurve | None = None  # predicted step with nothing recomputed
+    memory_after: MemoryCurve | None = None  # predicted step under this plan
+    pareto: tuple[ParetoPoint, ...] = ()  # other budgets, when the planner was asked for them
 
     @property
     def recomputed_units(self) -> tuple[int, ...]:
@@ -218,6 +289,18 @@ class Plan:
         from autockpt.report import plan_dataframe
 
         return plan_dataframe(self)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the plan as JSON (schema-versioned, no pickle); ``autockpt.load_plan`` reads it back."""
+        from autockpt.plan_io import save_plan
+
+        save_plan(self, path)
+
+    def report(self, path: str | os.PathLike[str], *, depth: int = 2) -> None:
+        """Write a self-contained report: HTML when ``path`` ends in .html/.htm, markdown otherwise."""
+        from autockpt.report import write_report
+
+        write_report(self, path, depth=depth)
 
     def __repr__(self) -> str:
         return (

@@ -23,7 +23,7 @@ from autockpt.errors import InfeasibleBudgetError
 from autockpt.report import GB, format_bytes
 from autockpt.simulate import simulate
 from autockpt.solve.candidates import elementary_pieces
-from autockpt.types import Phase, PlanStatus, Profile, Region, Timeline
+from autockpt.types import Phase, PlanStatus, Profile, Region, SolverStats, Timeline
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ class SolveResult:
     status: PlanStatus
     solver: str
     solve_time_s: float
+    stats: SolverStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +87,8 @@ def solve(
     block_base = [max(baseline.event_bytes[e] for e in block) for block in blocks]
     solver_name = _solver_name(options)
 
-    floor_regions, floor_status = _solve_program(scored, block_base, None, options, solver_name)
+    programs: list[SolverStats] = []
+    floor_regions, floor_status = _solve_program(scored, block_base, None, options, solver_name, programs)
     floor_timeline = simulate(profile, floor_regions)
     min_feasible = min(floor_timeline.peak_bytes, baseline.peak_bytes)
 
@@ -94,6 +96,7 @@ def solve(
         return SolveResult(
             regions=(), timeline=baseline, baseline=baseline, min_feasible_bytes=min_feasible,
             status=PlanStatus.IDENTITY, solver=solver_name, solve_time_s=time.perf_counter() - started,
+            stats=_summarise(programs),
         )
     if budget_bytes < min_feasible:
         raise InfeasibleBudgetError(
@@ -113,7 +116,7 @@ def solve(
     effective = float(budget_bytes)
     search_low, search_high = -math.inf, math.inf
     for _ in range(options.refinement_rounds):
-        regions, status = _solve_program(scored, block_base, effective, options, solver_name)
+        regions, status = _solve_program(scored, block_base, effective, options, solver_name, programs)
         if regions is None:  # the program is infeasible: it over-estimates memory, give it more room
             search_low = max(search_low, effective)
             effective = effective + 0.01 * budget_bytes if search_high == math.inf else (effective + search_high) / 2
@@ -145,7 +148,16 @@ def solve(
     regions, timeline, status = best
     return SolveResult(
         regions=regions, timeline=timeline, baseline=baseline, min_feasible_bytes=min_feasible,
-        status=status, solver=solver_name, solve_time_s=time.perf_counter() - started,
+        status=status, solver=solver_name, solve_time_s=time.perf_counter() - started, stats=_summarise(programs),
+    )
+
+
+def _summarise(programs: list[SolverStats]) -> SolverStats:
+    """The last program's figures (the floor program's when no plan program ran), with how many were solved."""
+    last = programs[-1]
+    return SolverStats(
+        status=last.status, relative_gap=last.relative_gap, variables=last.variables, constraints=last.constraints,
+        programs=len(programs),
     )
 
 
@@ -194,8 +206,10 @@ def _solve_program(
     budget: float | None,
     options: SolverOptions,
     solver_name: str,
+    programs: list[SolverStats],
 ) -> tuple[tuple[Region, ...] | None, PlanStatus]:
-    """budget None: minimise the peak (the memory floor). Returns (regions or None if infeasible, status)."""
+    """budget None: minimise the peak (the memory floor). Returns (regions or None if infeasible, status) and appends
+    the program's statistics to ``programs``."""
     prob = pulp.LpProblem("autockpt_floor" if budget is None else "autockpt_plan", pulp.LpMinimize)
     # w_i: 1 if candidate region i is checkpointed
     w = [pulp.LpVariable(f"w_{i}", cat=pulp.LpBinary) for i in range(len(candidates))]
@@ -228,7 +242,14 @@ def _solve_program(
 
     if options.write_lp_path:
         prob.writeLP(f"{options.write_lp_path}.{prob.name}.lp")
-    prob.solve(_make_solver(solver_name, options))
+    solver = _make_solver(solver_name, options)
+    prob.solve(solver)
+    programs.append(
+        SolverStats(
+            status=pulp.LpStatus.get(prob.status, str(prob.status)), relative_gap=_mip_gap(prob, solver_name),
+            variables=len(prob.variables()), constraints=len(prob.constraints), programs=1,
+        )
+    )
     if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         if budget is None:
             return (), PlanStatus.FEASIBLE
@@ -236,6 +257,18 @@ def _solve_program(
     chosen = tuple(sorted((c.region for i, c in enumerate(candidates) if (w[i].value() or 0) > 0.5), key=lambda r: r.first_unit))
     proven = prob.sol_status == pulp.LpSolutionOptimal
     return chosen, PlanStatus.OPTIMAL if proven else PlanStatus.FEASIBLE
+
+
+def _mip_gap(prob: pulp.LpProblem, solver_name: str) -> float | None:
+    """The proven relative gap; HiGHS reports it through its model object, PuLP's CBC command does not."""
+    model = getattr(prob, "solverModel", None)
+    if solver_name != SolverName.HIGHS or model is None:
+        return None
+    try:
+        gap = float(model.getInfo().mip_gap)
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None
+    return gap if math.isfinite(gap) else None
 
 
 def _solver_name(options: SolverOptions) -> str:

@@ -1,0 +1,211 @@
+"""Saved plans: Plan <-> JSON, and the fingerprint that decides whether a plan fits a model.
+
+A plan file is plain JSON (never pickle) with a schema version. It carries the model's fingerprint: the captured
+graph (ops and module paths of every unit, in order), parameter names/shapes/dtypes and input shapes/dtypes. A plan
+made on one machine (say, the CLI on a laptop) applies on another without profiling or solving again, as long as the
+fingerprint matches; otherwise ``PlanMismatchError`` says what differs. The device is not part of the fingerprint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import os
+import types
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from autockpt.errors import PlanFileError, PlanMismatchError
+from autockpt.types import Graph, ModelFingerprint, Plan, TensorSpec, Unit
+
+SCHEMA = "autockpt.plan"
+SCHEMA_VERSION = 1
+_MAX_LISTED = 5  # differences listed per kind in a mismatch message
+
+
+# ------------------------------------------------------------------------------------------------- fingerprint
+
+
+def model_fingerprint(model: nn.Module, graph: Graph, args: tuple, kwargs: dict) -> ModelFingerprint:
+    return ModelFingerprint(
+        model_class=f"{type(model).__module__}.{type(model).__qualname__}",
+        graph_digest=graph_digest(graph.kind.value, graph.units),
+        num_units=len(graph.units),
+        parameters=tuple(
+            TensorSpec(name=name, shape=tuple(p.shape), dtype=str(p.dtype)) for name, p in model.named_parameters()
+        ),
+        inputs=input_specs(args, kwargs),
+    )
+
+
+def graph_digest(capture_kind: str, units: Sequence[Unit]) -> str:
+    text = "\n".join([capture_kind, *(f"{u.op}\t{u.module_path}" for u in units)])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def input_specs(args: tuple, kwargs: dict) -> tuple[TensorSpec, ...]:
+    """One spec per input leaf, named by its path: ``args[0]``, ``kwargs['input_ids']``."""
+    leaves, _ = pytree.tree_flatten_with_path((args, kwargs))
+    specs = []
+    for path, leaf in leaves:
+        name = pytree.keystr(path)
+        name = "args" + name[3:] if name.startswith("[0]") else "kwargs" + name[3:]
+        if isinstance(leaf, torch.Tensor):
+            specs.append(TensorSpec(name=name, shape=tuple(leaf.shape), dtype=str(leaf.dtype)))
+        else:
+            text = repr(leaf)
+            specs.append(TensorSpec(name=name, shape=(), dtype="python", value=text[:200]))
+    return tuple(specs)
+
+
+def check_fingerprint(plan: Plan, actual: ModelFingerprint, units: Sequence[Unit]) -> None:
+    """Raise PlanMismatchError listing what differs between the plan's fingerprint and the model's."""
+    expected = plan.fingerprint
+    if expected is None:
+        raise PlanMismatchError(
+            "this plan carries no model fingerprint, so autockpt cannot tell whether it fits the model; make the plan "
+            "with autockpt.plan / autockpt.Planner (or the autockpt CLI) and apply that one"
+        )
+    differences = _spec_differences("parameter", expected.parameters, actual.parameters)
+    differences += _spec_differences("input", expected.inputs, actual.inputs)
+    if expected.graph_digest != actual.graph_digest:
+        differences.append(_graph_difference(plan, expected, actual, units))
+    if differences:
+        listed = "\n  ".join(differences)
+        raise PlanMismatchError(
+            f"the plan was made for another model or other inputs ({expected.model_class}, {expected.num_units} units; "
+            f"given {actual.model_class}, {actual.num_units} units):\n  {listed}\n"
+            "Make a new plan for this model and inputs (autockpt.plan or `autockpt plan`), or pass example inputs "
+            "with the shapes and dtypes the plan was made for."
+        )
+
+
+def _spec_differences(kind: str, expected: Sequence[TensorSpec], actual: Sequence[TensorSpec]) -> list[str]:
+    plan_specs = {s.name: s for s in expected}
+    model_specs = {s.name: s for s in actual}
+    found = []
+    missing = [name for name in plan_specs if name not in model_specs]
+    extra = [name for name in model_specs if name not in plan_specs]
+    if missing:
+        found.append(f"{kind}s in the plan but not given: {', '.join(missing[:_MAX_LISTED])}"
+                     + (f" and {len(missing) - _MAX_LISTED} more" if len(missing) > _MAX_LISTED else ""))
+    if extra:
+        found.append(f"{kind}s given but not in the plan: {', '.join(extra[:_MAX_LISTED])}"
+                     + (f" and {len(extra) - _MAX_LISTED} more" if len(extra) > _MAX_LISTED else ""))
+    changed = [
+        f"{kind} {name}: plan {_describe(plan_specs[name])}, given {_describe(model_specs[name])}"
+        for name in plan_specs
+        if name in model_specs and plan_specs[name] != model_specs[name]
+    ]
+    found += changed[:_MAX_LISTED]
+    if len(changed) > _MAX_LISTED:
+        found.append(f"... and {len(changed) - _MAX_LISTED} more {kind}s with other shapes or dtypes")
+    return found
+
+
+def _describe(spec: TensorSpec) -> str:
+    if spec.dtype == "python":
+        return f"value {spec.value}"
+    return f"{spec.dtype.removeprefix('torch.')}{list(spec.shape)}"
+
+
+def _graph_difference(plan: Plan, expected: ModelFingerprint, actual: ModelFingerprint, units: Sequence[Unit]) -> str:
+    for node, unit in zip(plan.nodes, units):
+        if (node.op, node.module_path) != (unit.op, unit.module_path):
+            return (
+                f"captured graph: {expected.num_units} units in the plan, {actual.num_units} here; first difference "
+                f"at unit {node.index}: plan {node.op} in '{node.module_path}', here {unit.op} in '{unit.module_path}'"
+            )
+    if expected.num_units != actual.num_units:
+        return f"captured graph: {expected.num_units} units in the plan, {actual.num_units} here (same up to unit {min(expected.num_units, actual.num_units)})"
+    return f"captured graph: same ops, but captured another way (plan: {plan.capture.value})"
+
+
+# ------------------------------------------------------------------------------------------------------- JSON
+
+
+def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
+    document = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "plan": _encode(plan)}
+    Path(path).write_text(json.dumps(document, indent=1) + "\n")
+
+
+def load_plan(path: str | os.PathLike[str]) -> Plan:
+    """Read a plan written by ``Plan.save`` (or ``autockpt plan --out``)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as error:
+        raise PlanFileError(f"cannot read the plan file {str(path)!r}: {error.strerror or error}") from error
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise PlanFileError(f"{str(path)!r} is not JSON ({error}); give a file written by Plan.save or `autockpt plan --out`") from error
+    if not isinstance(document, dict) or document.get("schema") != SCHEMA:
+        raise PlanFileError(f"{str(path)!r} is JSON but not an autockpt plan (no \"schema\": \"{SCHEMA}\")")
+    version = document.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise PlanFileError(
+            f"{str(path)!r} has plan schema version {version!r}; this autockpt reads version {SCHEMA_VERSION}. "
+            "Make the plan again with this version of autockpt."
+        )
+    try:
+        return _decode(Plan, document["plan"])
+    except (KeyError, TypeError, ValueError) as error:
+        raise PlanFileError(f"{str(path)!r} is not a valid autockpt plan: {type(error).__name__}: {error}") from error
+
+
+def _encode(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (tuple, list)):
+        return [_encode(v) for v in value]
+    if isinstance(value, float) and not (value == value and abs(value) != float("inf")):
+        raise ValueError(f"cannot save the non-finite number {value} in a plan")
+    return value
+
+
+def _decode(annotation: Any, data: Any) -> Any:
+    """Build a value of the annotated type from JSON data (dataclasses, enums, tuples, optionals, scalars)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if data is None and type(None) in options:
+            return None
+        (inner,) = [a for a in options if a is not type(None)]
+        return _decode(inner, data)
+    if origin is tuple:
+        arguments = typing.get_args(annotation)
+        if not isinstance(data, list):
+            raise TypeError(f"expected a list for {annotation}, got {type(data).__name__}")
+        if len(arguments) == 2 and arguments[1] is Ellipsis:
+            return tuple(_decode(arguments[0], item) for item in data)
+        return tuple(_decode(a, item) for a, item in zip(arguments, data))
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return annotation(data)
+    if dataclasses.is_dataclass(annotation):
+        if not isinstance(data, dict):
+            raise TypeError(f"expected an object for {annotation.__name__}, got {type(data).__name__}")
+        hints = typing.get_type_hints(annotation)
+        known = {f.name for f in dataclasses.fields(annotation)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown fields for {annotation.__name__}: {sorted(unknown)}")
+        return annotation(**{name: _decode(hints[name], value) for name, value in data.items()})
+    if annotation is float:
+        if not isinstance(data, (int, float)) or isinstance(data, bool):
+            raise TypeError(f"expected a number, got {data!r}")
+        return float(data)
+    if annotation in (int, str, bool):
+        if type(data) is not annotation:
+            raise TypeError(f"expected {annotation.__name__}, got {data!r}")
+        return data
+    raise TypeError(f"cannot read a value of type {annotation}")

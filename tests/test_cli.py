@@ -1,0 +1,129 @@
+"""The command line: every user mistake gives one line and a non-zero exit; the commands write what they say."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import autockpt
+from autockpt.cli import main, parse_budget, parse_input_spec
+
+MLP = ["cli_models:small_mlp", "--input", "float32[128,64]"]
+
+
+def run(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, ["--quiet", *args])
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.stdout, result.stderr
+
+
+def one_line_error(*args: str) -> str:
+    code, out, err = run(*args)
+    assert code == 1, (code, out, err)
+    lines = err.strip().splitlines()
+    assert lines[0].startswith("error: ") and "Traceback" not in err
+    assert lines[1:] == ["(run with --debug for the traceback)"]
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("8GB", 8 * 10**9), ("7.5GiB", int(7.5 * 2**30)), ("500MB", 500 * 10**6), ("123456789", 123456789),
+     ("1e9", 10**9), ("64 KiB", 65536), ("2gb", 2 * 10**9)],
+)
+def test_budgets_take_explicit_units(text: str, expected: int) -> None:
+    assert parse_budget(text) == expected
+
+
+def test_input_specs() -> None:
+    spec = parse_input_spec("input_ids=int64[4,512]:high=50257")
+    assert (spec.name, spec.dtype, spec.shape, spec.fill) == ("input_ids", "int64", (4, 512), "high=50257")
+    assert parse_input_spec("float32[8, 3, 224, 224]").name is None
+    assert parse_input_spec("mask=bool[2,3]:ones").fill == "ones"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["plan", "no_such_package.models:make", "--budget", "1MB"], "cannot import 'no_such_package.models'"),
+        (["plan", "cli_models:missing", "--budget", "1MB"], "has no attribute 'missing'"),
+        (["plan", "cli_models:raising_factory", "--budget", "1MB"], "raised RuntimeError: weights file missing"),
+        (["plan", "cli_models:not_a_module", "--budget", "1MB"], "returned a int, not a torch.nn.Module"),
+        (["plan", "resnet", "--budget", "1MB"], "neither a built-in example"),
+        (["plan", "cli_models:small_mlp", "--budget", "1MB"], "no example inputs"),
+        (["plan", *MLP, "--inputs", "cli_models:mlp_inputs", "--budget", "1MB"], "not both"),
+        (["plan", "cli_models:small_mlp", "--inputs", "cli_models:string_inputs", "--budget", "1MB"], "returned a str"),
+        (["plan", "cli_models:small_mlp", "--input", "x=float32[8,a]", "--budget", "1MB"], "not understood"),
+        (["plan", "cli_models:small_mlp", "--input", "x=complex7[8]", "--budget", "1MB"], "unknown dtype"),
+        (["plan", "cli_models:small_mlp", "--input", "x=int64[8]:randn", "--budget", "1MB"], "does not fit dtype"),
+        (["plan", "cli_models:small_mlp", "--input", "x=float32[0,4]", "--budget", "1MB"], "positive integer"),
+        (["plan", *MLP, "--budget", "8 gigs"], "budget '8 gigs' not understood"),
+        (["plan", *MLP, "--budget", "0.1B"], "less than one byte"),
+        (["plan", *MLP, "--budget", "1kB"], "below the smallest peak"),
+        (["sweep", *MLP, "--budgets", ",", "--out", "unused"], "lists no budget"),
+        (["plan", *MLP, "--input", "x=float32[3,64]", "--budget", "1MB"], "forward"),
+    ],
+)
+def test_user_mistakes_give_one_line_and_exit_1(args: list[str], message: str) -> None:
+    assert message in one_line_error(*args)
+
+
+def test_debug_shows_the_traceback() -> None:
+    result = CliRunner().invoke(main, ["--quiet", "--debug", "plan", *MLP, "--budget", "8 gigs"])
+    assert result.exit_code != 0 and isinstance(result.exception, ValueError)
+
+
+def test_estimate_prints_the_breakdown(tmp_path: Path) -> None:
+    code, out, _ = run("estimate", *MLP, "--optimizer", "adamw", "--depth", "1", "--csv", str(tmp_path / "e.csv"))
+    assert code == 0
+    assert "activations saved for backward" in out and "optimizer state (adamw)" in out
+    parameter_bytes = sum(p.numel() * 4 for p in __import__("cli_models").small_mlp().parameters())
+    assert f"parameters {parameter_bytes:>44,d} B" in " ".join(out.split("  ")) or f"{parameter_bytes:,d} B" in out
+    assert f"optimizer state (adamw) {2 * parameter_bytes:>28,d} B".split()[-2] in out
+    assert (tmp_path / "e.csv").read_text().startswith("kind,name,bytes")
+
+
+def test_plan_writes_a_plan_and_a_report_that_apply_elsewhere(tmp_path: Path) -> None:
+    code, out, _ = run("plan", *MLP, "--budget", "360kB", "--out", str(tmp_path / "p.json"),
+                       "--report", str(tmp_path / "r.html"), "--pareto", "3")
+    assert code == 0 and "predicted peak" in out
+    saved = autockpt.load_plan(tmp_path / "p.json")
+    assert saved.budget_bytes == 360_000 and saved.predicted_peak_bytes <= 360_000 and saved.regions
+    assert len(saved.pareto) == 3
+    html = (tmp_path / "r.html").read_text()
+    assert "<svg" in html and "Pareto" in html
+    assert json.loads((tmp_path / "p.json").read_text())["schema"] == "autockpt.plan"
+
+
+def test_sweep_writes_csv_markdown_and_png(tmp_path: Path) -> None:
+    code, out, _ = run("sweep", *MLP, "--budgets", "1kB,360kB,10MB", "--out", str(tmp_path))
+    assert code == 0
+    rows = (tmp_path / "sweep.csv").read_text().splitlines()
+    assert len(rows) == 4 and rows[1].split(",")[2] == "False"  # 1 kB is infeasible
+    assert (tmp_path / "pareto.png").stat().st_size > 1000 and "infeasible" in (tmp_path / "sweep.md").read_text()
+
+
+def test_keyword_inputs_from_a_function() -> None:
+    code, out, _ = run("plan", "cli_models:small_mlp", "--inputs", "cli_models:keyword_inputs", "--budget", "600kB",
+                       "--pareto", "0")
+    assert code == 0 and "kwargs['input']" not in out  # summary, not the fingerprint
+
+
+@pytest.mark.slow
+def test_python_dash_m_and_the_console_script_run_the_same_cli() -> None:
+    for command in ([sys.executable, "-m", "autockpt", "--help"], ["autockpt", "--help"]):
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "estimate" in done.stdout and "sweep" in done.stdout
+
+
+def test_demo_runs_a_built_in_example() -> None:
+    code, out, _ = run("demo", "--model", "mlp", "--size", "tiny")
+    assert code == 0 and "within budget" in out
+    torch.set_num_threads(2)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import sys
 import json
 import re
 from pathlib import Path
@@ -123,3 +125,18 @@ def test_estimate_breaks_the_step_down() -> None:
     assert "optimizer state (adam)" in breakdown.table()
     with pytest.raises(ValueError, match="optimizer must be one of adam, adamw, sgd, none; got 'lion'"):
         autockpt.estimate(case.model, example_inputs=case.args, optimizer="lion")
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium (apt-get install chromium)")
+def test_the_html_report_renders_in_headless_chromium(transformer_plan: autockpt.Plan, tmp_path: Path) -> None:
+    from matplotlib.image import imread
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "experiments"))
+    from screenshot_report import screenshot
+
+    transformer_plan.report(tmp_path / "r.html")
+    screenshot(tmp_path / "r.html", tmp_path / "r.png", width=1000, height=1800)
+    pixels = imread(tmp_path / "r.png")[..., :3]
+    coloured = ((pixels.max(axis=-1) - pixels.min(axis=-1)) > 0.2).mean()  # the stacked areas and the curve
+    dark = (pixels.mean(axis=-1) < 0.3).mean()  # text and table lines
+    assert coloured > 0.02 and dark > 0.005, (coloured, dark)

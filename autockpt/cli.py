@@ -230,7 +230,7 @@ class StageProgress:
     def __init__(self, total: int, quiet: bool) -> None:
         from tqdm import tqdm
 
-        self._bar = tqdm(total=total, disable=quiet or not sys.stderr.isatty(), unit="stage", leave=False,
+        self._bar = tqdm(total=total, disable=quiet or not sys.stderr.isatty(), unit="stage", leave=False, ncols=100,
                          bar_format="{desc:<10} {bar} {n_fmt}/{total_fmt} [{elapsed}]")
         self._started = False
 

@@ -30,7 +30,8 @@ def format_bytes(nbytes: float) -> str:
 def plan_summary(plan: Plan, *, max_regions: int = 12) -> str:
     recomputed = plan.recomputed_units
     lines = [
-        f"autockpt plan: capture={plan.capture.value}, status={plan.status.value}, solver={plan.solver}",
+        f"autockpt plan: strategy={plan.strategy}, capture={plan.capture.value}, status={plan.status.value}, "
+        f"solver={plan.solver}",
         f"  budget                 {format_bytes(plan.budget_bytes)}",
         f"  predicted peak         {format_bytes(plan.predicted_peak_bytes)}",
         f"  unmodified peak        {format_bytes(plan.baseline_peak_bytes)}",
@@ -44,12 +45,10 @@ def plan_summary(plan: Plan, *, max_regions: int = 12) -> str:
     ]
     if plan.regions:
         lines.append("  checkpointed regions (first unit .. last unit, module):")
-        for index, region in enumerate(plan.regions[:max_regions]):
-            first, last = plan.nodes[region.first_unit], plan.nodes[region.last_unit]
-            saved = sum(n.saved_bytes for n in plan.nodes[region.first_unit : region.last_unit + 1])
+        for row in region_rows(plan)[:max_regions]:
             lines.append(
-                f"    [{index}] {first.name} .. {last.name} ({region.last_unit - region.first_unit + 1} units, "
-                f"saves {saved / GB:.4f} GB unmodified) {first.module_path or ''}".rstrip()
+                f"    [{row.index}] {row.first} .. {row.last} ({row.units} units, saves {format_bytes(row.saved_bytes)} "
+                f"unmodified) {row.module_path}".rstrip()
             )
         if len(plan.regions) > max_regions:
             lines.append(f"    ... {len(plan.regions) - max_regions} more (plan.to_dataframe() lists every unit)")

@@ -210,7 +210,8 @@ class ModelFingerprint:
 class SolverStats:
     """How the MILP went (the last program solved); zeros when no program was needed."""
 
-    status: str  # the solver's own word for the last program: "Optimal", "Not Solved", ...
+    status: str  # PuLP's word for the last program's solution: "Optimal Solution Found", "Solution Found" (not proven
+    # optimal, e.g. time limit), "No Solution Found" (time limit, no incumbent), "No Solution Exists" (infeasible)
     relative_gap: float | None  # proven gap of the last program (None when the solver did not say)
     variables: int
     constraints: int

@@ -191,3 +191,24 @@ def test_a_region_ending_in_a_matmul_does_not_rerun_it() -> None:
         return counter.get_total_flops()
 
     assert step_flops(module) - step_flops(case.model) == measured.units[linear_units[3]].flops
+
+
+def test_without_any_solution_in_time_a_greedy_plan_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    from autockpt.solve import ilp
+    from autockpt.types import SolverStats
+
+    case = zoo.build("mlp")
+    planner = autockpt.Planner(case.model, example_inputs=case.args)
+    budget = int(planner.profile.static_bytes + 0.6 * (planner.profile.baseline_peak_bytes - planner.profile.static_bytes))
+
+    def timed_out(candidates, block_base, budget, options, solver_name, programs):  # noqa: ANN001
+        programs.append(SolverStats(status="No Solution Found", relative_gap=None, variables=1, constraints=1, programs=1))
+        return ((), ilp.PlanStatus.FEASIBLE) if budget is None else (None, ilp.PlanStatus.FEASIBLE)
+
+    monkeypatch.setattr(ilp, "_solve_program", timed_out)
+    plan = planner.plan(budget_bytes=budget)
+    assert plan.status is autockpt.PlanStatus.FEASIBLE and "greedy fallback (memory floor, plan)" in plan.solver
+    assert plan.regions and plan.predicted_peak_bytes <= budget
+    module = planner.apply(plan)
+    measured = autockpt.measure_step(module, case.args, {}, None).peak_bytes
+    assert 0.99 * plan.predicted_peak_bytes <= measured <= plan.predicted_peak_bytes <= budget

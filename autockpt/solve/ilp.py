@@ -89,6 +89,10 @@ def solve(
 
     programs: list[SolverStats] = []
     floor_regions, floor_status = _solve_program(scored, block_base, None, options, solver_name, programs)
+    fallbacks: list[str] = []
+    if _no_incumbent(programs[-1]):
+        floor_regions = greedy_regions(profile, scored, None)
+        fallbacks.append("memory floor")
     floor_timeline = simulate(profile, floor_regions)
     min_feasible = min(floor_timeline.peak_bytes, baseline.peak_bytes)
 
@@ -138,6 +142,18 @@ def solve(
             )
         if search_high - search_low < 0.001 * budget_bytes:
             break
+    if any(_no_incumbent(p) for p in programs[1:]):  # a plan program timed out: the greedy plan may be cheaper
+        regions = greedy_regions(profile, scored, budget_bytes)
+        timeline = simulate(profile, regions)
+        if timeline.peak_bytes <= budget_bytes and (best is None or timeline.recompute_ms < best[1].recompute_ms):
+            best = (regions, timeline, PlanStatus.FEASIBLE)
+            fallbacks.append("plan")
+    if fallbacks:
+        logger.warning(
+            "the %s solver found no solution within %.1f s for the %s; used a greedy plan instead (raise "
+            "SolverOptions.time_limit_s for a better one)", solver_name, options.time_limit_s, " and the ".join(fallbacks),
+        )
+        solver_name = f"{solver_name} + greedy fallback ({', '.join(fallbacks)})"
     if best is None:
         raise InfeasibleBudgetError(
             f"no plan found under the budget {format_bytes(budget_bytes)}; the smallest simulated peak found is "
@@ -150,6 +166,33 @@ def solve(
         regions=regions, timeline=timeline, baseline=baseline, min_feasible_bytes=min_feasible,
         status=status, solver=solver_name, solve_time_s=time.perf_counter() - started, stats=_summarise(programs),
     )
+
+
+def greedy_regions(profile: Profile, candidates: Sequence[_Candidate], budget_bytes: int | None) -> tuple[Region, ...]:
+    """Fallback when the solver returns no solution in time: add candidate regions in order of recompute ms per byte
+    of their largest gain, keeping each one that lowers the simulated peak, until the peak is under ``budget_bytes``
+    (None: as low as this order gets it)."""
+    def cost_per_byte(candidate: _Candidate) -> float:
+        return candidate.cost_ms / max(1, max(candidate.gains.values(), default=0))
+
+    chosen: list[Region] = []
+    peak = simulate(profile, ()).peak_bytes
+    for candidate in sorted(candidates, key=cost_per_byte):
+        if budget_bytes is not None and peak <= budget_bytes:
+            break
+        region = candidate.region
+        if any(region.first_unit <= other.last_unit and other.first_unit <= region.last_unit for other in chosen):
+            continue
+        trial = sorted([*chosen, region], key=lambda r: r.first_unit)
+        trial_peak = simulate(profile, trial).peak_bytes
+        if trial_peak < peak:
+            chosen, peak = trial, trial_peak
+    return tuple(chosen)
+
+
+def _no_incumbent(stats: SolverStats) -> bool:
+    """The solver stopped (time limit) without any solution: not the same as a proven infeasible program."""
+    return stats.status == pulp.LpSolution[pulp.LpSolutionNoSolutionFound]
 
 
 def _summarise(programs: list[SolverStats]) -> SolverStats:
@@ -246,7 +289,7 @@ def _solve_program(
     prob.solve(solver)
     programs.append(
         SolverStats(
-            status=pulp.LpStatus.get(prob.status, str(prob.status)), relative_gap=_mip_gap(prob, solver_name),
+            status=pulp.LpSolution.get(prob.sol_status, str(prob.sol_status)), relative_gap=_mip_gap(prob, solver_name),
             variables=len(prob.variables()), constraints=len(prob.constraints), programs=1,
         )
     )

@@ -15,7 +15,7 @@ import torch
 import autockpt
 from autockpt import zoo
 from autockpt.report import format_bytes, module_rows, region_rows
-from conftest import assert_same_step, budget_at, twin
+from conftest import assert_same_step, budget_at, needs_transformers, twin
 
 
 @pytest.fixture(scope="module")
@@ -140,3 +140,17 @@ def test_the_html_report_renders_in_headless_chromium(transformer_plan: autockpt
     coloured = ((pixels.max(axis=-1) - pixels.min(axis=-1)) > 0.2).mean()  # the stacked areas and the curve
     dark = (pixels.mean(axis=-1) < 0.3).mean()  # text and table lines
     assert coloured > 0.02 and dark > 0.005, (coloured, dark)
+
+
+@pytest.mark.parametrize("name", ["control_flow", pytest.param("gpt2", marks=needs_transformers)])
+def test_saved_plans_apply_through_the_module_and_export_captures(name: str, tmp_path: Path) -> None:
+    case = zoo.build(name)
+    planner = autockpt.Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
+    plan = planner.plan(budget_bytes=budget_at(planner.plan(budget_bytes=10**15), 0.5))
+    assert plan.capture.value == ("module" if name == "control_flow" else "export") and plan.regions
+    plan.save(tmp_path / "plan.json")
+    fresh = zoo.build(name)
+    reference = twin(fresh)
+    module = autockpt.apply_plan(fresh.model, autockpt.load_plan(tmp_path / "plan.json"), example_inputs=fresh.args,
+                                 example_kwargs=fresh.kwargs)
+    assert_same_step(module, reference, fresh)

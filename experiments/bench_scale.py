@@ -1,0 +1,156 @@
+"""Scaling benchmark: how planning time, planner memory and plan quality grow with model depth.
+
+GPT-2-style models of 6, 12, 24, 48 layers and a UNet with many blocks, random-initialised. Each model runs in its own
+subprocess, so the planner's peak memory (the process's RSS high-water mark, ``ru_maxrss``) is its own. Per model:
+units in the captured graph, capture / profile / solve seconds (solve at each budget fraction), the planner's peak
+RSS, and per budget the predicted peak, the measured peak of the rewritten model (MemTracker, one real step), the
+prediction error and the predicted overhead. Writes a CSV and a log-log plot of solve time against units.
+
+    python experiments/bench_scale.py                         # GPT-2 6/12/24/48 layers and a UNet
+    python experiments/bench_scale.py --models gpt2:6,gpt2:12 --fractions 0.5 --no-measure
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_MODELS = "gpt2:6,gpt2:12,gpt2:24,gpt2:48,unet:4"
+# GPT-2: width 128, 4 heads, sequence 128, batch 2, vocabulary 512; small enough that profiling stays cheap on CPU,
+# the graph grows with depth like the real thing (about 55 aten units per layer).
+_GPT2 = {"n_embd": 128, "n_head": 4, "seq": 128, "batch": 2, "vocab": 512}
+
+
+def build(spec: str):  # -> (model, args, kwargs, loss_fn)
+    import torch
+
+    kind, _, depth_text = spec.partition(":")
+    depth = int(depth_text)
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(
+            n_layer=depth, n_embd=_GPT2["n_embd"], n_head=_GPT2["n_head"], n_positions=_GPT2["seq"],
+            vocab_size=_GPT2["vocab"], bos_token_id=0, eos_token_id=0,
+        )
+        ids = torch.randint(0, _GPT2["vocab"], (_GPT2["batch"], _GPT2["seq"]))
+        return GPT2LMHeadModel(config), (ids,), {"labels": ids}, None
+    if kind == "unet":
+        from diffusers import UNet2DModel
+
+        # ``depth`` resnet layers per block, four resolution levels: many repeated blocks
+        channels = (32, 64, 64, 128)
+        model = UNet2DModel(
+            sample_size=32, in_channels=3, out_channels=3, block_out_channels=channels, layers_per_block=depth,
+            down_block_types=("DownBlock2D",) * 4, up_block_types=("UpBlock2D",) * 4, norm_num_groups=8,
+        )
+        sample = torch.randn(2, 3, 32, 32)
+        return model, (sample, torch.tensor(10)), {}, lambda out: out.sample.pow(2).mean()
+    raise ValueError(f"unknown model spec {spec!r}: use gpt2:LAYERS or unet:LAYERS_PER_BLOCK")
+
+
+def run_one(spec: str, fractions: list[float], measure: bool) -> list[dict]:
+    """Plan (and measure) one model in this process; one row per budget fraction."""
+    import torch
+
+    import autockpt
+
+    torch.set_num_threads(2)
+    model, args, kwargs, loss_fn = build(spec)
+    planner = autockpt.Planner(model, example_inputs=args, example_kwargs=kwargs, loss_fn=loss_fn)
+    static, peak = planner.profile.static_bytes, planner.profile.baseline_peak_bytes
+    rows = []
+    for fraction in fractions:
+        budget = int(static + fraction * (peak - static))
+        row = {
+            "model": spec, "units": len(planner.graph.units), "capture": planner.graph.kind.value,
+            "parameters": sum(p.numel() for p in model.parameters()), "fraction": fraction, "budget_bytes": budget,
+            "unmodified_peak_bytes": peak, "static_bytes": static, "capture_s": round(planner.capture_time_s, 3),
+            "profile_s": round(planner.profile_time_s, 3),
+        }
+        started = time.perf_counter()
+        try:
+            plan = planner.plan(budget_bytes=budget)
+        except autockpt.InfeasibleBudgetError as error:
+            row.update(feasible=False, solve_s=round(time.perf_counter() - started, 3),
+                       min_feasible_bytes=error.min_feasible_bytes)
+            rows.append(row)
+            continue
+        row.update(
+            feasible=True, solve_s=round(time.perf_counter() - started, 3), status=plan.status.value,
+            min_feasible_bytes=plan.min_feasible_bytes, predicted_peak_bytes=plan.predicted_peak_bytes,
+            predicted_overhead=round(plan.predicted_overhead, 4), regions=len(plan.regions),
+            milp_variables=plan.solver_stats.variables if plan.solver_stats else 0,
+            milp_constraints=plan.solver_stats.constraints if plan.solver_stats else 0,
+        )
+        if measure:
+            module = planner.apply(plan)
+            measured = autockpt.measure_step(module, args, kwargs, loss_fn).peak_bytes
+            row.update(measured_peak_bytes=measured,
+                       prediction_error=round((measured - plan.predicted_peak_bytes) / measured, 5),
+                       within_budget=measured <= budget)
+        rows.append(row)
+    planner_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    for row in rows:
+        row["process_peak_rss_bytes"] = planner_rss
+    return rows
+
+
+def plot(frame, path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(6.5, 4.2), layout="constrained")
+    ax = figure.subplots()
+    for fraction, group in frame[frame["feasible"]].groupby("fraction"):
+        ax.loglog(group["units"], group["solve_s"], marker="o", linestyle="none", label=f"budget fraction {fraction}")
+        for _, row in group.iterrows():
+            ax.annotate(row["model"], (row["units"], row["solve_s"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("units in the captured graph (aten nodes)")
+    ax.set_ylabel("solve seconds (2 CPU cores)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    figure.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=DEFAULT_MODELS, help=f"comma-separated specs (default {DEFAULT_MODELS})")
+    parser.add_argument("--fractions", default="0.3,0.5", help="budgets: fractions from static memory to the peak")
+    parser.add_argument("--no-measure", action="store_true", help="skip the real step of each rewritten model")
+    parser.add_argument("--out", type=Path, default=Path("experiments/results"))
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one model, print JSON rows
+    options = parser.parse_args()
+    fractions = [float(f) for f in options.fractions.split(",")]
+    if options.one:
+        print(json.dumps(run_one(options.one, fractions, not options.no_measure)))
+        return
+
+    import pandas as pd
+
+    rows = []
+    for spec in options.models.split(","):
+        command = [sys.executable, __file__, "--one", spec, "--fractions", options.fractions]
+        command += ["--no-measure"] if options.no_measure else []
+        started = time.perf_counter()
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            print(f"{spec}: failed\n{done.stderr[-2000:]}", file=sys.stderr)
+            continue
+        found = json.loads(done.stdout.strip().splitlines()[-1])
+        rows += found
+        print(f"{spec}: {found[0]['units']} units, {time.perf_counter() - started:.0f} s in all", file=sys.stderr)
+    frame = pd.DataFrame(rows)
+    options.out.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(options.out / "bench_scale.csv", index=False)
+    plot(frame, options.out / "bench_scale.png")
+    print(frame.to_string(index=False))
+
+
+if __name__ == "__main__":
+    main()

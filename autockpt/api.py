@@ -25,7 +25,7 @@ from autockpt.report import GB, format_bytes
 from autockpt.rewrite import OptimizedModule, rewrite
 from autockpt.simulate import memory_curve, simulate, unit_regions
 from autockpt.solve.candidates import candidate_regions
-from autockpt.solve.ilp import SolveResult, SolverOptions, solve
+from autockpt.solve.ilp import PreparedProblem, SolveResult, SolverOptions, prepare, solve_prepared
 from autockpt.types import Decision, Graph, NodePlan, ParetoPoint, Plan, PlanStatus, Region, Timeline, describe_value
 
 logger = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class Planner:
         self.profile_time_s = time.perf_counter() - captured
         self.fingerprint = model_fingerprint(model, self.graph, self.request.args, self.request.kwargs)
         self._executable_used = False  # rewriting edits graph.executable; later rewrites capture again
-        self._candidates: tuple[list[Region], list[Region]] | None = None
+        self._problem: PreparedProblem | None = None  # scored candidates and floors, shared by every budget
 
     @property
     def model(self) -> nn.Module:
@@ -256,10 +256,9 @@ class Planner:
 
     def _solve(self, target_bytes: int) -> SolveResult:
         self._on_stage("solve")
-        if self._candidates is None:
-            self._candidates = candidate_regions(self.graph, self.profile)
-        segments, candidates = self._candidates
-        result = solve(self.profile, segments, candidates, target_bytes, self.request.solver_options)
+        if self._problem is None:
+            self._problem = prepare(self.profile, *candidate_regions(self.graph, self.profile))
+        result = solve_prepared(self._problem, target_bytes, self.request.solver_options)
         logger.info(
             "plan: %s, %d regions, predicted peak %d bytes (target %d), solve %.1fs",
             result.status.value, len(result.regions), result.timeline.peak_bytes, target_bytes, result.solve_time_s,

@@ -15,6 +15,7 @@ the prediction close to a real measurement.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -83,7 +84,7 @@ def unit_regions(num_units: int, regions: Sequence[Region]) -> list[int | None]:
 
 def simulate(profile: Profile, regions: Sequence[Region]) -> Timeline:
     """Predict the memory of one training step when ``regions`` are checkpointed."""
-    return _predict(profile, regions).timeline
+    return _predict(profile, regions, detailed=False).timeline
 
 
 def memory_curve(profile: Profile, regions: Sequence[Region]) -> MemoryCurve:
@@ -92,7 +93,7 @@ def memory_curve(profile: Profile, regions: Sequence[Region]) -> MemoryCurve:
     Categories are assigned in a fixed order, each capped by what is left of the event's predicted bytes:
     parameters/buffers/inputs, gradients, recomputed copies, forward tensors, then the rest as temporaries.
     """
-    prediction = _predict(profile, regions)
+    prediction = _predict(profile, regions, detailed=True)
     static = profile.parameter_bytes + profile.buffer_bytes + profile.input_bytes
     gradients = profile.gradient_bytes_by_event or (0,) * len(profile.events)
     columns: list[list[int]] = [[], [], [], [], []]
@@ -121,32 +122,35 @@ class _Prediction:
     copy_bytes: list[int]  # per event: recomputed copies alive, plus the replay burst where it sets the peak
 
 
-def _predict(profile: Profile, regions: Sequence[Region]) -> _Prediction:
+def _predict(profile: Profile, regions: Sequence[Region], *, detailed: bool) -> _Prediction:
+    """``detailed``: also split the bytes into forward storages and recomputed copies (for memory curves)."""
     num_events = len(profile.events)
     region_of = unit_regions(len(profile.units), regions)
     windows = region_windows(profile, regions)
-    # difference arrays over events: original forward storages (as measured, then as the plan changes them) and
-    # recomputed copies
-    forward_delta = [0] * (num_events + 1)
-    copy_delta = [0] * (num_events + 1)
+    index = _storage_index(profile)
     copy_bytes_at_burst = [0] * len(regions)
+    plan_delta = [0] * (num_events + 1)  # what the plan changes, on top of the measured timeline (difference array)
+    forward_delta = [0] * (num_events + 1)  # detailed: the plan's changes to the original forward storages
+    copy_delta = [0] * (num_events + 1)  # detailed: recomputed copies
 
     def add(delta: list[int], first: int, last: int, nbytes: int) -> None:
         if first <= last:
             delta[first] += nbytes
             delta[last + 1] -= nbytes
 
-    plan_delta = [0] * (num_events + 1)  # what the plan changes, on top of the measured timeline
-    for storage in profile.storages:
+    # only storages that a region's unit makes, reads or saves can change
+    touched = sorted({s for region in regions for u in range(region.first_unit, region.last_unit + 1)
+                      for s in index.storages_of_unit[u]})
+    for position in touched:
+        storage = profile.storages[position]
         base_free = storage.free_event if storage.free_event is not None else num_events - 1
-        add(forward_delta, storage.alloc_event, base_free, storage.nbytes)
         plan_free = _plan_free_event(storage, region_of, windows, base_free)
-        if plan_free < base_free:
-            add(plan_delta, plan_free + 1, base_free, -storage.nbytes)
-            add(forward_delta, plan_free + 1, base_free, -storage.nbytes)
-        elif plan_free > base_free:
-            add(plan_delta, base_free + 1, plan_free, storage.nbytes)
-            add(forward_delta, base_free + 1, plan_free, storage.nbytes)
+        if plan_free != base_free:
+            first, last, nbytes = (plan_free + 1, base_free, -storage.nbytes) if plan_free < base_free else (
+                base_free + 1, plan_free, storage.nbytes)
+            add(plan_delta, first, last, nbytes)
+            if detailed:
+                add(forward_delta, first, last, nbytes)
         home = _region(region_of, storage.producer_unit)
         if home is None:
             continue
@@ -156,18 +160,20 @@ def _predict(profile: Profile, regions: Sequence[Region]) -> _Prediction:
         window = windows[home]
         if releases and window.first_backward_event is not None:
             add(plan_delta, window.first_backward_event, max(releases), storage.nbytes)
-            add(copy_delta, window.first_backward_event, max(releases), storage.nbytes)
+            if detailed:
+                add(copy_delta, window.first_backward_event, max(releases), storage.nbytes)
             copy_bytes_at_burst[home] += storage.nbytes
 
     event_bytes, forward_bytes, copy_bytes = [], [], []
     running = forward_running = copy_running = 0
     for event in profile.events:
         running += plan_delta[event.index]
-        forward_running += forward_delta[event.index]
-        copy_running += copy_delta[event.index]
         event_bytes.append(event.peak_bytes + running)
-        forward_bytes.append(forward_running)
-        copy_bytes.append(copy_running)
+        if detailed:
+            forward_running += forward_delta[event.index]
+            copy_running += copy_delta[event.index]
+            forward_bytes.append(index.forward_bytes[event.index] + forward_running)
+            copy_bytes.append(copy_running)
 
     burst_bytes = []
     recompute_ms = 0.0
@@ -188,7 +194,8 @@ def _predict(profile: Profile, regions: Sequence[Region]) -> _Prediction:
         burst = before_recompute + replay
         burst_bytes.append(burst)
         if burst > event_bytes[c]:
-            copy_bytes[c] += burst - event_bytes[c]
+            if detailed:
+                copy_bytes[c] += burst - event_bytes[c]
             event_bytes[c] = burst
 
     peak_event = max(range(num_events), key=event_bytes.__getitem__)
@@ -201,6 +208,42 @@ def _predict(profile: Profile, regions: Sequence[Region]) -> _Prediction:
         rerun_units=tuple(rerun_units),
     )
     return _Prediction(timeline=timeline, forward_bytes=forward_bytes, copy_bytes=copy_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class _StorageIndex:
+    storages_of_unit: tuple[tuple[int, ...], ...]  # per unit: storages it makes, reads or saves
+    forward_bytes: tuple[int, ...]  # per event: bytes of forward-made storages alive in the measured step
+
+
+# Scoring candidates simulates hundreds of plans on one profile: index it once. Profiles are kept alive here, so an
+# id is never reused while its entry exists; a few entries are enough (one planner at a time, tests).
+_INDEX_CACHE: dict[int, tuple[Profile, _StorageIndex]] = {}
+_INDEX_CACHE_SIZE = 4
+
+
+def _storage_index(profile: Profile) -> _StorageIndex:
+    cached = _INDEX_CACHE.get(id(profile))
+    if cached is not None and cached[0] is profile:
+        return cached[1]
+    num_events = len(profile.events)
+    related: list[set[int]] = [set() for _ in profile.units]
+    alive = [0] * (num_events + 1)
+    for position, storage in enumerate(profile.storages):
+        for unit in {storage.producer_unit, *storage.user_units, *storage.saver_units}:
+            if unit >= 0:
+                related[unit].add(position)
+        free = storage.free_event if storage.free_event is not None else num_events - 1
+        alive[storage.alloc_event] += storage.nbytes
+        alive[free + 1] -= storage.nbytes
+    index = _StorageIndex(
+        storages_of_unit=tuple(tuple(sorted(s)) for s in related),
+        forward_bytes=tuple(itertools.accumulate(alive[:num_events])),
+    )
+    if len(_INDEX_CACHE) >= _INDEX_CACHE_SIZE:
+        _INDEX_CACHE.pop(next(iter(_INDEX_CACHE)))
+    _INDEX_CACHE[id(profile)] = (profile, index)
+    return index
 
 
 def _region(region_of: list[int | None], unit: int) -> int | None:

@@ -15,7 +15,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pulp
 
@@ -71,6 +71,40 @@ class _Candidate:
     gains: dict[int, int]  # block index -> smallest gain over the block (bytes; negative = extra memory)
 
 
+@dataclass(slots=True)
+class PreparedProblem:
+    """What every budget's program shares: candidates scored by the simulator, event blocks, the memory floor.
+
+    Scoring simulates every candidate alone, and the floor program does not depend on the budget, so a Planner keeps
+    one of these and re-solves only the budget-dependent part.
+    """
+
+    profile: Profile
+    baseline: Timeline
+    scored: list[_Candidate]
+    block_base: list[int]  # per event block: the largest baseline bytes in it
+    floors: dict[SolverOptions, _Floor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class _Floor:
+    regions: tuple[Region, ...]
+    timeline: Timeline
+    stats: SolverStats
+    greedy: bool  # the solver found nothing in time: a greedy floor
+
+
+def prepare(profile: Profile, segments: Sequence[Region], candidates: Sequence[Region]) -> PreparedProblem:
+    baseline = simulate(profile, ())
+    blocks = _event_blocks(profile, segments)
+    return PreparedProblem(
+        profile=profile,
+        baseline=baseline,
+        scored=_score_candidates(profile, candidates, baseline, blocks),
+        block_base=[max(baseline.event_bytes[e] for e in block) for block in blocks],
+    )
+
+
 def solve(
     profile: Profile,
     segments: Sequence[Region],
@@ -79,21 +113,28 @@ def solve(
     options: SolverOptions | None = None,
 ) -> SolveResult:
     """Cheapest set of non-overlapping candidate regions whose simulated peak is at most ``budget_bytes``."""
+    return solve_prepared(prepare(profile, segments, candidates), budget_bytes, options)
+
+
+def solve_prepared(problem: PreparedProblem, budget_bytes: int, options: SolverOptions | None = None) -> SolveResult:
+    """``solve`` on a prepared problem (candidates already scored, floor solved once per solver options)."""
     options = options or SolverOptions()
     started = time.perf_counter()
-    baseline = simulate(profile, ())
-    blocks = _event_blocks(profile, segments)
-    scored = _score_candidates(profile, candidates, baseline, blocks)
-    block_base = [max(baseline.event_bytes[e] for e in block) for block in blocks]
+    profile, baseline, scored, block_base = problem.profile, problem.baseline, problem.scored, problem.block_base
     solver_name = _solver_name(options)
 
-    programs: list[SolverStats] = []
-    floor_regions, floor_status = _solve_program(scored, block_base, None, options, solver_name, programs)
-    fallbacks: list[str] = []
-    if _no_incumbent(programs[-1]):
-        floor_regions = greedy_regions(profile, scored, None)
-        fallbacks.append("memory floor")
-    floor_timeline = simulate(profile, floor_regions)
+    floor = problem.floors.get(options)
+    if floor is None:
+        floor_programs: list[SolverStats] = []
+        floor_regions, _ = _solve_program(scored, block_base, None, options, solver_name, floor_programs)
+        greedy = _no_incumbent(floor_programs[-1])
+        if greedy:
+            floor_regions = greedy_regions(profile, scored, None)
+        floor = _Floor(floor_regions, simulate(profile, floor_regions), floor_programs[-1], greedy)
+        problem.floors[options] = floor
+    programs: list[SolverStats] = [floor.stats]
+    fallbacks: list[str] = ["memory floor"] if floor.greedy else []
+    floor_regions, floor_timeline = floor.regions, floor.timeline
     min_feasible = min(floor_timeline.peak_bytes, baseline.peak_bytes)
 
     if budget_bytes >= baseline.peak_bytes:
@@ -256,16 +297,14 @@ def _solve_program(
     prob = pulp.LpProblem("autockpt_floor" if budget is None else "autockpt_plan", pulp.LpMinimize)
     # w_i: 1 if candidate region i is checkpointed
     w = [pulp.LpVariable(f"w_{i}", cat=pulp.LpBinary) for i in range(len(candidates))]
-    total_cost = pulp.lpSum(c.cost_ms * w[i] for i, c in enumerate(candidates))
+    peak = None
     if budget is None:
         # P: the peak bytes to minimise (in GB so coefficients stay well scaled). Memory only: the floor must not
         # depend on timing noise in the profile.
         peak = pulp.LpVariable("peak_gb", lowBound=0)
         prob += peak
-        limit = peak * GB
     else:
-        prob += total_cost
-        limit = budget
+        prob += pulp.LpAffineExpression([(w[i], c.cost_ms) for i, c in enumerate(candidates)])
 
     # [Constraint] checkpoint regions do not overlap
     num_units = max((c.region.last_unit for c in candidates), default=-1) + 1
@@ -281,7 +320,14 @@ def _solve_program(
             by_block.setdefault(block, []).append((i, gain))
     for block, base in enumerate(block_base):
         terms = by_block.get(block, [])
-        prob += base - pulp.lpSum(gain * w[i] for i, gain in terms) <= limit, f"memory_block_{block}"
+        if budget is not None and base + sum(-gain for _, gain in terms if gain < 0) <= budget:
+            continue  # holds whatever is chosen: leaving it out keeps the program small
+        # base - sum(gain_i * w_i) <= budget (or <= P GB for the floor); built as one affine expression, which is
+        # much faster in PuLP than summing products
+        expression = pulp.LpAffineExpression([(w[i], -gain) for i, gain in terms], constant=base)
+        if peak is not None:
+            expression.addterm(peak, -GB)
+        prob += pulp.LpConstraint(expression, pulp.LpConstraintLE, f"memory_block_{block}", budget or 0)
 
     if options.write_lp_path:
         prob.writeLP(f"{options.write_lp_path}.{prob.name}.lp")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import logging
 import math
 
@@ -153,5 +155,6 @@ def test_plan_summary_and_dataframe_agree_with_regions(cnn_probe: autockpt.Plan)
     recomputed = frame.index[frame["decision"] == "recompute"].tolist()
     assert recomputed == [u for r in plan.regions for u in range(r.first_unit, r.last_unit + 1)]
     text = plan.summary()
-    assert "GB" in text and "GiB" in text and f"{len(plan.regions)} checkpointed regions" in text
+    assert re.search(r"budget +[\d.]+ (kB|MB|GB) \([\d.]+ (KiB|MiB|GiB)\)", text)  # decimal and binary units, named
+    assert f"{len(plan.regions)} checkpointed regions" in text
     assert plan.capture in ("fx", "export", "module")

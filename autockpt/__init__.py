@@ -8,6 +8,7 @@ Budgets are in GB = 10^9 bytes (``budget_gb``) or bytes (``budget_bytes``).
 from __future__ import annotations
 
 from autockpt.api import Planner, apply_plan, default_loss, get_plan, optimize, plan
+from autockpt.batch_size import BatchSizeResult, ExampleBatch, max_batch_size, max_batch_sizes
 from autockpt.errors import (
     AutockptError,
     CaptureError,
@@ -20,14 +21,18 @@ from autockpt.estimate import MemoryEstimate, estimate
 from autockpt.measure import measure_step
 from autockpt.plan_io import load_plan
 from autockpt.rewrite import OptimizedModule
+from autockpt.solve.baselines import BASELINE_STRATEGIES, baseline_plan, baseline_regions
 from autockpt.solve.ilp import SolverOptions
 from autockpt.types import CaptureKind, Decision, MemoryCurve, ParetoPoint, Plan, PlanStatus, Region, SolverStats
 
 __all__ = [
+    "BASELINE_STRATEGIES",
     "AutockptError",
+    "BatchSizeResult",
     "CaptureError",
     "CaptureKind",
     "Decision",
+    "ExampleBatch",
     "InfeasibleBudgetError",
     "MemoryCurve",
     "MemoryEstimate",
@@ -43,10 +48,14 @@ __all__ = [
     "SolverOptions",
     "SolverStats",
     "apply_plan",
+    "baseline_plan",
+    "baseline_regions",
     "default_loss",
     "estimate",
     "get_plan",
     "load_plan",
+    "max_batch_size",
+    "max_batch_sizes",
     "measure_step",
     "optimize",
     "plan",

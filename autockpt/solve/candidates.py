@@ -32,7 +32,7 @@ def candidate_regions(
         }
         candidates = [Region(first_unit=f, last_unit=l) for f, l in sorted(regions)]
     else:
-        segments = _segments(profile, max_segments)
+        segments = equal_saved_segments(profile, max_segments)
         candidates = [
             Region(first_unit=segments[a].first_unit, last_unit=segments[b].last_unit)
             for a in range(len(segments))
@@ -65,7 +65,7 @@ def crossing_bytes(profile: Profile) -> list[int]:
     return crossing
 
 
-def _segments(profile: Profile, max_segments: int) -> list[Region]:
+def equal_saved_segments(profile: Profile, max_segments: int) -> list[Region]:
     """Cut where few bytes cross, one cut per slice of equal saved-for-backward bytes.
 
     Slicing by saved bytes spreads the cuts where activations are (not over cheap index arithmetic), and picking the

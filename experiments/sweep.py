@@ -1,0 +1,580 @@
+"""Sweep: models x budgets x strategies -> one tidy CSV, a Pareto plot per model, markdown tables, max batch sizes.
+
+Strategies: autockpt (``Planner.optimize`` at each budget: plan, rewrite, measured verification), the baseline
+policies of ``autockpt.solve.baselines`` (one point per model, whatever the budget; ``feasible`` says whether it
+keeps each budget), and the external anchors of ``experiments/anchors.py`` (Hugging Face gradient checkpointing,
+PyTorch's SAC MILP, torch.compile with an activation memory budget), each run for real or reported as not available
+with the reason.
+
+Budgets are fractions of the way from static memory (parameters, buffers, inputs, gradients) to the unmodified peak
+of the captured graph, plus, for Hugging Face models, a budget equal to the measured peak of HF's own
+``gradient_checkpointing_enable`` (label ``hf_peak``). Peaks are measured with MemTracker (``autockpt.measure_step``)
+except torch.compile, measured with torch.profiler (column ``peak_method``). Step-time ratios are against ``none``
+(the captured graph, rewritten with no region): every module of a model runs once per round in one process, one
+warm-up round, then ``--repeats`` rounds; the ratio is the median over rounds of step time / ``none``'s step time in
+the same round. torch.compile modules are timed in their own alternating loop right after compiling (a later
+compile resets Dynamo's caches).
+
+    python experiments/sweep.py                                   # default CPU sweep (size "small")
+    python experiments/sweep.py --models gpt2,vit --fractions 0.4 --strategies autockpt,none,every_1 --out /tmp/s
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import platform
+import statistics
+import sys
+import time
+import types
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import anchors  # noqa: E402
+import autockpt  # noqa: E402
+from autockpt import zoo  # noqa: E402
+from autockpt.api import Planner, default_loss  # noqa: E402
+from autockpt.batch_size import ExampleBatch, max_batch_sizes  # noqa: E402
+from autockpt.solve.baselines import BASELINE_STRATEGIES, baseline_plan, baseline_regions  # noqa: E402
+
+logger = logging.getLogger("sweep")
+
+# "transformer" (the plain 8-layer fx model at size small) is left out of the default: its 308-unit graph and 0.9 s
+# steps cost as much sweep time as the other models together on 2 cores; run it with --models transformer
+DEFAULT_MODELS = ("mlp", "cnn", "control_flow", "gpt2", "vit", "unet")
+DEFAULT_FRACTIONS = (0.3, 0.5, 0.7)
+ANCHORS = {"hf": "hf_gradient_checkpointing", "sac": "torch_sac_milp", "compile": "torch_compile_budget"}
+DEFAULT_BATCH_MODELS = ("cnn", "gpt2")
+DEFAULT_BATCH_STRATEGIES = ("autockpt", "none", "every_1", "sqrt_n", "for_transformers", "for_convnets")
+MB = 10**6
+
+
+@dataclass(kw_only=True)
+class Point:
+    """One measured (or not available) configuration of one model."""
+
+    strategy: str
+    budget_label: str = ""  # "" for baselines (budget-independent); the budget it was made for otherwise
+    budget_bytes: int | None = None
+    status: str = "measured"  # measured | infeasible | unavailable
+    module: nn.Module | None = None
+    predicted_peak_bytes: int | None = None
+    measured_peak_bytes: int | None = None
+    peak_method: str = "memtracker"
+    step_time_ratio: float | None = None
+    solve_s: float | None = None
+    regions: int | None = None
+    capture: str = ""
+    notes: str = ""
+    same_as: str = ""  # a baseline with exactly the regions of an earlier one is measured once
+    eager_profiler_peak_bytes: int | None = None
+
+
+# ------------------------------------------------------------------------------------------------ inputs
+
+
+def rebatch(case: zoo.ZooCase, batch: int) -> ExampleBatch:
+    """The case's inputs at another batch size: every tensor whose first dimension is the case's batch is tiled or
+    cut along it, in the arguments and in tensors the loss function holds (e.g. language-model labels)."""
+    original = _batch_of(case)
+
+    def resize(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == original:
+            repeats = math.ceil(batch / original)
+            return value.repeat(repeats, *([1] * (value.dim() - 1)))[:batch].clone()
+        return value
+
+    args = tuple(torch.utils._pytree.tree_map(resize, case.args))
+    kwargs = torch.utils._pytree.tree_map(resize, dict(case.kwargs))
+    loss_fn = case.loss_fn
+    if isinstance(loss_fn, types.FunctionType) and loss_fn.__closure__:
+        cells = tuple(types.CellType(resize(c.cell_contents)) for c in loss_fn.__closure__)
+        loss_fn = types.FunctionType(loss_fn.__code__, loss_fn.__globals__, loss_fn.__name__, loss_fn.__defaults__, cells)
+    return ExampleBatch(args=args, kwargs=kwargs, loss_fn=loss_fn)
+
+
+def _batch_of(case: zoo.ZooCase) -> int:
+    leaves = [t for t in torch.utils._pytree.tree_leaves((case.args, case.kwargs)) if isinstance(t, torch.Tensor) and t.dim() > 0]
+    if not leaves:
+        raise ValueError(f"zoo case {case.name} has no tensor input with a batch dimension")
+    return int(leaves[0].shape[0])
+
+
+# ------------------------------------------------------------------------------------------------ timing
+
+
+def _step_seconds(module: nn.Module, batch: ExampleBatch) -> float:
+    for param in module.parameters():
+        param.grad = None
+    started = time.perf_counter()
+    (batch.loss_fn or default_loss)(module(*batch.args, **batch.kwargs)).backward()
+    return time.perf_counter() - started
+
+
+def round_robin_ratios(modules: dict[str, nn.Module], reference: str, batch: ExampleBatch, repeats: int) -> dict[str, float]:
+    """Median over rounds of t(module) / t(reference) in the same round; every module runs once per round."""
+    names = list(modules)
+    ratios: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(repeats + 1):  # round 0 warms up
+        order = names[round_index % len(names):] + names[: round_index % len(names)]  # rotate the order
+        seconds = {name: _step_seconds(modules[name], batch) for name in order}
+        if round_index == 0:
+            continue
+        for name in names:
+            ratios[name].append(seconds[name] / seconds[reference])
+    return {name: statistics.median(values) for name, values in ratios.items()}
+
+
+def alternating_ratio(module: nn.Module, reference: nn.Module, batch: ExampleBatch, repeats: int) -> float:
+    _step_seconds(reference, batch)
+    _step_seconds(module, batch)
+    values = []
+    for _ in range(repeats):
+        base = _step_seconds(reference, batch)
+        values.append(_step_seconds(module, batch) / base)
+    return statistics.median(values)
+
+
+# ------------------------------------------------------------------------------------------------ one model
+
+
+@dataclass(kw_only=True)
+class SweepConfig:
+    models: tuple[str, ...] = DEFAULT_MODELS
+    size: str = "small"
+    fractions: tuple[float, ...] = DEFAULT_FRACTIONS
+    strategies: tuple[str, ...] = ("autockpt", *BASELINE_STRATEGIES)
+    anchors: tuple[str, ...] = tuple(ANCHORS)
+    sac_fractions: tuple[float, ...] = (0.5,)
+    compile_models: tuple[str, ...] = ("gpt2",)
+    compile_fractions: tuple[float, ...] = (0.5,)
+    repeats: int = 5
+    batch_models: tuple[str, ...] = DEFAULT_BATCH_MODELS
+    batch_strategies: tuple[str, ...] = DEFAULT_BATCH_STRATEGIES
+    out: Path = Path("experiments/results/sweep")
+    quiet: bool = False
+
+
+def sweep_model(name: str, config: SweepConfig, bar: tqdm) -> tuple[list[Point], dict[str, int]]:
+    """Measure every strategy on one zoo model; returns the points and the budgets (label -> bytes)."""
+    torch.manual_seed(0)
+    case = zoo.build(name, config.size)
+    batch = ExampleBatch(args=case.args, kwargs=case.kwargs, loss_fn=case.loss_fn)
+    bar.set_postfix_str(f"{name}: capture + profile")
+    planner = Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
+    profile = planner.profile
+    capture = planner.graph.kind.value
+    budgets = {
+        f"{f:.2f}": int(profile.static_bytes + f * (profile.baseline_peak_bytes - profile.static_bytes))
+        for f in config.fractions
+    }
+    points: list[Point] = []
+    eager: dict[str, nn.Module] = {}
+
+    def measure(module: nn.Module) -> int:
+        return autockpt.measure_step(module, case.args, case.kwargs, case.loss_fn).peak_bytes
+
+    # baselines (budget-independent)
+    seen: dict[tuple, str] = {}
+    for strategy in [s for s in config.strategies if s != "autockpt"]:
+        bar.set_postfix_str(f"{name}: {strategy}")
+        chosen = baseline_regions(planner.graph, profile, strategy)
+        if not chosen.available:
+            points.append(Point(strategy=strategy, status="unavailable", capture=capture, notes="; ".join(chosen.notes)))
+            continue
+        key = tuple((r.first_unit, r.last_unit) for r in chosen.regions)
+        the_plan = baseline_plan(planner, strategy)
+        point = Point(
+            strategy=strategy, predicted_peak_bytes=the_plan.predicted_peak_bytes, regions=len(the_plan.regions),
+            solve_s=0.0, capture=capture, notes="; ".join(chosen.notes),
+        )
+        if key in seen:
+            twin = next(p for p in points if p.strategy == seen[key])
+            point.measured_peak_bytes, point.same_as = twin.measured_peak_bytes, seen[key]
+        else:
+            module = planner.apply(the_plan)
+            point.measured_peak_bytes = measure(module)
+            point.module = eager[strategy] = module
+            seen[key] = strategy
+        points.append(point)
+    if "none" not in eager:  # the timing reference
+        none_plan = baseline_plan(planner, "none")
+        eager["none"] = planner.apply(none_plan)
+    eager["original"] = case.model
+    points.append(Point(strategy="original", measured_peak_bytes=measure(case.model), capture="eager", solve_s=0.0,
+                        notes="the model itself, not captured (timing reference for the anchors)"))
+    points[-1].module = case.model
+
+    # Hugging Face anchor, and its budget
+    if "hf" in config.anchors:
+        bar.set_postfix_str(f"{name}: HF gradient checkpointing")
+        result = anchors.hf_gradient_checkpointing(case.model, case.args, case.kwargs, case.loss_fn)
+        points.append(_anchor_point(result, capture="eager"))
+        if result.module is not None:
+            eager[result.strategy] = result.module
+            budgets["hf_peak"] = result.measured_peak_bytes
+
+    # autockpt at every budget
+    if "autockpt" in config.strategies:
+        for label, budget in budgets.items():
+            bar.set_postfix_str(f"{name}: autockpt @ {label}")
+            started = time.perf_counter()
+            try:
+                module = planner.optimize(budget_bytes=budget)
+            except autockpt.InfeasibleBudgetError as error:
+                points.append(Point(strategy="autockpt", budget_label=label, budget_bytes=budget, status="infeasible",
+                                    capture=capture, notes=f"InfeasibleBudgetError, min feasible {error.min_feasible_bytes} bytes"))
+                continue
+            plan = module.plan
+            peak = plan.measured_peak_bytes if plan.measured_peak_bytes is not None else measure(module)
+            point = Point(
+                strategy="autockpt", budget_label=label, budget_bytes=budget, module=module,
+                predicted_peak_bytes=plan.predicted_peak_bytes, measured_peak_bytes=peak, regions=len(plan.regions),
+                solve_s=plan.solve_time_s, capture=capture, notes=f"{plan.status.value}; optimize {time.perf_counter() - started:.1f} s",
+            )
+            points.append(point)
+            eager[f"autockpt@{label}"] = module
+
+    # PyTorch SAC MILP
+    if "sac" in config.anchors:
+        for fraction in config.sac_fractions:
+            label = f"{fraction:.2f}"
+            budget = budgets.get(label) or int(profile.static_bytes + fraction * (profile.baseline_peak_bytes - profile.static_bytes))
+            bar.set_postfix_str(f"{name}: SAC MILP @ {label}")
+            result = anchors.torch_sac_milp(case.model, case.args, case.kwargs, case.loss_fn, budget_bytes=budget)
+            point = _anchor_point(result, capture="eager", label=label, budget=budget)
+            points.append(point)
+            if result.module is not None:
+                eager[f"{result.strategy}@{label}"] = result.module
+
+    # timing of every eager module, round robin
+    bar.set_postfix_str(f"{name}: timing {len(eager)} modules x {config.repeats + 1} rounds")
+    ratios = round_robin_ratios(eager, "none", batch, config.repeats)
+    by_key = {id(module): key for key, module in eager.items()}
+    for point in points:
+        if point.module is not None and id(point.module) in by_key:
+            point.step_time_ratio = ratios[by_key[id(point.module)]]
+    for point in points:
+        if point.same_as:
+            point.step_time_ratio = next(p.step_time_ratio for p in points if p.strategy == point.same_as)
+
+    # torch.compile, timed on its own right after compiling
+    if "compile" in config.anchors:
+        fractions = config.compile_fractions if name in config.compile_models else ()
+        if not fractions:
+            points.append(Point(strategy="torch_compile_budget", status="unavailable", capture="compiled",
+                                notes=f"not run by default for {name}: CPU compilation takes about a minute per budget "
+                                      "(add it with --compile-models)"))
+        for fraction in fractions:
+            label = f"{fraction:.2f}"
+            bar.set_postfix_str(f"{name}: torch.compile @ {label}")
+            result = anchors.torch_compile_budget(case.model, case.args, case.kwargs, case.loss_fn, fraction=fraction)
+            point = _anchor_point(result, capture="compiled", label=label, budget=budgets.get(label))
+            if result.module is not None:
+                point.step_time_ratio = alternating_ratio(result.module, eager["none"], batch, config.repeats)
+                point.module = None
+            points.append(point)
+            torch._dynamo.reset()
+    for point in points:
+        point.module = None
+    return points, budgets
+
+
+def _anchor_point(result: anchors.AnchorResult, *, capture: str, label: str = "", budget: int | None = None) -> Point:
+    notes = "; ".join(result.notes) if result.status is anchors.AnchorStatus.MEASURED else f"not available: {result.reason}"
+    if result.status is anchors.AnchorStatus.INFEASIBLE:
+        notes = result.reason
+    return Point(
+        strategy=result.strategy, budget_label=label, budget_bytes=budget, status=result.status.value,
+        module=result.module, predicted_peak_bytes=result.predicted_peak_bytes,
+        measured_peak_bytes=result.measured_peak_bytes, peak_method=result.peak_method.value,
+        solve_s=result.solve_time_s, capture=capture, notes=notes,
+        eager_profiler_peak_bytes=result.eager_profiler_peak_bytes,
+    )
+
+
+def tidy_rows(name: str, points: list[Point], budgets: dict[str, int]) -> list[dict[str, Any]]:
+    """models x budgets x strategies: a budget-independent point appears under every budget."""
+    rows = []
+    extra = {p.budget_label: p.budget_bytes for p in points if p.budget_label and p.budget_label not in budgets}
+    for label, budget in {**budgets, **extra}.items():
+        for point in points:
+            if point.budget_label != label and (point.budget_label or label in extra):
+                continue
+            measured = point.measured_peak_bytes
+            row = {
+                "model": name, "budget": label, "budget_bytes": budget, "strategy": point.strategy,
+                "status": point.status, "capture": point.capture, "regions": point.regions,
+                "predicted_peak_bytes": point.predicted_peak_bytes, "measured_peak_bytes": measured,
+                "peak_method": point.peak_method, "step_time_ratio": point.step_time_ratio,
+                "solve_s": point.solve_s,
+                "feasible": (measured <= budget) if point.status == "measured" and measured is not None else None,
+                "budget_specific": bool(point.budget_label), "same_as": point.same_as,
+                "eager_profiler_peak_bytes": point.eager_profiler_peak_bytes, "notes": point.notes,
+            }
+            rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ analysis
+
+
+def unique_points(table: pd.DataFrame) -> pd.DataFrame:
+    """One row per measured configuration (a baseline appears once, autockpt once per budget)."""
+    measured = table[(table.status == "measured") & table.measured_peak_bytes.notna() & table.step_time_ratio.notna()]
+    labels = [f"{s}@{b}" if specific else s for s, b, specific in zip(measured.strategy, measured.budget, measured.budget_specific)]
+    measured = measured.assign(point=labels)
+    return measured.drop_duplicates(subset=["model", "point"])
+
+
+def dominated_autockpt(points: pd.DataFrame) -> pd.DataFrame:
+    """autockpt points some other strategy beats on both measured peak and step time (strictly)."""
+    rows = []
+    for _, p in points[points.strategy == "autockpt"].iterrows():
+        others = points[(points.model == p.model) & (points.strategy != "autockpt") & (points.strategy != "original")]
+        better = others[(others.measured_peak_bytes < p.measured_peak_bytes) & (others.step_time_ratio < p.step_time_ratio)]
+        for _, q in better.iterrows():
+            rows.append({"model": p.model, "autockpt_budget": p.budget, "autockpt_peak_bytes": int(p.measured_peak_bytes),
+                         "autockpt_ratio": p.step_time_ratio, "by": q.point, "by_peak_bytes": int(q.measured_peak_bytes),
+                         "by_ratio": q.step_time_ratio, "peak_method": q.peak_method})
+    return pd.DataFrame(rows)
+
+
+def hf_target(points: pd.DataFrame) -> pd.DataFrame:
+    """At a budget equal to HF's measured peak: autockpt's overhead vs HF's (both against ``none``, and HF also
+    against the original eager model)."""
+    rows = []
+    for model, group in points.groupby("model"):
+        hf = group[group.strategy == "hf_gradient_checkpointing"]
+        ours = group[(group.strategy == "autockpt") & (group.budget == "hf_peak")]
+        original = group[group.strategy == "original"]
+        if hf.empty or ours.empty:
+            continue
+        hf_ratio, our_ratio = float(hf.step_time_ratio.iloc[0]), float(ours.step_time_ratio.iloc[0])
+        orig_ratio = float(original.step_time_ratio.iloc[0]) if not original.empty else float("nan")
+        rows.append({
+            "model": model, "hf_peak_bytes": int(hf.measured_peak_bytes.iloc[0]),
+            "autockpt_peak_bytes": int(ours.measured_peak_bytes.iloc[0]),
+            "hf_overhead": hf_ratio - 1, "autockpt_overhead": our_ratio - 1,
+            "hf_overhead_vs_original": hf_ratio / orig_ratio - 1,
+            "met": (our_ratio - 1) <= 0.5 * max(hf_ratio - 1, 0.0),
+        })
+    return pd.DataFrame(rows)
+
+
+def pareto_plot(points: pd.DataFrame, model: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    group = points[points.model == model]
+    markers = "o^sDvP*XhH<>p8"
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (strategy, sub) in enumerate(group.groupby("strategy", sort=False)):
+        style = dict(marker=markers[i % len(markers)], s=90 if strategy == "autockpt" else 55)
+        if strategy == "autockpt":
+            style.update(color="black", zorder=3)
+        ax.scatter(sub.measured_peak_bytes / MB, sub.step_time_ratio, label=strategy, **style)
+        if strategy == "autockpt":
+            for _, row in sub.iterrows():
+                ax.annotate(row.budget, (row.measured_peak_bytes / MB, row.step_time_ratio), fontsize=7,
+                            xytext=(4, 4), textcoords="offset points")
+    ax.set_xlabel("measured peak (MB = 10^6 bytes)")
+    ax.set_ylabel("step time / none (median of alternating rounds)")
+    ax.set_title(f"{model}: measured peak vs step time (lower-left is better)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown_table(table: pd.DataFrame) -> str:
+    def cell(value: object) -> str:
+        if isinstance(value, float):
+            if value != value:
+                return ""
+            return str(int(value)) if value.is_integer() and abs(value) >= 1 else f"{value:.3f}"
+        return str(value)
+
+    lines = ["| " + " | ".join(table.columns) + " |", "|" + "---|" * len(table.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in table.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ max batch
+
+
+def max_batch_table(config: SweepConfig, bar: tqdm) -> pd.DataFrame:
+    rows: list[dict[str, Any]] = []
+    for name in config.batch_models:
+        case = zoo.build(name, config.size)
+        batch0 = _batch_of(case)
+        budget = autockpt.measure_step(case.model, case.args, case.kwargs, case.loss_fn).peak_bytes
+        precision = 1 if batch0 <= 8 else batch0 // 8
+        bar.set_postfix_str(f"max batch: {name}")
+
+        def on_trial(trial: Any) -> None:
+            bar.set_postfix_str(f"max batch: {name} {trial.strategy} batch {trial.batch_size}: {trial.outcome.value}")
+
+        started = time.perf_counter()
+        results = max_batch_sizes(
+            lambda: case.model, lambda n: rebatch(case, n), budget_bytes=budget, strategies=config.batch_strategies,
+            start=batch0, precision=precision, on_trial=on_trial,
+        )
+        for strategy, result in results.items():
+            rows.append({
+                "model": name, "budget_bytes": budget, "zoo_batch": batch0, "strategy": strategy,
+                "max_batch": result.batch_size, "first_over_batch": result.first_over_batch,
+                "measured_peak_bytes": result.measured_peak_bytes, "trials": len(result.trials), "precision": precision,
+            })
+        bar.update(1)
+        logger.info("max batch %s: %.0f s", name, time.perf_counter() - started)
+        pd.DataFrame(rows).to_csv(config.out / "max_batch.csv", index=False)  # partial results survive a crash
+    return pd.DataFrame(rows)
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def run(config: SweepConfig) -> dict[str, Path]:
+    config.out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    total = len(config.models) + len(config.batch_models)
+    with tqdm(total=total, desc="sweep", unit="step", disable=True if config.quiet else None, file=sys.stderr) as bar:
+        for name in config.models:
+            model_started = time.perf_counter()
+            points, budgets = sweep_model(name, config, bar)
+            rows += tidy_rows(name, points, budgets)
+            bar.update(1)
+            logger.info("%s: %.0f s", name, time.perf_counter() - model_started)
+            pd.DataFrame(rows).to_csv(config.out / "sweep.csv", index=False)  # partial results survive a crash
+        batch_table = max_batch_table(config, bar) if config.batch_models else pd.DataFrame()
+    table = pd.DataFrame(rows)
+    paths = {"csv": config.out / "sweep.csv"}
+    table.to_csv(paths["csv"], index=False)
+    if not batch_table.empty:
+        paths["max_batch"] = config.out / "max_batch.csv"
+        batch_table.to_csv(paths["max_batch"], index=False)
+    points = unique_points(table)
+    for model in config.models:
+        paths[f"png_{model}"] = config.out / f"pareto_{model}.png"
+        pareto_plot(points, model, paths[f"png_{model}"])
+    wall_s = time.perf_counter() - started
+    paths["md"] = config.out / "sweep.md"
+    paths["md"].write_text(report(config, table, points, batch_table, wall_s))
+    print(f"wrote {', '.join(str(p) for p in paths.values())} in {wall_s:.0f} s", file=sys.stderr)
+    return paths
+
+
+def report(config: SweepConfig, table: pd.DataFrame, points: pd.DataFrame, batch_table: pd.DataFrame, wall_s: float) -> str:
+    argv = " ".join(sys.argv[1:])
+    lines = [
+        "# autockpt sweep",
+        "",
+        f"Command: `python experiments/sweep.py{(' ' + argv) if argv else ''}`; wall time {wall_s:.0f} s.",
+        f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
+        f"Python {platform.python_version()}. Peaks in bytes (MB = 10^6); step-time ratio vs `none`, median of "
+        f"{config.repeats} alternating rounds.",
+        "",
+        "## Measured points",
+        "",
+    ]
+    show = points.assign(measured_MB=points.measured_peak_bytes / MB, predicted_MB=points.predicted_peak_bytes / MB)
+    columns = ["model", "point", "capture", "regions", "predicted_MB", "measured_MB", "peak_method", "step_time_ratio", "solve_s"]
+    lines.append(markdown_table(show[columns]))
+    missing = table[table.status != "measured"].drop_duplicates(subset=["model", "strategy", "status", "notes"])
+    if not missing.empty:
+        lines += ["", "## Not measured", "", markdown_table(missing[["model", "strategy", "budget", "status", "notes"]])]
+    keeps = table.assign(keeps=[("yes" if f in (True, "True") else "no") if s == "measured" else "n/a"
+                                for f, s in zip(table.feasible, table.status)])
+    feasible = keeps.pivot_table(index=["model", "budget"], columns="strategy", values="keeps", aggfunc="first")
+    lines += ["", "## Which strategy keeps which budget (measured peak <= budget; n/a: not measured)", "",
+              markdown_table(feasible.reset_index().fillna("n/a"))]
+    target = hf_target(points)
+    lines += ["", "## Target: autockpt overhead at HF's measured peak <= half of HF's", ""]
+    lines.append(markdown_table(target) if not target.empty else "no Hugging Face model in this sweep")
+    dominated = dominated_autockpt(points)
+    lines += ["", "## autockpt points dominated by another strategy (lower measured peak and lower step time)", ""]
+    lines.append(markdown_table(dominated) if not dominated.empty else "none")
+    if not batch_table.empty:
+        pivot = batch_table.pivot_table(index="model", columns="strategy", values="max_batch", aggfunc="first").reset_index()
+        lines += ["", "## Max batch size under a fixed budget (the unmodified model's measured peak at the zoo batch)", "",
+                  markdown_table(pivot)]
+    return "\n".join(lines) + "\n"
+
+
+def rerender(out: Path, config: SweepConfig, command: str, wall_s: float) -> None:
+    """Rewrite the plots and markdown of a finished sweep from its CSVs (no measurement)."""
+    table = pd.read_csv(out / "sweep.csv")
+    batch_path = out / "max_batch.csv"
+    batch_table = pd.read_csv(batch_path) if batch_path.exists() else pd.DataFrame()
+    points = unique_points(table)
+    for model in table.model.unique():
+        pareto_plot(points, model, out / f"pareto_{model}.png")
+    text = report(config, table, points, batch_table, wall_s)
+    text = text.replace(text.splitlines()[2], f"Command: `{command}`; wall time {wall_s:.0f} s.")
+    (out / "sweep.md").write_text(text)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> SweepConfig:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"zoo models ({', '.join(sorted(zoo.BUILDERS))})")
+    parser.add_argument("--size", default="small", choices=zoo.SIZES)
+    parser.add_argument("--fractions", default=",".join(map(str, DEFAULT_FRACTIONS)),
+                        help="budgets as fractions from static memory to the unmodified peak")
+    parser.add_argument("--strategies", default=",".join(("autockpt", *BASELINE_STRATEGIES)))
+    parser.add_argument("--anchors", default=",".join(ANCHORS), help="hf, sac, compile (empty: none)")
+    parser.add_argument("--sac-fractions", default="0.5")
+    parser.add_argument("--compile-models", default="gpt2")
+    parser.add_argument("--compile-fractions", default="0.5")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batch-models", default=",".join(DEFAULT_BATCH_MODELS), help="models for the max-batch table (empty: skip)")
+    parser.add_argument("--batch-strategies", default=",".join(DEFAULT_BATCH_STRATEGIES))
+    parser.add_argument("--out", default="experiments/results/sweep")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+
+    def names(text: str) -> tuple[str, ...]:
+        return tuple(part for part in text.split(",") if part)
+
+    config = SweepConfig(
+        models=names(args.models), size=args.size, fractions=tuple(float(f) for f in names(args.fractions)),
+        strategies=names(args.strategies), anchors=names(args.anchors),
+        sac_fractions=tuple(float(f) for f in names(args.sac_fractions)), compile_models=names(args.compile_models),
+        compile_fractions=tuple(float(f) for f in names(args.compile_fractions)), repeats=args.repeats,
+        batch_models=names(args.batch_models), batch_strategies=names(args.batch_strategies), out=Path(args.out),
+        quiet=args.quiet,
+    )
+    for model in (*config.models, *config.batch_models):
+        if model not in zoo.BUILDERS:
+            parser.error(f"unknown model {model!r}; choose from {', '.join(sorted(zoo.BUILDERS))}")
+    unknown = [a for a in config.anchors if a not in ANCHORS]
+    if unknown:
+        parser.error(f"unknown anchors {unknown}; choose from {', '.join(ANCHORS)}")
+    if config.repeats < 5:
+        logger.warning("--repeats %d: the project's standard is a median of at least 5", config.repeats)
+    return config
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("sweep").setLevel(logging.INFO)
+    run(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Baseline policies: blocks found from the graph, regions safe to checkpoint, PyTorch as the reference answer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import autockpt
+from autockpt import zoo
+from autockpt.solve.baselines import (
+    BASELINE_STRATEGIES,
+    BaselinePolicy,
+    baseline_plan,
+    baseline_regions,
+    find_blocks,
+    parse_strategy,
+)
+from autockpt.solve.candidates import _mutation_hazards, _unsafe
+from autockpt.types import PlanStatus
+
+from conftest import assert_same_step, needs_transformers, twin
+
+
+def _planner(case: zoo.ZooCase) -> autockpt.Planner:
+    return autockpt.Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
+
+
+@pytest.fixture(scope="module")
+def transformer() -> tuple[zoo.ZooCase, autockpt.Planner]:
+    torch.set_num_threads(2)
+    case = zoo.build("transformer", "tiny")
+    return case, _planner(case)
+
+
+def test_parse_strategy() -> None:
+    assert parse_strategy("every_3") == (BaselinePolicy.EVERY_N, 3)
+    assert parse_strategy("sqrt_n") == (BaselinePolicy.SQRT_N, 0)
+    with pytest.raises(ValueError, match="unknown baseline strategy 'every_layer'"):
+        parse_strategy("every_layer")
+    with pytest.raises(ValueError, match="N >= 1"):
+        parse_strategy("every_0")
+
+
+def test_blocks_are_the_repeated_layers(transformer: tuple[zoo.ZooCase, autockpt.Planner]) -> None:
+    _, planner = transformer
+    blocks = find_blocks(planner.graph)
+    assert [b.name for b in blocks] == [f"blocks.{i}" for i in range(6)]
+    units = planner.graph.units
+    for block in blocks:  # every unit of the block's module lies inside its range, none of another block's
+        inside = {u.index for u in units if u.module_path == block.name or u.module_path.startswith(block.name + ".")}
+        assert min(inside) == block.first_unit and max(inside) == block.last_unit
+
+
+def test_single_layer_children_grouped_by_period() -> None:
+    model = nn.Sequential(*[layer for _ in range(5) for layer in (nn.Linear(16, 16), nn.GELU())], nn.Linear(16, 2))
+    case = zoo.ZooCase(name="seq", model=model, args=(torch.randn(8, 16),))
+    blocks = find_blocks(_planner(case).graph)
+    assert [b.paths for b in blocks] == [(str(2 * i), str(2 * i + 1)) for i in range(5)]
+
+
+def test_every_n_checkpoints_every_nth_block(transformer: tuple[zoo.ZooCase, autockpt.Planner]) -> None:
+    _, planner = transformer
+    blocks = find_blocks(planner.graph)
+    for n in (1, 2, 4):
+        chosen = baseline_regions(planner.graph, planner.profile, f"every_{n}")
+        assert chosen.regions == tuple(b.region for b in blocks[::n])
+
+
+@pytest.mark.parametrize("strategy", ["every_1", "every_2", "sqrt_n", "for_transformers", "memory_efficient"])
+def test_baseline_step_matches_pytorch(transformer: tuple[zoo.ZooCase, autockpt.Planner], strategy: str) -> None:
+    """Same outputs and gradients as the original model (dropout included), and the peak as simulated."""
+    case, planner = transformer
+    the_plan = baseline_plan(planner, strategy)
+    assert the_plan.status is PlanStatus.GIVEN and the_plan.strategy == strategy and the_plan.regions
+    module = planner.apply(the_plan)
+    assert_same_step(module, twin(case), case)
+    measured = autockpt.measure_step(module, case.args, case.kwargs, case.loss_fn).peak_bytes
+    assert measured < planner.profile.baseline_peak_bytes
+    if strategy.startswith("every_"):  # block-aligned regions: the simulator is exact to 1 %
+        assert measured == pytest.approx(the_plan.predicted_peak_bytes, rel=0.01)
+
+
+def test_none_and_speed_optimized_change_nothing(transformer: tuple[zoo.ZooCase, autockpt.Planner]) -> None:
+    _, planner = transformer
+    for strategy in ("none", "speed_optimized"):
+        the_plan = baseline_plan(planner, strategy)
+        assert the_plan.regions == () and the_plan.predicted_peak_bytes == planner.profile.baseline_peak_bytes
+
+
+def test_in_place_hazards_are_split_and_the_step_still_matches() -> None:
+    """The CNN writes in place (ReLU(inplace), out += x): every baseline region passes the hazard filter and runs."""
+    torch.set_num_threads(2)
+    case = zoo.build("cnn", "tiny")
+    planner = _planner(case)
+    hazards = _mutation_hazards(planner.profile)
+    assert hazards, "the CNN should have in-place writes for this test to mean anything"
+    split_somewhere = False
+    for strategy in BASELINE_STRATEGIES:
+        chosen = baseline_regions(planner.graph, planner.profile, strategy)
+        assert not any(_unsafe(r, hazards) for r in chosen.regions), strategy
+        split_somewhere |= any("split" in note for note in chosen.notes)
+    assert split_somewhere  # sqrt_n / memory_efficient cut through the in-place stem and blocks
+    module = planner.apply(baseline_plan(planner, "sqrt_n"))
+    assert_same_step(module, twin(case), case)  # BatchNorm statistics included
+
+
+def test_module_level_capture() -> None:
+    torch.set_num_threads(2)
+    case = zoo.build("control_flow", "tiny")
+    planner = _planner(case)
+    assert planner.graph.kind is autockpt.CaptureKind.MODULE
+    unavailable = baseline_regions(planner.graph, planner.profile, "sqrt_n")
+    assert not unavailable.available and "module-level" in unavailable.notes[0]
+    with pytest.raises(ValueError, match="module-level"):
+        baseline_plan(planner, "sqrt_n")
+    spans = {(s.first_unit, s.last_unit) for s in planner.graph.module_spans}
+    the_plan = baseline_plan(planner, "every_2")
+    assert the_plan.regions and all((r.first_unit, r.last_unit) in spans for r in the_plan.regions)
+    module = planner.apply(the_plan)
+    assert_same_step(module, twin(case), case)
+    measured = autockpt.measure_step(module, case.args, case.kwargs, case.loss_fn).peak_bytes
+    assert measured == pytest.approx(the_plan.predicted_peak_bytes, rel=0.01)
+
+
+@needs_transformers
+@pytest.mark.slow
+def test_hugging_face_blocks_and_every_1_matches_hf_checkpointing() -> None:
+    """every_1 finds GPT-2's layers from the graph and saves as much memory as HF's own checkpointing."""
+    import copy
+
+    torch.set_num_threads(2)
+    case = zoo.build("gpt2", "tiny")
+    planner = _planner(case)
+    assert [b.name for b in find_blocks(planner.graph)] == [f"transformer.h.{i}" for i in range(4)]
+    module = planner.apply(baseline_plan(planner, "every_1"))
+    assert_same_step(module, twin(case), case)
+    ours = autockpt.measure_step(module, case.args, case.kwargs, case.loss_fn).peak_bytes
+    hf = copy.deepcopy(case.model)
+    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    theirs = autockpt.measure_step(hf, case.args, case.kwargs, case.loss_fn).peak_bytes
+    assert ours == pytest.approx(theirs, rel=0.05)

@@ -15,6 +15,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import torch
@@ -25,7 +26,8 @@ from autockpt import zoo
 DEFAULT_MODELS = ("mlp", "cnn", "transformer", "control_flow", "gpt2", "vit", "unet")
 
 
-def step_seconds(module: torch.nn.Module, case: zoo.ZooCase) -> float:
+def step_seconds(module: torch.nn.Module, case: Any) -> float:
+    """Seconds of one training step; ``case`` has ``args``, ``kwargs`` and ``loss_fn`` (a ZooCase, an ExampleBatch)."""
     for param in module.parameters():
         param.grad = None
     start = time.perf_counter()
@@ -36,7 +38,7 @@ def step_seconds(module: torch.nn.Module, case: zoo.ZooCase) -> float:
     return time.perf_counter() - start
 
 
-def step_time_ratio(optimized: torch.nn.Module, original: torch.nn.Module, case: zoo.ZooCase, repeats: int) -> float:
+def step_time_ratio(optimized: torch.nn.Module, original: torch.nn.Module, case: Any, repeats: int) -> float:
     """Median of optimized/original over alternating pairs (after one warm-up each)."""
     step_seconds(original, case)
     step_seconds(optimized, case)

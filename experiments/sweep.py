@@ -42,9 +42,10 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import anchors  # noqa: E402
+from bench_budget import step_seconds, step_time_ratio  # noqa: E402
 import autockpt  # noqa: E402
 from autockpt import zoo  # noqa: E402
-from autockpt.api import Planner, default_loss  # noqa: E402
+from autockpt.api import Planner  # noqa: E402
 from autockpt.batch_size import ExampleBatch, max_batch_sizes  # noqa: E402
 from autockpt.solve.baselines import BASELINE_STRATEGIES, baseline_plan, baseline_regions  # noqa: E402
 
@@ -114,36 +115,18 @@ def _batch_of(case: zoo.ZooCase) -> int:
 # ------------------------------------------------------------------------------------------------ timing
 
 
-def _step_seconds(module: nn.Module, batch: ExampleBatch) -> float:
-    for param in module.parameters():
-        param.grad = None
-    started = time.perf_counter()
-    (batch.loss_fn or default_loss)(module(*batch.args, **batch.kwargs)).backward()
-    return time.perf_counter() - started
-
-
 def round_robin_ratios(modules: dict[str, nn.Module], reference: str, batch: ExampleBatch, repeats: int) -> dict[str, float]:
     """Median over rounds of t(module) / t(reference) in the same round; every module runs once per round."""
     names = list(modules)
     ratios: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(repeats + 1):  # round 0 warms up
         order = names[round_index % len(names):] + names[: round_index % len(names)]  # rotate the order
-        seconds = {name: _step_seconds(modules[name], batch) for name in order}
+        seconds = {name: step_seconds(modules[name], batch) for name in order}
         if round_index == 0:
             continue
         for name in names:
             ratios[name].append(seconds[name] / seconds[reference])
     return {name: statistics.median(values) for name, values in ratios.items()}
-
-
-def alternating_ratio(module: nn.Module, reference: nn.Module, batch: ExampleBatch, repeats: int) -> float:
-    _step_seconds(reference, batch)
-    _step_seconds(module, batch)
-    values = []
-    for _ in range(repeats):
-        base = _step_seconds(reference, batch)
-        values.append(_step_seconds(module, batch) / base)
-    return statistics.median(values)
 
 
 # ------------------------------------------------------------------------------------------------ one model
@@ -282,7 +265,7 @@ def sweep_model(name: str, config: SweepConfig, bar: tqdm) -> tuple[list[Point],
             result = anchors.torch_compile_budget(case.model, case.args, case.kwargs, case.loss_fn, fraction=fraction)
             point = _anchor_point(result, capture="compiled", label=label, budget=budgets.get(label))
             if result.module is not None:
-                point.step_time_ratio = alternating_ratio(result.module, eager["none"], batch, config.repeats)
+                point.step_time_ratio = step_time_ratio(result.module, eager["none"], batch, config.repeats)
                 point.module = None
             points.append(point)
             torch._dynamo.reset()

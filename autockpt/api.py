@@ -136,6 +136,7 @@ class Planner:
         self.profile_time_s = time.perf_counter() - captured
         self.fingerprint = model_fingerprint(model, self.graph, self.request.args, self.request.kwargs)
         self._executable_used = False  # rewriting edits graph.executable; later rewrites capture again
+        self._memory_before = memory_curve(self.profile, ())  # the same for every plan of this planner
         self._problem: PreparedProblem | None = None  # scored candidates and floors, shared by every budget
 
     @property
@@ -318,7 +319,7 @@ class Planner:
             strategy=strategy,
             fingerprint=self.fingerprint,
             solver_stats=result.stats if solved else None,
-            memory_before=memory_curve(measured, ()),
+            memory_before=self._memory_before,
             memory_after=memory_curve(measured, regions),
         )
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from autockpt.report import format_bytes
+from autockpt.report import enclosing_modules, format_bytes
 from autockpt.types import Profile
 
 if TYPE_CHECKING:
@@ -168,12 +168,12 @@ def estimate_from_planner(planner: Planner, optimizer: OptimizerKind, depth: int
 def _module_table(planner: Planner, measured: Profile, depth: int) -> tuple[ModuleMemory, ...]:
     parameter_bytes: dict[str, int] = {}
     for name, param in planner.model.named_parameters():
-        for prefix in _prefixes(name.rsplit(".", 1)[0] if "." in name else "", depth):
+        for prefix in enclosing_modules(name.rsplit(".", 1)[0] if "." in name else "", depth):
             parameter_bytes[prefix] = parameter_bytes.get(prefix, 0) + param.numel() * param.element_size()
     activation_bytes: dict[str, int] = {}
     forward_ms: dict[str, float] = {}
     for unit, cost in zip(planner.graph.units, measured.units):
-        for prefix in _prefixes(unit.module_path, depth):
+        for prefix in enclosing_modules(unit.module_path, depth):
             activation_bytes[prefix] = activation_bytes.get(prefix, 0) + cost.saved_bytes
             forward_ms[prefix] = forward_ms.get(prefix, 0.0) + cost.forward_ms
     paths = sorted(set(parameter_bytes) | set(activation_bytes), key=_module_order(planner.model))
@@ -187,12 +187,6 @@ def _module_table(planner: Planner, measured: Profile, depth: int) -> tuple[Modu
         )
         for path in paths
     )
-
-
-def _prefixes(path: str, depth: int) -> list[str]:
-    """The model ("") and the enclosing module paths of ``path`` down to ``depth`` levels."""
-    parts = path.split(".") if path else []
-    return [".".join(parts[:level]) for level in range(min(depth, len(parts)) + 1)]
 
 
 def _module_order(model: nn.Module) -> Callable[[str], tuple[int, str]]:

@@ -117,14 +117,19 @@ class RegionRow:
     recompute_ms: float
 
 
+def enclosing_modules(path: str, depth: int) -> list[str]:
+    """The model ("") and the module paths enclosing ``path``, down to ``depth`` levels: per-module tables."""
+    parts = path.split(".") if path else []
+    return [".".join(parts[:level]) for level in range(min(depth, len(parts)) + 1)]
+
+
 def module_rows(plan: Plan, depth: int) -> list[ModuleRow]:
     """Modules to ``depth`` levels (the model is depth 0) in order of first appearance in the graph."""
     totals: dict[str, list[float]] = {}
     for node in plan.nodes:
-        parts = node.module_path.split(".") if node.module_path else []
         recomputed = node.decision is Decision.RECOMPUTE
-        for level in range(min(depth, len(parts)) + 1):
-            row = totals.setdefault(".".join(parts[:level]), [0, 0.0, 0, 0])
+        for module in enclosing_modules(node.module_path, depth):
+            row = totals.setdefault(module, [0, 0.0, 0, 0])
             row[0] += node.saved_bytes if recomputed else 0
             row[1] += node.recompute_ms
             row[2] += recomputed

@@ -173,9 +173,7 @@ def _gpt2(size: str) -> ZooCase:
     config = GPT2Config(
         n_layer=layers, n_embd=dim, n_head=heads, n_positions=seq, vocab_size=vocab, bos_token_id=0, eos_token_id=0
     )
-    model = GPT2LMHeadModel(config)
-    ids = torch.randint(0, vocab, (batch, seq))
-    return ZooCase(name="gpt2", model=model, args=(ids,), kwargs={"labels": ids})
+    return _token_case("gpt2", GPT2LMHeadModel(config), vocab, batch, seq)
 
 
 def _vit(size: str) -> ZooCase:

@@ -281,31 +281,39 @@ def _plan_free_event(
 
 
 def _replay_peak(profile: Profile, region: Region, stop_unit: int, region_of: list[int | None], r: int) -> int:
-    """Peak bytes the recomputation of ``region`` adds on top of memory at its start."""
-    fwd_event_of_unit = {e.unit: e.index for e in profile.events if e.phase is Phase.FORWARD and e.unit >= 0}
+    """Peak bytes the recomputation of ``region`` adds on top of memory at its start.
+
+    While unit ``u`` re-runs, memory rises by what it rose during ``u``'s measured forward (its outputs plus the
+    temporaries it frees before returning). After it, only the outputs the recomputation still needs stay: tensors a
+    unit of the region saved (kept for backward) and tensors a later unit of the region reads (until that unit ran).
+    Outputs that only units outside the region read are dropped at once; temporaries are already gone.
+    """
+    fwd_event_of_unit = {e.unit: e for e in profile.events if e.phase is Phase.FORWARD and e.unit >= 0}
     produced: dict[int, list[StorageLife]] = {}
     for storage in profile.storages:
         if _region(region_of, storage.producer_unit) == r:
             produced.setdefault(storage.producer_unit, []).append(storage)
     live = 0
     peak = 0
-    transient_until: dict[int, int] = {}  # storage index -> last unit in the region that reads it
+    readers_left: dict[int, int] = {}  # storage index -> last unit of the region that reads it
     transient_bytes: dict[int, int] = {}
     for unit in range(region.first_unit, stop_unit + 1):
-        event = profile.events[fwd_event_of_unit[unit]] if unit in fwd_event_of_unit else None
-        workspace = 0
-        if event is not None:
-            following = profile.events[event.index + 1].start_bytes if event.index + 1 < len(profile.events) else event.start_bytes
-            workspace = max(0, event.peak_bytes - max(event.start_bytes, following))
+        event = fwd_event_of_unit.get(unit)
+        rise = event.peak_bytes - event.start_bytes if event is not None else 0
+        peak = max(peak, live + rise)
         for storage in produced.get(unit, ()):
-            live += storage.nbytes
-            saved_here = any(_region(region_of, s) == r for s in storage.saver_units)
-            if not saved_here:
-                readers = [u for u in storage.user_units if _region(region_of, u) == r and u > unit]
-                transient_until[storage.index] = max(readers) if readers else unit
+            if storage.free_event is not None and storage.free_event <= storage.alloc_event:
+                continue  # a temporary of the unit itself: inside ``rise``
+            if any(_region(region_of, s) == r for s in storage.saver_units):
+                live += storage.nbytes
+                continue
+            later_readers = [u for u in storage.user_units if _region(region_of, u) == r and u > unit]
+            if later_readers:
+                live += storage.nbytes
+                readers_left[storage.index] = max(later_readers)
                 transient_bytes[storage.index] = storage.nbytes
-        peak = max(peak, live + workspace)
-        for index in [i for i, last in transient_until.items() if last <= unit]:
+        peak = max(peak, live)
+        for index in [i for i, last in readers_left.items() if last <= unit]:
             live -= transient_bytes.pop(index)
-            del transient_until[index]
+            del readers_left[index]
     return peak

@@ -24,6 +24,7 @@ from autockpt.profile import profile
 from autockpt.report import GB, format_bytes
 from autockpt.rewrite import OptimizedModule, rewrite
 from autockpt.simulate import memory_curve, simulate, unit_regions
+from autockpt.solve.baselines import baseline_seed_plans
 from autockpt.solve.candidates import candidate_regions
 from autockpt.solve.ilp import PreparedProblem, SolveResult, SolverOptions, prepare, solve_prepared
 from autockpt.types import Decision, Graph, NodePlan, ParetoPoint, Plan, PlanStatus, Region, Timeline, describe_value
@@ -258,7 +259,10 @@ class Planner:
     def _solve(self, target_bytes: int) -> SolveResult:
         self._on_stage("solve")
         if self._problem is None:
-            self._problem = prepare(self.profile, *candidate_regions(self.graph, self.profile))
+            self._problem = prepare(
+                self.profile, *candidate_regions(self.graph, self.profile),
+                seed_plans=baseline_seed_plans(self.graph, self.profile),
+            )
         result = solve_prepared(self._problem, target_bytes, self.request.solver_options)
         logger.info(
             "plan: %s, %d regions, predicted peak %d bytes (target %d), solve %.1fs",

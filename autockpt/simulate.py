@@ -19,7 +19,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autockpt.types import MemoryCurve, Phase, Profile, Region, StorageLife, Timeline
+from autockpt.types import MemoryCurve, MemoryEvent, Phase, Profile, Region, StorageLife, Timeline
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -38,31 +38,22 @@ def region_windows(profile: Profile, regions: Sequence[Region]) -> list[RegionWi
     Autograd packs an op's saved *inputs* before running its kernel, so when the last saver saves only tensors made
     before it (a matmul saving its operands) its kernel is skipped; when it saves its own output it runs.
     """
-    region_of = unit_regions(len(profile.units), regions)
-    first: list[int | None] = [None] * len(regions)
-    last: list[int | None] = [None] * len(regions)
-    packers: set[int] = set()  # units that saved anything, parameters and inputs included
-    for event in profile.events:
-        if event.phase is not Phase.BACKWARD or event.unit < 0:
-            continue
-        packers.add(event.unit)
-        r = region_of[event.unit]
-        if r is None:
-            continue
-        first[r] = event.index if first[r] is None else first[r]
-        last[r] = event.index
-    saves_own_output = {u for s in profile.storages for u in s.saver_units if u == s.producer_unit}
+    index = _storage_index(profile)
     windows = []
-    for r, region in enumerate(regions):
-        savers = [u for u in range(region.first_unit, region.last_unit + 1) if u in packers]
+    for region in regions:
+        spans = [index.backward_span_of_unit[u] for u in range(region.first_unit, region.last_unit + 1)]
+        spans = [span for span in spans if span is not None]
+        savers = [u for u in range(region.first_unit, region.last_unit + 1) if index.backward_span_of_unit[u]]
         last_saver = max(savers) if savers else None
         recomputed = None
         if last_saver is not None:
-            recomputed = last_saver if last_saver in saves_own_output else last_saver - 1
+            recomputed = last_saver if last_saver in index.saves_own_output else last_saver - 1
             recomputed = recomputed if recomputed >= region.first_unit else None
         windows.append(
             RegionWindow(
-                first_backward_event=first[r], last_backward_event=last[r], last_saver_unit=last_saver,
+                first_backward_event=min((first for first, _ in spans), default=None),
+                last_backward_event=max((last for _, last in spans), default=None),
+                last_saver_unit=last_saver,
                 last_recomputed_unit=recomputed,
             )
         )
@@ -214,6 +205,10 @@ def _predict(profile: Profile, regions: Sequence[Region], *, detailed: bool) -> 
 class _StorageIndex:
     storages_of_unit: tuple[tuple[int, ...], ...]  # per unit: storages it makes, reads or saves
     forward_bytes: tuple[int, ...]  # per event: bytes of forward-made storages alive in the measured step
+    made_by_unit: tuple[tuple[StorageLife, ...], ...]  # per unit: the storages it made
+    backward_span_of_unit: tuple[tuple[int, int] | None, ...]  # per unit: first and last backward event unpacking
+    saves_own_output: frozenset[int]  # units that saved a storage they made
+    forward_event_of_unit: dict[int, MemoryEvent]  # unit -> its forward event
 
 
 # Scoring candidates simulates hundreds of plans on one profile: index it once. Profiles are kept alive here, so an
@@ -236,9 +231,22 @@ def _storage_index(profile: Profile) -> _StorageIndex:
         free = storage.free_event if storage.free_event is not None else num_events - 1
         alive[storage.alloc_event] += storage.nbytes
         alive[free + 1] -= storage.nbytes
+    made: list[list[StorageLife]] = [[] for _ in profile.units]
+    for storage in profile.storages:
+        if storage.producer_unit >= 0:
+            made[storage.producer_unit].append(storage)
+    spans: list[tuple[int, int] | None] = [None] * len(profile.units)
+    for event in profile.events:  # a backward event belongs to the unit whose saved tensors it unpacked
+        if event.phase is Phase.BACKWARD and event.unit >= 0:
+            span = spans[event.unit]
+            spans[event.unit] = (event.index, event.index) if span is None else (span[0], event.index)
     index = _StorageIndex(
+        backward_span_of_unit=tuple(spans),
+        saves_own_output=frozenset(u for s in profile.storages for u in s.saver_units if u == s.producer_unit),
         storages_of_unit=tuple(tuple(sorted(s)) for s in related),
         forward_bytes=tuple(itertools.accumulate(alive[:num_events])),
+        made_by_unit=tuple(map(tuple, made)),
+        forward_event_of_unit={e.unit: e for e in profile.events if e.phase is Phase.FORWARD and e.unit >= 0},
     )
     if len(_INDEX_CACHE) >= _INDEX_CACHE_SIZE:
         _INDEX_CACHE.pop(next(iter(_INDEX_CACHE)))
@@ -288,20 +296,16 @@ def _replay_peak(profile: Profile, region: Region, stop_unit: int, region_of: li
     unit of the region saved (kept for backward) and tensors a later unit of the region reads (until that unit ran).
     Outputs that only units outside the region read are dropped at once; temporaries are already gone.
     """
-    fwd_event_of_unit = {e.unit: e for e in profile.events if e.phase is Phase.FORWARD and e.unit >= 0}
-    produced: dict[int, list[StorageLife]] = {}
-    for storage in profile.storages:
-        if _region(region_of, storage.producer_unit) == r:
-            produced.setdefault(storage.producer_unit, []).append(storage)
+    storages = _storage_index(profile)
     live = 0
     peak = 0
     readers_left: dict[int, int] = {}  # storage index -> last unit of the region that reads it
     transient_bytes: dict[int, int] = {}
     for unit in range(region.first_unit, stop_unit + 1):
-        event = fwd_event_of_unit.get(unit)
+        event = storages.forward_event_of_unit.get(unit)
         rise = event.peak_bytes - event.start_bytes if event is not None else 0
         peak = max(peak, live + rise)
-        for storage in produced.get(unit, ()):
+        for storage in storages.made_by_unit[unit]:
             if storage.free_event is not None and storage.free_event <= storage.alloc_event:
                 continue  # a temporary of the unit itself: inside ``rise``
             if any(_region(region_of, s) == r for s in storage.saver_units):

@@ -201,14 +201,39 @@ def test_without_any_solution_in_time_a_greedy_plan_is_used(monkeypatch: pytest.
     planner = autockpt.Planner(case.model, example_inputs=case.args)
     budget = int(planner.profile.static_bytes + 0.6 * (planner.profile.baseline_peak_bytes - planner.profile.static_bytes))
 
-    def timed_out(candidates, block_base, budget, options, solver_name, programs):  # noqa: ANN001
+    def timed_out(candidates, block_base, budget, options, solver_name, programs, **_):  # noqa: ANN001
         programs.append(SolverStats(status="No Solution Found", relative_gap=None, variables=1, constraints=1, programs=1))
         return ((), ilp.PlanStatus.FEASIBLE) if budget is None else (None, ilp.PlanStatus.FEASIBLE)
 
     monkeypatch.setattr(ilp, "_solve_program", timed_out)
+    monkeypatch.setattr(autockpt.api, "baseline_seed_plans", lambda graph, profile: [])  # no seed floor either
     plan = planner.plan(budget_bytes=budget)
     assert plan.status is autockpt.PlanStatus.FEASIBLE and "greedy fallback (memory floor, plan)" in plan.solver
     assert plan.regions and plan.predicted_peak_bytes <= budget
     module = planner.apply(plan)
     measured = autockpt.measure_step(module, case.args, {}, None).peak_bytes
     assert 0.99 * plan.predicted_peak_bytes <= measured <= plan.predicted_peak_bytes <= budget
+
+
+def test_a_cheaper_baseline_plan_is_returned_when_the_program_misses_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seeds: whatever the program answers, the plan is never worse than a baseline policy under the same budget."""
+    from autockpt.solve import ilp
+    from autockpt.solve.baselines import BASELINE_STRATEGIES, baseline_plan
+    from autockpt.types import SolverStats
+
+    case = zoo.build("transformer")
+    planner = autockpt.Planner(case.model, example_inputs=case.args)
+    every_1 = baseline_plan(planner, "every_1")
+
+    def infeasible(candidates, block_base, budget, options, solver_name, programs, **_):  # noqa: ANN001
+        programs.append(SolverStats(status="Infeasible", relative_gap=None, variables=1, constraints=1, programs=1))
+        return ((), ilp.PlanStatus.FEASIBLE) if budget is None else (None, ilp.PlanStatus.FEASIBLE)
+
+    monkeypatch.setattr(ilp, "_solve_program", infeasible)  # the program finds nothing at all
+    monkeypatch.setattr(ilp, "_drop_unneeded_regions", lambda profile, *best: best[:3])
+    plan = planner.plan(budget_bytes=every_1.predicted_peak_bytes)
+    assert plan.predicted_peak_bytes <= every_1.predicted_peak_bytes
+    fitting = [baseline_plan(planner, s) for s in BASELINE_STRATEGIES]
+    fitting = [b for b in fitting if b.regions and b.predicted_peak_bytes <= every_1.predicted_peak_bytes]
+    assert plan.recompute_ms == min(b.recompute_ms for b in fitting)
+    assert plan.regions in {b.regions for b in fitting}

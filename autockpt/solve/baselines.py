@@ -48,6 +48,7 @@ from autockpt.solve.candidates import (
     crossing_bytes,
     equal_saved_segments,
 )
+from autockpt.solve.ilp import SeedPlan
 from autockpt.types import CaptureKind, Graph, Plan, Profile, Region
 
 if TYPE_CHECKING:
@@ -172,6 +173,16 @@ def baseline_regions(graph: Graph, profile: Profile, strategy: str) -> BaselineR
     regions, safety_notes = make_safe(graph, profile, raw)
     notes += safety_notes
     return BaselineRegions(strategy=strategy, policy=policy, regions=tuple(regions), notes=tuple(notes))
+
+
+def baseline_seed_plans(graph: Graph, profile: Profile) -> list[SeedPlan]:
+    """Every available policy's regions, handed to the solver so that its plans are never worse than a baseline's."""
+    seeds = []
+    for strategy in BASELINE_STRATEGIES:
+        chosen = baseline_regions(graph, profile, strategy)
+        if chosen.available and chosen.regions:
+            seeds.append(SeedPlan(strategy, chosen.regions))
+    return seeds
 
 
 def baseline_plan(planner: Planner, strategy: str) -> Plan:

@@ -52,7 +52,8 @@ class RandomProgram(nn.Module):
         return values[-1].mean()
 
     def extra_repr(self) -> str:
-        return "\n".join(f"v{i + 1} = {op.kind}({', '.join(f'v{j}' for j in op.inputs)})" for i, op in enumerate(self.ops))
+        lines = (f"v{i + 1} = {op.kind}({', '.join(f'v{j}' for j in op.inputs)})" for i, op in enumerate(self.ops))
+        return "\n".join(lines)
 
 
 def _out_width(op: Op) -> int:

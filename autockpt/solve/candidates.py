@@ -32,14 +32,18 @@ def candidate_regions(
         }
         candidates = [Region(first_unit=f, last_unit=l) for f, l in sorted(regions)]
     else:
-        segments = equal_saved_segments(profile, max_segments)
+        # a graph with few units gets a segment per unit: nothing is lost to cut placement
+        segments = (
+            [Region(first_unit=u, last_unit=u) for u in range(num_units)]
+            if num_units <= max_segments else equal_saved_segments(profile, max_segments)
+        )
         candidates = [
             Region(first_unit=segments[a].first_unit, last_unit=segments[b].last_unit)
             for a in range(len(segments))
             for b in range(a, min(len(segments), a + max_segments_per_region))
         ]
-        interval_set = set(candidates)
-        candidates += [r for r in _cheap_runs(profile) if r not in interval_set]
+        candidates += _cheap_runs(profile) + _without_leading_non_savers(profile, candidates)
+        candidates = list(dict.fromkeys(candidates))  # unique, in order
     saves = [u.saved_bytes > 0 for u in profile.units]
     hazards = _mutation_hazards(profile)
     useful = [r for r in candidates if any(saves[r.first_unit : r.last_unit + 1]) and not _unsafe(r, hazards)]
@@ -117,6 +121,29 @@ def _cheap_runs(profile: Profile) -> list[Region]:
     if start is not None:
         runs.append(Region(first_unit=start, last_unit=len(profile.units) - 1))
     return runs
+
+
+def _without_leading_non_savers(profile: Profile, regions: list[Region]) -> list[Region]:
+    """Each region with the units at its start that save nothing cut off.
+
+    Cuts are placed by saved bytes, so a unit that saves nothing (the op reading the model input, an add) rarely ends
+    a segment, and every region starting there also re-runs it. Trimmed, its output becomes an input the checkpoint
+    holds instead of a tensor recomputed: another trade-off the program should see.
+    """
+    trimmed = []
+    for region in regions:
+        first = region.first_unit
+        while first < region.last_unit and profile.units[first].saved_bytes == 0:
+            first += 1
+        cut_off = range(region.first_unit, first)
+        region_ms = sum(profile.units[u].forward_ms for u in range(region.first_unit, region.last_unit + 1))
+        # cutting off views and index arithmetic saves no time: only offer the trimmed region when real work goes
+        cut_off_work = any(profile.units[u].flops > 0 for u in cut_off) or (
+            sum(profile.units[u].forward_ms for u in cut_off) >= 0.05 * region_ms
+        )
+        if cut_off_work and profile.units[first].saved_bytes > 0:
+            trimmed.append(Region(first_unit=first, last_unit=region.last_unit))
+    return trimmed
 
 
 def elementary_pieces(num_units: int, candidates: list[Region]) -> list[Region]:

@@ -56,6 +56,9 @@ class SolverOptions:
             )
 
 
+_RETRIES_AT_ONE_BUDGET = 2  # programs re-solved at one effective budget, each without the sets that went over
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SolveResult:
     regions: tuple[Region, ...]
@@ -197,8 +200,12 @@ def solve_prepared(problem: PreparedProblem, budget_bytes: int, options: SolverO
     search_low, search_high = -math.inf, math.inf
     # a plan this close under the budget is kept: each further program (~0.5-2 s) buys little recompute time
     close_enough_bytes = 0.01 * max(baseline.peak_bytes - profile.static_bytes, 0)
+    over_budget: list[tuple[Region, ...]] = []  # plans the program chose that simulated over the budget
+    last_overshoot_effective, retries_here = math.nan, 0
     for _ in range(options.refinement_rounds):
-        regions, status = _solve_program(scored, block_base, effective, options, solver_name, programs)
+        regions, status = _solve_program(
+            scored, block_base, effective, options, solver_name, programs, excluded=over_budget
+        )
         if regions is None:  # the program is infeasible: it over-estimates memory, give it more room
             search_low = max(search_low, effective)
             effective = effective + 0.01 * budget_bytes if search_high == math.inf else (effective + search_high) / 2
@@ -213,6 +220,13 @@ def solve_prepared(problem: PreparedProblem, budget_bytes: int, options: SolverO
                 break
             effective = effective + slack if search_high == math.inf else (effective + search_high) / 2
         else:
+            # the program adds gains up, but regions interact: rule this set out and try the same effective budget
+            # again (the next-cheapest set may well fit) before tightening it
+            over_budget.append(regions)
+            retries_here = 0 if effective != last_overshoot_effective else retries_here + 1
+            last_overshoot_effective = effective
+            if retries_here < _RETRIES_AT_ONE_BUDGET:
+                continue
             search_high = min(search_high, effective)
             overshoot = timeline.peak_bytes - budget_bytes
             effective = (
@@ -361,9 +375,11 @@ def _solve_program(
     programs: list[SolverStats],
     *,
     peak_cutoff_bytes: int | None = None,
+    excluded: Sequence[tuple[Region, ...]] = (),
 ) -> tuple[tuple[Region, ...] | None, PlanStatus]:
     """budget None: minimise the peak (the memory floor), looking only for peaks under ``peak_cutoff_bytes`` (HiGHS).
-    Returns (regions or None if infeasible, status) and appends the program's statistics to ``programs``."""
+    ``excluded``: region sets the answer must not be. Returns (regions or None if infeasible, status) and appends the
+    program's statistics to ``programs``."""
     prob = pulp.LpProblem("autockpt_floor" if budget is None else "autockpt_plan", pulp.LpMinimize)
     # w_i: 1 if candidate region i is checkpointed
     w = [pulp.LpVariable(f"w_{i}", cat=pulp.LpBinary) for i in range(len(candidates))]
@@ -382,6 +398,14 @@ def _solve_program(
         covering = [w[i] for i, c in enumerate(candidates) if piece.first_unit in c.region]
         if len(covering) > 1:
             prob += pulp.lpSum(covering) <= 1, f"no_overlap_piece_{k}"
+
+    # [Constraint] not a set already simulated over the budget (a no-good cut: at least one of its regions changes)
+    position = {c.region: i for i, c in enumerate(candidates)}
+    for k, regions in enumerate(excluded):
+        if regions and all(r in position for r in regions):
+            inside = {position[r] for r in regions}
+            terms = [(v, 1 if i in inside else -1) for i, v in enumerate(w)]
+            prob += pulp.LpConstraint(pulp.LpAffineExpression(terms), pulp.LpConstraintLE, f"not_plan_{k}", len(inside) - 1)
 
     # [Constraint] predicted bytes of every event block under the budget
     by_block: dict[int, list[tuple[int, int]]] = {}

@@ -41,18 +41,21 @@ def region_windows(profile: Profile, regions: Sequence[Region]) -> list[RegionWi
     index = _storage_index(profile)
     windows = []
     for region in regions:
-        spans = [index.backward_span_of_unit[u] for u in range(region.first_unit, region.last_unit + 1)]
-        spans = [span for span in spans if span is not None]
-        savers = [u for u in range(region.first_unit, region.last_unit + 1) if index.backward_span_of_unit[u]]
-        last_saver = max(savers) if savers else None
+        # units that saved anything (their saved tensors are unpacked in backward) -> first and last such event
+        spans = {
+            u: index.backward_span_of_unit[u]
+            for u in range(region.first_unit, region.last_unit + 1)
+            if index.backward_span_of_unit[u] is not None
+        }
+        last_saver = max(spans, default=None)
         recomputed = None
         if last_saver is not None:
             recomputed = last_saver if last_saver in index.saves_own_output else last_saver - 1
             recomputed = recomputed if recomputed >= region.first_unit else None
         windows.append(
             RegionWindow(
-                first_backward_event=min((first for first, _ in spans), default=None),
-                last_backward_event=max((last for _, last in spans), default=None),
+                first_backward_event=min((first for first, _ in spans.values()), default=None),
+                last_backward_event=max((last for _, last in spans.values()), default=None),
                 last_saver_unit=last_saver,
                 last_recomputed_unit=recomputed,
             )

@@ -135,13 +135,15 @@ def _without_leading_non_savers(profile: Profile, regions: list[Region]) -> list
         first = region.first_unit
         while first < region.last_unit and profile.units[first].saved_bytes == 0:
             first += 1
+        if first == region.first_unit or profile.units[first].saved_bytes == 0:
+            continue  # nothing to cut off, or nothing left that saves
         cut_off = range(region.first_unit, first)
         region_ms = sum(profile.units[u].forward_ms for u in range(region.first_unit, region.last_unit + 1))
         # cutting off views and index arithmetic saves no time: only offer the trimmed region when real work goes
         cut_off_work = any(profile.units[u].flops > 0 for u in cut_off) or (
             sum(profile.units[u].forward_ms for u in cut_off) >= 0.05 * region_ms
         )
-        if cut_off_work and profile.units[first].saved_bytes > 0:
+        if cut_off_work:
             trimmed.append(Region(first_unit=first, last_unit=region.last_unit))
     return trimmed
 

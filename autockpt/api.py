@@ -26,8 +26,9 @@ from autockpt.rewrite import OptimizedModule, rewrite
 from autockpt.simulate import memory_curve, simulate, unit_regions
 from autockpt.solve.baselines import baseline_seed_plans
 from autockpt.solve.candidates import candidate_regions
+from autockpt.solve.structure import find_repeated_blocks
 from autockpt.solve.ilp import PreparedProblem, SolveResult, SolverOptions, prepare, solve_prepared
-from autockpt.types import Decision, Graph, NodePlan, ParetoPoint, Plan, PlanStatus, Region, Timeline, describe_value
+from autockpt.types import CaptureKind, Decision, Graph, NodePlan, ParetoPoint, Plan, PlanStatus, Region, Timeline, describe_value
 
 logger = logging.getLogger(__name__)
 
@@ -259,9 +260,13 @@ class Planner:
     def _solve(self, target_bytes: int) -> SolveResult:
         self._on_stage("solve")
         if self._problem is None:
+            options = self.request.solver_options or SolverOptions()
+            # a module-level capture can only checkpoint whole submodule calls: its candidates are those calls
+            by_blocks = options.repeated_blocks and self.graph.kind is not CaptureKind.MODULE
+            structure = find_repeated_blocks(self.graph, self.profile) if by_blocks else None
             self._problem = prepare(
                 self.profile, *candidate_regions(self.graph, self.profile),
-                seed_plans=baseline_seed_plans(self.graph, self.profile),
+                seed_plans=baseline_seed_plans(self.graph, self.profile), structure=structure,
             )
         result = solve_prepared(self._problem, target_bytes, self.request.solver_options)
         logger.info(

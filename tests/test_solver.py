@@ -201,7 +201,7 @@ def test_without_any_solution_in_time_a_greedy_plan_is_used(monkeypatch: pytest.
     planner = autockpt.Planner(case.model, example_inputs=case.args)
     budget = int(planner.profile.static_bytes + 0.6 * (planner.profile.baseline_peak_bytes - planner.profile.static_bytes))
 
-    def timed_out(candidates, block_base, budget, options, solver_name, programs, **_):  # noqa: ANN001
+    def timed_out(problem, budget, options, solver_name, programs, **_):  # noqa: ANN001
         programs.append(SolverStats(status="No Solution Found", relative_gap=None, variables=1, constraints=1, programs=1))
         return ((), ilp.PlanStatus.FEASIBLE) if budget is None else (None, ilp.PlanStatus.FEASIBLE)
 
@@ -225,7 +225,7 @@ def test_a_cheaper_baseline_plan_is_returned_when_the_program_misses_it(monkeypa
     planner = autockpt.Planner(case.model, example_inputs=case.args)
     every_1 = baseline_plan(planner, "every_1")
 
-    def infeasible(candidates, block_base, budget, options, solver_name, programs, **_):  # noqa: ANN001
+    def infeasible(problem, budget, options, solver_name, programs, **_):  # noqa: ANN001
         programs.append(SolverStats(status="Infeasible", relative_gap=None, variables=1, constraints=1, programs=1))
         return ((), ilp.PlanStatus.FEASIBLE) if budget is None else (None, ilp.PlanStatus.FEASIBLE)
 

@@ -50,6 +50,12 @@ def candidate_regions(
     return segments, useful
 
 
+def safe_regions(profile: Profile, regions: list[Region]) -> list[Region]:
+    """The regions checkpoint can re-run correctly (no in-place write into one of their inputs)."""
+    hazards = _mutation_hazards(profile)
+    return [r for r in regions if not _unsafe(r, hazards)]
+
+
 def crossing_bytes(profile: Profile) -> list[int]:
     """Bytes of activations alive across the cut after unit p (p = 0 .. n-2)."""
     num_units = len(profile.units)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import pulp
@@ -26,7 +26,9 @@ import pulp
 from autockpt.errors import InfeasibleBudgetError
 from autockpt.report import GB, format_bytes
 from autockpt.simulate import simulate
+from autockpt.solve.blocks import BlockProblem, build_block_program, prepare_blocks, solve_block_chain
 from autockpt.solve.candidates import elementary_pieces
+from autockpt.solve.structure import RepeatedBlocks
 from autockpt.types import Phase, PlanStatus, Profile, Region, SolverStats, Timeline
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,7 @@ class SolverOptions:
     time_limit_s: float = 10.0  # per program; the best incumbent is used when it runs out
     relative_gap: float = 0.01  # 1 % of recompute time: proving the last fraction optimal costs minutes
     refinement_rounds: int = 5  # re-solves that move the effective budget towards the user's
+    repeated_blocks: bool = True  # find identical blocks and solve each once (False: one flat program over all units)
     write_lp_path: str | None = None  # debug: write each program as an .lp file here
 
     def __post_init__(self) -> None:
@@ -90,6 +93,7 @@ class PreparedProblem:
     baseline: Timeline
     scored: list[_Candidate]
     block_base: list[int]  # per event block: the largest baseline bytes in it
+    blocks: BlockProblem | None = None  # repeated blocks found: the block program replaces the flat one
     seeds: list[_Seed] = field(default_factory=list)
     floors: dict[SolverOptions, _Floor] = field(default_factory=dict)
 
@@ -115,21 +119,30 @@ class _Floor:
     timeline: Timeline
     stats: SolverStats
     greedy: bool  # the solver found nothing in time: a greedy floor
+    block_peak_bytes: int | None  # the lowest peak the block program reaches (None: no block program)
 
 
 def prepare(
-    profile: Profile, segments: Sequence[Region], candidates: Sequence[Region], seed_plans: Sequence[SeedPlan] = ()
+    profile: Profile,
+    segments: Sequence[Region],
+    candidates: Sequence[Region],
+    seed_plans: Sequence[SeedPlan] = (),
+    structure: RepeatedBlocks | None = None,
 ) -> PreparedProblem:
+    """Score what every budget's program shares. With ``structure`` (repeated blocks found in the graph), each
+    distinct block is also scored once for the block program, which then solves every budget it can reach; the flat
+    program still finds the memory floor (its candidates may cross block boundaries, which can reach lower)."""
     baseline = simulate(profile, ())
-    blocks = _event_blocks(profile, segments)
     seeds = [_Seed(seed.name, seed.regions, simulate(profile, seed.regions)) for seed in seed_plans if seed.regions]
     known = set(candidates)
     extra = sorted({r for seed in seeds for r in seed.regions if r not in known}, key=lambda r: (r.first_unit, r.last_unit))
+    blocks = _event_blocks(profile, segments)
     return PreparedProblem(
         profile=profile,
         baseline=baseline,
         scored=_score_candidates(profile, [*candidates, *extra], baseline, blocks),
         block_base=[max(baseline.event_bytes[e] for e in block) for block in blocks],
+        blocks=prepare_blocks(profile, structure, [*candidates, *extra], baseline) if structure else None,
         seeds=seeds,
     )
 
@@ -150,7 +163,7 @@ def solve_prepared(problem: PreparedProblem, budget_bytes: int, options: SolverO
     """``solve`` on a prepared problem (candidates already scored, floor solved once per solver options)."""
     options = options or SolverOptions()
     started = time.perf_counter()
-    profile, baseline, scored, block_base = problem.profile, problem.baseline, problem.scored, problem.block_base
+    profile, baseline, scored = problem.profile, problem.baseline, problem.scored
     solver_name = _solver_name(options)
 
     floor = problem.floors.get(options)
@@ -160,7 +173,7 @@ def solve_prepared(problem: PreparedProblem, budget_bytes: int, options: SolverO
         # the lowest seed's peak is a cutoff: branches that cannot beat it are pruned (about twice as fast on GPT-2)
         cutoff = lowest_seed.timeline.peak_bytes if lowest_seed is not None else None
         floor_regions, _ = _solve_program(
-            scored, block_base, None, options, solver_name, floor_programs, peak_cutoff_bytes=cutoff
+            problem, None, options, solver_name, floor_programs, peak_cutoff_bytes=cutoff, use_blocks=False
         )
         greedy = lowest_seed is None and _no_incumbent(floor_programs[-1])
         if greedy:
@@ -168,7 +181,14 @@ def solve_prepared(problem: PreparedProblem, budget_bytes: int, options: SolverO
         floor_timeline = simulate(profile, floor_regions)
         if lowest_seed is not None and lowest_seed.timeline.peak_bytes < floor_timeline.peak_bytes:
             floor_regions, floor_timeline = lowest_seed.regions, lowest_seed.timeline
-        floor = _Floor(floor_regions, floor_timeline, floor_programs[-1], greedy)
+        block_floor_bytes = None
+        if problem.blocks is not None:
+            block_floor_regions, _ = _solve_program(problem, None, options, solver_name, floor_programs, use_blocks=True)
+            block_floor_timeline = simulate(profile, block_floor_regions)
+            block_floor_bytes = block_floor_timeline.peak_bytes
+            if block_floor_bytes < floor_timeline.peak_bytes:
+                floor_regions, floor_timeline = block_floor_regions, block_floor_timeline
+        floor = _Floor(floor_regions, floor_timeline, floor_programs[0], greedy, block_floor_bytes)
         problem.floors[options] = floor
     programs: list[SolverStats] = [floor.stats]
     fallbacks: list[str] = ["memory floor"] if floor.greedy else []
@@ -202,9 +222,11 @@ def solve_prepared(problem: PreparedProblem, budget_bytes: int, options: SolverO
     close_enough_bytes = 0.01 * max(baseline.peak_bytes - profile.static_bytes, 0)
     over_budget: list[tuple[Region, ...]] = []  # plans the program chose that simulated over the budget
     last_overshoot_effective, retries_here = math.nan, 0
+    # the block program solves in milliseconds; below its own floor only the flat program has plans
+    use_blocks = floor.block_peak_bytes is not None and budget_bytes >= floor.block_peak_bytes
     for _ in range(options.refinement_rounds):
         regions, status = _solve_program(
-            scored, block_base, effective, options, solver_name, programs, excluded=over_budget
+            problem, effective, options, solver_name, programs, excluded=over_budget, use_blocks=use_blocks
         )
         if regions is None:  # the program is infeasible: it over-estimates memory, give it more room
             search_low = max(search_low, effective)
@@ -225,7 +247,8 @@ def solve_prepared(problem: PreparedProblem, budget_bytes: int, options: SolverO
             over_budget.append(regions)
             retries_here = 0 if effective != last_overshoot_effective else retries_here + 1
             last_overshoot_effective = effective
-            if retries_here < _RETRIES_AT_ONE_BUDGET:
+            # (the block chain answers the same at the same budget: only the MILP can rule a set out)
+            if retries_here < _RETRIES_AT_ONE_BUDGET and not use_blocks:
                 continue
             search_high = min(search_high, effective)
             overshoot = timeline.peak_bytes - budget_bytes
@@ -367,8 +390,7 @@ def _score_candidates(
 
 
 def _solve_program(
-    candidates: list[_Candidate],
-    block_base: list[int],
+    problem: PreparedProblem,
     budget: float | None,
     options: SolverOptions,
     solver_name: str,
@@ -376,10 +398,46 @@ def _solve_program(
     *,
     peak_cutoff_bytes: int | None = None,
     excluded: Sequence[tuple[Region, ...]] = (),
+    use_blocks: bool = False,
 ) -> tuple[tuple[Region, ...] | None, PlanStatus]:
     """budget None: minimise the peak (the memory floor), looking only for peaks under ``peak_cutoff_bytes`` (HiGHS).
     ``excluded``: region sets the answer must not be. Returns (regions or None if infeasible, status) and appends the
-    program's statistics to ``programs``."""
+    program's statistics to ``programs``. ``use_blocks``: the block program (the chain DP when it applies) instead of
+    the flat one."""
+    if use_blocks and problem.blocks is not None and budget is not None:
+        regions = solve_block_chain(problem.blocks, int(budget))
+        if regions is not NotImplemented:
+            programs.append(SolverStats(
+                status="Optimal Solution Found (block chain)" if regions is not None else "No Solution Exists (block chain)",
+                relative_gap=0.0, variables=0, constraints=0, programs=1,
+            ))
+            return regions, PlanStatus.OPTIMAL
+    if use_blocks and problem.blocks is not None:
+        prob, chosen_regions = build_block_program(problem.blocks, budget, excluded)
+    else:
+        prob, chosen_regions = _flat_program(problem.scored, problem.block_base, budget, excluded)
+    if options.write_lp_path:
+        prob.writeLP(f"{options.write_lp_path}.{prob.name}.lp")
+    floor = budget is None
+    cutoff_gb = peak_cutoff_bytes / GB if floor and peak_cutoff_bytes is not None else None
+    solver = _make_solver(solver_name, options, objective_cutoff=cutoff_gb)
+    prob.solve(solver)
+    programs.append(
+        SolverStats(
+            status=pulp.LpSolution.get(prob.sol_status, str(prob.sol_status)), relative_gap=_mip_gap(prob, solver_name),
+            variables=len(prob.variables()), constraints=len(prob.constraints), programs=1,
+        )
+    )
+    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        return ((), PlanStatus.FEASIBLE) if floor else (None, PlanStatus.FEASIBLE)
+    proven = prob.sol_status == pulp.LpSolutionOptimal
+    return chosen_regions(), PlanStatus.OPTIMAL if proven else PlanStatus.FEASIBLE
+
+
+def _flat_program(
+    candidates: list[_Candidate], block_base: list[int], budget: float | None, excluded: Sequence[tuple[Region, ...]]
+) -> tuple[pulp.LpProblem, Callable[[], tuple[Region, ...]]]:
+    """One variable per candidate region, one memory row per event block; and a function reading the answer."""
     prob = pulp.LpProblem("autockpt_floor" if budget is None else "autockpt_plan", pulp.LpMinimize)
     # w_i: 1 if candidate region i is checkpointed
     w = [pulp.LpVariable(f"w_{i}", cat=pulp.LpBinary) for i in range(len(candidates))]
@@ -423,24 +481,11 @@ def _solve_program(
             expression.addterm(peak, -GB)
         prob += pulp.LpConstraint(expression, pulp.LpConstraintLE, f"memory_block_{block}", budget or 0)
 
-    if options.write_lp_path:
-        prob.writeLP(f"{options.write_lp_path}.{prob.name}.lp")
-    cutoff_gb = peak_cutoff_bytes / GB if peak is not None and peak_cutoff_bytes is not None else None
-    solver = _make_solver(solver_name, options, objective_cutoff=cutoff_gb)
-    prob.solve(solver)
-    programs.append(
-        SolverStats(
-            status=pulp.LpSolution.get(prob.sol_status, str(prob.sol_status)), relative_gap=_mip_gap(prob, solver_name),
-            variables=len(prob.variables()), constraints=len(prob.constraints), programs=1,
-        )
-    )
-    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-        if budget is None:
-            return (), PlanStatus.FEASIBLE
-        return None, PlanStatus.FEASIBLE
-    chosen = tuple(sorted((c.region for i, c in enumerate(candidates) if (w[i].value() or 0) > 0.5), key=lambda r: r.first_unit))
-    proven = prob.sol_status == pulp.LpSolutionOptimal
-    return chosen, PlanStatus.OPTIMAL if proven else PlanStatus.FEASIBLE
+    def chosen_regions() -> tuple[Region, ...]:
+        chosen = (c.region for i, c in enumerate(candidates) if (w[i].value() or 0) > 0.5)
+        return tuple(sorted(chosen, key=lambda r: r.first_unit))
+
+    return prob, chosen_regions
 
 
 def _mip_gap(prob: pulp.LpProblem, solver_name: str) -> float | None:

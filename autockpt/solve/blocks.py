@@ -402,10 +402,9 @@ def solve_block_chain(problem: BlockProblem, budget: int) -> tuple[Region, ...] 
     spends seconds telling identical layers apart. Returns the regions, None if no plan meets ``budget`` in the
     model, or NotImplemented when the problem is not such a chain (the MILP then solves it).
     """
-    prefix_of_row = _prefix_of_rows(problem)
-    if prefix_of_row is None:
+    outside_prefix = _prefix_of_outside_rows(problem)
+    if outside_prefix is None:
         return NotImplemented
-    instance_rows, outside_prefix = prefix_of_row
     in_runs = [o for o in problem.others if _covers_instances(problem, o.region)]
     outside = [c for c, o in enumerate(problem.others) if not _covers_instances(problem, o.region)]
     other_sets = _disjoint_sets([problem.others[c].region for c in outside], MAX_OTHER_SETS)
@@ -421,30 +420,26 @@ def solve_block_chain(problem: BlockProblem, budget: int) -> tuple[Region, ...] 
     return None if best is None else best[1]
 
 
-def _prefix_of_rows(problem: BlockProblem) -> tuple[list[int], list[int]] | None:
-    """Per instance and per outside event: how many leading instances hold their gains there (None: not a prefix)."""
+def _prefix_of_outside_rows(problem: BlockProblem) -> list[int] | None:
+    """Per outside event, how many leading instances hold their gains there; None when the rows are not a chain
+    (instance k's window must see exactly the k instances before it, every outside event a prefix of them)."""
     instances = problem.instances
 
     def prefix(active: list[bool]) -> int | None:
         count = sum(active)
         return count if all(active[:count]) else None
 
-    instance_rows = []
-    for instance in instances:
+    for k, instance in enumerate(instances):
         active = [j.forward_end < instance.window[0] and j.backward_start > instance.window[-1] for j in instances]
-        count = prefix(active)
-        if count is None:
+        if prefix(active) != k:
             return None
-        instance_rows.append(count)
     outside = []
     for event in problem.outside_events:
         count = prefix([j.forward_end < event < j.backward_start for j in instances])
         if count is None:
             return None
         outside.append(count)
-    if instance_rows != list(range(len(instances))):
-        return None
-    return instance_rows, outside
+    return outside
 
 
 def _covers_instances(problem: BlockProblem, region: Region) -> bool:

@@ -78,6 +78,7 @@ class BlockProblem:
     others: list[_OtherRegion]
     base_bytes: np.ndarray  # unmodified bytes per event
     outside_events: np.ndarray  # events in no instance's window
+    chain: _Chain | None = None  # the outer problem as a chain (None: not a chain, the MILP solves it)
 
     def regions_of(self, choice: Sequence[int], others: Sequence[int]) -> tuple[Region, ...]:
         """The plan for menu item ``choice[k]`` at every instance k, plus the chosen other regions."""
@@ -128,6 +129,7 @@ def prepare_blocks(
         instances=instances, menus=menus, need_bytes=need, cost_ms=cost, others=others, base_bytes=base,
         outside_events=np.flatnonzero(~in_window),
     )
+    problem.chain = _prepare_chain(problem)
     logger.debug(
         "block program: %d instances of %d families, menus %s, %d other regions",
         len(instances), len(menus), [len(m) for m in menus], len(others),
@@ -173,19 +175,30 @@ def _menu(profile: Profile, instances: list[_Instance], candidates: Sequence[Reg
     start = representative.region.first_unit
     singles: list[_BlockPlan] = []
     for a, b in sorted(relative):
-        alone = simulate(profile, (Region(first_unit=start + a, last_unit=start + b),))
-        gains = base - np.asarray(alone.event_bytes, dtype=np.int64)
+        alone, gains = _alone(profile, Region(first_unit=start + a, last_unit=start + b), base)
         if gains.max() <= 0:
             continue  # frees nothing anywhere
-        between = gains[representative.forward_end + 1 : representative.backward_start]
-        retained = int(between.min()) if len(between) else 0
         rerun = tuple(u - start for u in alone.rerun_units)
-        singles.append(_BlockPlan(((a, b),), rerun, alone.recompute_ms, retained, gains[representative.window]))
+        singles.append(_BlockPlan(
+            ((a, b),), rerun, alone.recompute_ms, _retained_gain(gains, representative), gains[representative.window]
+        ))
     plans = _disjoint_combinations(singles, len(representative.window))
     if plans is None:
         logger.debug("a block of %d units has over %d plans; solving flat", block_units, MAX_BLOCK_PLANS)
         return None
     return _undominated(plans, [base[i.window] for i in instances])
+
+
+def _alone(profile: Profile, region: Region, base: np.ndarray) -> tuple[Timeline, np.ndarray]:
+    """``region`` checkpointed alone: its timeline, and the bytes it saves at every event (negative: costs)."""
+    alone = simulate(profile, (region,))
+    return alone, base - np.asarray(alone.event_bytes, dtype=np.int64)
+
+
+def _retained_gain(gains: np.ndarray, instance: _Instance) -> int:
+    """Bytes not held between ``instance``'s forward and its backward (the least over those events)."""
+    between = gains[instance.forward_end + 1 : instance.backward_start]
+    return int(between.min()) if len(between) else 0
 
 
 def _disjoint_combinations(singles: list[_BlockPlan], window_length: int) -> list[_BlockPlan] | None:
@@ -230,10 +243,7 @@ def _other_regions(
     profile: Profile, instances: list[_Instance], candidates: Sequence[Region], base: np.ndarray
 ) -> list[_OtherRegion]:
     """Regions outside every instance (embedding, head), and runs of whole consecutive instances of one family."""
-    def overlaps_an_instance(region: Region) -> bool:
-        return any(region.first_unit <= i.region.last_unit and i.region.first_unit <= region.last_unit for i in instances)
-
-    regions = [c for c in candidates if not overlaps_an_instance(c)]
+    regions = [c for c in candidates if not _overlaps_any(c, instances)]
     by_family: dict[int, list[_Instance]] = {}
     for instance in instances:
         by_family.setdefault(instance.family, []).append(instance)
@@ -245,8 +255,7 @@ def _other_regions(
                 regions.append(Region(first_unit=run[0].region.first_unit, last_unit=run[-1].region.last_unit))
     others = []
     for region in safe_regions(profile, list(dict.fromkeys(regions))):
-        alone = simulate(profile, (region,))
-        gains = base - np.asarray(alone.event_bytes, dtype=np.int64)
+        alone, gains = _alone(profile, region, base)
         if gains.max() > 0:
             others.append(_OtherRegion(region, alone.recompute_ms, gains))
     return others
@@ -374,6 +383,10 @@ def _overlap(a: Region, b: Region) -> bool:
     return a.first_unit <= b.last_unit and b.first_unit <= a.last_unit
 
 
+def _overlaps_any(region: Region, instances: Sequence[_Instance]) -> bool:
+    return any(_overlap(region, i.region) for i in instances)
+
+
 # --- the outer problem as a dynamic program over the chain of instances ------------------------------------------
 
 STATES = 10_000  # retained-gain buckets; gains are rounded down, so rows are pessimistic by < instances / STATES of the range
@@ -393,6 +406,16 @@ class _Option:
     other: int | None  # the run's index in ``others``
 
 
+@dataclass(frozen=True, slots=True)
+class _Chain:
+    """What the dynamic program needs that does not depend on the budget."""
+
+    options: list[list[_Option]]  # per instance: the options starting there
+    outside_prefix: list[int]  # per outside event: how many leading instances hold their gains there
+    outside: list[int]  # ``others`` that cover no instance (embedding, head)
+    outside_sets: list[tuple[int, ...]]  # sets of them that do not overlap, as positions in ``outside``
+
+
 def solve_block_chain(problem: BlockProblem, budget: int) -> tuple[Region, ...] | None | type[NotImplemented]:
     """The outer problem solved exactly (up to rounding retained gains down) by dynamic programming.
 
@@ -402,22 +425,29 @@ def solve_block_chain(problem: BlockProblem, budget: int) -> tuple[Region, ...] 
     spends seconds telling identical layers apart. Returns the regions, None if no plan meets ``budget`` in the
     model, or NotImplemented when the problem is not such a chain (the MILP then solves it).
     """
-    outside_prefix = _prefix_of_outside_rows(problem)
-    if outside_prefix is None:
+    chain = problem.chain
+    if chain is None:
         return NotImplemented
-    in_runs = [o for o in problem.others if _covers_instances(problem, o.region)]
-    outside = [c for c, o in enumerate(problem.others) if not _covers_instances(problem, o.region)]
-    other_sets = _disjoint_sets([problem.others[c].region for c in outside], MAX_OTHER_SETS)
-    if other_sets is None:
-        return NotImplemented
-    options = _chain_options(problem, in_runs)
     best: tuple[float, tuple[Region, ...]] | None = None
-    for other_set in other_sets:
-        chosen = [outside[i] for i in other_set]
-        found = _cheapest_chain(problem, options, chosen, budget, outside_prefix)
+    for other_set in chain.outside_sets:
+        chosen = [chain.outside[i] for i in other_set]
+        found = _cheapest_chain(problem, chain.options, chosen, budget, chain.outside_prefix)
         if found is not None and (best is None or found[0] < best[0]):
             best = found
     return None if best is None else best[1]
+
+
+def _prepare_chain(problem: BlockProblem) -> _Chain | None:
+    """The chain form of the outer problem, or None when its rows are not a chain or too many outside sets."""
+    outside_prefix = _prefix_of_outside_rows(problem)
+    if outside_prefix is None:
+        return None
+    outside = [c for c, o in enumerate(problem.others) if not _overlaps_any(o.region, problem.instances)]
+    outside_sets = _disjoint_sets([problem.others[c].region for c in outside], MAX_OTHER_SETS)
+    if outside_sets is None:
+        return None
+    runs = [c for c in range(len(problem.others)) if c not in outside]
+    return _Chain(_chain_options(problem, runs), outside_prefix, outside, outside_sets)
 
 
 def _prefix_of_outside_rows(problem: BlockProblem) -> list[int] | None:
@@ -442,10 +472,6 @@ def _prefix_of_outside_rows(problem: BlockProblem) -> list[int] | None:
     return outside
 
 
-def _covers_instances(problem: BlockProblem, region: Region) -> bool:
-    return any(_overlap(region, i.region) for i in problem.instances)
-
-
 def _disjoint_sets(regions: list[Region], limit: int) -> list[tuple[int, ...]] | None:
     """Every set of pairwise non-overlapping regions (as indices), or None if there are more than ``limit``."""
     sets: list[tuple[int, ...]] = [()]
@@ -456,7 +482,7 @@ def _disjoint_sets(regions: list[Region], limit: int) -> list[tuple[int, ...]] |
     return sets
 
 
-def _chain_options(problem: BlockProblem, runs: list[_OtherRegion]) -> list[list[_Option]]:
+def _chain_options(problem: BlockProblem, runs: list[int]) -> list[list[_Option]]:
     """Per instance: the options starting there (its menu plans, runs of whole instances from it)."""
     options: list[list[_Option]] = []
     first_of = {i.region.first_unit: k for k, i in enumerate(problem.instances)}
@@ -466,14 +492,14 @@ def _chain_options(problem: BlockProblem, runs: list[_OtherRegion]) -> list[list
             _Option(k, 1, float(problem.cost_ms[k][m]), plan.retained_gain_bytes, problem.need_bytes[k][m : m + 1], m, None)
             for m, plan in enumerate(menu)
         ]
-        for run in runs:
+        for index in runs:
+            run = problem.others[index]
             if first_of.get(run.region.first_unit) != k:
                 continue
-            covered = [j for j, i in enumerate(problem.instances) if _overlap(run.region, i.region)]
-            between = run.gains[problem.instances[covered[-1]].forward_end + 1 : problem.instances[covered[-1]].backward_start]
-            need = np.array([(problem.base_bytes[problem.instances[j].window] - run.gains[problem.instances[j].window]).max() for j in covered])
-            index = problem.others.index(run)
-            here.append(_Option(k, len(covered), run.cost_ms, int(between.min()) if len(between) else 0, need, None, index))
+            covered = [i for i in problem.instances if _overlap(run.region, i.region)]
+            need = np.array([(problem.base_bytes[i.window] - run.gains[i.window]).max() for i in covered])
+            retained = _retained_gain(run.gains, covered[-1])
+            here.append(_Option(k, len(covered), run.cost_ms, retained, need, None, index))
         options.append(here)
     return options
 

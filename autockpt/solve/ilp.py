@@ -93,7 +93,7 @@ class PreparedProblem:
     baseline: Timeline
     scored: list[_Candidate]
     block_base: list[int]  # per event block: the largest baseline bytes in it
-    blocks: BlockProblem | None = None  # repeated blocks found: the block program replaces the flat one
+    blocks: BlockProblem | None = None  # repeated blocks found: the block program solves budgets above its floor
     seeds: list[_Seed] = field(default_factory=list)
     floors: dict[SolverOptions, _Floor] = field(default_factory=dict)
 

@@ -39,10 +39,6 @@ class RepeatedBlocks:
 
     families: tuple[BlockFamily, ...]
 
-    @property
-    def instances(self) -> tuple[Region, ...]:
-        return tuple(sorted((r for f in self.families for r in f.instances), key=lambda r: r.first_unit))
-
     def covered_units(self) -> int:
         return sum(f.block_units * len(f.instances) for f in self.families)
 

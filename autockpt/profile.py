@@ -132,6 +132,7 @@ class _EventRecord:
     unit: int
     start_bytes: int
     peak_bytes: int
+    pack_peak_bytes: int | None = None  # forward: peak up to the event's last pack for backward
 
 
 _CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator hands out multiples of this (MemTracker rounds the same way)
@@ -256,6 +257,9 @@ def _tracked_step(graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn) -> _
     def pack(tensor: torch.Tensor) -> tuple[torch.Tensor, _StorageRecord | None, int]:
         record = tracker.record_of(tensor)
         unit = tracker.unit
+        current = tracker.events[-1]
+        if current.phase is Phase.FORWARD:  # a recomputation that stops at this pack reached this peak
+            current.pack_peak_bytes = current.peak_bytes
         if record is not None and record.phase is Phase.FORWARD:
             saved_by_unit.setdefault(unit, set()).add(record.index)
         # detach: same storage, no reference cycle through the output's grad_fn
@@ -338,7 +342,14 @@ def _assemble(
 ) -> Profile:
     tracker = tracked.tracker
     events = tuple(
-        MemoryEvent(index=i, phase=e.phase, unit=e.unit, start_bytes=e.start_bytes, peak_bytes=e.peak_bytes)
+        MemoryEvent(
+            index=i,
+            phase=e.phase,
+            unit=e.unit,
+            start_bytes=e.start_bytes,
+            peak_bytes=e.peak_bytes,
+            pack_peak_bytes=e.pack_peak_bytes,
+        )
         for i, e in enumerate(tracker.events)
     )
     storages = []

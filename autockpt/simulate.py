@@ -179,9 +179,8 @@ def _predict(profile: Profile, regions: Sequence[Region], *, detailed: bool) -> 
         c = window.first_backward_event
         offset = sum(plan_delta[: c + 1])
         before_recompute = profile.events[c].start_bytes + offset - copy_bytes_at_burst[r]
-        replay = 0
+        replay = _replay_peak(profile, region, window.last_saver_unit, region_of, r)
         if window.last_recomputed_unit is not None:
-            replay = _replay_peak(profile, region, window.last_recomputed_unit, region_of, r)
             rerun = range(region.first_unit, window.last_recomputed_unit + 1)
             recompute_ms += sum(profile.units[u].forward_ms for u in rerun)
             rerun_units += rerun
@@ -291,27 +290,33 @@ def _plan_free_event(
     return max(holds)
 
 
-def _replay_peak(profile: Profile, region: Region, stop_unit: int, region_of: list[int | None], r: int) -> int:
+def _replay_peak(profile: Profile, region: Region, last_saver: int, region_of: list[int | None], r: int) -> int:
     """Peak bytes the recomputation of ``region`` adds on top of memory at its start.
 
     While unit ``u`` re-runs, memory rises by what it rose during ``u``'s measured forward (its outputs plus the
     temporaries it frees before returning). After it, only the outputs the recomputation still needs stay: tensors a
-    unit of the region saved (kept for backward) and tensors a later unit of the region reads (until that unit ran).
-    Outputs that only units outside the region read are dropped at once; temporaries are already gone.
+    unit of the region saved (kept for backward), tensors a later unit of the region reads (until that unit ran), and
+    the region's own outputs (tensors a unit outside the region reads): the region runs as one function that holds
+    its return values until the recomputation stops, even though backward has no use for them. Temporaries are
+    already gone. The recomputation stops at the last saver's last pack, so that unit rises only as far as it had
+    risen by then in the measured forward (a dropout stops once its mask exists, before the masked output).
     """
     storages = _storage_index(profile)
     live = 0
     peak = 0
     readers_left: dict[int, int] = {}  # storage index -> last unit of the region that reads it
     transient_bytes: dict[int, int] = {}
-    for unit in range(region.first_unit, stop_unit + 1):
+    for unit in range(region.first_unit, last_saver + 1):
         event = storages.forward_event_of_unit.get(unit)
+        if unit == last_saver and event is not None and event.pack_peak_bytes is not None:
+            return max(peak, live + event.pack_peak_bytes - event.start_bytes)
         rise = event.peak_bytes - event.start_bytes if event is not None else 0
         peak = max(peak, live + rise)
         for storage in storages.made_by_unit[unit]:
             if storage.free_event is not None and storage.free_event <= storage.alloc_event:
                 continue  # a temporary of the unit itself: inside ``rise``
-            if any(_region(region_of, s) == r for s in storage.saver_units):
+            saved_in_region = any(_region(region_of, s) == r for s in storage.saver_units)
+            if saved_in_region or any(_region(region_of, u) != r for u in storage.user_units):
                 live += storage.nbytes
                 continue
             later_readers = [u for u in storage.user_units if _region(region_of, u) == r and u > unit]

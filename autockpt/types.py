@@ -116,6 +116,10 @@ class MemoryEvent:
     unit: int
     start_bytes: int
     peak_bytes: int
+    # forward events: the peak from the event's start up to its last pack of a tensor for backward. A recomputation
+    # under checkpoint stops at the pack of the region's last saved tensor, so a region's last saver only gets this
+    # far when it re-runs. None: nothing was packed (or a backward event).
+    pack_peak_bytes: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

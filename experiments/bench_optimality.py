@@ -211,9 +211,10 @@ def summary_markdown(frame: pd.DataFrame, command: str, costs: str) -> str:
         f"Graphs where some region plan lowers the peak: {len(graphs)}. The production floor is above the exact floor "
         f"(smallest simulated peak of any region plan) in {len(above)} of them"
         + (f", by up to {excess.max():.0%} of the exact gap (exact floor to unmodified peak): "
-           + ", ".join(f"{g} ({e:.0%})" for g, e in zip(above["graph"], excess)) if len(above) else "")
-        + ". Budgets between the two floors are refused by the production solver (InfeasibleBudgetError) although a "
-        "region plan fits them; rows with fraction 'between floors' in the CSV.",
+           + ", ".join(f"{g} ({e:.0%})" for g, e in zip(above["graph"], excess))
+           + ". Budgets between the two floors are refused by the production solver (InfeasibleBudgetError) although "
+           "a region plan fits them; rows with fraction 'between floors' in the CSV" if len(above) else "")
+        + ".",
         "",
     ]
     skipped = frame[frame["skipped"].notna() & frame["budget_bytes"].isna()]

@@ -78,6 +78,23 @@ def test_production_plan_is_within_one_percent_of_the_exact_optimum(seed: int, f
     )
 
 
+# Seeds where experiments/bench_optimality.py once found the production floor above the exact floor: the programs add
+# gains up, and these graphs have regions that interact (a recomputation burst on top of another region's gain).
+# Fixed by offering the best single region as a seed and a local descent from every floor plan with the simulator.
+FLOOR_SEEDS = [24, 38, 47, 54, 68]
+
+
+@pytest.mark.parametrize("seed", FLOOR_SEEDS)
+def test_production_floor_is_the_exact_floor(seed: int) -> None:
+    planner = _planner(seed)
+    exact_floor = min_peak_bytes(planner.profile)
+    assert exact_floor < simulate(planner.profile, ()).peak_bytes
+    floor = _production_floor(planner)
+    assert floor == exact_floor
+    plan = planner.plan(budget_bytes=floor)  # the floor is a budget the production solver accepts
+    assert simulate(planner.profile, plan.regions).peak_bytes <= floor
+
+
 def _text(regions: tuple[Region, ...]) -> str:
     return " ".join(f"{r.first_unit}-{r.last_unit}" for r in regions) or "nothing"
 

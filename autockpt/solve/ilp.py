@@ -93,6 +93,7 @@ class PreparedProblem:
     baseline: Timeline
     scored: list[_Candidate]
     block_base: list[int]  # per event block: the largest baseline bytes in it
+    block_of_event: list[int]  # per event: its event block
     blocks: BlockProblem | None = None  # repeated blocks found: the block program solves budgets above its floor
     seeds: list[_Seed] = field(default_factory=list)
     floors: dict[SolverOptions, _Floor] = field(default_factory=dict)
@@ -137,11 +138,17 @@ def prepare(
     known = set(candidates)
     extra = sorted({r for seed in seeds for r in seed.regions if r not in known}, key=lambda r: (r.first_unit, r.last_unit))
     blocks = _event_blocks(profile, segments)
+    scored, lowest_single = _score_candidates(profile, [*candidates, *extra], baseline, blocks)
+    if lowest_single is not None:
+        # regions interact (a recomputation burst can sit on another region's gain), so the programs, which add
+        # gains up, can miss that one region alone lowers the peak; scoring simulated it anyway
+        seeds.append(lowest_single)
     return PreparedProblem(
         profile=profile,
         baseline=baseline,
-        scored=_score_candidates(profile, [*candidates, *extra], baseline, blocks),
+        scored=scored,
         block_base=[max(baseline.event_bytes[e] for e in block) for block in blocks],
+        block_of_event=_block_of_event(blocks, len(profile.events)),
         blocks=prepare_blocks(profile, structure, [*candidates, *extra], baseline) if structure else None,
         seeds=seeds,
     )
@@ -175,19 +182,18 @@ def solve_prepared(problem: PreparedProblem, budget_bytes: int, options: SolverO
         floor_regions, _ = _solve_program(
             problem, None, options, solver_name, floor_programs, peak_cutoff_bytes=cutoff, use_blocks=False
         )
-        greedy = lowest_seed is None and _no_incumbent(floor_programs[-1])
-        if greedy:
+        timed_out = _no_incumbent(floor_programs[-1])
+        if timed_out:
             floor_regions = greedy_regions(profile, scored, None)
-        floor_timeline = simulate(profile, floor_regions)
-        if lowest_seed is not None and lowest_seed.timeline.peak_bytes < floor_timeline.peak_bytes:
-            floor_regions, floor_timeline = lowest_seed.regions, lowest_seed.timeline
+        starts = [(floor_regions, simulate(profile, floor_regions))]
+        starts += [(seed.regions, seed.timeline) for seed in problem.seeds]
         block_floor_bytes = None
         if problem.blocks is not None:
             block_floor_regions, _ = _solve_program(problem, None, options, solver_name, floor_programs, use_blocks=True)
-            block_floor_timeline = simulate(profile, block_floor_regions)
-            block_floor_bytes = block_floor_timeline.peak_bytes
-            if block_floor_bytes < floor_timeline.peak_bytes:
-                floor_regions, floor_timeline = block_floor_regions, block_floor_timeline
+            starts.append((block_floor_regions, simulate(profile, block_floor_regions)))
+            block_floor_bytes = starts[-1][1].peak_bytes
+        floor_regions, floor_timeline, lowest_start = _lower_floor_locally(problem, starts)
+        greedy = timed_out and lowest_start == 0  # the greedy plan (or a descent from it) is the floor
         floor = _Floor(floor_regions, floor_timeline, floor_programs[0], greedy, block_floor_bytes)
         problem.floors[options] = floor
     programs: list[SolverStats] = [floor.stats]
@@ -265,6 +271,7 @@ def solve_prepared(problem: PreparedProblem, budget_bytes: int, options: SolverO
             fallbacks.append("plan")
     if best is not None:
         best = _drop_unneeded_regions(profile, *best, budget_bytes)
+        best = _swap_for_cheaper(problem, *best, budget_bytes)
     cheaper_seed = min(
         (seed for seed in problem.seeds if seed.timeline.peak_bytes <= budget_bytes
          and (best is None or seed.timeline.recompute_ms < best[1].recompute_ms)),
@@ -314,6 +321,104 @@ def greedy_regions(profile: Profile, candidates: Sequence[_Candidate], budget_by
         if trial_peak < peak:
             chosen, peak = trial, trial_peak
     return tuple(chosen)
+
+
+_FLOOR_SEARCH_SIMULATIONS = 120  # in all, over every starting plan: about 1-5 ms each on a 12-layer GPT-2
+_FLOOR_SEARCH_ADDITIONS = 8  # candidates tried per step, those freeing most at the current peak event first
+
+
+def _lower_floor_locally(
+    problem: PreparedProblem, starts: Sequence[tuple[tuple[Region, ...], Timeline]]
+) -> tuple[tuple[Region, ...], Timeline, int]:
+    """The lowest simulated peak a descent from any of ``starts`` (the programs' floors, the seed plans) reaches,
+    and the index of the start it descended from.
+
+    One step tries dropping each region, then adding each of the candidates that free most at the current peak
+    event (replacing the regions they overlap), and takes the first that lowers the simulated peak. The programs add
+    gains up; where regions interact (one region's recomputation burst sits on another's gain) they can stop above a
+    plan that one more region, one fewer or a swap reaches.
+    """
+    simulations = 0
+
+    def lower(regions: tuple[Region, ...], timeline: Timeline) -> tuple[tuple[Region, ...], Timeline] | None:
+        nonlocal simulations
+        block = problem.block_of_event[timeline.peak_event]
+        helpful = sorted(
+            (c for c in problem.scored if c.gains.get(block, 0) > 0 and c.region not in regions),
+            key=lambda c: -c.gains[block],
+        )[:_FLOOR_SEARCH_ADDITIONS]
+        trials = [tuple(r for r in regions if r != dropped) for dropped in regions]
+        for region in (c.region for c in helpful):
+            kept = [r for r in regions if r.last_unit < region.first_unit or r.first_unit > region.last_unit]
+            trials.append(tuple(sorted([*kept, region], key=lambda r: r.first_unit)))
+        for trial in trials:
+            if simulations >= _FLOOR_SEARCH_SIMULATIONS:
+                return None
+            simulations += 1
+            trial_timeline = simulate(problem.profile, trial)
+            if trial_timeline.peak_bytes < timeline.peak_bytes:
+                return trial, trial_timeline
+        return None
+
+    order = sorted(range(len(starts)), key=lambda i: starts[i][1].peak_bytes)
+    best = (*starts[order[0]], order[0])
+    for index in order:
+        step: tuple[tuple[Region, ...], Timeline] | None = starts[index]
+        while step is not None:
+            regions, timeline = step
+            step = lower(regions, timeline)
+        if timeline.peak_bytes < best[1].peak_bytes:
+            best = (regions, timeline, index)
+    return best
+
+
+_SWAP_SIMULATIONS = 40  # per plan: about 1-5 ms each on a 12-layer GPT-2
+
+
+def _swap_for_cheaper(
+    problem: PreparedProblem, regions: tuple[Region, ...], timeline: Timeline, status: PlanStatus, budget_bytes: int
+) -> tuple[tuple[Region, ...], Timeline, PlanStatus]:
+    """Put a candidate in place of the plan's regions it overlaps, then drop what the plan no longer needs; keep the
+    first such plan that fits and recomputes less, and go on from it.
+
+    The programs charge forward memory per group of events at its worst, so a region can look like it does not fit
+    where the simulator shows it does. Swaps that save most are tried first; a swap that costs more on its own can
+    still pay when it frees enough for other regions to go.
+    """
+    cost = {c.region: c.cost_ms for c in problem.scored}
+    simulations = 0
+
+    def swaps(current: tuple[Region, ...]) -> list[tuple[float, Region, list[Region]]]:
+        total = sum(cost.get(r, math.inf) for r in current)
+        found = []
+        for candidate in problem.scored:
+            region = candidate.region
+            overlapped = [r for r in current if not (r.last_unit < region.first_unit or r.first_unit > region.last_unit)]
+            if region in current or not overlapped or candidate.cost_ms >= total:
+                continue
+            found.append((candidate.cost_ms - sum(cost.get(r, math.inf) for r in overlapped), region, overlapped))
+        return sorted(found, key=lambda swap: swap[0])
+
+    improved = True
+    while improved and simulations < _SWAP_SIMULATIONS:
+        improved = False
+        for _, region, overlapped in swaps(regions):
+            if simulations >= _SWAP_SIMULATIONS:
+                break
+            trial = tuple(sorted([*(r for r in regions if r not in overlapped), region], key=lambda r: r.first_unit))
+            trial_timeline = simulate(problem.profile, trial)
+            simulations += 1
+            if trial_timeline.peak_bytes > budget_bytes:
+                continue
+            if trial_timeline.recompute_ms >= timeline.recompute_ms:
+                simulations += len(trial)
+                trial, trial_timeline, _ = _drop_unneeded_regions(
+                    problem.profile, trial, trial_timeline, status, budget_bytes
+                )
+            if trial_timeline.recompute_ms < timeline.recompute_ms:
+                regions, timeline, status, improved = trial, trial_timeline, PlanStatus.FEASIBLE, True
+                break
+    return regions, timeline, status
 
 
 def _drop_unneeded_regions(
@@ -371,12 +476,25 @@ def _event_blocks(profile: Profile, segments: Sequence[Region]) -> list[list[int
     return list(grouped.values()) + singles
 
 
+def _block_of_event(blocks: list[list[int]], num_events: int) -> list[int]:
+    block_of = [0] * num_events
+    for index, block in enumerate(blocks):
+        for event in block:
+            block_of[event] = index
+    return block_of
+
+
 def _score_candidates(
     profile: Profile, candidates: Sequence[Region], baseline: Timeline, blocks: list[list[int]]
-) -> list[_Candidate]:
+) -> tuple[list[_Candidate], _Seed | None]:
+    """The candidates that free anything, with their gains per event block; and the one region whose checkpointing
+    alone gives the lowest simulated peak (None when no single region lowers it)."""
     scored = []
+    lowest_single: _Seed | None = None
     for region in candidates:
         alone = simulate(profile, (region,))
+        if alone.peak_bytes < (lowest_single.timeline if lowest_single else baseline).peak_bytes:
+            lowest_single = _Seed("single region", (region,), alone)
         gains_by_event = [b - a for b, a in zip(baseline.event_bytes, alone.event_bytes)]
         if max(gains_by_event) <= 0:
             continue  # never frees anything
@@ -386,7 +504,7 @@ def _score_candidates(
             if gain != 0:
                 gains[index] = gain
         scored.append(_Candidate(region, alone.recompute_ms, gains))
-    return scored
+    return scored, lowest_single
 
 
 def _solve_program(

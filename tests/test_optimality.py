@@ -21,7 +21,7 @@ from autockpt.errors import InfeasibleBudgetError
 from autockpt.simulate import simulate
 from autockpt.solve.candidates import _mutation_hazards, _unsafe
 from autockpt.solve.exact import exact_regions, min_peak_bytes, removable_bytes, usable_regions
-from autockpt.types import Profile, Region
+from autockpt.types import Profile, Region, SolverStats
 
 from random_graphs import modelled_costs, random_model
 
@@ -173,3 +173,32 @@ def test_exact_search_refuses_too_many_units() -> None:
     with pytest.raises(ValueError, match="max_units"):
         min_peak_bytes(profile, max_units=5)
     assert math.isclose(exact_regions(profile, 10**12, max_units=6).recompute_ms, 0.0)
+
+
+@pytest.mark.parametrize("seed", [2, 9, 53])
+def test_the_swap_pass_replaces_an_expensive_region_the_program_chose(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A program that answers the most expensive single region that fits: trying cheaper candidates in its place
+    brings the plan down to the exact optimum at that budget."""
+    from autockpt.solve import ilp
+
+    planner = _planner(seed)
+    profile = planner.profile
+    floor, baseline = _production_floor(planner), simulate(profile, ()).peak_bytes
+    budget = int(floor + 0.7 * (baseline - floor))
+    fitting = [(r,) for r in usable_regions(profile) if simulate(profile, (r,)).peak_bytes <= budget]
+    long_region = max(fitting, key=lambda regions: simulate(profile, regions).recompute_ms)
+    exact = exact_regions(profile, budget)
+    assert simulate(profile, long_region).recompute_ms > 1.5 * exact.recompute_ms  # room for the pass to win
+
+    def long_answer(problem, budget, options, solver_name, programs, **_):  # noqa: ANN001
+        programs.append(SolverStats(status="Optimal", relative_gap=0.0, variables=1, constraints=1, programs=1))
+        return long_region, ilp.PlanStatus.OPTIMAL
+
+    monkeypatch.setattr(ilp, "_solve_program", long_answer)
+    monkeypatch.setattr(planner, "_problem", None)  # re-prepare with the patched program (floor included)
+    plan = planner.plan(budget_bytes=budget)
+    assert plan.predicted_peak_bytes <= budget
+    assert plan.recompute_ms < simulate(profile, long_region).recompute_ms
+    assert plan.recompute_ms <= (1 + TOLERANCE) * exact.recompute_ms + 1e-9, (_text(plan.regions), _text(exact.regions))

@@ -158,6 +158,9 @@ class Region:
     def __contains__(self, unit: int) -> bool:
         return self.first_unit <= unit <= self.last_unit
 
+    def overlaps(self, other: Region) -> bool:
+        return self.first_unit <= other.last_unit and other.first_unit <= self.last_unit
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Timeline:

@@ -284,7 +284,7 @@ def build_block_program(
             + [(y[c], o.cost_ms) for c, o in enumerate(others)]
         )
 
-    overlapping = [[c for c, o in enumerate(others) if _overlap(o.region, i.region)] for i in instances]
+    overlapping = [[c for c, o in enumerate(others) if o.region.overlaps(i.region)] for i in instances]
     # [Constraint] one plan per instance, and none where an other region covers it
     for k in range(len(instances)):
         members = x[k] + [y[c] for c in overlapping[k]]
@@ -379,12 +379,8 @@ def _variables_for(
     return None if remaining else chosen
 
 
-def _overlap(a: Region, b: Region) -> bool:
-    return a.first_unit <= b.last_unit and b.first_unit <= a.last_unit
-
-
 def _overlaps_any(region: Region, instances: Sequence[_Instance]) -> bool:
-    return any(_overlap(region, i.region) for i in instances)
+    return any(region.overlaps(i.region) for i in instances)
 
 
 # --- the outer problem as a dynamic program over the chain of instances ------------------------------------------
@@ -476,7 +472,7 @@ def _disjoint_sets(regions: list[Region], limit: int) -> list[tuple[int, ...]] |
     """Every set of pairwise non-overlapping regions (as indices), or None if there are more than ``limit``."""
     sets: list[tuple[int, ...]] = [()]
     for index, region in enumerate(regions):
-        sets += [s + (index,) for s in sets if not any(_overlap(region, regions[i]) for i in s)]
+        sets += [s + (index,) for s in sets if not any(region.overlaps(regions[i]) for i in s)]
         if len(sets) > limit:
             return None
     return sets
@@ -496,7 +492,7 @@ def _chain_options(problem: BlockProblem, runs: list[int]) -> list[list[_Option]
             run = problem.others[index]
             if first_of.get(run.region.first_unit) != k:
                 continue
-            covered = [i for i in problem.instances if _overlap(run.region, i.region)]
+            covered = [i for i in problem.instances if run.region.overlaps(i.region)]
             need = np.array([(problem.base_bytes[i.window] - run.gains[i.window]).max() for i in covered])
             retained = _retained_gain(run.gains, covered[-1])
             here.append(_Option(k, len(covered), run.cost_ms, retained, need, None, index))

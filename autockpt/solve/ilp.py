@@ -314,7 +314,7 @@ def greedy_regions(profile: Profile, candidates: Sequence[_Candidate], budget_by
         if budget_bytes is not None and peak <= budget_bytes:
             break
         region = candidate.region
-        if any(region.first_unit <= other.last_unit and other.first_unit <= region.last_unit for other in chosen):
+        if any(region.overlaps(other) for other in chosen):
             continue
         trial = sorted([*chosen, region], key=lambda r: r.first_unit)
         trial_peak = simulate(profile, trial).peak_bytes
@@ -348,9 +348,7 @@ def _lower_floor_locally(
             key=lambda c: -c.gains[block],
         )[:_FLOOR_SEARCH_ADDITIONS]
         trials = [tuple(r for r in regions if r != dropped) for dropped in regions]
-        for region in (c.region for c in helpful):
-            kept = [r for r in regions if r.last_unit < region.first_unit or r.first_unit > region.last_unit]
-            trials.append(tuple(sorted([*kept, region], key=lambda r: r.first_unit)))
+        trials += [_put_in(regions, c.region) for c in helpful]
         for trial in trials:
             if simulations >= _FLOOR_SEARCH_SIMULATIONS:
                 return None
@@ -372,6 +370,11 @@ def _lower_floor_locally(
     return best
 
 
+def _put_in(regions: tuple[Region, ...], region: Region) -> tuple[Region, ...]:
+    """``regions`` with ``region`` in place of the ones it overlaps, in unit order."""
+    return tuple(sorted([*(r for r in regions if not r.overlaps(region)), region], key=lambda r: r.first_unit))
+
+
 _SWAP_SIMULATIONS = 40  # per plan: about 1-5 ms each on a 12-layer GPT-2
 
 
@@ -388,24 +391,25 @@ def _swap_for_cheaper(
     cost = {c.region: c.cost_ms for c in problem.scored}
     simulations = 0
 
-    def swaps(current: tuple[Region, ...]) -> list[tuple[float, Region, list[Region]]]:
+    def swaps(current: tuple[Region, ...]) -> list[tuple[float, Region]]:
+        """(cost change, candidate) for each candidate that overlaps the plan and costs less than all of it."""
         total = sum(cost.get(r, math.inf) for r in current)
         found = []
         for candidate in problem.scored:
             region = candidate.region
-            overlapped = [r for r in current if not (r.last_unit < region.first_unit or r.first_unit > region.last_unit)]
+            overlapped = [r for r in current if r.overlaps(region)]
             if region in current or not overlapped or candidate.cost_ms >= total:
                 continue
-            found.append((candidate.cost_ms - sum(cost.get(r, math.inf) for r in overlapped), region, overlapped))
+            found.append((candidate.cost_ms - sum(cost.get(r, math.inf) for r in overlapped), region))
         return sorted(found, key=lambda swap: swap[0])
 
     improved = True
     while improved and simulations < _SWAP_SIMULATIONS:
         improved = False
-        for _, region, overlapped in swaps(regions):
+        for _, region in swaps(regions):
             if simulations >= _SWAP_SIMULATIONS:
                 break
-            trial = tuple(sorted([*(r for r in regions if r not in overlapped), region], key=lambda r: r.first_unit))
+            trial = _put_in(regions, region)
             trial_timeline = simulate(problem.profile, trial)
             simulations += 1
             if trial_timeline.peak_bytes > budget_bytes:

@@ -169,7 +169,7 @@ class Planner:
             points.append(
                 ParetoPoint(
                     budget_bytes=int(budget), predicted_peak_bytes=result.timeline.peak_bytes,
-                    predicted_overhead=self._overhead(result.timeline.recompute_ms), regions=len(result.regions),
+                    predicted_overhead=self._overhead(result.timeline.overhead_ms), regions=len(result.regions),
                 )
             )
         return tuple(points)
@@ -275,8 +275,8 @@ class Planner:
         )
         return result
 
-    def _overhead(self, recompute_ms: float) -> float:
-        return recompute_ms / self.profile.step_ms if self.profile.step_ms > 0 else 0.0
+    def _overhead(self, overhead_ms: float) -> float:
+        return overhead_ms / self.profile.step_ms if self.profile.step_ms > 0 else 0.0
 
     def _assemble(
         self,
@@ -313,8 +313,9 @@ class Planner:
             baseline_peak_bytes=result.baseline.peak_bytes if solved else measured.baseline_peak_bytes,
             min_feasible_bytes=result.min_feasible_bytes if solved else timeline.peak_bytes,
             static_bytes=measured.static_bytes,
-            predicted_overhead=self._overhead(timeline.recompute_ms),
+            predicted_overhead=self._overhead(timeline.overhead_ms),
             recompute_ms=timeline.recompute_ms,
+            region_overhead_ms=measured.region_overhead_ms,
             baseline_step_ms=measured.step_ms,
             capture=self.graph.kind,
             status=result.status if solved else PlanStatus.GIVEN,

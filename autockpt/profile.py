@@ -4,12 +4,14 @@ One tracked step records the memory timeline: a ``TorchDispatchMode`` sees every
 accounting as ``torch.distributed._tools.mem_tracker.MemTracker``), weak references tell when each one is freed,
 and ``saved_tensors_hooks`` tell which unit saved which storage for backward and when backward unpacked it. Timed
 steps give per-unit forward milliseconds (median of repeats) and the step time; one forward under
-``FlopCounterMode`` gives FLOPs. The caller keeps the model's state (see ``autockpt._state``).
+``FlopCounterMode`` gives FLOPs. A chain of tiny checkpointed regions gives the fixed cost of one region on the
+device. The caller keeps the model's state (see ``autockpt._state``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
@@ -29,6 +31,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from autockpt.capture import ModuleUnitRecorder, compute_nodes
 from autockpt.errors import ProfileError
+from autockpt.rewrite import CheckpointedRegion
 from autockpt.types import (
     OUTSIDE_GRAPH_UNIT,
     CaptureKind,
@@ -61,6 +64,7 @@ def profile(graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn, *, timing_
             unit_ms_runs.append(unit_ms)
             step_ms_runs.append(step_ms)
         flops = _unit_flops(graph, args, kwargs)
+        region_overhead_ms = measure_region_overhead_ms(device_of(graph.model, args, kwargs))
     except Exception as error:
         raise ProfileError(
             f"running the captured {graph.kind.value} graph forward and backward failed: "
@@ -69,7 +73,8 @@ def profile(graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn, *, timing_
     finally:
         _clear_grads(params)
     unit_ms = [statistics.median(run[i] for run in unit_ms_runs) for i in range(len(graph.units))]
-    return _assemble(graph, args, kwargs, tracked, unit_ms, statistics.median(step_ms_runs), flops)
+    measured = _assemble(graph, args, kwargs, tracked, unit_ms, statistics.median(step_ms_runs), flops)
+    return dataclasses.replace(measured, region_overhead_ms=region_overhead_ms)
 
 
 # --------------------------------------------------------------------------------------------------- unit callbacks
@@ -302,15 +307,17 @@ def _timed_step(graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn, *, num
         sync()
         stamps.append((index, time.perf_counter()))
 
-    sync()
-    start = time.perf_counter()
+    # the markers go in (and come out) outside the timed window: inserting them recompiles the GraphModule, which
+    # takes longer than the forward itself on graphs of a few hundred units
     with unit_callbacks(graph, on_unit):
+        sync()
+        start = time.perf_counter()
         output = graph.executable(*args, **kwargs)
-    sync()
-    forward_end = time.perf_counter()
-    loss_fn(output).backward()
-    sync()
-    step_ms = (time.perf_counter() - start) * 1e3
+        sync()
+        forward_end = time.perf_counter()
+        loss_fn(output).backward()
+        sync()
+        step_ms = (time.perf_counter() - start) * 1e3
     unit_ms = [0.0] * num_units
     ends = [t for _, t in stamps[1:]] + [forward_end]
     for (index, began), ended in zip(stamps, ends):
@@ -332,6 +339,42 @@ def _unit_flops(graph: Graph, args: tuple, kwargs: dict) -> list[int]:
     for (index, began), ended in zip(marks, ends):
         flops[index] += ended - began
     return flops
+
+
+def measure_region_overhead_ms(device: torch.device, *, regions: int = 8, repeats: int = 15) -> float:
+    """Fixed cost of one checkpointed region on ``device``, whatever it recomputes.
+
+    A chain of ``regions`` tiny regions (four elementwise ops on 256 numbers, so their kernels cost next to nothing)
+    runs forward and backward through the rewriter's own checkpoint wrapper, alternating with the same chain run
+    plainly; the cost is the median difference per region. It is the checkpoint machinery (saved-tensor holders and
+    RNG state in forward; unpacking, setting up the recomputation and its early stop in backward), which a step pays
+    once per region, on top of the recomputed kernels. Real regions, with more saved tensors and colder caches, cost
+    somewhat more, so this is a floor.
+    """
+    graph = fx.Graph()
+    value = graph.placeholder("x")
+    for op in (torch.sin, torch.cos, torch.sin, torch.cos):  # each saves its input: recomputation runs three of them
+        value = graph.call_function(op, (value,))
+    graph.output((value,))
+    body = fx.GraphModule(nn.Module(), graph)
+    region = CheckpointedRegion(body, "autockpt_calibration_region")
+    start = torch.linspace(0.0, 1.0, 256, device=device).requires_grad_()  # no random numbers: RNG state untouched
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    def chain_seconds(checkpointed: bool) -> float:
+        sync()
+        began = time.perf_counter()
+        value = start
+        for _ in range(regions):
+            (value,) = region(value) if checkpointed else body(value)
+        value.sum().backward()
+        sync()
+        return time.perf_counter() - began
+
+    for _ in range(2):  # warm-up
+        chain_seconds(True), chain_seconds(False)
+    differences = [chain_seconds(True) - chain_seconds(False) for _ in range(repeats)]
+    return max(0.0, statistics.median(differences) / regions * 1e3)
 
 
 # ---------------------------------------------------------------------------------------------------- assembly

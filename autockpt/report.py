@@ -39,7 +39,8 @@ def plan_summary(plan: Plan, *, max_regions: int = 12) -> str:
         f"  static (params, buffers, grads, inputs) {format_bytes(plan.static_bytes)}",
         f"  recomputed             {len(recomputed)} of {len(plan.nodes)} units in {len(plan.regions)} checkpointed regions",
         f"  predicted overhead     +{100 * plan.predicted_overhead:.1f}% of the step "
-        f"(recompute {plan.recompute_ms:.1f} ms, unmodified step {plan.baseline_step_ms:.1f} ms)",
+        f"(recompute {plan.recompute_ms:.1f} ms + {len(plan.regions)} regions x {plan.region_overhead_ms:.2f} ms, "
+        f"unmodified step {plan.baseline_step_ms:.1f} ms)",
         f"  time                   capture {plan.capture_time_s:.1f} s, profile {plan.profile_time_s:.1f} s, "
         f"solve {plan.solve_time_s:.1f} s",
     ]
@@ -175,6 +176,7 @@ def _headline(plan: Plan) -> list[tuple[str, str]]:
         ("smallest feasible peak", format_bytes(plan.min_feasible_bytes)),
         ("static (parameters, buffers, gradients, inputs)", format_bytes(plan.static_bytes)),
         ("predicted overhead", f"+{100 * plan.predicted_overhead:.1f}% of the step (recompute {plan.recompute_ms:.1f} ms "
+                               f"+ {len(plan.regions)} regions x {plan.region_overhead_ms:.2f} ms checkpoint machinery, "
                                f"of {plan.baseline_step_ms:.1f} ms)"),
         ("recomputed", f"{len(plan.recomputed_units)} of {len(plan.nodes)} units in {len(plan.regions)} regions"),
     ]

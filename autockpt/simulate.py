@@ -199,6 +199,7 @@ def _predict(profile: Profile, regions: Sequence[Region], *, detailed: bool) -> 
         peak_event=peak_event,
         recompute_ms=recompute_ms,
         rerun_units=tuple(rerun_units),
+        overhead_ms=recompute_ms + len(regions) * profile.region_overhead_ms,
     )
     return _Prediction(timeline=timeline, forward_bytes=forward_bytes, copy_bytes=copy_bytes)
 

@@ -137,6 +137,9 @@ class Profile:
     forward_ms: float
     step_ms: float  # forward + backward, median of repeats
     gradient_bytes_by_event: tuple[int, ...] = ()  # per event: bytes of parameter gradients allocated so far
+    # fixed cost of one checkpointed region on this device, whatever it recomputes: the checkpoint machinery in
+    # forward (saved-tensor holders, RNG state) and in backward (unpack, recomputation set-up, early stop)
+    region_overhead_ms: float = 0.0
 
     @property
     def static_bytes(self) -> int:
@@ -172,6 +175,7 @@ class Timeline:
     peak_event: int
     recompute_ms: float
     rerun_units: tuple[int, ...] = ()  # units whose kernels run again in backward (early stop skips a region's tail)
+    overhead_ms: float = 0.0  # predicted added step time: recompute_ms + each region's fixed cost; what solvers minimise
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -264,7 +268,7 @@ class Plan:
     baseline_peak_bytes: int  # predicted (= measured in profiling) peak with nothing recomputed
     min_feasible_bytes: int
     static_bytes: int
-    predicted_overhead: float  # recompute time / unmodified step time
+    predicted_overhead: float  # (recompute time + the regions' fixed cost) / unmodified step time
     recompute_ms: float
     baseline_step_ms: float
     capture: CaptureKind
@@ -283,6 +287,7 @@ class Plan:
     memory_before: MemoryCurve | None = None  # predicted step with nothing recomputed
     memory_after: MemoryCurve | None = None  # predicted step under this plan
     pareto: tuple[ParetoPoint, ...] = ()  # other budgets, when the planner was asked for them
+    region_overhead_ms: float = 0.0  # measured fixed cost of one checkpointed region (Profile.region_overhead_ms)
 
     @property
     def recomputed_units(self) -> tuple[int, ...]:

@@ -163,8 +163,9 @@ def random_model(seed: int) -> tuple[nn.Module, torch.Tensor]:
     return model, x
 
 
-def modelled_costs(profile: Profile) -> Profile:
-    """``profile`` with forward times from a fixed cost model instead of the clock.
+def modelled_costs(profile: Profile, *, region_overhead_ms: float = 0.0) -> Profile:
+    """``profile`` with forward times (and each checkpointed region's fixed cost) from a fixed cost model instead of
+    the clock.
 
     Measured times of microsecond ops on a shared CPU are mostly noise (and warm-up outliers), which would make the
     production solver's choices, and so an optimality test, vary from run to run. Memory is measured exactly and
@@ -174,4 +175,6 @@ def modelled_costs(profile: Profile) -> Profile:
         dataclasses.replace(u, forward_ms=1e-3 + u.flops * 1e-9 + u.output_bytes * 1e-8) for u in profile.units
     )
     forward_ms = sum(u.forward_ms for u in units)
-    return dataclasses.replace(profile, units=units, forward_ms=forward_ms, step_ms=3 * forward_ms)
+    return dataclasses.replace(
+        profile, units=units, forward_ms=forward_ms, step_ms=3 * forward_ms, region_overhead_ms=region_overhead_ms
+    )

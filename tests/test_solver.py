@@ -146,14 +146,14 @@ def test_ilp_finds_the_exhaustive_optimum_on_a_small_chain(solver: str) -> None:
     checked = 0
     for fraction in (0.5, 0.6, 0.7, 0.8, 0.9):
         budget = int(measured.static_bytes + fraction * (baseline.peak_bytes - measured.static_bytes))
-        feasible = [t.recompute_ms for _, t in scored if t.peak_bytes <= budget]
+        feasible = [t.overhead_ms for _, t in scored if t.peak_bytes <= budget]
         if not feasible:
             with pytest.raises(autockpt.InfeasibleBudgetError):
                 solve(measured, segments, candidates, budget)
             continue
         result = solve(measured, segments, candidates, budget, SolverOptions(solver=solver))
         assert result.timeline.peak_bytes <= budget
-        assert result.timeline.recompute_ms <= min(feasible) * 1.01 + 1e-9, fraction
+        assert result.timeline.overhead_ms <= min(feasible) * 1.01 + 1e-9, fraction
         checked += 1
     assert checked >= 3
     result = solve(measured, segments, candidates, baseline.peak_bytes)
@@ -245,8 +245,12 @@ def test_without_any_solution_in_time_a_greedy_plan_is_used(monkeypatch: pytest.
 
     monkeypatch.setattr(ilp, "_solve_program", timed_out)
     monkeypatch.setattr(autockpt.api, "baseline_seed_plans", lambda graph, profile: [])  # no seed floor either
+    score = ilp._score_candidates
+    monkeypatch.setattr(ilp, "_score_candidates", lambda *args: (score(*args)[0], None))  # nor the best single region
     plan = planner.plan(budget_bytes=budget)
-    assert plan.status is autockpt.PlanStatus.FEASIBLE and "greedy fallback (memory floor, plan)" in plan.solver
+    # the greedy floor plan fits every feasible budget; the greedy plan for this budget is used when it costs less
+    # (which one wins depends on the measured times), so the label names the floor, and maybe the plan
+    assert plan.status is autockpt.PlanStatus.FEASIBLE and "greedy fallback (memory floor" in plan.solver
     assert plan.regions and plan.predicted_peak_bytes <= budget
     module = planner.apply(plan)
     measured = autockpt.measure_step(module, case.args, {}, None).peak_bytes
@@ -279,5 +283,5 @@ def test_a_cheaper_baseline_plan_is_returned_when_the_program_misses_it(monkeypa
     assert plan.predicted_peak_bytes <= every_1.predicted_peak_bytes
     fitting = [baseline_plan(planner, s) for s in BASELINE_STRATEGIES]
     fitting = [b for b in fitting if b.regions and b.predicted_peak_bytes <= every_1.predicted_peak_bytes]
-    assert plan.recompute_ms == min(b.recompute_ms for b in fitting)
+    assert plan.predicted_overhead == min(b.predicted_overhead for b in fitting)
     assert plan.regions in {b.regions for b in fitting}

@@ -180,7 +180,7 @@ def _menu(profile: Profile, instances: list[_Instance], candidates: Sequence[Reg
             continue  # frees nothing anywhere
         rerun = tuple(u - start for u in alone.rerun_units)
         singles.append(_BlockPlan(
-            ((a, b),), rerun, alone.recompute_ms, _retained_gain(gains, representative), gains[representative.window]
+            ((a, b),), rerun, alone.overhead_ms, _retained_gain(gains, representative), gains[representative.window]
         ))
     plans = _disjoint_combinations(singles, len(representative.window))
     if plans is None:
@@ -257,7 +257,7 @@ def _other_regions(
     for region in safe_regions(profile, list(dict.fromkeys(regions))):
         alone, gains = _alone(profile, region, base)
         if gains.max() > 0:
-            others.append(_OtherRegion(region, alone.recompute_ms, gains))
+            others.append(_OtherRegion(region, alone.overhead_ms, gains))
     return others
 
 

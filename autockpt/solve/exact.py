@@ -35,7 +35,7 @@ from autockpt.types import Profile, Region
 class ExactResult:
     regions: tuple[Region, ...]
     peak_bytes: int  # simulated peak of the plan
-    recompute_ms: float  # simulated recompute time of the plan
+    overhead_ms: float  # simulated added step time of the plan (recompute + the regions' fixed cost)
     plans_examined: int  # region sets considered, cheapest first, up to and including the optimum
     plans_simulated: int = 0  # of those, the ones the memory bound could not rule out (the rest were not simulated)
 
@@ -55,7 +55,7 @@ def exact_regions(profile: Profile, budget_bytes: int, *, max_units: int = 14) -
             f"wait (about 2.6x longer per extra unit)."
         )
     regions = usable_regions(profile)
-    cost = [simulate(profile, (region,)).recompute_ms for region in regions]
+    cost = [simulate(profile, (region,)).overhead_ms for region in regions]
     # extensions[p + 1]: regions starting after unit p, cheapest first (p = -1: any region)
     extensions = [
         sorted((i for i, r in enumerate(regions) if r.first_unit > p), key=lambda i: cost[i])
@@ -79,7 +79,7 @@ def exact_regions(profile: Profile, budget_bytes: int, *, max_units: int = 14) -
         if timeline.peak_bytes > budget_bytes:
             return None
         return ExactResult(
-            regions=plan, peak_bytes=timeline.peak_bytes, recompute_ms=timeline.recompute_ms,
+            regions=plan, peak_bytes=timeline.peak_bytes, overhead_ms=timeline.overhead_ms,
             plans_examined=examined, plans_simulated=simulated,
         )
 

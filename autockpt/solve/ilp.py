@@ -240,7 +240,7 @@ def solve_prepared(problem: PreparedProblem, budget_bytes: int, options: SolverO
             continue
         timeline = simulate(profile, regions)
         if timeline.peak_bytes <= budget_bytes:
-            if best is None or timeline.recompute_ms < best[1].recompute_ms:
+            if best is None or timeline.overhead_ms < best[1].overhead_ms:
                 best = (regions, timeline, status)
             search_low = max(search_low, effective)
             slack = budget_bytes - timeline.peak_bytes
@@ -266,7 +266,7 @@ def solve_prepared(problem: PreparedProblem, budget_bytes: int, options: SolverO
     if any(_no_incumbent(p) for p in programs[1:]):  # a plan program timed out: the greedy plan may be cheaper
         regions = greedy_regions(profile, scored, budget_bytes)
         timeline = simulate(profile, regions)
-        if timeline.peak_bytes <= budget_bytes and (best is None or timeline.recompute_ms < best[1].recompute_ms):
+        if timeline.peak_bytes <= budget_bytes and (best is None or timeline.overhead_ms < best[1].overhead_ms):
             best = (regions, timeline, PlanStatus.FEASIBLE)
             fallbacks.append("plan")
     if best is not None:
@@ -274,8 +274,8 @@ def solve_prepared(problem: PreparedProblem, budget_bytes: int, options: SolverO
         best = _swap_for_cheaper(problem, *best, budget_bytes)
     cheaper_seed = min(
         (seed for seed in problem.seeds if seed.timeline.peak_bytes <= budget_bytes
-         and (best is None or seed.timeline.recompute_ms < best[1].recompute_ms)),
-        key=lambda seed: seed.timeline.recompute_ms, default=None,
+         and (best is None or seed.timeline.overhead_ms < best[1].overhead_ms)),
+        key=lambda seed: seed.timeline.overhead_ms, default=None,
     )
     if cheaper_seed is not None:  # the program's approximations missed a plan at least this good
         best = (cheaper_seed.regions, cheaper_seed.timeline, PlanStatus.FEASIBLE)
@@ -414,12 +414,12 @@ def _swap_for_cheaper(
             simulations += 1
             if trial_timeline.peak_bytes > budget_bytes:
                 continue
-            if trial_timeline.recompute_ms >= timeline.recompute_ms:
+            if trial_timeline.overhead_ms >= timeline.overhead_ms:
                 simulations += len(trial)
                 trial, trial_timeline, _ = _drop_unneeded_regions(
                     problem.profile, trial, trial_timeline, status, budget_bytes
                 )
-            if trial_timeline.recompute_ms < timeline.recompute_ms:
+            if trial_timeline.overhead_ms < timeline.overhead_ms:
                 regions, timeline, status, improved = trial, trial_timeline, PlanStatus.FEASIBLE, True
                 break
     return regions, timeline, status
@@ -440,7 +440,7 @@ def _drop_unneeded_regions(
     for region in sorted(regions, key=forward_ms, reverse=True):
         trial = [r for r in kept if r != region]
         trial_timeline = simulate(profile, trial)
-        if trial_timeline.peak_bytes <= budget_bytes and trial_timeline.recompute_ms <= timeline.recompute_ms:
+        if trial_timeline.peak_bytes <= budget_bytes and trial_timeline.overhead_ms <= timeline.overhead_ms:
             kept, timeline, status = trial, trial_timeline, PlanStatus.FEASIBLE
     return tuple(kept), timeline, status
 
@@ -507,7 +507,7 @@ def _score_candidates(
             gain = min(gains_by_event[e] for e in block)
             if gain != 0:
                 gains[index] = gain
-        scored.append(_Candidate(region, alone.recompute_ms, gains))
+        scored.append(_Candidate(region, alone.overhead_ms, gains))
     return scored, lowest_single
 
 

@@ -11,7 +11,6 @@ device. The caller keeps the model's state (see ``autockpt._state``).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import itertools
 import logging
@@ -64,7 +63,7 @@ def profile(graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn, *, timing_
             unit_ms_runs.append(unit_ms)
             step_ms_runs.append(step_ms)
         flops = _unit_flops(graph, args, kwargs)
-        region_overhead_ms = measure_region_overhead_ms(device_of(graph.model, args, kwargs))
+        region_overhead_ms = _region_overhead_ms_on(device_of(graph.model, args, kwargs))
     except Exception as error:
         raise ProfileError(
             f"running the captured {graph.kind.value} graph forward and backward failed: "
@@ -73,8 +72,7 @@ def profile(graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn, *, timing_
     finally:
         _clear_grads(params)
     unit_ms = [statistics.median(run[i] for run in unit_ms_runs) for i in range(len(graph.units))]
-    measured = _assemble(graph, args, kwargs, tracked, unit_ms, statistics.median(step_ms_runs), flops)
-    return dataclasses.replace(measured, region_overhead_ms=region_overhead_ms)
+    return _assemble(graph, args, kwargs, tracked, unit_ms, statistics.median(step_ms_runs), flops, region_overhead_ms)
 
 
 # --------------------------------------------------------------------------------------------------- unit callbacks
@@ -300,7 +298,7 @@ def _tracked_step(graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn) -> _
 
 
 def _timed_step(graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn, *, num_units: int) -> tuple[list[float], float]:
-    sync = _synchronizer(graph.model, args, kwargs)
+    sync = _synchronizer(device_of(graph.model, args, kwargs))
     stamps: list[tuple[int, float]] = []
 
     def on_unit(index: int) -> None:
@@ -359,7 +357,7 @@ def measure_region_overhead_ms(device: torch.device, *, regions: int = 8, repeat
     body = fx.GraphModule(nn.Module(), graph)
     region = CheckpointedRegion(body, "autockpt_calibration_region")
     start = torch.linspace(0.0, 1.0, 256, device=device).requires_grad_()  # no random numbers: RNG state untouched
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync = _synchronizer(device)
 
     def chain_seconds(checkpointed: bool) -> float:
         sync()
@@ -377,11 +375,25 @@ def measure_region_overhead_ms(device: torch.device, *, regions: int = 8, repeat
     return max(0.0, statistics.median(differences) / regions * 1e3)
 
 
+@functools.cache
+def _region_overhead_ms_on(device: torch.device) -> float:
+    """Once per device and process: the machinery's cost does not depend on the model (``max_batch_size`` profiles
+    a model once per candidate batch)."""
+    return measure_region_overhead_ms(device)
+
+
 # ---------------------------------------------------------------------------------------------------- assembly
 
 
 def _assemble(
-    graph: Graph, args: tuple, kwargs: dict, tracked: _TrackedStep, unit_ms: list[float], step_ms: float, flops: list[int]
+    graph: Graph,
+    args: tuple,
+    kwargs: dict,
+    tracked: _TrackedStep,
+    unit_ms: list[float],
+    step_ms: float,
+    flops: list[int],
+    region_overhead_ms: float,
 ) -> Profile:
     tracker = tracked.tracker
     events = tuple(
@@ -449,6 +461,7 @@ def _assemble(
         forward_ms=sum(unit_ms),
         step_ms=step_ms,
         gradient_bytes_by_event=tuple(gradient_by_event),
+        region_overhead_ms=region_overhead_ms,
     )
 
 
@@ -472,8 +485,7 @@ def device_of(model: nn.Module, args: tuple, kwargs: dict) -> torch.device:
     return torch.device("cpu")
 
 
-def _synchronizer(model: nn.Module, args: tuple, kwargs: dict) -> Callable[[], None]:
-    device = device_of(model, args, kwargs)
+def _synchronizer(device: torch.device) -> Callable[[], None]:
     if device.type == "cuda":
         return lambda: torch.cuda.synchronize(device)
     return lambda: None

@@ -175,7 +175,7 @@ class Timeline:
     peak_event: int
     recompute_ms: float
     rerun_units: tuple[int, ...] = ()  # units whose kernels run again in backward (early stop skips a region's tail)
-    overhead_ms: float = 0.0  # predicted added step time: recompute_ms + each region's fixed cost; what solvers minimise
+    overhead_ms: float  # predicted added step time: recompute_ms + each region's fixed cost; what solvers minimise
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

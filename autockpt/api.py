@@ -133,7 +133,10 @@ class Planner:
             self.graph: Graph = capture(model, self.request.args, self.request.kwargs)
             captured = time.perf_counter()
             self._on_stage("profile")
-            self.profile = profile(self.graph, self.request.args, self.request.kwargs, self.request.loss)
+            self.profile = profile(
+                self.graph, self.request.args, self.request.kwargs, self.request.loss,
+                time_repeated_blocks_once=self._solves_by_blocks(),
+            )
         self.capture_time_s = captured - started
         self.profile_time_s = time.perf_counter() - captured
         self.fingerprint = model_fingerprint(model, self.graph, self.request.args, self.request.kwargs)
@@ -257,13 +260,16 @@ class Planner:
             )
         return graph
 
+    def _solves_by_blocks(self) -> bool:
+        """Repeated blocks are solved (and timed) once per family, unless switched off or the capture is module-level
+        (which can only checkpoint whole submodule calls: its candidates are those calls)."""
+        options = self.request.solver_options or SolverOptions()
+        return options.repeated_blocks and self.graph.kind is not CaptureKind.MODULE
+
     def _solve(self, target_bytes: int) -> SolveResult:
         self._on_stage("solve")
         if self._problem is None:
-            options = self.request.solver_options or SolverOptions()
-            # a module-level capture can only checkpoint whole submodule calls: its candidates are those calls
-            by_blocks = options.repeated_blocks and self.graph.kind is not CaptureKind.MODULE
-            structure = find_repeated_blocks(self.graph, self.profile) if by_blocks else None
+            structure = find_repeated_blocks(self.graph, self.profile) if self._solves_by_blocks() else None
             self._problem = prepare(
                 self.profile, *candidate_regions(self.graph, self.profile),
                 seed_plans=baseline_seed_plans(self.graph, self.profile), structure=structure,

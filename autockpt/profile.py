@@ -17,7 +17,7 @@ import logging
 import statistics
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +31,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from autockpt.capture import ModuleUnitRecorder, compute_nodes
 from autockpt.errors import ProfileError
 from autockpt.rewrite import CheckpointedRegion
+from autockpt.solve.structure import find_repeated_blocks
 from autockpt.types import (
     OUTSIDE_GRAPH_UNIT,
     CaptureKind,
@@ -47,23 +48,35 @@ logger = logging.getLogger(__name__)
 LossFn = Callable[[Any], torch.Tensor]
 
 
-def profile(graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn, *, timing_repeats: int = 3) -> Profile:
-    """Measure the unmodified training step of ``graph`` on the example inputs."""
+def profile(
+    graph: Graph,
+    args: tuple,
+    kwargs: dict,
+    loss_fn: LossFn,
+    *,
+    timing_repeats: int = 3,
+    time_repeated_blocks_once: bool = True,
+) -> Profile:
+    """Measure the unmodified training step of ``graph`` on the example inputs.
+
+    With ``time_repeated_blocks_once``, the units of repeated blocks (found from the tracked step: same ops, FLOPs and
+    bytes) are timed at one instance per family and every other instance reuses those times, so the timed steps
+    carry markers (and, on CUDA, synchronisations) at one block per family instead of at every layer.
+    """
     params = [p for p in graph.model.parameters()]
+    num_units = len(graph.units)
     try:
         _clear_grads(params)
-        _timed_step(graph, args, kwargs, loss_fn, num_units=len(graph.units))  # warm-up: allocator, lazy init
+        loss_fn(graph.executable(*args, **kwargs)).backward()  # warm-up: allocator, lazy initialisation
         _clear_grads(params)
         tracked = _tracked_step(graph, args, kwargs, loss_fn)
-        unit_ms_runs: list[list[float]] = []
-        step_ms_runs: list[float] = []
-        for _ in range(timing_repeats):
-            _clear_grads(params)
-            unit_ms, step_ms = _timed_step(graph, args, kwargs, loss_fn, num_units=len(graph.units))
-            unit_ms_runs.append(unit_ms)
-            step_ms_runs.append(step_ms)
         flops = _unit_flops(graph, args, kwargs)
         region_overhead_ms = _region_overhead_ms_on(device_of(graph.model, args, kwargs))
+        untimed = _assemble(graph, args, kwargs, tracked, [0.0] * num_units, 0.0, flops, region_overhead_ms, None)
+        timed_at = timing_units(graph, untimed) if time_repeated_blocks_once else list(range(num_units))
+        unit_ms_runs, step_ms_runs = _timed_steps(
+            graph, args, kwargs, loss_fn, timed_units=sorted(set(timed_at)), repeats=timing_repeats
+        )
     except Exception as error:
         raise ProfileError(
             f"running the captured {graph.kind.value} graph forward and backward failed: "
@@ -71,8 +84,22 @@ def profile(graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn, *, timing_
         ) from error
     finally:
         _clear_grads(params)
-    unit_ms = [statistics.median(run[i] for run in unit_ms_runs) for i in range(len(graph.units))]
-    return _assemble(graph, args, kwargs, tracked, unit_ms, statistics.median(step_ms_runs), flops, region_overhead_ms)
+    unit_ms = [statistics.median(run[timed_at[i]] for run in unit_ms_runs) for i in range(num_units)]
+    return _assemble(
+        graph, args, kwargs, tracked, unit_ms, statistics.median(step_ms_runs), flops, region_overhead_ms, timed_at
+    )
+
+
+def timing_units(graph: Graph, untimed: Profile) -> list[int]:
+    """Per unit, the unit whose measured forward time it takes: itself, or the same unit of its family's middle
+    instance when it belongs to a repeated block (the middle one, away from cold caches at the first layer)."""
+    timed_at = list(range(len(untimed.units)))
+    for family in find_repeated_blocks(graph, untimed).families:
+        timed_instance = family.instances[len(family.instances) // 2]
+        for instance in family.instances:
+            for offset in range(family.block_units):
+                timed_at[instance.first_unit + offset] = timed_instance.first_unit + offset
+    return timed_at
 
 
 # --------------------------------------------------------------------------------------------------- unit callbacks
@@ -87,17 +114,25 @@ def unit_marker(index: int) -> None:
 
 
 @contextlib.contextmanager
-def unit_callbacks(graph: Graph, callback: Callable[[int], None]) -> Iterator[None]:
-    """Call ``callback(i)`` whenever unit ``i`` starts while the graph's executable runs."""
+def unit_callbacks(
+    graph: Graph, callback: Callable[[int], None], units: Collection[int] | None = None
+) -> Iterator[None]:
+    """Call ``callback(i)`` whenever unit ``i`` starts while the graph's executable runs (only the ``units`` given,
+    when given)."""
     global _active_unit_callback
     if graph.kind is CaptureKind.MODULE:
-        with ModuleUnitRecorder(graph.model, callback).recording():
+        selected = set(units) if units is not None else None
+        on_start = callback if selected is None else lambda index: callback(index) if index in selected else None
+        with ModuleUnitRecorder(graph.model, on_start).recording():
             yield
         return
     gm = graph.executable
     assert isinstance(gm, fx.GraphModule)
+    selected = set(units) if units is not None else None
     markers = []
     for index, node in enumerate(compute_nodes(gm)):
+        if selected is not None and index not in selected:
+            continue
         with gm.graph.inserting_before(node):
             markers.append(gm.graph.call_function(unit_marker, (index,)))
     gm.recompile()
@@ -297,7 +332,16 @@ def _tracked_step(graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn) -> _
 # ------------------------------------------------------------------------------------------------ timing, flops
 
 
-def _timed_step(graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn, *, num_units: int) -> tuple[list[float], float]:
+def _timed_steps(
+    graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn, *, timed_units: list[int], repeats: int
+) -> tuple[list[list[float]], list[float]]:
+    """``repeats`` steps with a clock at ``timed_units``: per step, their forward milliseconds (0 for the others) and
+    the step's milliseconds."""
+    num_units = len(graph.units)
+    timed = set(timed_units)
+    # a unit's time runs to the next marker, so a timed unit followed by an untimed one needs a marker after it
+    stops = {u + 1 for u in timed if u + 1 < num_units and u + 1 not in timed}
+    params = list(graph.model.parameters())
     sync = _synchronizer(device_of(graph.model, args, kwargs))
     stamps: list[tuple[int, float]] = []
 
@@ -305,22 +349,30 @@ def _timed_step(graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn, *, num
         sync()
         stamps.append((index, time.perf_counter()))
 
-    # the markers go in (and come out) outside the timed window: inserting them recompiles the GraphModule, which
-    # takes longer than the forward itself on graphs of a few hundred units
-    with unit_callbacks(graph, on_unit):
-        sync()
-        start = time.perf_counter()
-        output = graph.executable(*args, **kwargs)
-        sync()
-        forward_end = time.perf_counter()
-        loss_fn(output).backward()
-        sync()
-        step_ms = (time.perf_counter() - start) * 1e3
-    unit_ms = [0.0] * num_units
-    ends = [t for _, t in stamps[1:]] + [forward_end]
-    for (index, began), ended in zip(stamps, ends):
-        unit_ms[index] += (ended - began) * 1e3
-    return unit_ms, step_ms
+    unit_ms_runs: list[list[float]] = []
+    step_ms_runs: list[float] = []
+    # the markers go in (and come out) once, outside the timed windows: inserting them recompiles the GraphModule,
+    # which takes longer than the forward itself on graphs of a few hundred units
+    with unit_callbacks(graph, on_unit, timed | stops):
+        for _ in range(repeats):
+            _clear_grads(params)
+            stamps.clear()
+            sync()
+            start = time.perf_counter()
+            output = graph.executable(*args, **kwargs)
+            sync()
+            forward_end = time.perf_counter()
+            loss_fn(output).backward()
+            sync()
+            step_ms_runs.append((time.perf_counter() - start) * 1e3)
+            del output
+            unit_ms = [0.0] * num_units
+            ends = [t for _, t in stamps[1:]] + [forward_end]
+            for (index, began), ended in zip(stamps, ends):
+                if index in timed:
+                    unit_ms[index] += (ended - began) * 1e3
+            unit_ms_runs.append(unit_ms)
+    return unit_ms_runs, step_ms_runs
 
 
 def _unit_flops(graph: Graph, args: tuple, kwargs: dict) -> list[int]:
@@ -394,6 +446,7 @@ def _assemble(
     step_ms: float,
     flops: list[int],
     region_overhead_ms: float,
+    timed_at: list[int] | None,
 ) -> Profile:
     tracker = tracked.tracker
     events = tuple(
@@ -437,6 +490,7 @@ def _assemble(
             flops=flops[u.index],
             output_bytes=output_bytes[u.index],
             saved_bytes=sum(record_bytes[i] for i in tracked.saved_by_unit.get(u.index, ())),
+            forward_ms_timed_at=None if timed_at is None or timed_at[u.index] == u.index else timed_at[u.index],
         )
         for u in graph.units
     )

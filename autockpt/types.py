@@ -89,6 +89,8 @@ class UnitCost:
     flops: int
     output_bytes: int
     saved_bytes: int  # bytes autograd saves for backward while this unit runs, counted once per storage
+    # None: ``forward_ms`` was measured at this unit; else the same unit of an identical block instance, where it was
+    forward_ms_timed_at: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

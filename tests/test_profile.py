@@ -37,9 +37,12 @@ def test_the_timed_step_leaves_out_inserting_and_removing_the_unit_markers(monke
 
     monkeypatch.setattr(profile_module.time, "perf_counter", perf_counter)
     monkeypatch.setattr(gm, "recompile", slow_recompile)
-    unit_ms, step_ms = profile_module._timed_step(graph, (x,), {}, lambda out: out.sum(), num_units=len(graph.units))
+    unit_ms_runs, step_ms_runs = profile_module._timed_steps(
+        graph, (x,), {}, lambda out: out.sum(), timed_units=list(range(len(graph.units))), repeats=3
+    )
     assert clock[0] >= 20.0  # the markers did go in and come out
-    assert step_ms < 1.0 and max(unit_ms) < 1.0
+    assert len(step_ms_runs) == 3 and max(step_ms_runs) < 1.0
+    assert max(max(run) for run in unit_ms_runs) < 1.0
 
 
 def test_the_fixed_cost_of_a_region_is_measured_and_reaches_the_plan() -> None:
@@ -58,3 +61,49 @@ def test_the_fixed_cost_of_a_region_is_measured_and_reaches_the_plan() -> None:
     expected_ms = every_1.recompute_ms + len(every_1.regions) * every_1.region_overhead_ms
     assert every_1.predicted_overhead == pytest.approx(expected_ms / every_1.baseline_step_ms)
     assert f"{len(every_1.regions)} regions x {every_1.region_overhead_ms:.2f} ms" in every_1.summary()
+
+
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+def test_repeated_blocks_are_timed_at_one_instance_and_the_others_reuse_its_times() -> None:
+    """Six identical layers: the timed steps carry markers at one layer and outside the blocks; every other layer's
+    units take the times measured at the same unit of that layer. Memory and FLOPs are still measured everywhere."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(16, 32), *[_Layer() for _ in range(6)], nn.Linear(32, 4)), torch.randn(8, 16)
+    graph = capture(model, (x,), {})
+    marked: list[set[int]] = []
+    real_timed_steps = profile_module._timed_steps
+
+    def recording_timed_steps(*args: object, timed_units: list[int], **kwargs: object) -> object:
+        marked.append(set(timed_units))
+        return real_timed_steps(*args, timed_units=timed_units, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(profile_module, "_timed_steps", recording_timed_steps)
+        shared = profile_module.profile(graph, (x,), {}, lambda out: out.sum())
+    each = profile_module.profile(graph, (x,), {}, lambda out: out.sum(), time_repeated_blocks_once=False)
+
+    families = autockpt.solve.structure.find_repeated_blocks(graph, shared).families
+    assert len(families) == 1 and len(families[0].instances) == 6
+    instances = families[0].instances
+    timed_instance = instances[3]
+    in_blocks = set(range(instances[0].first_unit, instances[-1].last_unit + 1))
+    outside = set(range(len(graph.units))) - in_blocks
+    assert marked and all(m == outside | set(range(timed_instance.first_unit, timed_instance.last_unit + 1)) for m in marked)
+    for instance in instances:
+        for offset in range(instance.last_unit - instance.first_unit + 1):
+            unit, source = shared.units[instance.first_unit + offset], shared.units[timed_instance.first_unit + offset]
+            assert unit.forward_ms == source.forward_ms
+            assert unit.forward_ms_timed_at == (None if instance == timed_instance else source.index)
+    assert all(shared.units[u].forward_ms_timed_at is None for u in outside)
+    assert all(u.forward_ms_timed_at is None for u in each.units)
+    # the memory timeline and FLOPs do not depend on how the time was measured
+    assert shared.events == each.events and shared.storages == each.storages
+    assert [u.flops for u in shared.units] == [u.flops for u in each.units]

@@ -74,7 +74,7 @@ class BlockProblem:
     instances: list[_Instance]
     menus: list[list[_BlockPlan]]  # per family; item 0 is the empty plan
     need_bytes: list[np.ndarray]  # per instance: worst bytes in its window under each plan of its family's menu
-    cost_ms: list[np.ndarray]  # per instance: recompute ms of each plan of its family's menu there
+    cost_ms: list[np.ndarray]  # per instance: added ms (recompute + fixed cost per region) of each menu plan there
     others: list[_OtherRegion]
     base_bytes: np.ndarray  # unmodified bytes per event
     outside_events: np.ndarray  # events in no instance's window
@@ -115,10 +115,15 @@ def prepare_blocks(
         for i in instances
     ]
     forward_ms = np.array([u.forward_ms for u in profile.units])
-    # each instance's own measured times: identical blocks are not timed identically, and the simulator that scores
-    # the assembled plan uses the times of the units actually re-run
+    # priced at each instance with the times of the units it re-runs, as the simulator that scores the assembled plan
+    # does (the profile times one instance per family, but a profile timed everywhere has per-instance times), plus
+    # each region's fixed cost
     cost = [
-        np.array([forward_ms[i.region.first_unit + np.array(plan.rerun_offsets, dtype=np.int64)].sum() for plan in menus[i.family]])
+        np.array([
+            forward_ms[i.region.first_unit + np.array(plan.rerun_offsets, dtype=np.int64)].sum()
+            + len(plan.relative) * profile.region_overhead_ms
+            for plan in menus[i.family]
+        ])
         for i in instances
     ]
     in_window = np.zeros(len(base), dtype=bool)

@@ -3,7 +3,8 @@
 Three paths, tried in order, each checked against the model's own output on the example inputs:
 
 1. ``torch.fx.symbolic_trace`` (torch-level nodes, leaf modules stay whole);
-2. ``torch.export.export(strict=False)`` (aten-level nodes; works for Hugging Face transformers v5);
+2. ``torch.export.export(strict=False)`` (aten-level nodes; works for Hugging Face transformers v5), first with
+   libraries kept on their eager code paths (see ``_eager_library_paths``), then as is;
 3. module level: the model runs as it is and hooks on its submodules cut the forward into units. Used for models
    whose Python control flow depends on data; such models are checkpointed a whole submodule at a time.
 """
@@ -33,12 +34,17 @@ _PLAIN_LEAVES = (torch.Tensor, int, float, bool, str, type(None))
 def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Graph:
     """Capture ``model`` called as ``model(*args, **kwargs)``; never fails on an untraceable model."""
     notes: list[str] = []
-    for kind, attempt in ((CaptureKind.FX, _capture_fx), (CaptureKind.EXPORT, _capture_export)):
+    attempts = (
+        (CaptureKind.FX, "fx", _capture_fx),
+        (CaptureKind.EXPORT, "export on eager library paths", _capture_export_on_eager_paths),
+        (CaptureKind.EXPORT, "export", _capture_export),
+    )
+    for kind, label, attempt in attempts:
         try:
             executable, extra_notes = attempt(model, args, kwargs)
             _check_same_outputs(model, executable, args, kwargs)
         except Exception as error:  # any failure means: try the next path
-            reason = f"{kind.value} capture not used: {type(error).__name__}: {_first_line(error)}"
+            reason = f"{label} capture not used: {type(error).__name__}: {_first_line(error)}"
             logger.info(reason)
             notes.append(reason)
             continue
@@ -132,6 +138,32 @@ def _capture_export(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.Gra
             "outputs that are not tensors are returned as None by the optimized module: " + ", ".join(dropped)
         )
     return exported.module(), notes
+
+
+def _capture_export_on_eager_paths(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, list[str]]:
+    with _eager_library_paths():
+        return _capture_export(model, args, kwargs)
+
+
+@contextlib.contextmanager
+def _eager_library_paths() -> Iterator[None]:
+    """``torch.compiler.is_exporting()`` and ``is_compiling()`` answer False while the model is exported.
+
+    Libraries switch to export-friendly code under them that costs memory and time in training: Hugging Face
+    transformers then builds its attention mask as a tensor instead of skipping it when nothing is masked, so every
+    scaled-dot-product attention converts and saves its own copy of the mask (measured: Llama +6 % and ViT +2.5 % peak
+    over the eager model, Llama and T5 steps 3-4 % slower). The graph is specialised to the example inputs and checked
+    against the eager model's outputs anyway; where an eager path cannot be exported (a check on tensor values), the
+    export fails and the plain export is used. Only the public functions are replaced: torch's own tracing reads
+    the flags behind them.
+    """
+    compiler = torch.compiler
+    saved = compiler.is_exporting, compiler.is_compiling
+    compiler.is_exporting = compiler.is_compiling = lambda: False  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        compiler.is_exporting, compiler.is_compiling = saved
 
 
 @contextlib.contextmanager

@@ -56,7 +56,7 @@ logger = logging.getLogger("sweep")
 DEFAULT_MODELS = ("mlp", "cnn", "control_flow", "gpt2", "vit", "unet")
 DEFAULT_FRACTIONS = (0.3, 0.5, 0.7)
 ANCHORS = {"hf": "hf_gradient_checkpointing", "sac": "torch_sac_milp", "compile": "torch_compile_budget"}
-DEFAULT_BATCH_MODELS = ("cnn", "gpt2")
+DEFAULT_BATCH_MODELS = DEFAULT_MODELS
 DEFAULT_BATCH_STRATEGIES = ("autockpt", "none", "every_1", "sqrt_n", "for_transformers", "for_convnets")
 MB = 10**6
 
@@ -452,7 +452,7 @@ def run(config: SweepConfig) -> dict[str, Path]:
     if not batch_table.empty:
         paths["max_batch"] = config.out / "max_batch.csv"
         batch_table.to_csv(paths["max_batch"], index=False)
-    points = unique_points(table)
+    points = unique_points(table) if not table.empty else table  # empty: a max-batch-only run (--models "")
     for model in config.models:
         paths[f"png_{model}"] = config.out / f"pareto_{model}.png"
         pareto_plot(points, model, paths[f"png_{model}"])
@@ -473,9 +473,19 @@ def report(config: SweepConfig, table: pd.DataFrame, points: pd.DataFrame, batch
         f"Python {platform.python_version()}. Peaks in bytes (MB = 10^6); step-time ratio vs `none`, median of "
         f"{config.repeats} alternating rounds.",
         "",
-        "## Measured points",
-        "",
     ]
+    if not table.empty:
+        lines += sweep_sections(table, points)
+    if not batch_table.empty:
+        pivot = batch_table.pivot_table(index="model", columns="strategy", values="max_batch", aggfunc="first").reset_index()
+        lines += ["", "## Max batch size under a fixed budget (the unmodified model's measured peak at the zoo batch)", "",
+                  markdown_table(pivot)]
+    return "\n".join(lines) + "\n"
+
+
+def sweep_sections(table: pd.DataFrame, points: pd.DataFrame) -> list[str]:
+    """The measured points, what was not measured, which budgets are kept, and the targets."""
+    lines = ["", "## Measured points", ""]
     show = points.assign(measured_MB=points.measured_peak_bytes / MB, predicted_MB=points.predicted_peak_bytes / MB)
     columns = ["model", "point", "capture", "regions", "predicted_MB", "measured_MB", "peak_method", "step_time_ratio", "solve_s"]
     lines.append(markdown_table(show[columns]))
@@ -493,11 +503,7 @@ def report(config: SweepConfig, table: pd.DataFrame, points: pd.DataFrame, batch
     dominated = dominated_autockpt(points)
     lines += ["", "## autockpt points dominated by another strategy (lower measured peak and lower step time)", ""]
     lines.append(markdown_table(dominated) if not dominated.empty else "none")
-    if not batch_table.empty:
-        pivot = batch_table.pivot_table(index="model", columns="strategy", values="max_batch", aggfunc="first").reset_index()
-        lines += ["", "## Max batch size under a fixed budget (the unmodified model's measured peak at the zoo batch)", "",
-                  markdown_table(pivot)]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def rerender(out: Path, config: SweepConfig, command: str, wall_s: float) -> None:

@@ -422,6 +422,7 @@ def max_batch_table(config: SweepConfig, bar: tqdm) -> pd.DataFrame:
                 "model": name, "budget_bytes": budget, "zoo_batch": batch0, "strategy": strategy,
                 "max_batch": result.batch_size, "first_over_batch": result.first_over_batch,
                 "measured_peak_bytes": result.measured_peak_bytes, "trials": len(result.trials), "precision": precision,
+                "last_outcome": result.trials[-1].outcome.value, "last_detail": result.trials[-1].detail,
             })
         bar.update(1)
         logger.info("max batch %s: %.0f s", name, time.perf_counter() - started)
@@ -477,7 +478,12 @@ def report(config: SweepConfig, table: pd.DataFrame, points: pd.DataFrame, batch
     if not table.empty:
         lines += sweep_sections(table, points)
     if not batch_table.empty:
-        pivot = batch_table.pivot_table(index="model", columns="strategy", values="max_batch", aggfunc="first").reset_index()
+        # 0 because the policy has no plan for the model (e.g. sqrt_n on a module-level capture) is not a measurement
+        shown = batch_table.assign(max_batch=[
+            "n/a" if batch == 0 and outcome == "infeasible" else str(batch)
+            for batch, outcome in zip(batch_table.max_batch, batch_table.last_outcome)
+        ])
+        pivot = shown.pivot_table(index="model", columns="strategy", values="max_batch", aggfunc="first").reset_index()
         lines += ["", "## Max batch size under a fixed budget (the unmodified model's measured peak at the zoo batch)", "",
                   markdown_table(pivot)]
     return "\n".join(lines) + "\n"

@@ -26,8 +26,8 @@ from autockpt.rewrite import OptimizedModule, rewrite
 from autockpt.simulate import memory_curve, simulate, unit_regions
 from autockpt.solve.baselines import baseline_seed_plans
 from autockpt.solve.candidates import candidate_regions
-from autockpt.solve.structure import find_repeated_blocks
 from autockpt.solve.ilp import PreparedProblem, SolveResult, SolverOptions, prepare, solve_prepared
+from autockpt.solve.structure import find_repeated_blocks
 from autockpt.types import CaptureKind, Decision, Graph, NodePlan, ParetoPoint, Plan, PlanStatus, Region, Timeline, describe_value
 
 logger = logging.getLogger(__name__)

@@ -11,6 +11,7 @@ device. The caller keeps the model's state (see ``autockpt._state``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import logging
@@ -72,10 +73,10 @@ def profile(
         tracked = _tracked_step(graph, args, kwargs, loss_fn)
         flops = _unit_flops(graph, args, kwargs)
         region_overhead_ms = _region_overhead_ms_on(device_of(graph.model, args, kwargs))
-        untimed = _assemble(graph, args, kwargs, tracked, [0.0] * num_units, 0.0, flops, region_overhead_ms, None)
+        untimed = _assemble(graph, args, kwargs, tracked, flops, region_overhead_ms)
         timed_at = timing_units(graph, untimed) if time_repeated_blocks_once else list(range(num_units))
         unit_ms_runs, step_ms_runs = _timed_steps(
-            graph, args, kwargs, loss_fn, timed_units=sorted(set(timed_at)), repeats=timing_repeats
+            graph, args, kwargs, loss_fn, timed_units=set(timed_at), repeats=timing_repeats
         )
     except Exception as error:
         raise ProfileError(
@@ -85,9 +86,7 @@ def profile(
     finally:
         _clear_grads(params)
     unit_ms = [statistics.median(run[timed_at[i]] for run in unit_ms_runs) for i in range(num_units)]
-    return _assemble(
-        graph, args, kwargs, tracked, unit_ms, statistics.median(step_ms_runs), flops, region_overhead_ms, timed_at
-    )
+    return _with_times(untimed, unit_ms, statistics.median(step_ms_runs), timed_at)
 
 
 def timing_units(graph: Graph, untimed: Profile) -> list[int]:
@@ -120,15 +119,14 @@ def unit_callbacks(
     """Call ``callback(i)`` whenever unit ``i`` starts while the graph's executable runs (only the ``units`` given,
     when given)."""
     global _active_unit_callback
+    selected = set(units) if units is not None else None
     if graph.kind is CaptureKind.MODULE:
-        selected = set(units) if units is not None else None
         on_start = callback if selected is None else lambda index: callback(index) if index in selected else None
         with ModuleUnitRecorder(graph.model, on_start).recording():
             yield
         return
     gm = graph.executable
     assert isinstance(gm, fx.GraphModule)
-    selected = set(units) if units is not None else None
     markers = []
     for index, node in enumerate(compute_nodes(gm)):
         if selected is not None and index not in selected:
@@ -333,7 +331,7 @@ def _tracked_step(graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn) -> _
 
 
 def _timed_steps(
-    graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn, *, timed_units: list[int], repeats: int
+    graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn, *, timed_units: Collection[int], repeats: int
 ) -> tuple[list[list[float]], list[float]]:
     """``repeats`` steps with a clock at ``timed_units``: per step, their forward milliseconds (0 for the others) and
     the step's milliseconds."""
@@ -438,16 +436,9 @@ def _region_overhead_ms_on(device: torch.device) -> float:
 
 
 def _assemble(
-    graph: Graph,
-    args: tuple,
-    kwargs: dict,
-    tracked: _TrackedStep,
-    unit_ms: list[float],
-    step_ms: float,
-    flops: list[int],
-    region_overhead_ms: float,
-    timed_at: list[int] | None,
+    graph: Graph, args: tuple, kwargs: dict, tracked: _TrackedStep, flops: list[int], region_overhead_ms: float
 ) -> Profile:
+    """The profile of the tracked step, with no times yet (``_with_times`` adds them)."""
     tracker = tracked.tracker
     events = tuple(
         MemoryEvent(
@@ -486,11 +477,10 @@ def _assemble(
     units = tuple(
         UnitCost(
             index=u.index,
-            forward_ms=unit_ms[u.index],
+            forward_ms=0.0,
             flops=flops[u.index],
             output_bytes=output_bytes[u.index],
             saved_bytes=sum(record_bytes[i] for i in tracked.saved_by_unit.get(u.index, ())),
-            forward_ms_timed_at=None if timed_at is None or timed_at[u.index] == u.index else timed_at[u.index],
         )
         for u in graph.units
     )
@@ -512,11 +502,21 @@ def _assemble(
         input_bytes=input_bytes,
         gradient_bytes=gradient_bytes,
         baseline_peak_bytes=max(e.peak_bytes for e in events),
-        forward_ms=sum(unit_ms),
-        step_ms=step_ms,
+        forward_ms=0.0,
+        step_ms=0.0,
         gradient_bytes_by_event=tuple(gradient_by_event),
         region_overhead_ms=region_overhead_ms,
     )
+
+
+def _with_times(untimed: Profile, unit_ms: list[float], step_ms: float, timed_at: list[int]) -> Profile:
+    units = tuple(
+        dataclasses.replace(
+            u, forward_ms=unit_ms[u.index], forward_ms_timed_at=None if timed_at[u.index] == u.index else timed_at[u.index]
+        )
+        for u in untimed.units
+    )
+    return dataclasses.replace(untimed, units=units, forward_ms=sum(unit_ms), step_ms=step_ms)
 
 
 def unique_storage_bytes(tensors: list[torch.Tensor]) -> int:

@@ -46,7 +46,7 @@ from bench_budget import step_seconds, step_time_ratio  # noqa: E402
 import autockpt  # noqa: E402
 from autockpt import zoo  # noqa: E402
 from autockpt.api import Planner  # noqa: E402
-from autockpt.batch_size import ExampleBatch, max_batch_sizes  # noqa: E402
+from autockpt.batch_size import ExampleBatch, TrialOutcome, max_batch_sizes  # noqa: E402
 from autockpt.solve.baselines import BASELINE_STRATEGIES, baseline_plan, baseline_regions  # noqa: E402
 
 logger = logging.getLogger("sweep")
@@ -478,10 +478,12 @@ def report(config: SweepConfig, table: pd.DataFrame, points: pd.DataFrame, batch
     if not table.empty:
         lines += sweep_sections(table, points)
     if not batch_table.empty:
-        # 0 because the policy has no plan for the model (e.g. sqrt_n on a module-level capture) is not a measurement
+        # 0 because the policy has no plan for the model (e.g. sqrt_n on a module-level capture) is not a measurement;
+        # CSVs written before the outcome was recorded (rerender) show the bare numbers
+        outcomes = batch_table.get("last_outcome", pd.Series([None] * len(batch_table), index=batch_table.index))
         shown = batch_table.assign(max_batch=[
-            "n/a" if batch == 0 and outcome == "infeasible" else str(batch)
-            for batch, outcome in zip(batch_table.max_batch, batch_table.last_outcome)
+            "n/a" if batch == 0 and outcome == TrialOutcome.INFEASIBLE.value else str(batch)
+            for batch, outcome in zip(batch_table.max_batch, outcomes)
         ])
         pivot = shown.pivot_table(index="model", columns="strategy", values="max_batch", aggfunc="first").reset_index()
         lines += ["", "## Max batch size under a fixed budget (the unmodified model's measured peak at the zoo batch)", "",

@@ -309,6 +309,7 @@ class Planner:
                 decision=Decision.KEEP if region_of[unit.index] is None else Decision.RECOMPUTE,
                 region=region_of[unit.index],
                 recompute_ms=cost.forward_ms if unit.index in rerun else 0.0,
+                saved_tensors=cost.saved_tensors,
             )
             for unit, cost in zip(self.graph.units, measured.units)
         )
@@ -322,6 +323,8 @@ class Planner:
             predicted_overhead=self._overhead(timeline.overhead_ms),
             recompute_ms=timeline.recompute_ms,
             region_overhead_ms=measured.region_overhead_ms,
+            saved_tensor_overhead_ms=measured.saved_tensor_overhead_ms,
+            machinery_ms=timeline.machinery_ms,
             baseline_step_ms=measured.step_ms,
             capture=self.graph.kind,
             status=result.status if solved else PlanStatus.GIVEN,

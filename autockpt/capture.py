@@ -236,6 +236,8 @@ class ModuleUnitRecorder:
 
     def _make_enter(self, path: str) -> Callable[..., None]:
         def enter(module: nn.Module, inputs: Any) -> None:
+            if not self._stack:  # a new top-level forward (profiling runs several): units count from 0 again
+                self.units, self.spans = [], []
             self._stack.append((path, len(self.units)))
             self._start_unit(path, "module" if not any(True for _ in module.children()) else "enter")
 

@@ -4,8 +4,9 @@ One tracked step records the memory timeline: a ``TorchDispatchMode`` sees every
 accounting as ``torch.distributed._tools.mem_tracker.MemTracker``), weak references tell when each one is freed,
 and ``saved_tensors_hooks`` tell which unit saved which storage for backward and when backward unpacked it. Timed
 steps give per-unit forward milliseconds (median of repeats) and the step time; one forward under
-``FlopCounterMode`` gives FLOPs. A chain of tiny checkpointed regions gives the fixed cost of one region on the
-device. The caller keeps the model's state (see ``autockpt._state``).
+``FlopCounterMode`` gives FLOPs. Two chains of tiny checkpointed regions calibrate the checkpoint machinery on the
+device: a fixed cost per region and a cost per saved tensor. The caller keeps the model's state (see
+``autockpt._state``).
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ def profile(
         _clear_grads(params)
         tracked = _tracked_step(graph, args, kwargs, loss_fn)
         flops = _unit_flops(graph, args, kwargs)
-        region_overhead_ms = _region_overhead_ms_on(device_of(graph.model, args, kwargs))
-        untimed = _assemble(graph, args, kwargs, tracked, flops, region_overhead_ms)
+        checkpoint_costs = _checkpoint_costs_on(device_of(graph.model, args, kwargs))
+        untimed = _assemble(graph, args, kwargs, tracked, flops, checkpoint_costs)
         timed_at = timing_units(graph, untimed) if time_repeated_blocks_once else list(range(num_units))
         unit_ms_runs, step_ms_runs = _timed_steps(
             graph, args, kwargs, loss_fn, timed_units=set(timed_at), repeats=timing_repeats
@@ -281,6 +282,7 @@ def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[torch.Tenso
 class _TrackedStep:
     tracker: StorageTracker
     saved_by_unit: dict[int, set[int]]  # unit -> indices of storages it saved
+    packs_by_unit: dict[int, int]  # unit -> tensors autograd packed while it ran (parameters and repeats included)
     gradient_allocations: list[tuple[int, int]]  # (event, bytes) of each parameter gradient's storage
 
 
@@ -289,10 +291,12 @@ def _tracked_step(graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn) -> _
     static = step_tensors(graph.model, args, kwargs)
     tracker = StorageTracker(device, static)
     saved_by_unit: dict[int, set[int]] = {}
+    packs_by_unit: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> tuple[torch.Tensor, _StorageRecord | None, int]:
         record = tracker.record_of(tensor)
         unit = tracker.unit
+        packs_by_unit[unit] = packs_by_unit.get(unit, 0) + 1
         current = tracker.events[-1]
         if current.phase is Phase.FORWARD:  # a recomputation that stops at this pack reached this peak
             current.pack_peak_bytes = current.peak_bytes
@@ -324,7 +328,7 @@ def _tracked_step(graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn) -> _
     del output
     gradient_records = {tracker.record_of(p.grad) for p in graph.model.parameters() if p.grad is not None}
     gradient_allocations = [(r.alloc_event, r.nbytes) for r in gradient_records if r is not None]
-    return _TrackedStep(tracker, saved_by_unit, gradient_allocations)
+    return _TrackedStep(tracker, saved_by_unit, packs_by_unit, gradient_allocations)
 
 
 # ------------------------------------------------------------------------------------------------ timing, flops
@@ -389,54 +393,73 @@ def _unit_flops(graph: Graph, args: tuple, kwargs: dict) -> list[int]:
     return flops
 
 
-def measure_region_overhead_ms(device: torch.device, *, regions: int = 8, repeats: int = 15) -> float:
-    """Fixed cost of one checkpointed region on ``device``, whatever it recomputes.
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointCosts:
+    """What the checkpoint machinery adds to a step on one device, on top of the recomputed kernels."""
 
-    A chain of ``regions`` tiny regions (four elementwise ops on 256 numbers, so their kernels cost next to nothing)
-    runs forward and backward through the rewriter's own checkpoint wrapper, alternating with the same chain run
-    plainly; the cost is the median difference per region. It is the checkpoint machinery (saved-tensor holders and
-    RNG state in forward; unpacking, setting up the recomputation and its early stop in backward), which a step pays
-    once per region, on top of the recomputed kernels. Real regions, with more saved tensors and colder caches, cost
-    somewhat more, so this is a floor.
+    region_ms: float  # per region: RNG state, the checkpoint frame, setting up the recomputation and its early stop
+    saved_tensor_ms: float  # per tensor the region's ops save: a holder in forward, a repack when recomputing, an unpack
+
+
+def measure_checkpoint_costs(
+    device: torch.device, *, regions: int = 8, short_ops: int = 2, long_ops: int = 32, repeats: int = 15
+) -> CheckpointCosts:
+    """Calibrate the checkpoint machinery on ``device`` with two chains of tiny regions.
+
+    Each region is a run of elementwise ops on 256 numbers (kernels that cost next to nothing), each op saving one
+    tensor. A chain runs forward and backward through the rewriter's own checkpoint wrapper, alternating with the same
+    chain run plainly; the median difference per region, less the recomputed kernels (timed from a plain forward), is
+    the machinery. Regions of ``short_ops`` and ``long_ops`` ops give its fixed part and its part per saved tensor,
+    which is what makes a real 40-op region cost several times a 2-op one.
     """
-    graph = fx.Graph()
-    value = graph.placeholder("x")
-    for op in (torch.sin, torch.cos, torch.sin, torch.cos):  # each saves its input: recomputation runs three of them
-        value = graph.call_function(op, (value,))
-    graph.output((value,))
-    body = fx.GraphModule(nn.Module(), graph)
-    region = CheckpointedRegion(body, "autockpt_calibration_region")
     start = torch.linspace(0.0, 1.0, 256, device=device).requires_grad_()  # no random numbers: RNG state untouched
     sync = _synchronizer(device)
 
-    def chain_seconds(checkpointed: bool) -> float:
-        sync()
-        began = time.perf_counter()
-        value = start
-        for _ in range(regions):
-            (value,) = region(value) if checkpointed else body(value)
-        value.sum().backward()
-        sync()
-        return time.perf_counter() - began
+    def machinery_ms_per_region(ops: int) -> float:
+        graph = fx.Graph()
+        value = graph.placeholder("x")
+        for position in range(ops):  # sin and cos save their input
+            value = graph.call_function(torch.sin if position % 2 == 0 else torch.cos, (value,))
+        graph.output((value,))
+        body = fx.GraphModule(nn.Module(), graph)
+        region = CheckpointedRegion(body, "autockpt_calibration_region")
 
-    for _ in range(2):  # warm-up
-        chain_seconds(True), chain_seconds(False)
-    differences = [chain_seconds(True) - chain_seconds(False) for _ in range(repeats)]
-    return max(0.0, statistics.median(differences) / regions * 1e3)
+        def chain_seconds(checkpointed: bool, backward: bool = True) -> float:
+            sync()
+            began = time.perf_counter()
+            value = start
+            for _ in range(regions):
+                (value,) = region(value) if checkpointed else body(value)
+            if backward:
+                value.sum().backward()
+            sync()
+            return time.perf_counter() - began
+
+        for _ in range(2):  # warm-up
+            chain_seconds(True), chain_seconds(False)
+        differences = [chain_seconds(True) - chain_seconds(False) for _ in range(repeats)]
+        forward_s = statistics.median(chain_seconds(False, backward=False) for _ in range(repeats))
+        # the recomputation re-runs every op but the last, whose saved tensor is its input (early stop)
+        recomputed_s = forward_s * (ops - 1) / ops
+        return (statistics.median(differences) - recomputed_s) / regions * 1e3
+
+    short_ms, long_ms = machinery_ms_per_region(short_ops), machinery_ms_per_region(long_ops)
+    saved_tensor_ms = max(0.0, (long_ms - short_ms) / (long_ops - short_ops))
+    return CheckpointCosts(region_ms=max(0.0, short_ms - short_ops * saved_tensor_ms), saved_tensor_ms=saved_tensor_ms)
 
 
 @functools.cache
-def _region_overhead_ms_on(device: torch.device) -> float:
+def _checkpoint_costs_on(device: torch.device) -> CheckpointCosts:
     """Once per device and process: the machinery's cost does not depend on the model (``max_batch_size`` profiles
     a model once per candidate batch)."""
-    return measure_region_overhead_ms(device)
+    return measure_checkpoint_costs(device)
 
 
 # ---------------------------------------------------------------------------------------------------- assembly
 
 
 def _assemble(
-    graph: Graph, args: tuple, kwargs: dict, tracked: _TrackedStep, flops: list[int], region_overhead_ms: float
+    graph: Graph, args: tuple, kwargs: dict, tracked: _TrackedStep, flops: list[int], checkpoint_costs: CheckpointCosts
 ) -> Profile:
     """The profile of the tracked step, with no times yet (``_with_times`` adds them)."""
     tracker = tracked.tracker
@@ -481,6 +504,7 @@ def _assemble(
             flops=flops[u.index],
             output_bytes=output_bytes[u.index],
             saved_bytes=sum(record_bytes[i] for i in tracked.saved_by_unit.get(u.index, ())),
+            saved_tensors=tracked.packs_by_unit.get(u.index, 0),
         )
         for u in graph.units
     )
@@ -505,7 +529,8 @@ def _assemble(
         forward_ms=0.0,
         step_ms=0.0,
         gradient_bytes_by_event=tuple(gradient_by_event),
-        region_overhead_ms=region_overhead_ms,
+        region_overhead_ms=checkpoint_costs.region_ms,
+        saved_tensor_overhead_ms=checkpoint_costs.saved_tensor_ms,
     )
 
 

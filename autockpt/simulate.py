@@ -76,6 +76,13 @@ def unit_regions(num_units: int, regions: Sequence[Region]) -> list[int | None]:
     return region_of
 
 
+def machinery_ms(profile: Profile, regions: Sequence[Region]) -> float:
+    """What checkpointing ``regions`` adds to a step besides the recomputed kernels: the profile's fixed cost per
+    region plus its cost per tensor the regions' units save (calibrated on the device, ``profile.py``)."""
+    saved_tensors = sum(profile.units[u].saved_tensors for r in regions for u in range(r.first_unit, r.last_unit + 1))
+    return len(regions) * profile.region_overhead_ms + saved_tensors * profile.saved_tensor_overhead_ms
+
+
 def simulate(profile: Profile, regions: Sequence[Region]) -> Timeline:
     """Predict the memory of one training step when ``regions`` are checkpointed."""
     return _predict(profile, regions, detailed=False).timeline
@@ -192,6 +199,7 @@ def _predict(profile: Profile, regions: Sequence[Region], *, detailed: bool) -> 
             event_bytes[c] = burst
 
     peak_event = max(range(num_events), key=event_bytes.__getitem__)
+    machinery = machinery_ms(profile, regions)
     timeline = Timeline(
         event_bytes=tuple(event_bytes),
         burst_bytes=tuple(burst_bytes),
@@ -199,7 +207,8 @@ def _predict(profile: Profile, regions: Sequence[Region], *, detailed: bool) -> 
         peak_event=peak_event,
         recompute_ms=recompute_ms,
         rerun_units=tuple(rerun_units),
-        overhead_ms=recompute_ms + len(regions) * profile.region_overhead_ms,
+        overhead_ms=recompute_ms + machinery,
+        machinery_ms=machinery,
     )
     return _Prediction(timeline=timeline, forward_bytes=forward_bytes, copy_bytes=copy_bytes)
 

@@ -89,6 +89,9 @@ class UnitCost:
     flops: int
     output_bytes: int
     saved_bytes: int  # bytes autograd saves for backward while this unit runs, counted once per storage
+    # tensors autograd packs for backward while this unit runs, parameters and repeats included: under checkpoint
+    # each one passes the checkpoint's saved-tensor hooks, which is most of what a large region's machinery costs
+    saved_tensors: int = 0
     # None: ``forward_ms`` was measured at this unit; else the same unit of an identical block instance, where it was
     forward_ms_timed_at: int | None = None
 
@@ -139,9 +142,11 @@ class Profile:
     forward_ms: float
     step_ms: float  # forward + backward, median of repeats
     gradient_bytes_by_event: tuple[int, ...] = ()  # per event: bytes of parameter gradients allocated so far
-    # fixed cost of one checkpointed region on this device, whatever it recomputes: the checkpoint machinery in
-    # forward (saved-tensor holders, RNG state) and in backward (unpack, recomputation set-up, early stop)
+    # the checkpoint machinery on this device, on top of the recomputed kernels (``simulate.machinery_ms``): a fixed
+    # cost per region (RNG state, frame and recomputation set-up, early stop) plus a cost per tensor the region's
+    # units save (a holder in forward, a repack in the recomputation, an unpack in backward)
     region_overhead_ms: float = 0.0
+    saved_tensor_overhead_ms: float = 0.0
 
     @property
     def static_bytes(self) -> int:
@@ -177,7 +182,8 @@ class Timeline:
     peak_event: int
     recompute_ms: float
     rerun_units: tuple[int, ...] = ()  # units whose kernels run again in backward (early stop skips a region's tail)
-    overhead_ms: float  # predicted added step time: recompute_ms + each region's fixed cost; what solvers minimise
+    overhead_ms: float  # predicted added step time: recompute_ms + machinery_ms; what solvers minimise
+    machinery_ms: float = 0.0  # the checkpoint machinery's share of overhead_ms (``simulate.machinery_ms``)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -256,6 +262,7 @@ class NodePlan:
     decision: Decision
     region: int | None  # index into Plan.regions, None when not checkpointed
     recompute_ms: float = 0.0  # forward ms run again in backward (0 for the tail a region's early stop skips)
+    saved_tensors: int = 0  # tensors autograd saves for this unit (each passes the checkpoint's hooks when recomputed)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -270,7 +277,7 @@ class Plan:
     baseline_peak_bytes: int  # predicted (= measured in profiling) peak with nothing recomputed
     min_feasible_bytes: int
     static_bytes: int
-    predicted_overhead: float  # (recompute time + the regions' fixed cost) / unmodified step time
+    predicted_overhead: float  # (recompute time + checkpoint machinery) / unmodified step time
     recompute_ms: float
     baseline_step_ms: float
     capture: CaptureKind
@@ -290,6 +297,8 @@ class Plan:
     memory_after: MemoryCurve | None = None  # predicted step under this plan
     pareto: tuple[ParetoPoint, ...] = ()  # other budgets, when the planner was asked for them
     region_overhead_ms: float = 0.0  # measured fixed cost of one checkpointed region (Profile.region_overhead_ms)
+    saved_tensor_overhead_ms: float = 0.0  # measured machinery cost per saved tensor (Profile.saved_tensor_overhead_ms)
+    machinery_ms: float = 0.0  # predicted checkpoint machinery of all regions: part of predicted_overhead
 
     @property
     def recomputed_units(self) -> tuple[int, ...]:

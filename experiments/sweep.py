@@ -74,6 +74,7 @@ class Point:
     measured_peak_bytes: int | None = None
     peak_method: str = "memtracker"
     step_time_ratio: float | None = None
+    predicted_ratio: float | None = None  # 1 + the plan's predicted overhead (autockpt's plans and the baselines)
     solve_s: float | None = None
     regions: int | None = None
     capture: str = ""
@@ -180,7 +181,7 @@ def sweep_model(name: str, config: SweepConfig, bar: tqdm) -> tuple[list[Point],
         the_plan = baseline_plan(planner, strategy)
         point = Point(
             strategy=strategy, predicted_peak_bytes=the_plan.predicted_peak_bytes, regions=len(the_plan.regions),
-            solve_s=0.0, capture=capture, notes="; ".join(chosen.notes),
+            predicted_ratio=1 + the_plan.predicted_overhead, solve_s=0.0, capture=capture, notes="; ".join(chosen.notes),
         )
         if key in seen:
             twin = next(p for p in points if p.strategy == seen[key])
@@ -224,7 +225,7 @@ def sweep_model(name: str, config: SweepConfig, bar: tqdm) -> tuple[list[Point],
             point = Point(
                 strategy="autockpt", budget_label=label, budget_bytes=budget, module=module,
                 predicted_peak_bytes=plan.predicted_peak_bytes, measured_peak_bytes=peak, regions=len(plan.regions),
-                solve_s=plan.solve_time_s, capture=capture, notes=f"{plan.status.value}; optimize {time.perf_counter() - started:.1f} s",
+                predicted_ratio=1 + plan.predicted_overhead, solve_s=plan.solve_time_s, capture=capture, notes=f"{plan.status.value}; optimize {time.perf_counter() - started:.1f} s",
             )
             points.append(point)
             eager[f"autockpt@{label}"] = module
@@ -301,6 +302,7 @@ def tidy_rows(name: str, points: list[Point], budgets: dict[str, int]) -> list[d
                 "status": point.status, "capture": point.capture, "regions": point.regions,
                 "predicted_peak_bytes": point.predicted_peak_bytes, "measured_peak_bytes": measured,
                 "peak_method": point.peak_method, "step_time_ratio": point.step_time_ratio,
+                "predicted_ratio": point.predicted_ratio,
                 "solve_s": point.solve_s,
                 "feasible": (measured <= budget) if point.status == "measured" and measured is not None else None,
                 "budget_specific": bool(point.budget_label), "same_as": point.same_as,
@@ -495,7 +497,9 @@ def sweep_sections(table: pd.DataFrame, points: pd.DataFrame) -> list[str]:
     """The measured points, what was not measured, which budgets are kept, and the targets."""
     lines = ["", "## Measured points", ""]
     show = points.assign(measured_MB=points.measured_peak_bytes / MB, predicted_MB=points.predicted_peak_bytes / MB)
-    columns = ["model", "point", "capture", "regions", "predicted_MB", "measured_MB", "peak_method", "step_time_ratio", "solve_s"]
+    columns = ["model", "point", "capture", "regions", "predicted_MB", "measured_MB", "peak_method", "predicted_ratio",
+               "step_time_ratio", "solve_s"]
+    show = show.assign(predicted_ratio=show.get("predicted_ratio"))  # absent from CSVs written before the column
     lines.append(markdown_table(show[columns]))
     missing = table[table.status != "measured"].drop_duplicates(subset=["model", "strategy", "status", "notes"])
     if not missing.empty:

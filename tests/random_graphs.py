@@ -163,9 +163,11 @@ def random_model(seed: int) -> tuple[nn.Module, torch.Tensor]:
     return model, x
 
 
-def modelled_costs(profile: Profile, *, region_overhead_ms: float = 0.0) -> Profile:
-    """``profile`` with forward times (and each checkpointed region's fixed cost) from a fixed cost model instead of
-    the clock.
+def modelled_costs(
+    profile: Profile, *, region_overhead_ms: float = 0.0, saved_tensor_overhead_ms: float = 0.0
+) -> Profile:
+    """``profile`` with forward times (and the checkpoint machinery's costs) from a fixed cost model instead of the
+    clock.
 
     Measured times of microsecond ops on a shared CPU are mostly noise (and warm-up outliers), which would make the
     production solver's choices, and so an optimality test, vary from run to run. Memory is measured exactly and
@@ -176,5 +178,6 @@ def modelled_costs(profile: Profile, *, region_overhead_ms: float = 0.0) -> Prof
     )
     forward_ms = sum(u.forward_ms for u in units)
     return dataclasses.replace(
-        profile, units=units, forward_ms=forward_ms, step_ms=3 * forward_ms, region_overhead_ms=region_overhead_ms
+        profile, units=units, forward_ms=forward_ms, step_ms=3 * forward_ms, region_overhead_ms=region_overhead_ms,
+        saved_tensor_overhead_ms=saved_tensor_overhead_ms,
     )

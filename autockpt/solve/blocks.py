@@ -31,7 +31,7 @@ import numpy as np
 import pulp
 
 from autockpt.report import GB
-from autockpt.simulate import simulate
+from autockpt.simulate import machinery_ms, simulate
 from autockpt.solve.candidates import elementary_pieces, safe_regions
 from autockpt.solve.structure import RepeatedBlocks
 from autockpt.types import Phase, Profile, Region, Timeline
@@ -117,11 +117,12 @@ def prepare_blocks(
     forward_ms = np.array([u.forward_ms for u in profile.units])
     # priced at each instance with the times of the units it re-runs, as the simulator that scores the assembled plan
     # does (the profile times one instance per family, but a profile timed everywhere has per-instance times), plus
-    # each region's fixed cost
+    # the checkpoint machinery of its regions
     cost = [
         np.array([
             forward_ms[i.region.first_unit + np.array(plan.rerun_offsets, dtype=np.int64)].sum()
-            + len(plan.relative) * profile.region_overhead_ms
+            + machinery_ms(profile, [Region(first_unit=i.region.first_unit + a, last_unit=i.region.first_unit + b)
+                                     for a, b in plan.relative])
             for plan in menus[i.family]
         ])
         for i in instances

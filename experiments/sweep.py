@@ -499,8 +499,7 @@ def sweep_sections(table: pd.DataFrame, points: pd.DataFrame) -> list[str]:
     show = points.assign(measured_MB=points.measured_peak_bytes / MB, predicted_MB=points.predicted_peak_bytes / MB)
     columns = ["model", "point", "capture", "regions", "predicted_MB", "measured_MB", "peak_method", "predicted_ratio",
                "step_time_ratio", "solve_s"]
-    show = show.assign(predicted_ratio=show.get("predicted_ratio"))  # absent from CSVs written before the column
-    lines.append(markdown_table(show[columns]))
+    lines.append(markdown_table(show.reindex(columns=columns)))  # reindex: CSVs written before a column lack it
     missing = table[table.status != "measured"].drop_duplicates(subset=["model", "strategy", "status", "notes"])
     if not missing.empty:
         lines += ["", "## Not measured", "", markdown_table(missing[["model", "strategy", "budget", "status", "notes"]])]

@@ -54,7 +54,7 @@ class _Instance:
 @dataclass(frozen=True, slots=True)
 class _BlockPlan:
     relative: tuple[tuple[int, int], ...]  # regions as (first, last) unit offsets from the instance's first unit
-    rerun_offsets: tuple[int, ...]  # units re-run in backward, as offsets (an instance's cost is their forward ms)
+    rerun_offsets: tuple[int, ...]  # units re-run in backward, as offsets (their forward ms is an instance's recompute)
     cost_ms: float  # at the representative
     retained_gain_bytes: int
     window_gains: np.ndarray  # bytes fewer than unmodified at each event of the window (negative: recompute burst)
@@ -74,7 +74,7 @@ class BlockProblem:
     instances: list[_Instance]
     menus: list[list[_BlockPlan]]  # per family; item 0 is the empty plan
     need_bytes: list[np.ndarray]  # per instance: worst bytes in its window under each plan of its family's menu
-    cost_ms: list[np.ndarray]  # per instance: added ms (recompute + fixed cost per region) of each menu plan there
+    cost_ms: list[np.ndarray]  # per instance: added ms (recompute + checkpoint machinery) of each menu plan there
     others: list[_OtherRegion]
     base_bytes: np.ndarray  # unmodified bytes per event
     outside_events: np.ndarray  # events in no instance's window
@@ -230,7 +230,7 @@ def _disjoint_combinations(singles: list[_BlockPlan], window_length: int) -> lis
 
 
 def _undominated(plans: list[_BlockPlan], window_bases: list[np.ndarray]) -> list[_BlockPlan]:
-    """Drop each plan that another beats or equals on recompute time, retained gain and need at every instance."""
+    """Drop each plan that another beats or equals on added time, retained gain and need at every instance."""
     need = np.array([[(b - p.window_gains).max() for b in window_bases] for p in plans], dtype=np.int64)
     cost = np.array([p.cost_ms for p in plans])
     retained = np.array([p.retained_gain_bytes for p in plans])

@@ -35,7 +35,7 @@ from autockpt.types import Profile, Region
 class ExactResult:
     regions: tuple[Region, ...]
     peak_bytes: int  # simulated peak of the plan
-    overhead_ms: float  # simulated added step time of the plan (recompute + the regions' fixed cost)
+    overhead_ms: float  # simulated added step time of the plan (recompute + checkpoint machinery)
     plans_examined: int  # region sets considered, cheapest first, up to and including the optimum
     plans_simulated: int = 0  # of those, the ones the memory bound could not rule out (the rest were not simulated)
 

@@ -9,8 +9,9 @@ regions exactly as a plan, and the effective budget handed to the program is mov
 just under the user's budget. Optimality is with respect to this program and the candidate regions.
 
 *Seed plans* (the baseline policies: every_n, sqrt_n, presets) are scored by the simulator too; their regions join
-the candidates, and a seed plan under the budget that recomputes less than the program's answer is returned instead,
-so a solved plan is never worse than a baseline at the same budget, whatever the program's approximations miss.
+the candidates, and a seed plan under the budget that adds less step time than the program's answer is returned
+instead, so a solved plan is never worse than a baseline at the same budget, whatever the program's approximations
+miss.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class SolverName:
 class SolverOptions:
     solver: str = SolverName.AUTO  # "auto": HiGHS when highspy is installed, else PuLP's bundled CBC
     time_limit_s: float = 10.0  # per program; the best incumbent is used when it runs out
-    relative_gap: float = 0.01  # 1 % of recompute time: proving the last fraction optimal costs minutes
+    relative_gap: float = 0.01  # 1 % of the added step time: proving the last fraction optimal costs minutes
     refinement_rounds: int = 5  # re-solves that move the effective budget towards the user's
     repeated_blocks: bool = True  # find identical blocks and solve each once (False: one flat program over all units)
     write_lp_path: str | None = None  # debug: write each program as an .lp file here
@@ -280,7 +281,7 @@ def solve_prepared(problem: PreparedProblem, budget_bytes: int, options: SolverO
     if cheaper_seed is not None:  # the program's approximations missed a plan at least this good
         best = (cheaper_seed.regions, cheaper_seed.timeline, PlanStatus.FEASIBLE)
         solver_name = f"{solver_name} (seed plan {cheaper_seed.name} was cheaper)"
-        logger.info("the %s baseline plan recomputes less than the program's plan; using it", cheaper_seed.name)
+        logger.info("the %s baseline plan adds less step time than the program's plan; using it", cheaper_seed.name)
     if fallbacks:
         logger.warning(
             "the %s solver found no solution within %.1f s for the %s; used a greedy plan instead (raise "
@@ -382,7 +383,7 @@ def _swap_for_cheaper(
     problem: PreparedProblem, regions: tuple[Region, ...], timeline: Timeline, status: PlanStatus, budget_bytes: int
 ) -> tuple[tuple[Region, ...], Timeline, PlanStatus]:
     """Put a candidate in place of the plan's regions it overlaps, then drop what the plan no longer needs; keep the
-    first such plan that fits and recomputes less, and go on from it.
+    first such plan that fits and adds less step time, and go on from it.
 
     The programs charge forward memory per group of events at its worst, so a region can look like it does not fit
     where the simulator shows it does. Swaps that save most are tried first; a swap that costs more on its own can

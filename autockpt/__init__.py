@@ -23,7 +23,7 @@ from autockpt.plan_io import load_plan
 from autockpt.rewrite import OptimizedModule
 from autockpt.solve.baselines import BASELINE_STRATEGIES, baseline_plan, baseline_regions
 from autockpt.solve.ilp import SolverOptions
-from autockpt.types import CaptureKind, Decision, MemoryCurve, ParetoPoint, Plan, PlanStatus, Region, SolverStats
+from autockpt.types import CaptureKind, CheckpointKind, Decision, MemoryCurve, ParetoPoint, Plan, PlanStatus, Region, SolverStats
 
 __all__ = [
     "BASELINE_STRATEGIES",
@@ -31,6 +31,7 @@ __all__ = [
     "BatchSizeResult",
     "CaptureError",
     "CaptureKind",
+    "CheckpointKind",
     "Decision",
     "ExampleBatch",
     "InfeasibleBudgetError",

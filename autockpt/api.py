@@ -136,6 +136,7 @@ class Planner:
             self.profile = profile(
                 self.graph, self.request.args, self.request.kwargs, self.request.loss,
                 time_repeated_blocks_once=self._solves_by_blocks(),
+                checkpoint_kind=(self.request.solver_options or SolverOptions()).checkpoint,
             )
         self.capture_time_s = captured - started
         self.profile_time_s = time.perf_counter() - captured
@@ -325,6 +326,7 @@ class Planner:
             region_overhead_ms=measured.region_overhead_ms,
             saved_tensor_overhead_ms=measured.saved_tensor_overhead_ms,
             machinery_ms=timeline.machinery_ms,
+            checkpoint_kind=measured.checkpoint_kind,
             baseline_step_ms=measured.step_ms,
             capture=self.graph.kind,
             status=result.status if solved else PlanStatus.GIVEN,

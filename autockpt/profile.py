@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.weak import WeakIdKeyDictionary
@@ -37,6 +38,7 @@ from autockpt.solve.structure import find_repeated_blocks
 from autockpt.types import (
     OUTSIDE_GRAPH_UNIT,
     CaptureKind,
+    CheckpointKind,
     Graph,
     MemoryEvent,
     Phase,
@@ -58,6 +60,7 @@ def profile(
     *,
     timing_repeats: int = 3,
     time_repeated_blocks_once: bool = True,
+    checkpoint_kind: CheckpointKind = CheckpointKind.TORCH_NON_REENTRANT,
 ) -> Profile:
     """Measure the unmodified training step of ``graph`` on the example inputs.
 
@@ -73,7 +76,7 @@ def profile(
         _clear_grads(params)
         tracked = _tracked_step(graph, args, kwargs, loss_fn)
         flops = _unit_flops(graph, args, kwargs)
-        checkpoint_costs = _checkpoint_costs_on(device_of(graph.model, args, kwargs))
+        checkpoint_costs = _checkpoint_costs_on(device_of(graph.model, args, kwargs), checkpoint_kind)
         untimed = _assemble(graph, args, kwargs, tracked, flops, checkpoint_costs)
         timed_at = timing_units(graph, untimed) if time_repeated_blocks_once else list(range(num_units))
         unit_ms_runs, step_ms_runs = _timed_steps(
@@ -161,6 +164,7 @@ class _StorageRecord:
     mutators: set[int] = field(default_factory=set)
     release_event_by_saver: dict[int, int] = field(default_factory=dict)
     weak: Any = None
+    gradients: list[_StorageRecord] = field(default_factory=list)  # forward: storages of gradients computed for it
 
 
 @dataclass(slots=True)
@@ -278,6 +282,32 @@ def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[torch.Tenso
     return written
 
 
+class _GradientRecorder(TorchFunctionMode):
+    """Links each forward storage to the storages of the gradients backward computes for tensors on it, so the
+    profile knows how long those gradients lived (autockpt's checkpoint keeps a region's output gradients until the
+    region's backward is done). Above autograd, where outputs can take a gradient hook; the hook holds the storage
+    record, never the tensor."""
+
+    def __init__(self, tracker: StorageTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.tracker.phase is Phase.FORWARD:
+            for leaf in pytree.tree_leaves(out):
+                if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None:
+                    record = self.tracker.record_of(leaf)
+                    if record is not None and record.phase is Phase.FORWARD:
+                        leaf.register_hook(functools.partial(self._on_gradient, record))
+        return out
+
+    def _on_gradient(self, record: _StorageRecord, gradient: torch.Tensor) -> None:
+        gradient_record = self.tracker.record_of(gradient)
+        if gradient_record is not None:
+            record.gradients.append(gradient_record)
+
+
 @dataclass(slots=True)
 class _TrackedStep:
     tracker: StorageTracker
@@ -316,7 +346,7 @@ def _tracked_step(graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn) -> _
     def on_unit(index: int) -> None:
         tracker.begin_event(Phase.FORWARD, index)
 
-    with tracker:
+    with tracker, _GradientRecorder(tracker):
         with unit_callbacks(graph, on_unit), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             output = graph.executable(*args, **kwargs)
             tracker.begin_event(Phase.FORWARD, OUTSIDE_GRAPH_UNIT)  # the loss function
@@ -329,6 +359,13 @@ def _tracked_step(graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn) -> _
     gradient_records = {tracker.record_of(p.grad) for p in graph.model.parameters() if p.grad is not None}
     gradient_allocations = [(r.alloc_event, r.nbytes) for r in gradient_records if r is not None]
     return _TrackedStep(tracker, saved_by_unit, packs_by_unit, gradient_allocations)
+
+
+def _last_free_event(records: list[_StorageRecord], num_events: int) -> int | None:
+    """The event after which none of ``records`` is alive (None: there are none)."""
+    if not records:
+        return None
+    return max(r.free_event if r.free_event is not None else num_events - 1 for r in records)
 
 
 # ------------------------------------------------------------------------------------------------ timing, flops
@@ -397,12 +434,19 @@ def _unit_flops(graph: Graph, args: tuple, kwargs: dict) -> list[int]:
 class CheckpointCosts:
     """What the checkpoint machinery adds to a step on one device, on top of the recomputed kernels."""
 
-    region_ms: float  # per region: RNG state, the checkpoint frame, setting up the recomputation and its early stop
-    saved_tensor_ms: float  # per tensor the region's ops save: a holder in forward, a repack when recomputing, an unpack
+    kind: CheckpointKind
+    region_ms: float  # per region: RNG state, the checkpoint frame, setting up the recomputation
+    saved_tensor_ms: float  # per tensor the region's ops save (torch's: a holder, a repack, an unpack)
 
 
 def measure_checkpoint_costs(
-    device: torch.device, *, regions: int = 8, short_ops: int = 2, long_ops: int = 32, repeats: int = 15
+    device: torch.device,
+    kind: CheckpointKind = CheckpointKind.TORCH_NON_REENTRANT,
+    *,
+    regions: int = 8,
+    short_ops: int = 2,
+    long_ops: int = 32,
+    repeats: int = 15,
 ) -> CheckpointCosts:
     """Calibrate the checkpoint machinery on ``device`` with two chains of tiny regions.
 
@@ -422,7 +466,7 @@ def measure_checkpoint_costs(
             value = graph.call_function(torch.sin if position % 2 == 0 else torch.cos, (value,))
         graph.output((value,))
         body = fx.GraphModule(nn.Module(), graph)
-        region = CheckpointedRegion(body, "autockpt_calibration_region")
+        region = CheckpointedRegion(body, "autockpt_calibration_region", kind)
 
         def chain_seconds(checkpointed: bool, backward: bool = True) -> float:
             sync()
@@ -439,20 +483,24 @@ def measure_checkpoint_costs(
             chain_seconds(True), chain_seconds(False)
         differences = [chain_seconds(True) - chain_seconds(False) for _ in range(repeats)]
         forward_s = statistics.median(chain_seconds(False, backward=False) for _ in range(repeats))
-        # the recomputation re-runs every op but the last, whose saved tensor is its input (early stop)
-        recomputed_s = forward_s * (ops - 1) / ops
+        # torch's recomputation re-runs every op but the last, whose saved tensor is its input (early stop);
+        # autockpt's re-runs them all
+        early_stop = kind is CheckpointKind.TORCH_NON_REENTRANT
+        recomputed_s = forward_s * (ops - 1) / ops if early_stop else forward_s
         return (statistics.median(differences) - recomputed_s) / regions * 1e3
 
     short_ms, long_ms = machinery_ms_per_region(short_ops), machinery_ms_per_region(long_ops)
     saved_tensor_ms = max(0.0, (long_ms - short_ms) / (long_ops - short_ops))
-    return CheckpointCosts(region_ms=max(0.0, short_ms - short_ops * saved_tensor_ms), saved_tensor_ms=saved_tensor_ms)
+    return CheckpointCosts(
+        kind=kind, region_ms=max(0.0, short_ms - short_ops * saved_tensor_ms), saved_tensor_ms=saved_tensor_ms
+    )
 
 
 @functools.cache
-def _checkpoint_costs_on(device: torch.device) -> CheckpointCosts:
+def _checkpoint_costs_on(device: torch.device, kind: CheckpointKind) -> CheckpointCosts:
     """Once per device and process: the machinery's cost does not depend on the model (``max_batch_size`` profiles
     a model once per candidate batch)."""
-    return measure_checkpoint_costs(device)
+    return measure_checkpoint_costs(device, kind)
 
 
 # ---------------------------------------------------------------------------------------------------- assembly
@@ -494,6 +542,7 @@ def _assemble(
                 saver_units=savers,
                 saver_release_events=tuple(record.release_event_by_saver[u] for u in savers),
                 mutator_units=tuple(sorted(u for u in record.mutators if u >= 0)),
+                gradient_free_event=_last_free_event(record.gradients, len(events)),
             )
         )
     record_bytes = {r.index: r.nbytes for r in tracker.records}
@@ -531,6 +580,7 @@ def _assemble(
         gradient_bytes_by_event=tuple(gradient_by_event),
         region_overhead_ms=checkpoint_costs.region_ms,
         saved_tensor_overhead_ms=checkpoint_costs.saved_tensor_ms,
+        checkpoint_kind=checkpoint_costs.kind,
     )
 
 

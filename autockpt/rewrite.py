@@ -1,9 +1,10 @@
 """Rewrite: (Graph, Plan) -> nn.Module that recomputes exactly the planned regions.
 
-fx/export captures: each region's nodes are moved into a sub-GraphModule that runs under
-``torch.utils.checkpoint(use_reentrant=False, preserve_rng_state=True)``, so dropout draws the same mask when the
-region is recomputed. Module-level captures: the chosen submodules' ``forward`` is wrapped in the same checkpoint
-while (and only while) the optimized module runs.
+fx/export captures: each region's nodes are moved into a sub-GraphModule that runs under the plan's checkpoint
+(``Plan.checkpoint_kind``): ``torch.utils.checkpoint(use_reentrant=False, preserve_rng_state=True)`` or autockpt's own
+(``recompute.py``); both re-run the region with the forward's RNG state, so dropout draws the same mask. Module-level
+captures: the chosen submodules' ``forward`` is wrapped in the same checkpoint while (and only while) the optimized
+module runs.
 
 During a recomputation (inside backward) the buffers the region touches are put back afterwards, so BatchNorm
 running statistics advance exactly once per step. The returned module mirrors the original's children, parameters
@@ -22,10 +23,12 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
+
 from torch.utils.checkpoint import checkpoint
 
 from autockpt.capture import compute_nodes
-from autockpt.types import CaptureKind, Graph, Plan, Region
+from autockpt.recompute import checkpointed_call
+from autockpt.types import CaptureKind, CheckpointKind, Graph, Plan, Region
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +43,7 @@ def rewrite(graph: Graph, plan: Plan, args: tuple, kwargs: dict) -> OptimizedMod
     assert isinstance(gm, fx.GraphModule)
     nodes = compute_nodes(gm)
     for index, region in enumerate(plan.regions):
-        _outline_region(gm, nodes, region, index)
+        _outline_region(gm, nodes, region, index, plan.checkpoint_kind)
     gm.graph.lint()
     gm.recompile()
     return OptimizedModule(graph.model, plan, input_signature(args, kwargs), executable=gm, checkpointed_modules=())
@@ -70,29 +73,54 @@ def _buffers_restored_when_recomputing(buffers: Sequence[torch.Tensor]) -> Itera
                 buffer.copy_(value)
 
 
+def run_checkpointed(
+    kind: CheckpointKind,
+    run: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    *,
+    parameters: Sequence[torch.Tensor],
+    buffers: Sequence[torch.Tensor],
+    closed: bool,
+) -> Any:
+    """``run(*args, **kwargs)`` under the checkpoint ``kind``; ``parameters``, ``buffers`` and ``closed`` are what
+    autockpt's own checkpoint needs to know (``recompute.checkpointed_call``)."""
+    if kind is CheckpointKind.RECOMPUTE_FUNCTION:
+        return checkpointed_call(run, args, kwargs, parameters, buffers, closed=closed)
+
+    def restoring_run(*inner_args: Any, **inner_kwargs: Any) -> Any:
+        with _buffers_restored_when_recomputing(buffers):
+            return run(*inner_args, **inner_kwargs)
+
+    return checkpoint(restoring_run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+
 class CheckpointedRegion:
-    """One planned region: its nodes as a GraphModule, run under non-reentrant activation checkpointing.
+    """One planned region: its nodes as a GraphModule, run under the plan's checkpoint.
 
     A plain callable, not an ``nn.Module``: module hooks (MemTracker's ModTracker, user hooks) would otherwise see
     the region as a module and could hold on to its inputs and outputs. ``__name__``/``__module__`` let fx codegen
     call it from the rewritten graph.
     """
 
-    def __init__(self, body: fx.GraphModule, name: str) -> None:
+    def __init__(self, body: fx.GraphModule, name: str, kind: CheckpointKind) -> None:
         self.body = body
+        self.kind = kind
         self.buffers = list(body.buffers())  # the same tensor objects as the model's (BatchNorm statistics)
+        # the body reads tensors only through get_attr and its inputs, so these are all it can need gradients for
+        self.parameters = list(body.parameters())
         self.__name__ = self.__qualname__ = name
         self.__module__ = __name__
 
     def __call__(self, *inputs: Any) -> Any:
-        return checkpoint(self._run, *inputs, use_reentrant=False, preserve_rng_state=True)
-
-    def _run(self, *inputs: Any) -> Any:
-        with _buffers_restored_when_recomputing(self.buffers):
-            return self.body.forward(*inputs)
+        return run_checkpointed(
+            self.kind, self.body.forward, inputs, {}, parameters=self.parameters, buffers=self.buffers, closed=True
+        )
 
 
-def _outline_region(gm: fx.GraphModule, nodes: list[fx.Node], region: Region, index: int) -> None:
+def _outline_region(
+    gm: fx.GraphModule, nodes: list[fx.Node], region: Region, index: int, kind: CheckpointKind
+) -> None:
     region_nodes = nodes[region.first_unit : region.last_unit + 1]
     inside = set(region_nodes)
     inputs: list[fx.Node] = []
@@ -113,7 +141,7 @@ def _outline_region(gm: fx.GraphModule, nodes: list[fx.Node], region: Region, in
     body_graph.output(tuple(env[node] for node in outputs))
     body = fx.GraphModule(gm, body_graph, class_name=f"Region{index}")
     with gm.graph.inserting_after(region_nodes[-1]):
-        call = gm.graph.call_function(CheckpointedRegion(body, f"autockpt_region_{index}"), tuple(inputs))
+        call = gm.graph.call_function(CheckpointedRegion(body, f"autockpt_region_{index}", kind), tuple(inputs))
     anchor = call
     for position, node in enumerate(outputs):
         with gm.graph.inserting_after(anchor):
@@ -123,12 +151,13 @@ def _outline_region(gm: fx.GraphModule, nodes: list[fx.Node], region: Region, in
         gm.graph.erase_node(node)
 
 
-def _checkpointed_forward(module: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    def run(*inner_args: Any, **inner_kwargs: Any) -> Any:
-        with _buffers_restored_when_recomputing(list(module.buffers())):
-            return forward(*inner_args, **inner_kwargs)
-
-    return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+def _checkpointed_forward(
+    module: nn.Module, kind: CheckpointKind, forward: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
+    # closed=False: a module's forward may read tensors beyond its parameters; autockpt's checkpoint looks for them
+    return run_checkpointed(
+        kind, forward, args, kwargs, parameters=list(module.parameters()), buffers=list(module.buffers()), closed=False
+    )
 
 
 class OptimizedModule(nn.Module):
@@ -196,7 +225,7 @@ class OptimizedModule(nn.Module):
         executable = self.__dict__["_autockpt_executable"]
         if executable is not None:
             return executable(*args, **kwargs)
-        with _patched_forwards(self.__dict__["_autockpt_checkpointed"]):
+        with _patched_forwards(self.__dict__["_autockpt_checkpointed"], self.plan.checkpoint_kind):
             return model(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -214,13 +243,13 @@ class OptimizedModule(nn.Module):
 
 
 @contextlib.contextmanager
-def _patched_forwards(modules: Sequence[nn.Module]) -> Iterator[None]:
+def _patched_forwards(modules: Sequence[nn.Module], kind: CheckpointKind) -> Iterator[None]:
     patched = []
     try:
         for module in modules:
             had_own = "forward" in module.__dict__
             original = module.forward
-            module.forward = functools.partial(_checkpointed_forward, module, original)
+            module.forward = functools.partial(_checkpointed_forward, module, kind, original)
             patched.append((module, had_own, original))
         yield
     finally:

@@ -1,12 +1,15 @@
 """Simulate: (Profile, regions) -> Timeline. Scores any plan; knows nothing about how the plan was found.
 
 The prediction starts from the *measured* timeline of the unmodified step and applies what checkpointing changes,
-storage by storage, following the semantics of ``torch.utils.checkpoint(use_reentrant=False)``:
+storage by storage, following the semantics of the checkpoint the profile was calibrated for
+(``Profile.checkpoint_kind``):
 
 * a storage produced inside a region and saved only by units of that region is freed after its last forward use;
   when backward first reaches the region, the region is re-run and a fresh copy lives until the saver that used it
-  last has run its backward;
+  last has run its backward. ``torch.utils.checkpoint(use_reentrant=False)`` stops re-running at the pack of the
+  region's last saved tensor (early stop); autockpt's own checkpoint (``recompute.py``) re-runs the whole region;
 * a storage that a region reads from outside is held by the checkpoint until the region's backward is done;
+* autockpt's own checkpoint also holds the gradients of the region's outputs until the region's backward is done;
 * storages saved by units outside every region live as measured.
 
 Everything the plan does not touch (parameter gradients, backward temporaries) stays as measured, which is what makes
@@ -19,7 +22,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autockpt.types import MemoryCurve, MemoryEvent, Phase, Profile, Region, StorageLife, Timeline
+from autockpt.types import CheckpointKind, MemoryCurve, MemoryEvent, Phase, Profile, Region, StorageLife, Timeline
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -33,12 +36,16 @@ class RegionWindow:
 
 
 def region_windows(profile: Profile, regions: Sequence[Region]) -> list[RegionWindow]:
-    """Recomputation stops as soon as the region's last saved tensor is packed again (checkpoint's early stop).
+    """Where each region is recomputed (the first backward event that unpacks what one of its units saved), and how
+    far the recomputation runs.
 
-    Autograd packs an op's saved *inputs* before running its kernel, so when the last saver saves only tensors made
-    before it (a matmul saving its operands) its kernel is skipped; when it saves its own output it runs.
+    Under torch's non-reentrant checkpoint it stops as soon as the region's last saved tensor is packed again (early
+    stop). Autograd packs an op's saved *inputs* before running its kernel, so when the last saver saves only tensors
+    made before it (a matmul saving its operands) its kernel is skipped; when it saves its own output it runs.
+    autockpt's own checkpoint runs the whole region: backward starts from the outputs' gradient functions.
     """
     index = _storage_index(profile)
+    early_stop = profile.checkpoint_kind is CheckpointKind.TORCH_NON_REENTRANT
     windows = []
     for region in regions:
         # units that saved anything (their saved tensors are unpacked in backward) -> first and last such event
@@ -49,7 +56,9 @@ def region_windows(profile: Profile, regions: Sequence[Region]) -> list[RegionWi
         }
         last_saver = max(spans, default=None)
         recomputed = None
-        if last_saver is not None:
+        if last_saver is not None and not early_stop:
+            recomputed = region.last_unit
+        elif last_saver is not None:
             recomputed = last_saver if last_saver in index.saves_own_output else last_saver - 1
             recomputed = recomputed if recomputed >= region.first_unit else None
         windows.append(
@@ -139,6 +148,7 @@ def _predict(profile: Profile, regions: Sequence[Region], *, detailed: bool) -> 
             delta[first] += nbytes
             delta[last + 1] -= nbytes
 
+    holds_output_gradients = profile.checkpoint_kind is CheckpointKind.RECOMPUTE_FUNCTION
     # only storages that a region's unit makes, reads or saves can change
     touched = sorted({s for region in regions for u in range(region.first_unit, region.last_unit + 1)
                       for s in index.storages_of_unit[u]})
@@ -159,6 +169,12 @@ def _predict(profile: Profile, regions: Sequence[Region], *, detailed: bool) -> 
             e for u, e in zip(storage.saver_units, storage.saver_release_events) if _region(region_of, u) == home
         ]
         window = windows[home]
+        gradient_free = storage.gradient_free_event
+        if holds_output_gradients and window.first_backward_event is not None and gradient_free is not None:
+            # the checkpoint holds the gradients of the region's outputs until the region's backward is done
+            # (measured step: until ``gradient_free_event``); outputs read only inside the region have none
+            add(plan_delta, max(gradient_free + 1, window.first_backward_event),
+                window.last_backward_event, storage.nbytes if _is_region_output(storage, region_of, home) else 0)
         if releases and window.first_backward_event is not None:
             add(plan_delta, window.first_backward_event, max(releases), storage.nbytes)
             if detailed:
@@ -186,7 +202,7 @@ def _predict(profile: Profile, regions: Sequence[Region], *, detailed: bool) -> 
         c = window.first_backward_event
         offset = sum(plan_delta[: c + 1])
         before_recompute = profile.events[c].start_bytes + offset - copy_bytes_at_burst[r]
-        replay = _replay_peak(profile, region, window.last_saver_unit, region_of, r)
+        replay = _replay_peak(profile, region, window, region_of, r)
         if window.last_recomputed_unit is not None:
             rerun = range(region.first_unit, window.last_recomputed_unit + 1)
             recompute_ms += sum(profile.units[u].forward_ms for u in rerun)
@@ -300,7 +316,9 @@ def _plan_free_event(
     return max(holds)
 
 
-def _replay_peak(profile: Profile, region: Region, last_saver: int, region_of: list[int | None], r: int) -> int:
+def _replay_peak(
+    profile: Profile, region: Region, window: RegionWindow, region_of: list[int | None], r: int
+) -> int:
     """Peak bytes the recomputation of ``region`` adds on top of memory at its start.
 
     While unit ``u`` re-runs, memory rises by what it rose during ``u``'s measured forward (its outputs plus the
@@ -308,17 +326,20 @@ def _replay_peak(profile: Profile, region: Region, last_saver: int, region_of: l
     unit of the region saved (kept for backward), tensors a later unit of the region reads (until that unit ran), and
     the region's own outputs (tensors a unit outside the region reads): the region runs as one function that holds
     its return values until the recomputation stops, even though backward has no use for them. Temporaries are
-    already gone. The recomputation stops at the last saver's last pack, so that unit rises only as far as it had
-    risen by then in the measured forward (a dropout stops once its mask exists, before the masked output).
+    already gone. Under early stop the recomputation ends at the last saver's last pack, so that unit rises only as
+    far as it had risen by then in the measured forward (a dropout stops once its mask exists, before the masked
+    output).
     """
     storages = _storage_index(profile)
+    early_stop = profile.checkpoint_kind is CheckpointKind.TORCH_NON_REENTRANT
+    last = window.last_saver_unit if early_stop else region.last_unit
     live = 0
     peak = 0
     readers_left: dict[int, int] = {}  # storage index -> last unit of the region that reads it
     transient_bytes: dict[int, int] = {}
-    for unit in range(region.first_unit, last_saver + 1):
+    for unit in range(region.first_unit, last + 1):
         event = storages.forward_event_of_unit.get(unit)
-        if unit == last_saver and event is not None and event.pack_peak_bytes is not None:
+        if early_stop and unit == last and event is not None and event.pack_peak_bytes is not None:
             return max(peak, live + event.pack_peak_bytes - event.start_bytes)
         rise = event.peak_bytes - event.start_bytes if event is not None else 0
         peak = max(peak, live + rise)
@@ -335,7 +356,12 @@ def _replay_peak(profile: Profile, region: Region, last_saver: int, region_of: l
                 readers_left[storage.index] = max(later_readers)
                 transient_bytes[storage.index] = storage.nbytes
         peak = max(peak, live)
-        for index in [i for i, last in readers_left.items() if last <= unit]:
+        for index in [i for i, last_reader in readers_left.items() if last_reader <= unit]:
             live -= transient_bytes.pop(index)
             del readers_left[index]
     return peak
+
+
+def _is_region_output(storage: StorageLife, region_of: list[int | None], r: int) -> bool:
+    """Made in region ``r`` and read after it: by a unit outside it, by the loss, or as part of the model output."""
+    return storage.free_event is None or any(_region(region_of, u) != r for u in storage.user_units)

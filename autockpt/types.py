@@ -28,6 +28,17 @@ class CaptureKind(str, Enum):
     MODULE = "module"  # hooks on submodules: one unit per stretch of a module's forward; checkpoint whole modules
 
 
+class CheckpointKind(str, Enum):
+    """Which activation checkpoint runs the planned regions (``rewrite.py``); the simulator follows its semantics."""
+
+    # torch.utils.checkpoint(use_reentrant=False): the recomputation stops at the region's last saved tensor, and
+    # the region's backward interleaves with the rest of the graph
+    TORCH_NON_REENTRANT = "torch_non_reentrant"
+    # autockpt's own (``recompute.py``): nothing passes Python hooks per saved tensor, so it costs less time; the
+    # region is re-run whole, and its output gradients stay alive until its backward is done (a little more memory)
+    RECOMPUTE_FUNCTION = "recompute_function"
+
+
 class Decision(str, Enum):
     """What happens to the activations a unit saves for backward."""
 
@@ -110,6 +121,8 @@ class StorageLife:
     saver_units: tuple[int, ...]  # units that saved it for backward
     saver_release_events: tuple[int, ...]  # per saver: the last backward event that unpacked it
     mutator_units: tuple[int, ...] = ()  # units whose ops wrote into it in place
+    # the event after which the gradients computed for tensors on this storage were gone; None: none was computed
+    gradient_free_event: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -143,10 +156,11 @@ class Profile:
     step_ms: float  # forward + backward, median of repeats
     gradient_bytes_by_event: tuple[int, ...] = ()  # per event: bytes of parameter gradients allocated so far
     # the checkpoint machinery on this device, on top of the recomputed kernels (``simulate.machinery_ms``): a fixed
-    # cost per region (RNG state, frame and recomputation set-up, early stop) plus a cost per tensor the region's
-    # units save (a holder in forward, a repack in the recomputation, an unpack in backward)
+    # cost per region (RNG state, frame and recomputation set-up) plus a cost per tensor the region's units save
+    # (non-reentrant torch: a holder in forward, a repack in the recomputation, an unpack in backward)
     region_overhead_ms: float = 0.0
     saved_tensor_overhead_ms: float = 0.0
+    checkpoint_kind: CheckpointKind = CheckpointKind.TORCH_NON_REENTRANT  # what the costs above were calibrated on
 
     @property
     def static_bytes(self) -> int:
@@ -299,6 +313,7 @@ class Plan:
     region_overhead_ms: float = 0.0  # measured fixed cost of one checkpointed region (Profile.region_overhead_ms)
     saved_tensor_overhead_ms: float = 0.0  # measured machinery cost per saved tensor (Profile.saved_tensor_overhead_ms)
     machinery_ms: float = 0.0  # predicted checkpoint machinery of all regions: part of predicted_overhead
+    checkpoint_kind: CheckpointKind = CheckpointKind.TORCH_NON_REENTRANT  # the checkpoint the rewriter applies
 
     @property
     def recomputed_units(self) -> tuple[int, ...]:

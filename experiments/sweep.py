@@ -1,6 +1,7 @@
 """Sweep: models x budgets x strategies -> one tidy CSV, a Pareto plot per model, markdown tables, max batch sizes.
 
-Strategies: autockpt (``Planner.optimize`` at each budget: plan, rewrite, measured verification), the baseline
+Strategies: autockpt (``Planner.optimize`` at each budget: plan, rewrite, measured verification) with torch's
+non-reentrant checkpoint, and ``autockpt_function``, the same with autockpt's own checkpoint (``recompute.py``), the baseline
 policies of ``autockpt.solve.baselines`` (one point per model, whatever the budget; ``feasible`` says whether it
 keeps each budget), and the external anchors of ``experiments/anchors.py`` (Hugging Face gradient checkpointing,
 PyTorch's SAC MILP, torch.compile with an activation memory budget), each run for real or reported as not available
@@ -46,6 +47,8 @@ from bench_budget import step_seconds, step_time_ratio  # noqa: E402
 import autockpt  # noqa: E402
 from autockpt import zoo  # noqa: E402
 from autockpt.api import Planner  # noqa: E402
+from autockpt.solve.ilp import SolverOptions  # noqa: E402
+from autockpt.types import CheckpointKind  # noqa: E402
 from autockpt.batch_size import ExampleBatch, TrialOutcome, max_batch_sizes  # noqa: E402
 from autockpt.solve.baselines import BASELINE_STRATEGIES, baseline_plan, baseline_regions  # noqa: E402
 
@@ -53,6 +56,11 @@ logger = logging.getLogger("sweep")
 
 # "transformer" (the plain 8-layer fx model at size small) is left out of the default: its 308-unit graph and 0.9 s
 # steps cost as much sweep time as the other models together on 2 cores; run it with --models transformer
+# autockpt's plans, one strategy per checkpoint the rewriter can apply
+AUTOCKPT_STRATEGIES = {
+    "autockpt": CheckpointKind.TORCH_NON_REENTRANT,
+    "autockpt_function": CheckpointKind.RECOMPUTE_FUNCTION,
+}
 DEFAULT_MODELS = ("mlp", "cnn", "control_flow", "gpt2", "vit", "unet")
 DEFAULT_FRACTIONS = (0.3, 0.5, 0.7)
 ANCHORS = {"hf": "hf_gradient_checkpointing", "sac": "torch_sac_milp", "compile": "torch_compile_budget"}
@@ -138,7 +146,7 @@ class SweepConfig:
     models: tuple[str, ...] = DEFAULT_MODELS
     size: str = "small"
     fractions: tuple[float, ...] = DEFAULT_FRACTIONS
-    strategies: tuple[str, ...] = ("autockpt", *BASELINE_STRATEGIES)
+    strategies: tuple[str, ...] = (*AUTOCKPT_STRATEGIES, *BASELINE_STRATEGIES)
     anchors: tuple[str, ...] = tuple(ANCHORS)
     sac_fractions: tuple[float, ...] = (0.5,)
     compile_models: tuple[str, ...] = ("gpt2",)
@@ -171,7 +179,7 @@ def sweep_model(name: str, config: SweepConfig, bar: tqdm) -> tuple[list[Point],
 
     # baselines (budget-independent)
     seen: dict[tuple, str] = {}
-    for strategy in [s for s in config.strategies if s != "autockpt"]:
+    for strategy in [s for s in config.strategies if s not in AUTOCKPT_STRATEGIES]:
         bar.set_postfix_str(f"{name}: {strategy}")
         chosen = baseline_regions(planner.graph, profile, strategy)
         if not chosen.available:
@@ -209,26 +217,33 @@ def sweep_model(name: str, config: SweepConfig, bar: tqdm) -> tuple[list[Point],
             eager[result.strategy] = result.module
             budgets["hf_peak"] = result.measured_peak_bytes
 
-    # autockpt at every budget
-    if "autockpt" in config.strategies:
+    # autockpt at every budget, with each checkpoint it can apply (its own needs a profile calibrated for it)
+    for strategy in [s for s in AUTOCKPT_STRATEGIES if s in config.strategies]:
+        kind = AUTOCKPT_STRATEGIES[strategy]
+        if kind is not planner.profile.checkpoint_kind:
+            bar.set_postfix_str(f"{name}: profile for {strategy}")
+            planner_for = Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs,
+                                  loss_fn=case.loss_fn, solver_options=SolverOptions(checkpoint=kind))
+        else:
+            planner_for = planner
         for label, budget in budgets.items():
-            bar.set_postfix_str(f"{name}: autockpt @ {label}")
+            bar.set_postfix_str(f"{name}: {strategy} @ {label}")
             started = time.perf_counter()
             try:
-                module = planner.optimize(budget_bytes=budget)
+                module = planner_for.optimize(budget_bytes=budget)
             except autockpt.InfeasibleBudgetError as error:
-                points.append(Point(strategy="autockpt", budget_label=label, budget_bytes=budget, status="infeasible",
+                points.append(Point(strategy=strategy, budget_label=label, budget_bytes=budget, status="infeasible",
                                     capture=capture, notes=f"InfeasibleBudgetError, min feasible {error.min_feasible_bytes} bytes"))
                 continue
             plan = module.plan
             peak = plan.measured_peak_bytes if plan.measured_peak_bytes is not None else measure(module)
             point = Point(
-                strategy="autockpt", budget_label=label, budget_bytes=budget, module=module,
+                strategy=strategy, budget_label=label, budget_bytes=budget, module=module,
                 predicted_peak_bytes=plan.predicted_peak_bytes, measured_peak_bytes=peak, regions=len(plan.regions),
                 predicted_ratio=1 + plan.predicted_overhead, solve_s=plan.solve_time_s, capture=capture, notes=f"{plan.status.value}; optimize {time.perf_counter() - started:.1f} s",
             )
             points.append(point)
-            eager[f"autockpt@{label}"] = module
+            eager[f"{strategy}@{label}"] = module
 
     # PyTorch SAC MILP
     if "sac" in config.anchors:
@@ -324,13 +339,14 @@ def unique_points(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def dominated_autockpt(points: pd.DataFrame) -> pd.DataFrame:
-    """autockpt points some other strategy beats on both measured peak and step time (strictly)."""
+    """autockpt points (either checkpoint) some other strategy beats on both measured peak and step time (strictly)."""
     rows = []
-    for _, p in points[points.strategy == "autockpt"].iterrows():
-        others = points[(points.model == p.model) & (points.strategy != "autockpt") & (points.strategy != "original")]
+    ours = points.strategy.isin(list(AUTOCKPT_STRATEGIES))
+    for _, p in points[ours].iterrows():
+        others = points[(points.model == p.model) & ~ours & (points.strategy != "original")]
         better = others[(others.measured_peak_bytes < p.measured_peak_bytes) & (others.step_time_ratio < p.step_time_ratio)]
         for _, q in better.iterrows():
-            rows.append({"model": p.model, "autockpt_budget": p.budget, "autockpt_peak_bytes": int(p.measured_peak_bytes),
+            rows.append({"model": p.model, "strategy": p.strategy, "autockpt_budget": p.budget, "autockpt_peak_bytes": int(p.measured_peak_bytes),
                          "autockpt_ratio": p.step_time_ratio, "by": q.point, "by_peak_bytes": int(q.measured_peak_bytes),
                          "by_ratio": q.step_time_ratio, "peak_method": q.peak_method})
     return pd.DataFrame(rows)
@@ -340,16 +356,19 @@ def hf_target(points: pd.DataFrame) -> pd.DataFrame:
     """At a budget equal to HF's measured peak: autockpt's overhead vs HF's (both against ``none``, and HF also
     against the original eager model)."""
     rows = []
-    for model, group in points.groupby("model"):
-        hf = group[group.strategy == "hf_gradient_checkpointing"]
-        ours = group[(group.strategy == "autockpt") & (group.budget == "hf_peak")]
-        original = group[group.strategy == "original"]
-        if hf.empty or ours.empty:
+    for (model, strategy), group in points.groupby(["model", "strategy"]):
+        if strategy not in AUTOCKPT_STRATEGIES:
+            continue
+        everything = points[points.model == model]
+        hf = everything[everything.strategy == "hf_gradient_checkpointing"]
+        ours = group[group.budget == "hf_peak"]
+        original = everything[everything.strategy == "original"]
+        if hf.empty or ours.empty or ours.step_time_ratio.isna().all():
             continue
         hf_ratio, our_ratio = float(hf.step_time_ratio.iloc[0]), float(ours.step_time_ratio.iloc[0])
         orig_ratio = float(original.step_time_ratio.iloc[0]) if not original.empty else float("nan")
         rows.append({
-            "model": model, "hf_peak_bytes": int(hf.measured_peak_bytes.iloc[0]),
+            "model": model, "strategy": strategy, "hf_peak_bytes": int(hf.measured_peak_bytes.iloc[0]),
             "autockpt_peak_bytes": int(ours.measured_peak_bytes.iloc[0]),
             "hf_overhead": hf_ratio - 1, "autockpt_overhead": our_ratio - 1,
             "hf_overhead_vs_original": hf_ratio / orig_ratio - 1,
@@ -368,11 +387,12 @@ def pareto_plot(points: pd.DataFrame, model: str, path: Path) -> None:
     markers = "o^sDvP*XhH<>p8"
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, (strategy, sub) in enumerate(group.groupby("strategy", sort=False)):
-        style = dict(marker=markers[i % len(markers)], s=90 if strategy == "autockpt" else 55)
-        if strategy == "autockpt":
-            style.update(color="black", zorder=3)
+        ours = strategy in AUTOCKPT_STRATEGIES
+        style = dict(marker=markers[i % len(markers)], s=90 if ours else 55)
+        if ours:
+            style.update(color="black" if strategy == "autockpt" else "tab:red", zorder=3)
         ax.scatter(sub.measured_peak_bytes / MB, sub.step_time_ratio, label=strategy, **style)
-        if strategy == "autockpt":
+        if ours:
             for _, row in sub.iterrows():
                 ax.annotate(row.budget, (row.measured_peak_bytes / MB, row.step_time_ratio), fontsize=7,
                             xytext=(4, 4), textcoords="offset points")
@@ -536,7 +556,7 @@ def parse_args(argv: Sequence[str] | None = None) -> SweepConfig:
     parser.add_argument("--size", default="small", choices=zoo.SIZES)
     parser.add_argument("--fractions", default=",".join(map(str, DEFAULT_FRACTIONS)),
                         help="budgets as fractions from static memory to the unmodified peak")
-    parser.add_argument("--strategies", default=",".join(("autockpt", *BASELINE_STRATEGIES)))
+    parser.add_argument("--strategies", default=",".join((*AUTOCKPT_STRATEGIES, *BASELINE_STRATEGIES)))
     parser.add_argument("--anchors", default=",".join(ANCHORS), help="hf, sac, compile (empty: none)")
     parser.add_argument("--sac-fractions", default="0.5")
     parser.add_argument("--compile-models", default="gpt2")

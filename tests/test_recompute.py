@@ -1,0 +1,196 @@
+"""autockpt's own checkpoint (``CheckpointKind.RECOMPUTE_FUNCTION``): same step as PyTorch, budgets kept, the
+simulator's whole-region semantics, and the autograd behaviour users rely on."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import autockpt
+from autockpt import zoo
+from autockpt.recompute import checkpointed_call
+from autockpt.simulate import region_windows, simulate
+from autockpt.solve.baselines import baseline_plan
+from autockpt.types import CheckpointKind, MemoryEvent, Phase, Profile, Region, StorageLife, UnitCost
+from conftest import assert_same_step, budget_at, needs_diffusers, needs_transformers, probe, twin
+
+FUNCTION = autockpt.SolverOptions(checkpoint="recompute_function")
+
+MODELS = [
+    pytest.param("mlp", id="mlp"),
+    pytest.param("cnn", id="cnn-batchnorm-inplace"),
+    pytest.param("transformer", id="transformer-dropout"),
+    pytest.param("control_flow", id="data-dependent-control-flow"),
+    pytest.param("gpt2", marks=needs_transformers, id="hf-gpt2"),
+    pytest.param("unet", marks=needs_diffusers, id="diffusers-unet2d"),
+]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_budget_is_kept_and_step_matches_pytorch(name: str) -> None:
+    case = zoo.build(name)
+    reference = twin(case)
+    budget = budget_at(probe(case), 0.5)
+    optimized = autockpt.optimize(
+        case.model, budget_bytes=budget, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn,
+        solver_options=FUNCTION,
+    )
+    plan = autockpt.get_plan(optimized)
+    assert plan.checkpoint_kind is CheckpointKind.RECOMPUTE_FUNCTION and plan.regions
+    assert_same_step(optimized, reference, case)  # outputs, gradients, BatchNorm statistics, dropout masks
+    measured = autockpt.measure_step(optimized, case.args, case.kwargs, case.loss_fn).peak_bytes
+    assert measured <= budget
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.01 * measured, (measured, plan.predicted_peak_bytes)
+
+
+@pytest.mark.parametrize("strategy", ["every_1", "sqrt_n", "for_transformers"])
+def test_the_simulator_is_exact_for_block_aligned_and_cut_regions(strategy: str) -> None:
+    case = zoo.build("transformer")
+    planner = autockpt.Planner(case.model, example_inputs=case.args, loss_fn=case.loss_fn, solver_options=FUNCTION)
+    the_plan = baseline_plan(planner, strategy)
+    module = planner.apply(the_plan)
+    assert_same_step(module, twin(case), case)
+    measured = autockpt.measure_step(module, case.args, case.kwargs, case.loss_fn).peak_bytes
+    assert measured == pytest.approx(the_plan.predicted_peak_bytes, rel=0.01)
+
+
+def test_a_plan_file_keeps_its_checkpoint_kind(tmp_path) -> None:  # noqa: ANN001
+    case = zoo.build("mlp")
+    the_plan = autockpt.plan(
+        case.model, budget_bytes=budget_at(probe(case), 0.5), example_inputs=case.args, solver_options=FUNCTION
+    )
+    the_plan.save(tmp_path / "plan.json")
+    loaded = autockpt.load_plan(tmp_path / "plan.json")
+    assert loaded.checkpoint_kind is CheckpointKind.RECOMPUTE_FUNCTION
+    module = autockpt.apply_plan(case.model, loaded, example_inputs=case.args)
+    assert_same_step(module, twin(case), case)
+
+
+def test_an_unknown_checkpoint_kind_is_refused_with_the_choices() -> None:
+    with pytest.raises(ValueError, match="recompute_function"):
+        autockpt.SolverOptions(checkpoint="reentrant")
+
+
+# ------------------------------------------------------------------------------------------ autograd behaviour
+
+
+def _two_layer_regions() -> tuple[nn.Module, nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return nn.Linear(8, 8), nn.Linear(8, 8), torch.randn(4, 8)
+
+
+def _checkpointed(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    (y,) = checkpointed_call(lambda v: (torch.tanh(layer(v)),), (x,), {}, list(layer.parameters()), [], closed=True)
+    return y
+
+
+def test_parameter_gradients_reach_torch_autograd_grad_even_when_no_input_needs_one() -> None:
+    first, second, x = _two_layer_regions()  # x needs no gradient: the first region's only trainable inputs are params
+    reference = torch.tanh(second(torch.tanh(first(x)))).sum()
+    expected = torch.autograd.grad(reference, [*first.parameters(), *second.parameters()])
+    loss = _checkpointed(second, _checkpointed(first, x)).sum()
+    got = torch.autograd.grad(loss, [*first.parameters(), *second.parameters()])
+    for want, have in zip(expected, got):
+        torch.testing.assert_close(have, want)
+    assert all(p.grad is None for p in [*first.parameters(), *second.parameters()])  # grad() accumulates nothing
+
+
+def test_outputs_that_need_no_gradient_stay_that_way() -> None:
+    layer = nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def run(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden = layer(v)
+        return hidden, hidden > 0, hidden.detach() * 2  # a float that autograd does not track
+
+    hidden, mask, detached = checkpointed_call(run, (x,), {}, list(layer.parameters()), [], closed=True)
+    assert hidden.requires_grad and not mask.requires_grad and not detached.requires_grad
+
+
+def test_dropout_draws_the_same_mask_when_recomputed_and_the_rng_moves_on_as_without_checkpoint() -> None:
+    layer = nn.Linear(16, 16)
+    x = torch.randn(32, 16, requires_grad=True)
+
+    def run(v: torch.Tensor) -> tuple[torch.Tensor]:
+        return (nn.functional.dropout(layer(v), p=0.5, training=True),)
+
+    torch.manual_seed(3)
+    expected = run(x)[0]
+    expected.sum().backward()
+    want, after_reference = x.grad.clone(), torch.get_rng_state()
+    x.grad = None
+    torch.manual_seed(3)
+    (got,) = checkpointed_call(run, (x,), {}, list(layer.parameters()), [], closed=True)
+    got.sum().backward()
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(x.grad, want)
+    assert torch.equal(torch.get_rng_state(), after_reference)
+
+
+def test_a_module_reading_a_tensor_it_was_not_given_still_gets_its_gradient(caplog: pytest.LogCaptureFixture) -> None:
+    scale = torch.tensor(2.0, requires_grad=True)  # neither an argument nor a parameter of the module
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(8, 8)
+
+        def forward(self, v: torch.Tensor) -> torch.Tensor:
+            return self.layer(v) * scale
+
+    module, x = Scaled(), torch.randn(4, 8)
+    module(x).sum().backward()
+    want = scale.grad.clone()
+    scale.grad = None
+    with caplog.at_level(logging.WARNING, logger="autockpt.recompute"):
+        out = checkpointed_call(module.forward, (x,), {}, list(module.parameters()), [], closed=False)
+        out.sum().backward()
+    torch.testing.assert_close(scale.grad, want)
+
+
+# ------------------------------------------------------------------------------------------------ simulator
+
+
+def test_the_whole_region_is_recomputed_and_output_gradients_are_held() -> None:
+    """Units 0-1 form the region; unit 0 makes A (saved by unit 1), unit 1 makes B, read by unit 2 outside. In the
+    measured step B's gradient is gone after event 4 (unit 2's backward); the region's backward is events 5-6. Under
+    autockpt's checkpoint unit 1 re-runs too (no early stop) and B's gradient (100 B) lives on through event 6."""
+    units = tuple(UnitCost(index=i, forward_ms=1.0, flops=0, output_bytes=0, saved_bytes=0) for i in range(3))
+    storages = (
+        StorageLife(index=0, nbytes=1000, producer_unit=0, alloc_event=0, last_forward_use_event=1, free_event=6,
+                    user_units=(1,), saver_units=(1,), saver_release_events=(6,)),
+        StorageLife(index=1, nbytes=100, producer_unit=1, alloc_event=1, last_forward_use_event=2, free_event=2,
+                    user_units=(2,), saver_units=(), saver_release_events=(), gradient_free_event=4),
+        StorageLife(index=2, nbytes=10, producer_unit=2, alloc_event=2, last_forward_use_event=2, free_event=None,
+                    user_units=(), saver_units=(), saver_release_events=()),
+    )
+    events = (
+        MemoryEvent(index=0, phase=Phase.FORWARD, unit=0, start_bytes=0, peak_bytes=1000),
+        MemoryEvent(index=1, phase=Phase.FORWARD, unit=1, start_bytes=1000, peak_bytes=1100, pack_peak_bytes=1000),
+        MemoryEvent(index=2, phase=Phase.FORWARD, unit=2, start_bytes=1100, peak_bytes=1110),
+        MemoryEvent(index=3, phase=Phase.BACKWARD, unit=-1, start_bytes=1010, peak_bytes=1010),
+        MemoryEvent(index=4, phase=Phase.BACKWARD, unit=2, start_bytes=1010, peak_bytes=1110),
+        MemoryEvent(index=5, phase=Phase.BACKWARD, unit=1, start_bytes=1010, peak_bytes=1010),
+        MemoryEvent(index=6, phase=Phase.BACKWARD, unit=1, start_bytes=1010, peak_bytes=1010),
+        MemoryEvent(index=7, phase=Phase.BACKWARD, unit=-1, start_bytes=10, peak_bytes=10),
+    )
+    measured = Profile(units=units, storages=storages, events=events, parameter_bytes=0, buffer_bytes=0,
+                       input_bytes=0, gradient_bytes=0, baseline_peak_bytes=1110, forward_ms=3.0, step_ms=6.0)
+    region = Region(first_unit=0, last_unit=1)
+    torch_semantics = simulate(measured, (region,))
+    own = dataclasses.replace(measured, checkpoint_kind=CheckpointKind.RECOMPUTE_FUNCTION)
+    (torch_window,), (own_window,) = region_windows(measured, (region,)), region_windows(own, (region,))
+    assert torch_window.last_recomputed_unit == 0  # unit 1 saves only A, packed before its kernel: early stop
+    assert own_window.last_recomputed_unit == 1
+    own_semantics = simulate(own, (region,))
+    assert (torch_semantics.recompute_ms, own_semantics.recompute_ms) == (1.0, 2.0)
+    # the re-run reaches B (100 B) on top of A (1000 B); torch's stops at the pack of A
+    assert own_semantics.burst_bytes[0] - torch_semantics.burst_bytes[0] == 200  # B, and B's gradient held
+    # B's gradient: +100 B from the region's first backward event to its last (events 5 and 6), nowhere else; at
+    # event 5 the re-run's copy of B comes on top
+    difference = [b - a for a, b in zip(torch_semantics.event_bytes, own_semantics.event_bytes)]
+    assert difference[5:7] == [200, 100] and not any(difference[:5]) and not difference[7]

@@ -11,10 +11,12 @@ A region runs as one autograd Function:
   ``torch.autograd.grad(loss, params)`` and gradient accumulation behave as without checkpointing.
 
 Why not ``torch.utils.checkpoint``: the non-reentrant version passes every saved tensor through Python hooks three
-times (a holder in forward, a repack while recomputing, an unpack in backward); on a 2-core CPU that was about
-0.012 ms per saved tensor, 10 % of a GPT-2 step checkpointed at Hugging Face's peak. The reentrant version avoids
-that but accumulates parameter gradients inside its own backward, so ``torch.autograd.grad`` fails and a region whose
-inputs need no gradient loses its parameters' gradients.
+times (a holder in forward, a repack while recomputing, an unpack in backward): about 0.012 ms per saved tensor on a
+2-core CPU, against about 0.003 ms here; the same GPT-2 plan at Hugging Face's peak ran 1.24x instead of 1.32x
+(``experiments/bench_checkpoint.py``). But the whole region is re-run, so on conv nets, where early stop skips a
+region's last convolution, torch's is often faster: this is an option (``CheckpointKind``). The reentrant version
+avoids the hooks but accumulates parameter gradients inside its own backward, so ``torch.autograd.grad`` fails and a
+region whose inputs need no gradient loses its parameters' gradients.
 
 What the simulator models (``simulate.py``): a region is re-run whole when backward reaches it (there is no early
 stop), and the gradients of its outputs stay alive until its backward returns.
@@ -66,7 +68,8 @@ def checkpointed_call(
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in (*inputs, *trainable)):
         return run(*args, **kwargs)  # nothing will flow back: nothing to save or recompute
     call = _Call(
-        run=run, leaves=leaves, spec=spec, positions=positions, parameters=trainable, buffers=list(buffers), closed=closed
+        run=run, leaves=leaves, spec=spec, positions=positions, parameters=trainable, buffers=list(buffers),
+        closed=closed,
     )
     outputs = _RecomputedRegion.apply(call, *inputs, *trainable)
     return call.rebuild_outputs(outputs)
@@ -143,7 +146,8 @@ class _ReplayState:
         try:
             with contextlib.ExitStack() as stack:
                 for device_type, enabled, dtype in self.autocast:
-                    if (enabled, dtype) != (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)):
+                    now = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+                    if (enabled, dtype) != now:
                         stack.enter_context(
                             torch.autocast(device_type, enabled=enabled, dtype=dtype, cache_enabled=self.autocast_cache)
                         )
@@ -209,7 +213,9 @@ class _RecomputedRegion(torch.autograd.Function):
         wanted = [t for t in (*inputs, *call.parameters, *ctx.foreign) if t.requires_grad]
         found: dict[int, torch.Tensor | None] = {}
         if roots and wanted:
-            gradients = torch.autograd.grad(roots, wanted, root_grads, allow_unused=True, create_graph=torch.is_grad_enabled())
+            gradients = torch.autograd.grad(
+                roots, wanted, root_grads, allow_unused=True, create_graph=torch.is_grad_enabled()
+            )
             found = {id(t): g for t, g in zip(wanted, gradients)}
         for leaf in ctx.foreign:
             _accumulate(leaf, found.get(id(leaf)))

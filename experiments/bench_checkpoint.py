@@ -1,0 +1,98 @@
+"""Checkpoint kinds: the same plan run through torch's non-reentrant checkpoint and through autockpt's own.
+
+For each model: a plan made for torch's checkpoint (at Hugging Face's measured peak where the model has HF gradient
+checkpointing, else at 0.5 of the way from static memory to the unmodified peak) is applied twice, once with each
+checkpoint; both are timed against ``none`` in alternating rounds in one process (median of the per-round ratios),
+their peaks measured with MemTracker. Then each kind's own memory floor (its planner's smallest feasible budget).
+
+    python experiments/bench_checkpoint.py                       # gpt2, vit, unet, cnn at size "small"
+    python experiments/bench_checkpoint.py --models gpt2 --repeats 21
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import anchors  # noqa: E402
+from sweep import ExampleBatch, markdown_table, round_robin_ratios  # noqa: E402
+
+import autockpt  # noqa: E402
+from autockpt import zoo  # noqa: E402
+from autockpt.api import Planner  # noqa: E402
+from autockpt.solve.baselines import baseline_plan  # noqa: E402
+from autockpt.types import CheckpointKind  # noqa: E402
+
+
+def floor_bytes(case: zoo.ZooCase, kind: CheckpointKind) -> int:
+    planner = Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn,
+                      solver_options=autockpt.SolverOptions(checkpoint=kind))
+    try:
+        planner.plan(budget_bytes=1)
+    except autockpt.InfeasibleBudgetError as error:
+        return error.min_feasible_bytes
+    raise AssertionError("a 1-byte budget was accepted")
+
+
+def bench_model(name: str, size: str, repeats: int) -> dict:
+    torch.manual_seed(0)
+    case = zoo.build(name, size)
+    batch = ExampleBatch(args=case.args, kwargs=case.kwargs, loss_fn=case.loss_fn)
+    planner = Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
+    profile = planner.profile
+    hf = anchors.hf_gradient_checkpointing(case.model, case.args, case.kwargs, case.loss_fn)
+    if hf.module is not None:
+        label, budget = "hf_peak", hf.measured_peak_bytes
+    else:
+        label, budget = "0.50", int(profile.static_bytes + 0.5 * (profile.baseline_peak_bytes - profile.static_bytes))
+    torch_plan = planner.plan(budget_bytes=budget)
+    function_plan = dataclasses.replace(torch_plan, checkpoint_kind=CheckpointKind.RECOMPUTE_FUNCTION)
+    modules = {
+        "none": planner.apply(baseline_plan(planner, "none")),
+        "torch": planner.apply(torch_plan),
+        "function": planner.apply(function_plan),
+    }
+    peaks = {
+        k: autockpt.measure_step(modules[k], case.args, case.kwargs, case.loss_fn).peak_bytes for k in ("torch", "function")
+    }
+    ratios = round_robin_ratios(modules, "none", batch, repeats)
+    return {
+        "model": name, "budget": label, "budget_bytes": budget, "regions": len(torch_plan.regions),
+        "predicted_ratio_torch": 1 + torch_plan.predicted_overhead,
+        "ratio_torch": ratios["torch"], "ratio_function": ratios["function"],
+        "peak_torch": peaks["torch"], "peak_function": peaks["function"],
+        "floor_torch": floor_bytes(case, CheckpointKind.TORCH_NON_REENTRANT),
+        "floor_function": floor_bytes(case, CheckpointKind.RECOMPUTE_FUNCTION),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="gpt2,vit,unet,cnn")
+    parser.add_argument("--size", default="small", choices=zoo.SIZES)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--out", default="experiments/results")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    started = time.perf_counter()
+    rows = [bench_model(name, args.size, args.repeats) for name in args.models.split(",") if name]
+    table = pd.DataFrame(rows)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table.to_csv(out / "checkpoint_kinds.csv", index=False)
+    text = (f"Command: `python experiments/bench_checkpoint.py {' '.join(sys.argv[1:])}`; "
+            f"{time.perf_counter() - started:.0f} s; ratios: median of {args.repeats} alternating rounds vs `none`.\n\n"
+            + markdown_table(table) + "\n")
+    (out / "checkpoint_kinds.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

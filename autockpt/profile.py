@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.utils import _pytree as pytree
 from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.weak import WeakIdKeyDictionary

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
-
 from torch.utils.checkpoint import checkpoint
 
 from autockpt.capture import compute_nodes

@@ -170,11 +170,16 @@ def _predict(profile: Profile, regions: Sequence[Region], *, detailed: bool) -> 
         ]
         window = windows[home]
         gradient_free = storage.gradient_free_event
-        if holds_output_gradients and window.first_backward_event is not None and gradient_free is not None:
-            # the checkpoint holds the gradients of the region's outputs until the region's backward is done
-            # (measured step: until ``gradient_free_event``); outputs read only inside the region have none
-            add(plan_delta, max(gradient_free + 1, window.first_backward_event),
-                window.last_backward_event, storage.nbytes if _is_region_output(storage, region_of, home) else 0)
+        if (
+            holds_output_gradients
+            and window.first_backward_event is not None
+            and gradient_free is not None
+            and _is_region_output(storage, region_of, home)
+        ):
+            # the checkpoint holds the gradients of the region's outputs until the region's backward is done (in
+            # the measured step they were gone after ``gradient_free_event``)
+            add(plan_delta, max(gradient_free + 1, window.first_backward_event), window.last_backward_event,
+                storage.nbytes)
         if releases and window.first_backward_event is not None:
             add(plan_delta, window.first_backward_event, max(releases), storage.nbytes)
             if detailed:

@@ -1,11 +1,11 @@
 """Sweep: models x budgets x strategies -> one tidy CSV, a Pareto plot per model, markdown tables, max batch sizes.
 
 Strategies: autockpt (``Planner.optimize`` at each budget: plan, rewrite, measured verification) with torch's
-non-reentrant checkpoint, and ``autockpt_function``, the same with autockpt's own checkpoint (``recompute.py``), the baseline
-policies of ``autockpt.solve.baselines`` (one point per model, whatever the budget; ``feasible`` says whether it
-keeps each budget), and the external anchors of ``experiments/anchors.py`` (Hugging Face gradient checkpointing,
-PyTorch's SAC MILP, torch.compile with an activation memory budget), each run for real or reported as not available
-with the reason.
+non-reentrant checkpoint, and ``autockpt_function``, the same with autockpt's own checkpoint (``recompute.py``); the
+baseline policies of ``autockpt.solve.baselines`` (one point per model, whatever the budget; ``feasible`` says
+whether it keeps each budget), and the external anchors of ``experiments/anchors.py`` (Hugging Face gradient
+checkpointing, PyTorch's SAC MILP, torch.compile with an activation memory budget), each run for real or reported as
+not available with the reason.
 
 Budgets are fractions of the way from static memory (parameters, buffers, inputs, gradients) to the unmodified peak
 of the captured graph, plus, for Hugging Face models, a budget equal to the measured peak of HF's own

@@ -74,7 +74,9 @@ def profile(
         _clear_grads(params)
         loss_fn(graph.executable(*args, **kwargs)).backward()  # warm-up: allocator, lazy initialisation
         _clear_grads(params)
-        tracked = _tracked_step(graph, args, kwargs, loss_fn)
+        # only autockpt's own checkpoint holds output gradients: only its simulator needs their lifetimes
+        record_gradients = checkpoint_kind is CheckpointKind.RECOMPUTE_FUNCTION
+        tracked = _tracked_step(graph, args, kwargs, loss_fn, record_gradients=record_gradients)
         flops = _unit_flops(graph, args, kwargs)
         checkpoint_costs = _checkpoint_costs_on(device_of(graph.model, args, kwargs), checkpoint_kind)
         untimed = _assemble(graph, args, kwargs, tracked, flops, checkpoint_costs)
@@ -316,7 +318,9 @@ class _TrackedStep:
     gradient_allocations: list[tuple[int, int]]  # (event, bytes) of each parameter gradient's storage
 
 
-def _tracked_step(graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn) -> _TrackedStep:
+def _tracked_step(
+    graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn, *, record_gradients: bool
+) -> _TrackedStep:
     device = device_of(graph.model, args, kwargs)
     static = step_tensors(graph.model, args, kwargs)
     tracker = StorageTracker(device, static)
@@ -346,7 +350,7 @@ def _tracked_step(graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn) -> _
     def on_unit(index: int) -> None:
         tracker.begin_event(Phase.FORWARD, index)
 
-    with tracker, _GradientRecorder(tracker):
+    with tracker, _GradientRecorder(tracker) if record_gradients else contextlib.nullcontext():
         with unit_callbacks(graph, on_unit), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             output = graph.executable(*args, **kwargs)
             tracker.begin_event(Phase.FORWARD, OUTSIDE_GRAPH_UNIT)  # the loss function

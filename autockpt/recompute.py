@@ -206,7 +206,7 @@ class _RecomputedRegion(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         call: _Call = ctx.call
         inputs = _detached(ctx.saved_tensors)
-        with _buffers_put_back(call.buffers), ctx.replay.replayed(), torch.enable_grad():
+        with buffers_put_back(call.buffers), ctx.replay.replayed(), torch.enable_grad():
             outputs = call.run_on(_fed(inputs))
         roots, root_grads = _roots(outputs, grads)
         del outputs  # the recomputed outputs' memory can go now; their gradient functions stay in ``roots``
@@ -223,10 +223,11 @@ class _RecomputedRegion(torch.autograd.Function):
 
 
 @contextlib.contextmanager
-def _buffers_put_back(buffers: Sequence[torch.Tensor]) -> Iterator[None]:
-    """The recomputation updates running statistics a second time: put the values back, so they advance once per
-    step. Through ``.data``, which leaves the version counter alone: batch_norm's backward saved the buffers during
-    the recomputation and checks they were not modified since (it does not read their values in training)."""
+def buffers_put_back(buffers: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Put the buffers' values back on exit: a recomputation updates running statistics a second time, and they must
+    advance once per step. Through ``.data``, which leaves the version counter alone: batch_norm's backward saved the
+    buffers during the recomputation and checks they were not modified since (it does not read their values in
+    training)."""
     saved = [b.detach().clone() for b in buffers]
     try:
         yield

@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from autockpt.capture import compute_nodes
-from autockpt.recompute import checkpointed_call
+from autockpt.recompute import buffers_put_back, checkpointed_call
 from autockpt.types import CaptureKind, CheckpointKind, Graph, Plan, Region
 
 logger = logging.getLogger(__name__)
@@ -57,21 +57,6 @@ def input_signature(args: tuple, kwargs: dict) -> tuple:
     return (str(spec), described)
 
 
-@contextlib.contextmanager
-def _buffers_restored_when_recomputing(buffers: Sequence[torch.Tensor]) -> Iterator[None]:
-    """Inside backward (a recomputation) keep buffers as they were, so running statistics update once per step."""
-    if torch._C._current_graph_task_id() == -1 or not buffers:
-        yield
-        return
-    saved = [b.detach().clone() for b in buffers]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buffer, value in zip(buffers, saved):
-                buffer.copy_(value)
-
-
 def run_checkpointed(
     kind: CheckpointKind,
     run: Callable[..., Any],
@@ -88,7 +73,9 @@ def run_checkpointed(
         return checkpointed_call(run, args, kwargs, parameters, buffers, closed=closed)
 
     def restoring_run(*inner_args: Any, **inner_kwargs: Any) -> Any:
-        with _buffers_restored_when_recomputing(buffers):
+        if torch._C._current_graph_task_id() == -1:  # the forward: statistics advance as usual
+            return run(*inner_args, **inner_kwargs)
+        with buffers_put_back(buffers):  # the recomputation, inside backward
             return run(*inner_args, **inner_kwargs)
 
     return checkpoint(restoring_run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)

@@ -121,7 +121,8 @@ class StorageLife:
     saver_units: tuple[int, ...]  # units that saved it for backward
     saver_release_events: tuple[int, ...]  # per saver: the last backward event that unpacked it
     mutator_units: tuple[int, ...] = ()  # units whose ops wrote into it in place
-    # the event after which the gradients computed for tensors on this storage were gone; None: none was computed
+    # the event after which the gradients computed for tensors on this storage were gone; None: none was computed,
+    # or not recorded (only profiles for autockpt's own checkpoint record it: only its simulation reads it)
     gradient_free_event: int | None = None
 
 

@@ -18,6 +18,23 @@ needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers")
 needs_diffusers = pytest.mark.skipif(importlib.util.find_spec("diffusers") is None, reason="needs diffusers")
 
 
+# the zoo models the end-to-end tests run, with readable ids and the extras they need
+_ZOO_PARAMS = {
+    "mlp": pytest.param("mlp", id="mlp"),
+    "cnn": pytest.param("cnn", id="cnn-batchnorm-inplace"),
+    "transformer": pytest.param("transformer", id="transformer-dropout"),
+    "control_flow": pytest.param("control_flow", id="data-dependent-control-flow"),
+    "gpt2": pytest.param("gpt2", marks=needs_transformers, id="hf-gpt2"),
+    "vit": pytest.param("vit", marks=needs_transformers, id="hf-vit"),
+    "unet": pytest.param("unet", marks=needs_diffusers, id="diffusers-unet2d"),
+}
+
+
+def zoo_params(*names: str) -> list[Any]:
+    """pytest parameters for these zoo models."""
+    return [_ZOO_PARAMS[name] for name in names]
+
+
 @pytest.fixture(autouse=True)
 def _two_threads() -> None:
     torch.set_num_threads(2)

@@ -11,17 +11,9 @@ from autockpt.api import default_loss
 from autockpt.capture import capture
 from autockpt.profile import profile
 from autockpt.types import CaptureKind
-from conftest import assert_same_step, budget_at, needs_diffusers, needs_transformers, probe, twin
+from conftest import assert_same_step, budget_at, needs_transformers, probe, twin, zoo_params
 
-MODELS = [
-    pytest.param("mlp", id="mlp"),
-    pytest.param("cnn", id="cnn-batchnorm-inplace"),
-    pytest.param("transformer", id="transformer-dropout"),
-    pytest.param("control_flow", id="data-dependent-control-flow"),
-    pytest.param("gpt2", marks=needs_transformers, id="hf-gpt2"),
-    pytest.param("vit", marks=needs_transformers, id="hf-vit"),
-    pytest.param("unet", marks=needs_diffusers, id="diffusers-unet2d"),
-]
+MODELS = zoo_params("mlp", "cnn", "transformer", "control_flow", "gpt2", "vit", "unet")
 EXPECTED_CAPTURE = {
     "mlp": "fx", "cnn": "fx", "transformer": "fx", "control_flow": "module", "gpt2": "export", "vit": "export", "unet": "export",
 }

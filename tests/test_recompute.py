@@ -16,18 +16,11 @@ from autockpt.recompute import checkpointed_call
 from autockpt.simulate import region_windows, simulate
 from autockpt.solve.baselines import baseline_plan
 from autockpt.types import CheckpointKind, MemoryEvent, Phase, Profile, Region, StorageLife, UnitCost
-from conftest import assert_same_step, budget_at, needs_diffusers, needs_transformers, probe, twin
+from conftest import assert_same_step, budget_at, probe, twin, zoo_params
 
 FUNCTION = autockpt.SolverOptions(checkpoint="recompute_function")
 
-MODELS = [
-    pytest.param("mlp", id="mlp"),
-    pytest.param("cnn", id="cnn-batchnorm-inplace"),
-    pytest.param("transformer", id="transformer-dropout"),
-    pytest.param("control_flow", id="data-dependent-control-flow"),
-    pytest.param("gpt2", marks=needs_transformers, id="hf-gpt2"),
-    pytest.param("unet", marks=needs_diffusers, id="diffusers-unet2d"),
-]
+MODELS = zoo_params("mlp", "cnn", "transformer", "control_flow", "gpt2", "unet")
 
 
 @pytest.mark.parametrize("name", MODELS)

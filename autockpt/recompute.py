@@ -205,7 +205,11 @@ class _RecomputedRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         call: _Call = ctx.call
-        inputs = _detached(ctx.saved_tensors)
+        # a backward that builds a graph (double backward, ``create_graph=True``) differentiates the recomputation
+        # on views of the real inputs, so second-order gradients flow back through them (one view per argument: a
+        # tensor passed twice gets each use's gradient once); otherwise the recomputed graph ends at detached leaves
+        create_graph = torch.is_grad_enabled()
+        inputs = [t.view_as(t) for t in ctx.saved_tensors] if create_graph else _detached(ctx.saved_tensors)
         with buffers_put_back(call.buffers), ctx.replay.replayed(), torch.enable_grad():
             outputs = call.run_on(_fed(inputs))
         roots, root_grads = _roots(outputs, grads)
@@ -213,9 +217,7 @@ class _RecomputedRegion(torch.autograd.Function):
         wanted = [t for t in (*inputs, *call.parameters, *ctx.foreign) if t.requires_grad]
         found: dict[int, torch.Tensor | None] = {}
         if roots and wanted:
-            gradients = torch.autograd.grad(
-                roots, wanted, root_grads, allow_unused=True, create_graph=torch.is_grad_enabled()
-            )
+            gradients = torch.autograd.grad(roots, wanted, root_grads, allow_unused=True, create_graph=create_graph)
             found = {id(t): g for t, g in zip(wanted, gradients)}
         for leaf in ctx.foreign:
             _accumulate(leaf, found.get(id(leaf)))

@@ -92,6 +92,27 @@ def test_parameter_gradients_reach_torch_autograd_grad_even_when_no_input_needs_
     assert all(p.grad is None for p in [*first.parameters(), *second.parameters()])  # grad() accumulates nothing
 
 
+@pytest.mark.parametrize("kind", list(CheckpointKind))
+def test_second_order_gradients_match_pytorch(kind: CheckpointKind) -> None:
+    """A gradient penalty (differentiate the input gradient again) through every checkpointed region: the
+    recomputation must stay connected to the region's real inputs when backward builds a graph."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    reference = twin(zoo.ZooCase(name="penalty", model=model, args=()))
+    x = torch.randn(8, 16)
+    planner = autockpt.Planner(model, example_inputs=(x,), solver_options=autockpt.SolverOptions(checkpoint=kind))
+    module = planner.apply(baseline_plan(planner, "every_1"))
+    assert autockpt.get_plan(module).regions
+
+    def penalised_gradients(net: nn.Module) -> list[torch.Tensor]:
+        inputs = x.clone().requires_grad_(True)
+        (input_gradient,) = torch.autograd.grad(net(inputs).pow(2).sum(), inputs, create_graph=True)
+        return list(torch.autograd.grad(input_gradient.pow(2).sum(), [inputs, *net.parameters()]))
+
+    for have, want in zip(penalised_gradients(module), penalised_gradients(reference)):
+        torch.testing.assert_close(have, want)
+
+
 def test_outputs_that_need_no_gradient_stay_that_way() -> None:
     layer = nn.Linear(8, 8)
     x = torch.randn(4, 8, requires_grad=True)

@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import math
 import numbers
+import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -18,9 +19,9 @@ from torch.utils import _pytree as pytree
 from autockpt._state import preserved_model_state
 from autockpt.capture import capture
 from autockpt.errors import InfeasibleBudgetError
-from autockpt.measure import measure_step
+from autockpt.measure import alternating_step_seconds, measure_step
 from autockpt.plan_io import check_fingerprint, model_fingerprint
-from autockpt.profile import profile
+from autockpt.profile import device_of, for_checkpoint, profile
 from autockpt.report import GB, format_bytes
 from autockpt.rewrite import OptimizedModule, rewrite
 from autockpt.simulate import memory_curve, simulate, unit_regions
@@ -28,7 +29,20 @@ from autockpt.solve.baselines import baseline_seed_plans
 from autockpt.solve.candidates import candidate_regions
 from autockpt.solve.ilp import PreparedProblem, SolveResult, SolverOptions, prepare, solve_prepared
 from autockpt.solve.structure import find_repeated_blocks
-from autockpt.types import CaptureKind, Decision, Graph, NodePlan, ParetoPoint, Plan, PlanStatus, Region, Timeline, describe_value
+from autockpt.types import (
+    CaptureKind,
+    CheckpointKind,
+    Decision,
+    Graph,
+    NodePlan,
+    ParetoPoint,
+    Plan,
+    PlanStatus,
+    Profile,
+    Region,
+    Timeline,
+    describe_value,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -133,17 +147,22 @@ class Planner:
             self.graph: Graph = capture(model, self.request.args, self.request.kwargs)
             captured = time.perf_counter()
             self._on_stage("profile")
+            # the checkpoints plans are made for; the profile is calibrated for the first, the others derive from it
+            self.checkpoint_kinds = (self.request.solver_options or SolverOptions()).checkpoint_kinds(self.graph.kind)
             self.profile = profile(
                 self.graph, self.request.args, self.request.kwargs, self.request.loss,
                 time_repeated_blocks_once=self._solves_by_blocks(),
-                checkpoint_kind=(self.request.solver_options or SolverOptions()).checkpoint,
+                checkpoint_kind=self.checkpoint_kinds[0],
+                gradient_lifetimes=CheckpointKind.RECOMPUTE_FUNCTION in self.checkpoint_kinds,
             )
         self.capture_time_s = captured - started
         self.profile_time_s = time.perf_counter() - captured
         self.fingerprint = model_fingerprint(model, self.graph, self.request.args, self.request.kwargs)
         self._executable_used = False  # rewriting edits graph.executable; later rewrites capture again
         self._memory_before = memory_curve(self.profile, ())  # the same for every plan of this planner
-        self._problem: PreparedProblem | None = None  # scored candidates and floors, shared by every budget
+        self._device = device_of(model, self.request.args, self.request.kwargs)
+        # per checkpoint kind: scored candidates and floors, shared by every budget
+        self._problems: dict[CheckpointKind, PreparedProblem] = {}
 
     @property
     def model(self) -> nn.Module:
@@ -153,8 +172,8 @@ class Planner:
         """The cheapest plan under the budget (GB = 10^9 bytes). ``pareto_points`` > 0 also solves that many budgets
         from the smallest feasible peak to the unmodified peak and stores them in ``Plan.pareto``."""
         budget = budget_to_bytes(budget_gb, budget_bytes)
-        result = self._solve(budget)
-        the_plan = self._assemble(result.regions, budget, result.timeline, result=result)
+        result, kind = self._solve(budget)
+        the_plan = self._assemble(result.regions, budget, result.timeline, kind, result=result)
         if pareto_points > 0:
             the_plan = dataclasses.replace(the_plan, pareto=self.pareto(pareto_budgets(the_plan, pareto_points)))
         return the_plan
@@ -164,7 +183,7 @@ class Planner:
         points = []
         for budget in budgets:
             try:
-                result = self._solve(int(budget))
+                result, _ = self._solve(int(budget))
             except InfeasibleBudgetError:
                 points.append(
                     ParetoPoint(budget_bytes=int(budget), predicted_peak_bytes=None, predicted_overhead=None, regions=0)
@@ -179,13 +198,14 @@ class Planner:
         return tuple(points)
 
     def plan_for_regions(self, regions: Sequence[Region], *, strategy: str) -> Plan:
-        """Score given regions (a baseline policy, a hand-made plan) with the same simulator as solved plans.
+        """Score given regions (a baseline policy, a hand-made plan) with the same simulator as solved plans, for the
+        first of the planner's checkpoint kinds (torch's, unless another was asked for).
 
         The plan's ``status`` is ``given`` and its budget is its own predicted peak.
         """
         ordered = tuple(sorted(regions, key=lambda r: r.first_unit))
         timeline = simulate(self.profile, ordered)
-        return self._assemble(ordered, timeline.peak_bytes, timeline, strategy=strategy)
+        return self._assemble(ordered, timeline.peak_bytes, timeline, self.profile.checkpoint_kind, strategy=strategy)
 
     def apply(self, the_plan: Plan) -> OptimizedModule:
         """Rewrite the model to run ``the_plan`` (made by this planner, or loaded from a file); nothing is measured.
@@ -200,14 +220,19 @@ class Planner:
         return module
 
     def optimize(self, budget_gb: float | None = None, *, budget_bytes: int | None = None) -> OptimizedModule:
-        """Plan, rewrite, measure one real step; tighten by the overshoot while the measured peak is over budget."""
+        """Plan, rewrite, measure one real step; tighten by the overshoot while the measured peak is over budget.
+
+        When plans are made for more than one checkpoint kind ("auto") and more than one keeps the budget when
+        measured, their steps are timed against each other and the faster is returned (``Plan.notes`` says by how
+        much): the predicted overheads of the kinds are too close for their errors on some devices.
+        """
         budget = budget_to_bytes(budget_gb, budget_bytes)
         target = budget
         tightenings: list[str] = []
         peak = 0
         for attempt in range(_VERIFY_ATTEMPTS):
             try:
-                result = self._solve(target)
+                results = self._solve_each(target)
             except InfeasibleBudgetError as error:
                 if attempt == 0:
                     raise
@@ -218,28 +243,58 @@ class Planner:
                     budget_bytes=budget,
                     min_feasible_bytes=peak,
                 ) from error
-            the_plan = self._assemble(result.regions, budget, result.timeline, result=result)
-            module = self.apply(the_plan)
-            if the_plan.status is PlanStatus.IDENTITY:
-                return module
-            self._on_stage("measure")
-            with self._model_state():
-                module.training = True  # the module follows the user's train/eval flag, restored after measuring
-                peak = measure_step(module, self.request.args, self.request.kwargs, self.request.loss).peak_bytes
-            module.training = self.model.training
-            module.set_plan(dataclasses.replace(the_plan, measured_peak_bytes=peak))
-            if peak <= budget:
-                return module
-            tightenings.append(f"predicted {the_plan.predicted_peak_bytes}, measured {peak}")
-            logger.info("measured peak %d bytes is over the budget %d; tightening the plan", peak, budget)
-            target -= peak - budget + max(1, budget // 1000)
+            kept: list[OptimizedModule] = []
+            overshoot = 0
+            for kind, result in results.items():
+                the_plan = self._assemble(result.regions, budget, result.timeline, kind, result=result)
+                module = self.apply(the_plan)
+                if the_plan.status is PlanStatus.IDENTITY:
+                    return module
+                self._on_stage("measure")
+                with self._model_state():
+                    module.training = True  # the module follows the user's train/eval flag, restored after measuring
+                    peak = measure_step(module, self.request.args, self.request.kwargs, self.request.loss).peak_bytes
+                module.training = self.model.training
+                module.set_plan(dataclasses.replace(the_plan, measured_peak_bytes=peak))
+                if peak <= budget:
+                    kept.append(module)
+                    continue
+                overshoot = max(overshoot, peak - budget)
+                tightenings.append(f"{kind.value}: predicted {the_plan.predicted_peak_bytes}, measured {peak}")
+                logger.info("measured peak %d bytes is over the budget %d (%s)", peak, budget, kind.value)
+            if kept:
+                return kept[0] if len(kept) == 1 else self._faster(kept)
+            logger.info("no plan kept the budget %d when measured; tightening", budget)
+            target -= overshoot + max(1, budget // 1000)
         raise InfeasibleBudgetError(
-            f"the budget {format_bytes(budget)} was not kept when measured after {_VERIFY_ATTEMPTS} plans "
+            f"the budget {format_bytes(budget)} was not kept when measured after {_VERIFY_ATTEMPTS} rounds of plans "
             f"(bytes: {'; '.join(tightenings)}). Use a budget of at least {peak} bytes (the last measured peak) or a "
             "smaller batch.",
             budget_bytes=budget,
             min_feasible_bytes=peak,
         )
+
+    def _faster(self, modules: list[OptimizedModule]) -> OptimizedModule:
+        """The module whose training step is fastest, timed in alternating rounds (median of per-round times); the
+        choice and the measured ratios go into its plan's notes."""
+        self._on_stage("measure")
+        with self._model_state():
+            seconds = alternating_step_seconds(modules, self.request.args, self.request.kwargs, self.request.loss)
+        # per module: the median over rounds of its step time over the first module's in the same round
+        ratios = [statistics.median(t / first for t, first in zip(times, seconds[0])) for times in seconds]
+        fastest = min(range(len(modules)), key=ratios.__getitem__)
+        chosen = modules[fastest]
+        others = ", ".join(
+            f"{module.plan.checkpoint_kind.value}'s step took {ratios[i] / ratios[fastest]:.3f}x as long"
+            for i, module in enumerate(modules) if i != fastest
+        )
+        note = (
+            f"checkpoint {chosen.plan.checkpoint_kind.value} chosen by measured step time: {others} (median of "
+            f"{len(seconds[0])} alternating rounds on the example inputs)"
+        )
+        logger.info(note)
+        chosen.set_plan(dataclasses.replace(chosen.plan, notes=(*chosen.plan.notes, note)))
+        return chosen
 
     @contextlib.contextmanager
     def _model_state(self) -> Iterator[None]:
@@ -267,20 +322,52 @@ class Planner:
         options = self.request.solver_options or SolverOptions()
         return options.repeated_blocks and self.graph.kind is not CaptureKind.MODULE
 
-    def _solve(self, target_bytes: int) -> SolveResult:
-        self._on_stage("solve")
-        if self._problem is None:
-            structure = find_repeated_blocks(self.graph, self.profile) if self._solves_by_blocks() else None
-            self._problem = prepare(
-                self.profile, *candidate_regions(self.graph, self.profile),
-                seed_plans=baseline_seed_plans(self.graph, self.profile), structure=structure,
+    def _solve(self, target_bytes: int) -> tuple[SolveResult, CheckpointKind]:
+        """The plan under ``target_bytes`` with the smallest predicted overhead over the planner's checkpoint kinds,
+        and its kind."""
+        results = self._solve_each(target_bytes)
+        kind = min(results, key=lambda k: results[k].timeline.overhead_ms)  # the first kind on a tie
+        if len(results) > 1:
+            logger.info(
+                "checkpoint: %s (predicted overhead %s)", kind.value,
+                ", ".join(f"{k.value} {r.timeline.overhead_ms:.2f} ms" for k, r in results.items()),
             )
-        result = solve_prepared(self._problem, target_bytes, self.request.solver_options)
-        logger.info(
-            "plan: %s, %d regions, predicted peak %d bytes (target %d), solve %.1fs",
-            result.status.value, len(result.regions), result.timeline.peak_bytes, target_bytes, result.solve_time_s,
-        )
-        return result
+        return results[kind], kind
+
+    def _solve_each(self, target_bytes: int) -> dict[CheckpointKind, SolveResult]:
+        """Per checkpoint kind with a plan under ``target_bytes``: its cheapest plan. Each result's
+        ``min_feasible_bytes`` is the lowest over all kinds; raises ``InfeasibleBudgetError`` when no kind has one."""
+        self._on_stage("solve")
+        results: dict[CheckpointKind, SolveResult] = {}
+        infeasible: list[InfeasibleBudgetError] = []
+        for kind in self.checkpoint_kinds:
+            try:
+                results[kind] = solve_prepared(self._problem_for(kind), target_bytes, self.request.solver_options)
+            except InfeasibleBudgetError as error:
+                infeasible.append(error)
+        if not results:
+            raise min(infeasible, key=lambda error: error.min_feasible_bytes)  # the kind that gets lowest
+        floor = min([r.min_feasible_bytes for r in results.values()] + [e.min_feasible_bytes for e in infeasible])
+        for kind, result in results.items():
+            results[kind] = dataclasses.replace(result, min_feasible_bytes=floor)
+            logger.info(
+                "plan (%s): %s, %d regions, predicted peak %d bytes (target %d), solve %.1fs", kind.value,
+                result.status.value, len(result.regions), result.timeline.peak_bytes, target_bytes, result.solve_time_s,
+            )
+        return results
+
+    def _profile_for(self, kind: CheckpointKind) -> Profile:
+        return for_checkpoint(self.profile, kind, self._device)
+
+    def _problem_for(self, kind: CheckpointKind) -> PreparedProblem:
+        if kind not in self._problems:
+            measured = self._profile_for(kind)
+            structure = find_repeated_blocks(self.graph, measured) if self._solves_by_blocks() else None
+            self._problems[kind] = prepare(
+                measured, *candidate_regions(self.graph, measured),
+                seed_plans=baseline_seed_plans(self.graph, measured), structure=structure,
+            )
+        return self._problems[kind]
 
     def _overhead(self, overhead_ms: float) -> float:
         return overhead_ms / self.profile.step_ms if self.profile.step_ms > 0 else 0.0
@@ -290,11 +377,12 @@ class Planner:
         regions: tuple[Region, ...],
         budget: int,
         timeline: Timeline,
+        kind: CheckpointKind,
         *,
         result: SolveResult | None = None,
         strategy: str = "autockpt",
     ) -> Plan:
-        measured = self.profile
+        measured = self._profile_for(kind)
         region_of = unit_regions(len(self.graph.units), regions)
         rerun = set(timeline.rerun_units)
         nodes = tuple(

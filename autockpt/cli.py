@@ -296,6 +296,10 @@ def _solver_options(command: Callable[..., Any]) -> Callable[..., Any]:
                      help="MILP solver (auto: HiGHS when highspy is installed, else CBC)"),
         click.option("--time-limit", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
                      help="seconds per MILP; the best plan found so far is used when it runs out"),
+        click.option("--checkpoint", type=click.Choice(["auto", "torch_non_reentrant", "recompute_function"]),
+                     default="auto", show_default=True,
+                     help="activation checkpoint the plan is made for (auto: plan for both, keep the smaller "
+                          "predicted overhead; module-level captures stay on torch_non_reentrant)"),
     ]
     for option in reversed(options):
         command = option(command)
@@ -357,7 +361,7 @@ def estimate(
 def plan(
     ctx: click.Context, model: str, inputs: tuple[str, ...], inputs_ref: str | None, size: str, device: str, seed: int,
     budget: str, report_path: str | None, out_path: str | None, pareto_points: int, depth: int, solver: str,
-    time_limit: float,
+    time_limit: float, checkpoint: str,
 ) -> None:
     """Plan MODEL's training step under --budget and print what was decided; nothing is rewritten.
 
@@ -368,7 +372,7 @@ def plan(
 
     budget_bytes = parse_budget(budget)
     work = load_workload(model, size, inputs, inputs_ref, device, seed)
-    options = SolverOptions(solver=solver, time_limit_s=time_limit)
+    options = SolverOptions(solver=solver, time_limit_s=time_limit, checkpoint=checkpoint)
     with stage_progress(3 + pareto_points, ctx.meta["autockpt.quiet"]) as progress:
         planner = Planner(work.model, example_inputs=work.args, example_kwargs=work.kwargs, loss_fn=work.loss_fn,
                           solver_options=options, on_stage=progress)
@@ -391,7 +395,7 @@ def plan(
 @click.pass_context
 def sweep(
     ctx: click.Context, model: str, inputs: tuple[str, ...], inputs_ref: str | None, size: str, device: str, seed: int,
-    budgets: str, out_dir: str, solver: str, time_limit: float,
+    budgets: str, out_dir: str, solver: str, time_limit: float, checkpoint: str,
 ) -> None:
     """Plan MODEL at several budgets (one capture and profile) and write the Pareto curve of predicted peak vs
     predicted overhead."""
@@ -407,7 +411,8 @@ def sweep(
     quiet = ctx.meta["autockpt.quiet"]
     with stage_progress(2, quiet) as progress:
         planner = Planner(work.model, example_inputs=work.args, example_kwargs=work.kwargs, loss_fn=work.loss_fn,
-                          solver_options=SolverOptions(solver=solver, time_limit_s=time_limit), on_stage=progress)
+                          solver_options=SolverOptions(solver=solver, time_limit_s=time_limit, checkpoint=checkpoint),
+                          on_stage=progress)
     points = [
         planner.pareto([budget])[0]
         for budget in tqdm(budget_list, desc="budgets", disable=quiet or not sys.stderr.isatty(), leave=False)

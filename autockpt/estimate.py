@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from autockpt.report import enclosing_modules, format_bytes
-from autockpt.types import Profile
+from autockpt.types import CheckpointKind, Profile
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -132,11 +132,14 @@ def estimate(
     (0: the model only). The model is left as it was.
     """
     from autockpt.api import Planner
+    from autockpt.solve.ilp import SolverOptions
 
     kind = _optimizer_kind(optimizer)
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
         raise ValueError(f"depth must be an integer >= 0 (module nesting levels in the table), got {depth!r}")
-    planner = Planner(model, example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn)
+    # no plan is made: one checkpoint kind keeps the profile to what the estimate reads
+    planner = Planner(model, example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
+                      solver_options=SolverOptions(checkpoint=CheckpointKind.TORCH_NON_REENTRANT))
     return estimate_from_planner(planner, kind, depth)
 
 

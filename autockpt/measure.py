@@ -7,7 +7,8 @@ and the inputs tracked as external; on CUDA it is ``torch.cuda.max_memory_alloca
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,3 +73,43 @@ def measure_step(
         peak = max(event.peak_bytes for event in own.events)
     return StepMeasurement(peak_bytes=int(peak), loss=float(loss.detach()), device=str(device))
 
+
+
+def step_seconds(
+    module: nn.Module, example_inputs: tuple, example_kwargs: Mapping[str, Any], loss_fn: Callable[[Any], torch.Tensor]
+) -> float:
+    """Wall-clock seconds of one forward + backward (gradients cleared first, the device synchronised at the end)."""
+    from autockpt.profile import device_of
+
+    for param in module.parameters():
+        param.grad = None
+    device = device_of(module, example_inputs, dict(example_kwargs))
+    started = time.perf_counter()
+    loss_fn(module(*example_inputs, **example_kwargs)).backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
+
+
+def alternating_step_seconds(
+    modules: Sequence[nn.Module],
+    example_inputs: tuple,
+    example_kwargs: Mapping[str, Any],
+    loss_fn: Callable[[Any], torch.Tensor],
+    *,
+    rounds: int = 5,
+) -> list[list[float]]:
+    """Per module, the seconds of its step in each of ``rounds`` rounds; every module runs once per round, the order
+    rotating so none always follows the same one, after one warm-up round. Compare modules round by round: drift
+    in the machine's speed then cancels."""
+    seconds: list[list[float]] = [[] for _ in modules]
+    for round_index in range(rounds + 1):
+        start = round_index % len(modules)
+        for position in [*range(start, len(modules)), *range(start)]:
+            elapsed = step_seconds(modules[position], example_inputs, example_kwargs, loss_fn)
+            if round_index > 0:
+                seconds[position].append(elapsed)
+    for module in modules:
+        for param in module.parameters():
+            param.grad = None
+    return seconds

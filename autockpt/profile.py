@@ -61,8 +61,11 @@ def profile(
     timing_repeats: int = 3,
     time_repeated_blocks_once: bool = True,
     checkpoint_kind: CheckpointKind = CheckpointKind.TORCH_NON_REENTRANT,
+    gradient_lifetimes: bool = False,
 ) -> Profile:
-    """Measure the unmodified training step of ``graph`` on the example inputs.
+    """Measure the unmodified training step of ``graph`` on the example inputs, with the machinery costs of
+    ``checkpoint_kind``. ``gradient_lifetimes``: record them even when ``checkpoint_kind`` does not need them, so
+    that ``for_checkpoint`` can turn the profile into one for autockpt's own checkpoint.
 
     With ``time_repeated_blocks_once``, the units of repeated blocks (found from the tracked step: same ops, FLOPs and
     bytes) are timed at one instance per family and every other instance reuses those times, so the timed steps
@@ -75,11 +78,11 @@ def profile(
         loss_fn(graph.executable(*args, **kwargs)).backward()  # warm-up: allocator, lazy initialisation
         _clear_grads(params)
         # only autockpt's own checkpoint holds output gradients: only its simulator needs their lifetimes
-        record_gradients = checkpoint_kind is CheckpointKind.RECOMPUTE_FUNCTION
+        record_gradients = gradient_lifetimes or checkpoint_kind is CheckpointKind.RECOMPUTE_FUNCTION
         tracked = _tracked_step(graph, args, kwargs, loss_fn, record_gradients=record_gradients)
         flops = _unit_flops(graph, args, kwargs)
         checkpoint_costs = _checkpoint_costs_on(device_of(graph.model, args, kwargs), checkpoint_kind)
-        untimed = _assemble(graph, args, kwargs, tracked, flops, checkpoint_costs)
+        untimed = _assemble(graph, args, kwargs, tracked, flops, checkpoint_costs, gradient_lifetimes=record_gradients)
         timed_at = timing_units(graph, untimed) if time_repeated_blocks_once else list(range(num_units))
         unit_ms_runs, step_ms_runs = _timed_steps(
             graph, args, kwargs, loss_fn, timed_units=set(timed_at), repeats=timing_repeats
@@ -507,11 +510,34 @@ def _checkpoint_costs_on(device: torch.device, kind: CheckpointKind) -> Checkpoi
     return measure_checkpoint_costs(device, kind)
 
 
+def for_checkpoint(measured: Profile, kind: CheckpointKind, device: torch.device) -> Profile:
+    """The same measured step with the machinery costs of ``kind`` (calibrated once per device and process), for
+    planning with another checkpoint without profiling again."""
+    if kind is measured.checkpoint_kind:
+        return measured
+    if kind is CheckpointKind.RECOMPUTE_FUNCTION and not measured.gradient_lifetimes:
+        raise ValueError(
+            f"this profile cannot be used for {kind.value!r}: it has no gradient lifetimes (its simulation holds "
+            "output gradients); profile with gradient_lifetimes=True"
+        )
+    costs = _checkpoint_costs_on(device, kind)
+    return dataclasses.replace(
+        measured, region_overhead_ms=costs.region_ms, saved_tensor_overhead_ms=costs.saved_tensor_ms, checkpoint_kind=kind
+    )
+
+
 # ---------------------------------------------------------------------------------------------------- assembly
 
 
 def _assemble(
-    graph: Graph, args: tuple, kwargs: dict, tracked: _TrackedStep, flops: list[int], checkpoint_costs: CheckpointCosts
+    graph: Graph,
+    args: tuple,
+    kwargs: dict,
+    tracked: _TrackedStep,
+    flops: list[int],
+    checkpoint_costs: CheckpointCosts,
+    *,
+    gradient_lifetimes: bool,
 ) -> Profile:
     """The profile of the tracked step, with no times yet (``_with_times`` adds them)."""
     tracker = tracked.tracker
@@ -585,6 +611,7 @@ def _assemble(
         region_overhead_ms=checkpoint_costs.region_ms,
         saved_tensor_overhead_ms=checkpoint_costs.saved_tensor_ms,
         checkpoint_kind=checkpoint_costs.kind,
+        gradient_lifetimes=gradient_lifetimes,
     )
 
 

@@ -31,7 +31,7 @@ def plan_summary(plan: Plan, *, max_regions: int = 12) -> str:
     recomputed = plan.recomputed_units
     lines = [
         f"autockpt plan: strategy={plan.strategy}, capture={plan.capture.value}, status={plan.status.value}, "
-        f"solver={plan.solver}",
+        f"solver={plan.solver}, checkpoint={plan.checkpoint_kind.value}",
         f"  budget                 {format_bytes(plan.budget_bytes)}",
         f"  predicted peak         {format_bytes(plan.predicted_peak_bytes)}",
         f"  unmodified peak        {format_bytes(plan.baseline_peak_bytes)}",
@@ -197,7 +197,7 @@ def _headline(plan: Plan) -> list[tuple[str, str]]:
 
 
 def _solver_rows(plan: Plan) -> list[tuple[str, str]]:
-    rows = [("solver", plan.solver), ("solve time", f"{plan.solve_time_s:.2f} s"),
+    rows = [("solver", plan.solver), ("checkpoint", plan.checkpoint_kind.value), ("solve time", f"{plan.solve_time_s:.2f} s"),
             ("capture / profile time", f"{plan.capture_time_s:.2f} s / {plan.profile_time_s:.2f} s")]
     stats = plan.solver_stats
     if stats is not None:

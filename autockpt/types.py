@@ -162,6 +162,8 @@ class Profile:
     region_overhead_ms: float = 0.0
     saved_tensor_overhead_ms: float = 0.0
     checkpoint_kind: CheckpointKind = CheckpointKind.TORCH_NON_REENTRANT  # what the costs above were calibrated on
+    # whether ``StorageLife.gradient_free_event`` was recorded (the simulation of autockpt's checkpoint needs it)
+    gradient_lifetimes: bool = False
 
     @property
     def static_bytes(self) -> int:

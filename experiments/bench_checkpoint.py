@@ -45,7 +45,8 @@ def bench_model(name: str, size: str, repeats: int) -> dict:
     torch.manual_seed(0)
     case = zoo.build(name, size)
     batch = ExampleBatch(args=case.args, kwargs=case.kwargs, loss_fn=case.loss_fn)
-    planner = Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
+    planner = Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn,
+                      solver_options=autockpt.SolverOptions(checkpoint=CheckpointKind.TORCH_NON_REENTRANT))
     profile = planner.profile
     hf = anchors.hf_gradient_checkpointing(case.model, case.args, case.kwargs, case.loss_fn)
     if hf.module is not None:

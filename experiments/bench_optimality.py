@@ -91,7 +91,9 @@ def evaluate(
     label: str, kind: str, case: Case, fractions: list[float], costs: str, max_units: int
 ) -> tuple[list[dict], str | None]:
     """Rows for one graph; the second value is why it gave no comparison (None when it did)."""
-    planner = autockpt.Planner(case.model, example_inputs=case.args, loss_fn=case.loss_fn)
+    # one checkpoint kind (torch's): the exact solver follows the profile's semantics
+    planner = autockpt.Planner(case.model, example_inputs=case.args, loss_fn=case.loss_fn,
+                               solver_options=autockpt.SolverOptions(checkpoint="torch_non_reentrant"))
     if costs == "model":
         planner.profile = modelled_costs(planner.profile)  # before the first plan: the solver sees these costs
     profile = planner.profile

@@ -109,7 +109,8 @@ def run_one(spec: str, fractions: list[float], measure: bool) -> list[dict]:
 
 def _repeated_blocks(planner) -> dict:
     """What structure-aware solving found: block instances and the units they cover."""
-    blocks = planner._problem.blocks if planner._problem is not None else None
+    problem = planner._problems.get(planner.profile.checkpoint_kind)  # torch's checkpoint: the first kind planned
+    blocks = problem.blocks if problem is not None else None
     if blocks is None:
         return {"block_instances": 0, "units_in_blocks": 0}
     sizes = [i.region.last_unit - i.region.first_unit + 1 for i in blocks.instances]
@@ -125,7 +126,8 @@ def _flat_program(planner, budget: int, recompute_ms: float) -> dict:
     from autockpt.solve.candidates import candidate_regions
     from autockpt.solve.ilp import prepare, solve_prepared
 
-    if planner._problem is None or planner._problem.blocks is None:
+    problem = planner._problems.get(planner.profile.checkpoint_kind)
+    if problem is None or problem.blocks is None:
         return {}
     started = time.perf_counter()
     if id(planner) not in _FLAT_PROBLEMS:  # scored once per model, like the planner's own problem

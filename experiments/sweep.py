@@ -1,7 +1,8 @@
 """Sweep: models x budgets x strategies -> one tidy CSV, a Pareto plot per model, markdown tables, max batch sizes.
 
-Strategies: autockpt (``Planner.optimize`` at each budget: plan, rewrite, measured verification) with torch's
-non-reentrant checkpoint, and ``autockpt_function``, the same with autockpt's own checkpoint (``recompute.py``); the
+Strategies: autockpt (``Planner.optimize`` at each budget: plan, rewrite, measured verification) with its default
+checkpoint choice ("auto": plans for torch's non-reentrant checkpoint and for autockpt's own, and keeps the faster
+when both keep the budget), and the same with one checkpoint only: ``autockpt_torch`` and ``autockpt_function``; the
 baseline policies of ``autockpt.solve.baselines`` (one point per model, whatever the budget; ``feasible`` says
 whether it keeps each budget), and the external anchors of ``experiments/anchors.py`` (Hugging Face gradient
 checkpointing, PyTorch's SAC MILP, torch.compile with an activation memory budget), each run for real or reported as
@@ -47,7 +48,7 @@ from bench_budget import step_seconds, step_time_ratio  # noqa: E402
 import autockpt  # noqa: E402
 from autockpt import zoo  # noqa: E402
 from autockpt.api import Planner  # noqa: E402
-from autockpt.solve.ilp import SolverOptions  # noqa: E402
+from autockpt.solve.ilp import AUTO_CHECKPOINT, SolverOptions  # noqa: E402
 from autockpt.types import CheckpointKind  # noqa: E402
 from autockpt.batch_size import ExampleBatch, TrialOutcome, max_batch_sizes  # noqa: E402
 from autockpt.solve.baselines import BASELINE_STRATEGIES, baseline_plan, baseline_regions  # noqa: E402
@@ -56,9 +57,10 @@ logger = logging.getLogger("sweep")
 
 # "transformer" (the plain 8-layer fx model at size small) is left out of the default: its 308-unit graph and 0.9 s
 # steps cost as much sweep time as the other models together on 2 cores; run it with --models transformer
-# autockpt's plans, one strategy per checkpoint the rewriter can apply
-AUTOCKPT_STRATEGIES = {
-    "autockpt": CheckpointKind.TORCH_NON_REENTRANT,
+# autockpt's plans: the default choice of checkpoint, and each checkpoint the rewriter can apply alone
+AUTOCKPT_STRATEGIES: dict[str, CheckpointKind | str] = {
+    "autockpt": AUTO_CHECKPOINT,
+    "autockpt_torch": CheckpointKind.TORCH_NON_REENTRANT,
     "autockpt_function": CheckpointKind.RECOMPUTE_FUNCTION,
 }
 DEFAULT_MODELS = ("mlp", "cnn", "control_flow", "gpt2", "vit", "unet")
@@ -86,6 +88,7 @@ class Point:
     solve_s: float | None = None
     regions: int | None = None
     capture: str = ""
+    checkpoint: str = ""  # autockpt's plans: the checkpoint kind the plan runs with
     notes: str = ""
     same_as: str = ""  # a baseline with exactly the regions of an earlier one is measured once
     eager_profiler_peak_bytes: int | None = None
@@ -217,13 +220,13 @@ def sweep_model(name: str, config: SweepConfig, bar: tqdm) -> tuple[list[Point],
             eager[result.strategy] = result.module
             budgets["hf_peak"] = result.measured_peak_bytes
 
-    # autockpt at every budget, with each checkpoint it can apply (its own needs a profile calibrated for it)
+    # autockpt at every budget: its default checkpoint choice (the planner above), and each checkpoint alone
     for strategy in [s for s in AUTOCKPT_STRATEGIES if s in config.strategies]:
-        kind = AUTOCKPT_STRATEGIES[strategy]
-        if kind is not planner.profile.checkpoint_kind:
+        checkpoint = AUTOCKPT_STRATEGIES[strategy]
+        if checkpoint != AUTO_CHECKPOINT:
             bar.set_postfix_str(f"{name}: profile for {strategy}")
             planner_for = Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs,
-                                  loss_fn=case.loss_fn, solver_options=SolverOptions(checkpoint=kind))
+                                  loss_fn=case.loss_fn, solver_options=SolverOptions(checkpoint=checkpoint))
         else:
             planner_for = planner
         for label, budget in budgets.items():
@@ -240,7 +243,8 @@ def sweep_model(name: str, config: SweepConfig, bar: tqdm) -> tuple[list[Point],
             point = Point(
                 strategy=strategy, budget_label=label, budget_bytes=budget, module=module,
                 predicted_peak_bytes=plan.predicted_peak_bytes, measured_peak_bytes=peak, regions=len(plan.regions),
-                predicted_ratio=1 + plan.predicted_overhead, solve_s=plan.solve_time_s, capture=capture, notes=f"{plan.status.value}; optimize {time.perf_counter() - started:.1f} s",
+                predicted_ratio=1 + plan.predicted_overhead, solve_s=plan.solve_time_s, capture=capture,
+                checkpoint=plan.checkpoint_kind.value, notes=f"{plan.status.value}; optimize {time.perf_counter() - started:.1f} s",
             )
             points.append(point)
             eager[f"{strategy}@{label}"] = module
@@ -314,7 +318,7 @@ def tidy_rows(name: str, points: list[Point], budgets: dict[str, int]) -> list[d
             measured = point.measured_peak_bytes
             row = {
                 "model": name, "budget": label, "budget_bytes": budget, "strategy": point.strategy,
-                "status": point.status, "capture": point.capture, "regions": point.regions,
+                "status": point.status, "capture": point.capture, "checkpoint": point.checkpoint, "regions": point.regions,
                 "predicted_peak_bytes": point.predicted_peak_bytes, "measured_peak_bytes": measured,
                 "peak_method": point.peak_method, "step_time_ratio": point.step_time_ratio,
                 "predicted_ratio": point.predicted_ratio,
@@ -368,7 +372,9 @@ def hf_target(points: pd.DataFrame) -> pd.DataFrame:
         hf_ratio, our_ratio = float(hf.step_time_ratio.iloc[0]), float(ours.step_time_ratio.iloc[0])
         orig_ratio = float(original.step_time_ratio.iloc[0]) if not original.empty else float("nan")
         rows.append({
-            "model": model, "strategy": strategy, "hf_peak_bytes": int(hf.measured_peak_bytes.iloc[0]),
+            "model": model, "strategy": strategy,
+            "checkpoint": ours.checkpoint.iloc[0] if "checkpoint" in ours else "",  # older CSVs lack the column
+            "hf_peak_bytes": int(hf.measured_peak_bytes.iloc[0]),
             "autockpt_peak_bytes": int(ours.measured_peak_bytes.iloc[0]),
             "hf_overhead": hf_ratio - 1, "autockpt_overhead": our_ratio - 1,
             "hf_overhead_vs_original": hf_ratio / orig_ratio - 1,
@@ -390,7 +396,7 @@ def pareto_plot(points: pd.DataFrame, model: str, path: Path) -> None:
         ours = strategy in AUTOCKPT_STRATEGIES
         style = dict(marker=markers[i % len(markers)], s=90 if ours else 55)
         if ours:
-            style.update(color="black" if strategy == "autockpt" else "tab:red", zorder=3)
+            style.update(color={"autockpt": "black", "autockpt_torch": "tab:blue"}.get(strategy, "tab:red"), zorder=3)
         ax.scatter(sub.measured_peak_bytes / MB, sub.step_time_ratio, label=strategy, **style)
         if ours:
             for _, row in sub.iterrows():
@@ -517,7 +523,7 @@ def sweep_sections(table: pd.DataFrame, points: pd.DataFrame) -> list[str]:
     """The measured points, what was not measured, which budgets are kept, and the targets."""
     lines = ["", "## Measured points", ""]
     show = points.assign(measured_MB=points.measured_peak_bytes / MB, predicted_MB=points.predicted_peak_bytes / MB)
-    columns = ["model", "point", "capture", "regions", "predicted_MB", "measured_MB", "peak_method", "predicted_ratio",
+    columns = ["model", "point", "capture", "checkpoint", "regions", "predicted_MB", "measured_MB", "peak_method", "predicted_ratio",
                "step_time_ratio", "solve_s"]
     lines.append(markdown_table(show.reindex(columns=columns)))  # reindex: CSVs written before a column lack it
     missing = table[table.status != "measured"].drop_duplicates(subset=["model", "strategy", "status", "notes"])

@@ -103,6 +103,14 @@ def test_plan_writes_a_plan_and_a_report_that_apply_elsewhere(tmp_path: Path) ->
     assert json.loads((tmp_path / "p.json").read_text())["schema"] == "autockpt.plan"
 
 
+@pytest.mark.parametrize("checkpoint", ["recompute_function", "torch_non_reentrant"])
+def test_the_checkpoint_flag_reaches_the_plan(tmp_path: Path, checkpoint: str) -> None:
+    code, out, _ = run("plan", *MLP, "--budget", "360kB", "--pareto", "0", "--checkpoint", checkpoint,
+                       "--out", str(tmp_path / "p.json"))
+    assert code == 0 and f"checkpoint={checkpoint}" in out
+    assert autockpt.load_plan(tmp_path / "p.json").checkpoint_kind.value == checkpoint
+
+
 def test_sweep_writes_csv_markdown_and_png(tmp_path: Path) -> None:
     code, out, _ = run("sweep", *MLP, "--budgets", "1kB,360kB,10MB", "--out", str(tmp_path))
     assert code == 0

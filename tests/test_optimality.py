@@ -26,6 +26,7 @@ from autockpt.types import Profile, Region, SolverStats
 from random_graphs import modelled_costs, random_model
 
 TOLERANCE = 0.01  # the target: production within 1 % of the exact optimum
+TORCH_CHECKPOINT = autockpt.SolverOptions(checkpoint="torch_non_reentrant")  # the exact solver's semantics
 
 # The first six seeds whose peak some region plan lowers (the others have floor == unmodified peak: nothing to
 # compare), at 0.3 and 0.7 of the way from the production floor to the unmodified peak; then cases where
@@ -45,7 +46,8 @@ def _planner(seed: int) -> autockpt.Planner:
     torch.set_num_threads(2)
     torch.manual_seed(seed)
     model, x = random_model(seed)
-    planner = autockpt.Planner(model, example_inputs=(x,))
+    # one checkpoint kind: the exact solver it is compared with follows the profile's (torch's) semantics
+    planner = autockpt.Planner(model, example_inputs=(x,), solver_options=TORCH_CHECKPOINT)
     planner.profile = modelled_costs(planner.profile)  # before the first plan: the solver plans on these costs
     return planner
 
@@ -198,7 +200,7 @@ def test_the_swap_pass_replaces_an_expensive_region_the_program_chose(
         return long_region, ilp.PlanStatus.OPTIMAL
 
     monkeypatch.setattr(ilp, "_solve_program", long_answer)
-    monkeypatch.setattr(planner, "_problem", None)  # re-prepare with the patched program (floor included)
+    monkeypatch.setattr(planner, "_problems", {})  # re-prepare with the patched program (floor included)
     plan = planner.plan(budget_bytes=budget)
     assert plan.predicted_peak_bytes <= budget
     assert plan.recompute_ms < simulate(profile, long_region).recompute_ms
@@ -217,7 +219,7 @@ def test_each_region_s_fixed_cost_is_part_of_the_objective(seed: int) -> None:
     budget = int(floor + 0.3 * (baseline - floor))
     free_plan = planner.plan(budget_bytes=budget)
 
-    costly = autockpt.Planner(planner.model, example_inputs=planner.request.args)
+    costly = autockpt.Planner(planner.model, example_inputs=planner.request.args, solver_options=TORCH_CHECKPOINT)
     costly.profile = modelled_costs(costly.profile, region_overhead_ms=20 * unit_ms)  # a region costs 20 ops
     plan = costly.plan(budget_bytes=budget)
     profile = costly.profile

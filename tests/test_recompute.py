@@ -12,10 +12,11 @@ from torch import nn
 
 import autockpt
 from autockpt import zoo
+from autockpt.profile import for_checkpoint
 from autockpt.recompute import checkpointed_call
 from autockpt.simulate import region_windows, simulate
 from autockpt.solve.baselines import baseline_plan
-from autockpt.types import CheckpointKind, MemoryEvent, Phase, Profile, Region, StorageLife, UnitCost
+from autockpt.types import CaptureKind, CheckpointKind, MemoryEvent, Phase, Profile, Region, StorageLife, UnitCost
 from conftest import assert_same_step, budget_at, probe, twin, zoo_params
 
 FUNCTION = autockpt.SolverOptions(checkpoint="recompute_function")
@@ -64,8 +65,65 @@ def test_a_plan_file_keeps_its_checkpoint_kind(tmp_path) -> None:  # noqa: ANN00
 
 
 def test_an_unknown_checkpoint_kind_is_refused_with_the_choices() -> None:
-    with pytest.raises(ValueError, match="recompute_function"):
+    with pytest.raises(ValueError, match="'auto' or one of .*recompute_function"):
         autockpt.SolverOptions(checkpoint="reentrant")
+
+
+# ----------------------------------------------------------------------------------------------- "auto" choice
+
+
+def test_auto_plans_for_both_kinds_and_keeps_the_cheaper_predicted_plan() -> None:
+    """plan() with "auto": the smaller predicted overhead of the two kinds' plans at each budget, and the smaller of
+    their floors; each kind planned alone on the same measured step gives the figures to compare with."""
+    case = zoo.build("transformer")
+    auto = autockpt.Planner(case.model, example_inputs=case.args, loss_fn=case.loss_fn)
+    assert auto.checkpoint_kinds == tuple(CheckpointKind)
+    alone = {}
+    for kind in CheckpointKind:
+        planner = autockpt.Planner(
+            case.model, example_inputs=case.args, loss_fn=case.loss_fn, solver_options=autockpt.SolverOptions(checkpoint=kind)
+        )
+        planner.profile = for_checkpoint(auto.profile, kind, torch.device("cpu"))  # the same measured step
+        alone[kind] = planner
+    floors = {kind: _floor(planner) for kind, planner in alone.items()}
+    assert _floor(auto) == min(floors.values())
+    top = auto.profile.baseline_peak_bytes
+    for fraction in (0.3, 0.5, 0.8):
+        budget = int(max(floors.values()) + fraction * (top - max(floors.values())))
+        plans = {kind: planner.plan(budget_bytes=budget) for kind, planner in alone.items()}
+        cheaper = min(plans.values(), key=lambda p: p.predicted_overhead)
+        chosen = auto.plan(budget_bytes=budget)
+        assert chosen.predicted_overhead == pytest.approx(min(p.predicted_overhead for p in plans.values()))
+        assert chosen.regions == cheaper.regions and chosen.checkpoint_kind is cheaper.checkpoint_kind
+
+
+def _floor(planner: autockpt.Planner) -> int:
+    with pytest.raises(autockpt.InfeasibleBudgetError) as error:
+        planner.plan(budget_bytes=1)
+    return error.value.min_feasible_bytes
+
+
+def test_auto_optimize_times_both_kinds_plans_and_returns_one_that_trains_like_pytorch() -> None:
+    case = zoo.build("gpt2")
+    budget = budget_at(probe(case), 0.5)
+    optimized = autockpt.optimize(
+        case.model, budget_bytes=budget, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn
+    )
+    plan = autockpt.get_plan(optimized)
+    assert plan.regions and plan.measured_peak_bytes <= budget
+    assert any(note.startswith(f"checkpoint {plan.checkpoint_kind.value} chosen by measured step time") for note in plan.notes)
+    assert_same_step(optimized, twin(case), case)
+
+
+def test_auto_leaves_module_level_captures_on_torch_s_checkpoint() -> None:
+    """A module's forward may read tensors it is not given; only torch's checkpoint gives those gradients through
+    autograd."""
+    options = autockpt.SolverOptions()
+    assert options.checkpoint_kinds(CaptureKind.MODULE) == (CheckpointKind.TORCH_NON_REENTRANT,)
+    assert options.checkpoint_kinds(CaptureKind.EXPORT) == tuple(CheckpointKind)
+    assert autockpt.SolverOptions(checkpoint="recompute_function").checkpoint_kinds(CaptureKind.MODULE) == (
+        CheckpointKind.RECOMPUTE_FUNCTION,
+    )
 
 
 # ------------------------------------------------------------------------------------------ autograd behaviour

@@ -264,7 +264,10 @@ def test_a_cheaper_baseline_plan_is_returned_when_the_program_misses_it(monkeypa
     from autockpt.types import SolverStats
 
     case = zoo.build("transformer")
-    planner = autockpt.Planner(case.model, example_inputs=case.args)
+    # one checkpoint kind: the baselines are scored for torch's, so the plan must be made for it too
+    planner = autockpt.Planner(
+        case.model, example_inputs=case.args, solver_options=autockpt.SolverOptions(checkpoint="torch_non_reentrant")
+    )
     every_1 = baseline_plan(planner, "every_1")
 
     def infeasible(problem, budget, options, solver_name, programs, **_):  # noqa: ANN001

@@ -30,10 +30,13 @@ from autockpt.simulate import simulate
 from autockpt.solve.blocks import BlockProblem, build_block_program, prepare_blocks, solve_block_chain
 from autockpt.solve.candidates import elementary_pieces
 from autockpt.solve.structure import RepeatedBlocks
-from autockpt.types import CheckpointKind, Phase, PlanStatus, Profile, Region, SolverStats, Timeline
+from autockpt.types import CaptureKind, CheckpointKind, Phase, PlanStatus, Profile, Region, SolverStats, Timeline
 
 logger = logging.getLogger(__name__)
 
+
+
+AUTO_CHECKPOINT = "auto"  # ``SolverOptions.checkpoint``: plan for every checkpoint kind, keep the cheaper plan
 
 
 class SolverName:
@@ -50,23 +53,38 @@ class SolverOptions:
     refinement_rounds: int = 5  # re-solves that move the effective budget towards the user's
     repeated_blocks: bool = True  # find identical blocks and solve each once (False: one flat program over all units)
     write_lp_path: str | None = None  # debug: write each program as an .lp file here
-    # the checkpoint the plan is made for and applied with (``CheckpointKind``); the profile is calibrated for it
-    checkpoint: CheckpointKind = CheckpointKind.TORCH_NON_REENTRANT
+    # the checkpoint the plan is made for and applied with (``CheckpointKind``, or "auto": plan for each and keep
+    # the plan with the smaller predicted overhead); the profile is calibrated for it
+    checkpoint: CheckpointKind | str = AUTO_CHECKPOINT
 
     def __post_init__(self) -> None:
         if self.solver not in (SolverName.AUTO, SolverName.CBC, SolverName.HIGHS):
             raise ValueError(f"solver must be 'auto', 'cbc' or 'highs', got {self.solver!r}")
-        try:
-            object.__setattr__(self, "checkpoint", CheckpointKind(self.checkpoint))  # a plain string is accepted too
-        except ValueError:
-            kinds = ", ".join(repr(k.value) for k in CheckpointKind)
-            raise ValueError(
-                f"checkpoint must be one of {kinds} (autockpt.CheckpointKind), got {self.checkpoint!r}"
-            ) from None
+        if self.checkpoint != AUTO_CHECKPOINT:
+            try:
+                object.__setattr__(self, "checkpoint", CheckpointKind(self.checkpoint))  # a plain string works too
+            except ValueError:
+                kinds = ", ".join(repr(k.value) for k in CheckpointKind)
+                raise ValueError(
+                    f"checkpoint must be {AUTO_CHECKPOINT!r} or one of {kinds} (autockpt.CheckpointKind), got "
+                    f"{self.checkpoint!r}"
+                ) from None
         if not (self.time_limit_s > 0) or not (0 <= self.relative_gap < 1):
             raise ValueError(
                 f"need time_limit_s > 0 and 0 <= relative_gap < 1, got {self.time_limit_s}, {self.relative_gap}"
             )
+
+    def checkpoint_kinds(self, capture: CaptureKind) -> tuple[CheckpointKind, ...]:
+        """The checkpoints to plan for, in order of preference on a tie of predicted overhead.
+
+        "auto" leaves module-level captures on torch's checkpoint: a module's forward can read tensors it is not
+        given, and only torch's gives those gradients through autograd (autockpt's accumulates them into ``.grad``).
+        """
+        if self.checkpoint != AUTO_CHECKPOINT:
+            return (CheckpointKind(self.checkpoint),)
+        if capture is CaptureKind.MODULE:
+            return (CheckpointKind.TORCH_NON_REENTRANT,)
+        return (CheckpointKind.TORCH_NON_REENTRANT, CheckpointKind.RECOMPUTE_FUNCTION)
 
 
 _RETRIES_AT_ONE_BUDGET = 2  # programs re-solved at one effective budget, each without the sets that went over

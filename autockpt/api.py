@@ -63,7 +63,9 @@ def optimize(
 
     The returned module shares ``model``'s parameters and buffers (same ``state_dict`` keys) and returns the same
     outputs and gradients. Before returning, one real training step on the example inputs is measured; if it went
-    over the budget, the plan is tightened by the overshoot and checked again. ``autockpt.get_plan(result)`` tells
+    over the budget, the plan is tightened by the overshoot and checked again. With the default checkpoint choice
+    (``SolverOptions(checkpoint="auto")``) a plan is made for each checkpoint kind, and when more than one keeps the
+    budget their steps are timed against each other and the faster is returned. ``autockpt.get_plan(result)`` tells
     what was decided and what was measured.
     """
     budget = budget_to_bytes(budget_gb, budget_bytes)
@@ -84,7 +86,9 @@ def plan(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     solver_options: SolverOptions | None = None,
 ) -> Plan:
-    """Like ``optimize`` but only plans (no rewrite, no verification step): returns the Plan."""
+    """Like ``optimize`` but only plans (no rewrite, no verification step): returns the Plan. With the default
+    checkpoint choice ("auto") it is the plan with the smaller *predicted* overhead of the kinds (``optimize``
+    times them instead)."""
     budget = budget_to_bytes(budget_gb, budget_bytes)
     planner = Planner(
         model, example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,

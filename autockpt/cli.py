@@ -25,6 +25,7 @@ import click
 
 from autockpt.errors import AutockptError
 from autockpt.report import format_bytes
+from autockpt.types import CheckpointKind
 
 # --------------------------------------------------------------------------------------------- parsing values
 
@@ -296,7 +297,7 @@ def _solver_options(command: Callable[..., Any]) -> Callable[..., Any]:
                      help="MILP solver (auto: HiGHS when highspy is installed, else CBC)"),
         click.option("--time-limit", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
                      help="seconds per MILP; the best plan found so far is used when it runs out"),
-        click.option("--checkpoint", type=click.Choice(["auto", "torch_non_reentrant", "recompute_function"]),
+        click.option("--checkpoint", type=click.Choice(["auto", *(kind.value for kind in CheckpointKind)]),
                      default="auto", show_default=True,
                      help="activation checkpoint the plan is made for (auto: plan for both, keep the smaller "
                           "predicted overhead; module-level captures stay on torch_non_reentrant)"),

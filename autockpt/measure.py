@@ -74,7 +74,6 @@ def measure_step(
     return StepMeasurement(peak_bytes=int(peak), loss=float(loss.detach()), device=str(device))
 
 
-
 def step_seconds(
     module: nn.Module, example_inputs: tuple, example_kwargs: Mapping[str, Any], loss_fn: Callable[[Any], torch.Tensor]
 ) -> float:

@@ -122,7 +122,7 @@ class StorageLife:
     saver_release_events: tuple[int, ...]  # per saver: the last backward event that unpacked it
     mutator_units: tuple[int, ...] = ()  # units whose ops wrote into it in place
     # the event after which the gradients computed for tensors on this storage were gone; None: none was computed,
-    # or not recorded (only profiles for autockpt's own checkpoint record it: only its simulation reads it)
+    # or not recorded (``Profile.gradient_lifetimes``: only the simulation of autockpt's own checkpoint reads it)
     gradient_free_event: int | None = None
 
 

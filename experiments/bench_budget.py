@@ -21,21 +21,14 @@ import pandas as pd
 import torch
 
 import autockpt
-from autockpt import zoo
+from autockpt import measure, zoo
 
 DEFAULT_MODELS = ("mlp", "cnn", "transformer", "control_flow", "gpt2", "vit", "unet")
 
 
 def step_seconds(module: torch.nn.Module, case: Any) -> float:
     """Seconds of one training step; ``case`` has ``args``, ``kwargs`` and ``loss_fn`` (a ZooCase, an ExampleBatch)."""
-    for param in module.parameters():
-        param.grad = None
-    start = time.perf_counter()
-    output = module(*case.args, **case.kwargs)
-    (case.loss_fn or autockpt.default_loss)(output).backward()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
+    return measure.step_seconds(module, case.args, dict(case.kwargs), case.loss_fn or autockpt.default_loss)
 
 
 def step_time_ratio(optimized: torch.nn.Module, original: torch.nn.Module, case: Any, repeats: int) -> float:

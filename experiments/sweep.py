@@ -44,10 +44,11 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import anchors  # noqa: E402
-from bench_budget import step_seconds, step_time_ratio  # noqa: E402
+from bench_budget import step_time_ratio  # noqa: E402
 import autockpt  # noqa: E402
 from autockpt import zoo  # noqa: E402
 from autockpt.api import Planner  # noqa: E402
+from autockpt.measure import alternating_step_seconds  # noqa: E402
 from autockpt.solve.ilp import AUTO_CHECKPOINT, SolverOptions  # noqa: E402
 from autockpt.types import CheckpointKind  # noqa: E402
 from autockpt.batch_size import ExampleBatch, TrialOutcome, max_batch_sizes  # noqa: E402
@@ -55,14 +56,14 @@ from autockpt.solve.baselines import BASELINE_STRATEGIES, baseline_plan, baselin
 
 logger = logging.getLogger("sweep")
 
-# "transformer" (the plain 8-layer fx model at size small) is left out of the default: its 308-unit graph and 0.9 s
-# steps cost as much sweep time as the other models together on 2 cores; run it with --models transformer
 # autockpt's plans: the default choice of checkpoint, and each checkpoint the rewriter can apply alone
 AUTOCKPT_STRATEGIES: dict[str, CheckpointKind | str] = {
     "autockpt": AUTO_CHECKPOINT,
     "autockpt_torch": CheckpointKind.TORCH_NON_REENTRANT,
     "autockpt_function": CheckpointKind.RECOMPUTE_FUNCTION,
 }
+# "transformer" (the plain 8-layer fx model at size small) is left out of the default: its 308-unit graph and 0.9 s
+# steps cost as much sweep time as the other models together on 2 cores; run it with --models transformer
 DEFAULT_MODELS = ("mlp", "cnn", "control_flow", "gpt2", "vit", "unet")
 DEFAULT_FRACTIONS = (0.3, 0.5, 0.7)
 ANCHORS = {"hf": "hf_gradient_checkpointing", "sac": "torch_sac_milp", "compile": "torch_compile_budget"}
@@ -128,17 +129,15 @@ def _batch_of(case: zoo.ZooCase) -> int:
 
 
 def round_robin_ratios(modules: dict[str, nn.Module], reference: str, batch: ExampleBatch, repeats: int) -> dict[str, float]:
-    """Median over rounds of t(module) / t(reference) in the same round; every module runs once per round."""
+    """Median over rounds of t(module) / t(reference) in the same round; every module runs once per round, in a
+    rotating order, after a warm-up round (``autockpt.measure.alternating_step_seconds``)."""
     names = list(modules)
-    ratios: dict[str, list[float]] = {name: [] for name in names}
-    for round_index in range(repeats + 1):  # round 0 warms up
-        order = names[round_index % len(names):] + names[: round_index % len(names)]  # rotate the order
-        seconds = {name: step_seconds(modules[name], batch) for name in order}
-        if round_index == 0:
-            continue
-        for name in names:
-            ratios[name].append(seconds[name] / seconds[reference])
-    return {name: statistics.median(values) for name, values in ratios.items()}
+    seconds = alternating_step_seconds(
+        [modules[name] for name in names], batch.args, dict(batch.kwargs), batch.loss_fn or autockpt.default_loss,
+        rounds=repeats,
+    )
+    base = seconds[names.index(reference)]
+    return {name: statistics.median(t / b for t, b in zip(times, base)) for name, times in zip(names, seconds)}
 
 
 # ------------------------------------------------------------------------------------------------ one model
@@ -343,7 +342,7 @@ def unique_points(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def dominated_autockpt(points: pd.DataFrame) -> pd.DataFrame:
-    """autockpt points (either checkpoint) some other strategy beats on both measured peak and step time (strictly)."""
+    """autockpt points (every autockpt strategy) some other strategy beats on both measured peak and step time (strictly)."""
     rows = []
     ours = points.strategy.isin(list(AUTOCKPT_STRATEGIES))
     for _, p in points[ours].iterrows():

@@ -38,3 +38,16 @@ def preserved_model_state(model: nn.Module, *inputs: Any) -> Iterator[None]:
                 param.grad = grad
             for module, training in modes:
                 module.training = training
+
+
+def training_modes(model: nn.Module) -> tuple[bool, ...]:
+    """The train/eval flag of every submodule, in ``model.modules()`` order."""
+    return tuple(module.training for module in model.modules())
+
+
+def enter_training_modes(model: nn.Module) -> None:
+    """Put ``model`` in the modes its training step runs in. A model in train mode keeps every submodule's flag as
+    the user set it (a frozen BatchNorm or a dropout switched off stays so); a model in eval mode is put in train
+    mode throughout, as ``model.train()`` does. Callers restore the flags (``preserved_model_state``)."""
+    if not model.training:
+        model.train()

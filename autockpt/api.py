@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from autockpt._state import preserved_model_state
+from autockpt._state import enter_training_modes, preserved_model_state
 from autockpt.capture import capture
 from autockpt.errors import InfeasibleBudgetError
 from autockpt.measure import alternating_step_seconds, measure_step
@@ -114,7 +114,7 @@ def apply_plan(
         raise TypeError(f"apply_plan expects an autockpt.Plan (autockpt.load_plan(path)), got {type(the_plan).__name__}")
     request = _Request.check(model, example_inputs, example_kwargs, None, None)
     with preserved_model_state(model, request.args, request.kwargs):
-        model.train()
+        enter_training_modes(model)
         graph = capture(model, request.args, request.kwargs)
         check_fingerprint(the_plan, model_fingerprint(model, graph, request.args, request.kwargs), graph.units)
         module = rewrite(graph, the_plan, request.args, request.kwargs)
@@ -303,7 +303,7 @@ class Planner:
     @contextlib.contextmanager
     def _model_state(self) -> Iterator[None]:
         with preserved_model_state(self.model, self.request.args, self.request.kwargs):
-            self.model.train()
+            enter_training_modes(self.model)
             yield
 
     def _fresh_graph(self) -> Graph:

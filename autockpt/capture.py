@@ -21,7 +21,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from autockpt._state import cuda_devices_of
+from autockpt._state import cuda_devices_of, training_modes
 from autockpt.errors import CaptureError
 from autockpt.types import CaptureKind, Graph, ModuleSpan, Unit
 
@@ -51,7 +51,8 @@ def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         units = graph_units(executable, module_prefix=_EXPORT_PREFIX if kind is CaptureKind.EXPORT else "")
         logger.info("captured the model with %s (%d units)", kind.value, len(units))
         return Graph(
-            kind=kind, model=model, executable=executable, units=units, module_spans=(), notes=tuple(notes + extra_notes)
+            kind=kind, model=model, executable=executable, units=units, module_spans=(), notes=tuple(notes + extra_notes),
+            training_modes=training_modes(model),
         )
     try:
         units, spans = _record_module_units(model, args, kwargs)
@@ -68,6 +69,7 @@ def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         units=units,
         module_spans=spans,
         notes=tuple(notes),
+        training_modes=training_modes(model),
     )
 
 

@@ -25,6 +25,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
+from autockpt._state import training_modes
 from autockpt.capture import compute_nodes
 from autockpt.recompute import buffers_put_back, checkpointed_call
 from autockpt.types import CaptureKind, CheckpointKind, Graph, Plan, Region
@@ -37,7 +38,9 @@ def rewrite(graph: Graph, plan: Plan, args: tuple, kwargs: dict) -> OptimizedMod
     if graph.kind is CaptureKind.MODULE:
         spans = {(s.first_unit, s.last_unit): s.path for s in graph.module_spans}
         modules = [graph.model.get_submodule(spans[(r.first_unit, r.last_unit)]) for r in plan.regions]
-        return OptimizedModule(graph.model, plan, input_signature(args, kwargs), executable=None, checkpointed_modules=modules)
+        return OptimizedModule(
+            graph.model, plan, input_signature(args, kwargs), executable=None, checkpointed_modules=modules, modes=()
+        )
     gm = graph.executable
     assert isinstance(gm, fx.GraphModule)
     nodes = compute_nodes(gm)
@@ -45,7 +48,10 @@ def rewrite(graph: Graph, plan: Plan, args: tuple, kwargs: dict) -> OptimizedMod
         _outline_region(gm, nodes, region, index, plan.checkpoint_kind)
     gm.graph.lint()
     gm.recompile()
-    return OptimizedModule(graph.model, plan, input_signature(args, kwargs), executable=gm, checkpointed_modules=())
+    return OptimizedModule(
+        graph.model, plan, input_signature(args, kwargs), executable=gm, checkpointed_modules=(),
+        modes=graph.training_modes,
+    )
 
 
 def input_signature(args: tuple, kwargs: dict) -> tuple:
@@ -149,8 +155,9 @@ def _checkpointed_forward(
 class OptimizedModule(nn.Module):
     """The model, trained under a memory plan. Same parameters, buffers and state_dict keys as the original.
 
-    In eval mode, under ``torch.no_grad()``, or for inputs whose shapes differ from the ones the plan was made for,
-    it runs the original model unchanged.
+    In eval mode, under ``torch.no_grad()``, for inputs whose shapes differ from the ones the plan was made for, or
+    (fx and export captures) when a submodule's train/eval flag differs from what it was when the model was captured,
+    it runs the original model unchanged: the captured graph has those branches baked in.
     """
 
     def __init__(
@@ -161,6 +168,7 @@ class OptimizedModule(nn.Module):
         *,
         executable: fx.GraphModule | None,
         checkpointed_modules: Sequence[nn.Module],
+        modes: tuple[bool, ...],
     ) -> None:
         super().__init__()
         self._modules.update(model._modules)
@@ -174,7 +182,9 @@ class OptimizedModule(nn.Module):
         self.__dict__["_autockpt_signature"] = signature
         self.__dict__["_autockpt_executable"] = executable
         self.__dict__["_autockpt_checkpointed"] = tuple(checkpointed_modules)
+        self.__dict__["_autockpt_modes"] = modes  # empty: the model runs live (module-level), any flags will do
         self.__dict__["_autockpt_warned"] = False
+        self.__dict__["_autockpt_warned_modes"] = False
 
     @property
     def original_module(self) -> nn.Module:
@@ -210,9 +220,27 @@ class OptimizedModule(nn.Module):
             return model(*args, **kwargs)
         executable = self.__dict__["_autockpt_executable"]
         if executable is not None:
+            if self._modes_changed(model):
+                return model(*args, **kwargs)
             return executable(*args, **kwargs)
         with _patched_forwards(self.__dict__["_autockpt_checkpointed"], self.plan.checkpoint_kind):
             return model(*args, **kwargs)
+
+    def _modes_changed(self, model: nn.Module) -> bool:
+        """Whether a submodule's train/eval flag differs from the captured graph's (warned once)."""
+        captured = self.__dict__["_autockpt_modes"]
+        now = training_modes(model)
+        if not captured or now == captured:
+            return False
+        if not self.__dict__["_autockpt_warned_modes"]:
+            names = [name or "<root>" for (name, _), was, is_ in zip(model.named_modules(), captured, now) if was != is_]
+            logger.warning(
+                "autockpt: the train/eval flags of %d submodule(s) differ from when the plan was made (%s%s); "
+                "running the original model without the plan. Plan again with the flags the training step uses.",
+                len(names), ", ".join(names[:5]), ", ..." if len(names) > 5 else "",
+            )
+            self.__dict__["_autockpt_warned_modes"] = True
+        return True
 
     def __getattr__(self, name: str) -> Any:
         try:

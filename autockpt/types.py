@@ -89,6 +89,9 @@ class Graph:
     units: tuple[Unit, ...]
     module_spans: tuple[ModuleSpan, ...]
     notes: tuple[str, ...] = ()  # why earlier capture paths were not used, outputs that had to be dropped
+    # the train/eval flag of every submodule (``model.modules()`` order) when captured: fx and export bake the
+    # branches that read them (dropout on or off, BatchNorm batch or running statistics) into the graph
+    training_modes: tuple[bool, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

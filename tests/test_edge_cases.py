@@ -214,3 +214,38 @@ def test_batchnorm_statistics_update_once_through_the_export_path() -> None:
     plan = _check(case, 0.4)
     assert plan.capture == "export"
     assert int(case.model.blocks[0][1].num_batches_tracked) == 2  # the checked step and the measured step, once each
+
+
+def _frozen_batchnorm_case() -> zoo.ZooCase:
+    """A model in train mode whose first BatchNorm layers are frozen (eval): fine-tuning with frozen statistics."""
+    torch.manual_seed(0)
+    model = _ShapeBranchConvNet(blocks=6)
+    for block in model.blocks:
+        block[1].running_mean.uniform_(-0.5, 0.5)
+        block[1].running_var.uniform_(0.5, 2.0)
+    model.train()
+    for block in model.blocks[:3]:
+        block[1].eval()
+    return zoo.ZooCase(name="frozen-bn", model=model, args=(torch.randn(8, 3, 16, 16),), loss_fn=lambda out: out)
+
+
+def test_frozen_batchnorm_in_a_training_model_stays_frozen() -> None:
+    """The export graph bakes each BatchNorm's mode in: planning must capture the user's flags, not model.train()'s
+    (it did: the frozen layers normalised with batch statistics and updated their running statistics)."""
+    case = _frozen_batchnorm_case()
+    plan = _check(case, 0.5)
+    assert plan.capture == "export"
+    assert [block[1].training for block in case.model.blocks] == [False] * 3 + [True] * 3
+    assert int(case.model.blocks[0][1].num_batches_tracked) == 0
+    assert int(case.model.blocks[3][1].num_batches_tracked) == 2  # the checked step and the measured step
+
+
+def test_flags_changed_after_planning_run_the_original_model(caplog: pytest.LogCaptureFixture) -> None:
+    case = _frozen_batchnorm_case()
+    reference = twin(case)
+    optimized = _optimize_at(case, 0.5)
+    optimized.train()  # unfreezes every BatchNorm, in the model and in the reference alike
+    reference.train()
+    with caplog.at_level("WARNING", logger="autockpt.rewrite"):
+        assert_same_step(optimized, reference, case)
+    assert "train/eval flags of 3 submodule(s) differ" in caplog.text and "blocks.0.1" in caplog.text

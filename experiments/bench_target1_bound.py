@@ -1,0 +1,116 @@
+"""How far can a region plan get at Hugging Face's memory? A lower bound for the sweep's Target 1.
+
+Target 1 of the sweep asks for at most half of Hugging Face's step-time overhead at the peak Hugging Face's own
+gradient checkpointing measures. This script asks what the cost model says is reachable there at all, on the same
+models: for each model with an ``hf_peak`` row in the sweep's CSV (the budget and HF's measured overhead are read from
+it, not typed in), it profiles the model once and solves that budget
+
+* as autockpt does (torch's checkpoint and autockpt's own, each with its calibrated machinery), and
+* with the checkpoint machinery priced at zero, for both checkpoint kinds: the least kernel time any plan of
+  checkpointed regions must re-run to fit (the solver is within 1 % of the exact optimum on every small graph of
+  ``bench_optimality.py``), and
+* for ``every_1``, the plan Hugging Face's policy corresponds to (every repeated block checkpointed),
+
+all as shares of the profiled unmodified step. ``bound_vs_every_1`` is the least re-run over what ``every_1``
+re-runs: if Hugging Face's measured overhead were its re-run alone, no region plan could cost less than that share of
+it. A target of 0.5 is then out of reach by recomputation wherever that share is above 0.5.
+
+    python experiments/bench_target1_bound.py                                  # the models of sweep.csv
+    python experiments/bench_target1_bound.py --sweep experiments/results/sweep/sweep.csv --models gpt2
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sweep import markdown_table  # noqa: E402
+
+from autockpt import zoo  # noqa: E402
+from autockpt.api import Planner  # noqa: E402
+from autockpt.solve.baselines import baseline_plan, baseline_seed_plans  # noqa: E402
+from autockpt.solve.candidates import candidate_regions  # noqa: E402
+from autockpt.solve.ilp import SolveResult, prepare, solve_prepared  # noqa: E402
+from autockpt.solve.structure import find_repeated_blocks  # noqa: E402
+from autockpt.types import CheckpointKind  # noqa: E402
+
+KINDS = (CheckpointKind.TORCH_NON_REENTRANT, CheckpointKind.RECOMPUTE_FUNCTION)
+
+
+def measured_at_hf_peak(sweep: pd.DataFrame, model: str) -> dict[str, float]:
+    """The sweep's hf_peak budget and the measured step-time ratios of HF and of autockpt's default there."""
+    rows = sweep[(sweep.model == model) & (sweep.budget == "hf_peak") & (sweep.status == "measured")]
+    ratio = rows.set_index("strategy").step_time_ratio
+    return {
+        "budget_bytes": int(rows.budget_bytes.iloc[0]),
+        "hf_overhead": float(ratio["hf_gradient_checkpointing"] - 1),
+        "autockpt_overhead": float(ratio["autockpt"] - 1),
+    }
+
+
+def solved(planner: Planner, kind: CheckpointKind, budget: int, *, free_machinery: bool) -> SolveResult:
+    """The cheapest plan under ``budget`` for ``kind``, from the planner's own profile and candidates, solved as the
+    planner solves them; ``free_machinery`` prices the checkpoint machinery at zero, so only re-run kernels count."""
+    measured = planner._profile_for(kind)
+    if free_machinery:
+        measured = dataclasses.replace(measured, region_overhead_ms=0.0, saved_tensor_overhead_ms=0.0)
+    problem = prepare(
+        measured, *candidate_regions(planner.graph, measured), seed_plans=baseline_seed_plans(planner.graph, measured),
+        structure=find_repeated_blocks(planner.graph, measured),
+    )
+    return solve_prepared(problem, budget)
+
+
+def bound_row(model: str, size: str, measured: dict[str, float]) -> dict:
+    torch.manual_seed(0)
+    case = zoo.build(model, size)
+    budget = measured["budget_bytes"]
+    planner = Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
+    step_ms = planner.profile.step_ms
+    every_1 = baseline_plan(planner, "every_1")  # scored for torch's checkpoint, like HF's non-reentrant one
+    planned = {kind: solved(planner, kind, budget, free_machinery=False).timeline for kind in KINDS}
+    machinery_free = {kind: solved(planner, kind, budget, free_machinery=True).timeline.recompute_ms for kind in KINDS}
+    least = min(machinery_free.values())
+    return {
+        "model": model,
+        "hf_peak_bytes": budget,
+        "profiled_step_ms": step_ms,
+        "every_1_rerun": every_1.recompute_ms / step_ms,
+        "every_1_predicted_overhead": every_1.predicted_overhead,
+        "hf_measured_overhead": measured["hf_overhead"],
+        **{
+            f"autockpt_{kind.value}_predicted_overhead": timeline.overhead_ms / step_ms
+            for kind, timeline in planned.items()
+        },
+        "autockpt_measured_overhead": measured["autockpt_overhead"],
+        "least_rerun_torch": machinery_free[CheckpointKind.TORCH_NON_REENTRANT] / step_ms,
+        "least_rerun_function": machinery_free[CheckpointKind.RECOMPUTE_FUNCTION] / step_ms,
+        "bound_vs_every_1": least / every_1.recompute_ms,
+        "target_overhead": measured["hf_overhead"] / 2,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep", default="experiments/results/sweep/sweep.csv", help="the sweep's tidy CSV")
+    parser.add_argument("--models", default="", help="comma-separated (default: every model with an hf_peak row)")
+    parser.add_argument("--size", default="small", choices=zoo.SIZES, help="the size the sweep ran")
+    parser.add_argument("--out", default="experiments/results/target1_bound")
+    args = parser.parse_args()
+    sweep = pd.read_csv(args.sweep, dtype={"budget": str})
+    models = [m for m in args.models.split(",") if m] or sorted(sweep[sweep.budget == "hf_peak"].model.unique())
+    table = pd.DataFrame([bound_row(model, args.size, measured_at_hf_peak(sweep, model)) for model in models])
+    out = Path(args.out)
+    table.to_csv(out.with_suffix(".csv"), index=False)
+    out.with_suffix(".md").write_text(markdown_table(table) + "\n")
+    print(markdown_table(table))
+
+
+if __name__ == "__main__":
+    main()

@@ -132,14 +132,37 @@ def _capture_export(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.Gra
     with torch.no_grad():
         _, dropped = plain_outputs(model(*args, **kwargs))
     # a failed export logs a warning and prints the partial graph to stderr; the reason is kept in Graph.notes instead
+    distinct_args, distinct_kwargs = _without_shared_storage(args, kwargs)
     with _quiet_logger("torch.fx.experimental.symbolic_shapes"), contextlib.redirect_stderr(io.StringIO()):
-        exported = torch.export.export(_PlainOutputs(model), args, kwargs, strict=False)
+        exported = torch.export.export(_PlainOutputs(model), distinct_args, distinct_kwargs, strict=False)
     notes = []
     if dropped:
         notes.append(
             "outputs that are not tensors are returned as None by the optimized module: " + ", ".join(dropped)
         )
     return exported.module(), notes
+
+
+def _without_shared_storage(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The inputs, with a copy of every tensor that shares storage with an earlier one.
+
+    ``torch.export`` makes inputs that are the same tensor one graph input: exported on ``model(ids, labels=ids)``,
+    the causal-LM idiom, the graph looked up the embeddings of ``labels``, and every later batch whose labels differ
+    from its ids (shifted, or -100 on padding) computed something else, silently. A graph traced on distinct inputs
+    is right for shared ones too.
+    """
+    seen: set[int] = set()
+
+    def distinct(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor) or leaf.untyped_storage().nbytes() == 0:
+            return leaf
+        storage = leaf.untyped_storage().data_ptr()
+        if storage in seen:
+            return leaf.detach().clone().requires_grad_(leaf.requires_grad)
+        seen.add(storage)
+        return leaf
+
+    return pytree.tree_map(distinct, (args, kwargs))
 
 
 def _capture_export_on_eager_paths(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, list[str]]:

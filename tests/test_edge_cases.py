@@ -17,7 +17,7 @@ from autockpt.rewrite import rewrite
 from autockpt.simulate import simulate
 from autockpt.solve.candidates import candidate_regions
 from autockpt.types import Region
-from conftest import assert_same_step, budget_at, probe, twin
+from conftest import assert_same_step, budget_at, needs_transformers, probe, twin
 
 
 def _optimize_at(case: zoo.ZooCase, fraction: float) -> nn.Module:
@@ -249,3 +249,29 @@ def test_flags_changed_after_planning_run_the_original_model(caplog: pytest.LogC
     with caplog.at_level("WARNING", logger="autockpt.rewrite"):
         assert_same_step(optimized, reference, case)
     assert "train/eval flags of 3 submodule(s) differ" in caplog.text and "blocks.0.1" in caplog.text
+
+
+@needs_transformers
+def test_inputs_passed_twice_are_not_merged_by_the_capture() -> None:
+    """``model(ids, labels=ids)``: torch.export made the two one graph input, so the graph read the labels as token
+    ids and a later batch with other labels (shifted, -100 on padding) computed something else, silently."""
+    case = zoo.build("gpt2")
+    assert case.kwargs["labels"] is case.args[0]  # the example inputs share the tensor
+    reference = twin(case)
+    optimized = _optimize_at(case, 0.5)
+    assert autockpt.get_plan(optimized).capture == "export"
+    ids = case.args[0]
+    labels = torch.roll(ids, 1, dims=1)
+    labels[:, -8:] = -100
+    other_batch = zoo.ZooCase(name="gpt2-other-labels", model=case.model, args=(ids,), kwargs={"labels": labels})
+    assert_same_step(optimized, reference, other_batch)
+
+
+def test_a_model_with_nothing_to_checkpoint() -> None:
+    """One layer: no candidate region. The solver built a region 0..-1 and raised a ValueError from inside."""
+    x = torch.randn(128, 64)
+    plan = autockpt.plan(nn.Linear(64, 64), budget_bytes=10**15, example_inputs=(x,))
+    assert plan.status == "identity" and not plan.regions
+    with pytest.raises(autockpt.InfeasibleBudgetError) as raised:
+        autockpt.plan(nn.Linear(64, 64), budget_bytes=plan.baseline_peak_bytes - 1, example_inputs=(x,))
+    assert raised.value.min_feasible_bytes == plan.baseline_peak_bytes

@@ -155,7 +155,10 @@ def _without_leading_non_savers(profile: Profile, regions: list[Region]) -> list
 
 
 def elementary_pieces(num_units: int, candidates: list[Region]) -> list[Region]:
-    """The coarsest partition of the units on which every candidate region is a union of pieces."""
+    """The coarsest partition of the units on which every candidate region is a union of pieces (none for no units:
+    a model with no candidate region)."""
+    if num_units <= 0:
+        return []
     starts = sorted({0} | {r.first_unit for r in candidates} | {r.last_unit + 1 for r in candidates if r.last_unit + 1 < num_units})
     ends = starts[1:] + [num_units]
     return [Region(first_unit=a, last_unit=b - 1) for a, b in zip(starts, ends)]

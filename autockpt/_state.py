@@ -20,10 +20,36 @@ def cuda_devices_of(*trees: Any) -> list[int]:
     return sorted(devices)
 
 
+class BufferState:
+    """Every buffer of a model, the tensor object and a copy of its value, to put back later: a forward may update a
+    buffer in place (BatchNorm statistics, a step counter) or assign a new tensor to it (``self.count = self.count +
+    1``), and running the model while planning must leave neither trace."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._entries = [
+            (module, name, buffer, buffer.detach().clone())
+            for module in model.modules()
+            for name, buffer in module._buffers.items()
+            if buffer is not None
+        ]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for module, name, buffer, saved in self._entries:
+                module._buffers[name] = buffer
+                buffer.copy_(saved)
+
+
+def buffer_values(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of every buffer's value, by name."""
+    return {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
+
+
 @contextlib.contextmanager
 def preserved_model_state(model: nn.Module, *inputs: Any) -> Iterator[None]:
-    """Restore buffers (BatchNorm statistics), parameter gradients, train/eval flags and RNG state on exit."""
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    """Restore buffers (BatchNorm statistics, the tensor objects too), parameter gradients, train/eval flags and RNG
+    state on exit."""
+    buffers = BufferState(model)
     grads = [(p, p.grad) for p in model.parameters()]
     modes = [(m, m.training) for m in model.modules()]
     devices = cuda_devices_of(inputs, list(model.parameters()))
@@ -31,9 +57,7 @@ def preserved_model_state(model: nn.Module, *inputs: Any) -> Iterator[None]:
         try:
             yield
         finally:
-            with torch.no_grad():
-                for buffer, saved in buffers:
-                    buffer.copy_(saved)
+            buffers.restore()
             for param, grad in grads:
                 param.grad = grad
             for module, training in modes:

@@ -21,7 +21,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from autockpt._state import cuda_devices_of, training_modes
+from autockpt._state import BufferState, buffer_values, cuda_devices_of, training_modes
 from autockpt.errors import CaptureError
 from autockpt.types import CaptureKind, Graph, ModuleSpan, Unit
 
@@ -204,13 +204,24 @@ def _quiet_logger(name: str) -> Iterator[None]:
 
 
 def _check_same_outputs(model: nn.Module, executable: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Run both on the same RNG state; raise if the captured graph computes something else."""
+    """Run both from the same RNG state and buffers; raise if the captured graph computes something else or leaves
+    the buffers otherwise (fx does not trace an update like ``self.count += 1`` that reads no traced tensor: it ran
+    once while tracing and the graph would never advance the counter)."""
+    start = BufferState(model)
     with torch.random.fork_rng(devices=cuda_devices_of(args, kwargs, list(model.parameters()))), torch.no_grad():
         seed = 1234
         torch.manual_seed(seed)
         expected, _ = plain_outputs(model(*args, **kwargs))
+        expected_buffers = buffer_values(model)
+        start.restore()
         torch.manual_seed(seed)
         actual = executable(*args, **kwargs)
+        actual_buffers = buffer_values(model)
+        start.restore()
+    for name, want in expected_buffers.items():
+        got = actual_buffers.get(name)
+        if got is None or got.shape != want.shape or not _same_values(want, got):
+            raise ValueError(f"buffer {name!r}: the graph leaves it different from the model's own forward")
     expected_leaves, expected_spec = pytree.tree_flatten(expected)
     actual_leaves, actual_spec = pytree.tree_flatten(actual)
     if len(expected_leaves) != len(actual_leaves):
@@ -221,10 +232,13 @@ def _check_same_outputs(model: nn.Module, executable: nn.Module, args: tuple, kw
         if not isinstance(got, torch.Tensor) or want.shape != got.shape:
             shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
             raise ValueError(f"output {position}: the model returns shape {tuple(want.shape)}, the graph {shape}")
-        same = torch.allclose(want, got, rtol=1e-4, atol=1e-5) if want.is_floating_point() else torch.equal(want, got)
-        if not same:
+        if not _same_values(want, got):
             largest = (want.double() - got.double()).abs().max().item()
             raise ValueError(f"output {position}: the graph's values differ from the model's (largest difference {largest:.3g})")
+
+
+def _same_values(want: torch.Tensor, got: torch.Tensor) -> bool:
+    return torch.allclose(want, got, rtol=1e-4, atol=1e-5) if want.is_floating_point() else torch.equal(want, got)
 
 
 class ModuleUnitRecorder:

@@ -171,10 +171,10 @@ class OptimizedModule(nn.Module):
         modes: tuple[bool, ...],
     ) -> None:
         super().__init__()
-        self._modules.update(model._modules)
-        self._parameters.update(model._parameters)
-        self._buffers.update(model._buffers)
-        self._non_persistent_buffers_set = set(model._non_persistent_buffers_set)
+        # the model's own registries, not copies: a forward that assigns a new tensor to a buffer
+        # (``self.count = self.count + 1``) is then seen through this module's state_dict too
+        for registry in ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set"):
+            self.__dict__[registry] = getattr(model, registry)
         self.training = model.training
         # plain attributes (not registered): the optimized module's state is exactly the model's
         self.__dict__["_autockpt_model"] = model

@@ -275,3 +275,38 @@ def test_a_model_with_nothing_to_checkpoint() -> None:
     with pytest.raises(autockpt.InfeasibleBudgetError) as raised:
         autockpt.plan(nn.Linear(64, 64), budget_bytes=plan.baseline_peak_bytes - 1, example_inputs=(x,))
     assert raised.value.min_feasible_bytes == plan.baseline_peak_bytes
+
+
+class _CountsItsSteps(nn.Module):
+    """Buffers a forward updates without any traced tensor: a step counter and a running mean of its output."""
+
+    def __init__(self, *, assigns: bool) -> None:
+        super().__init__()
+        self.assigns = assigns
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(8))
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+        self.register_buffer("ema", torch.ones(64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.assigns:
+            self.count = self.count + 1  # a new tensor each step
+        else:
+            self.count += 1
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        self.ema.mul_(0.9).add_(0.1 * x.detach().mean(0))
+        return x
+
+
+@pytest.mark.parametrize("assigns", [False, True], ids=["in-place", "assigned"])
+def test_buffers_updated_outside_the_traced_tensors_advance_as_in_the_model(assigns: bool) -> None:
+    """fx ran ``self.count += 1`` once while tracing and left it out of the graph (the counter never advanced), and
+    a buffer assigned anew left the original model's counter changed after planning."""
+    torch.manual_seed(0)
+    case = zoo.ZooCase(name="counter", model=_CountsItsSteps(assigns=assigns), args=(torch.randn(512, 64),))
+    reference = twin(case)
+    optimized = _optimize_at(case, 0.5)
+    assert int(case.model.count) == 0 and torch.equal(case.model.ema, torch.ones(64))  # planning left no trace
+    assert autockpt.get_plan(optimized).capture != "fx"
+    assert_same_step(optimized, reference, case)
+    assert int(optimized.state_dict()["count"]) == int(reference.count) == 1

@@ -12,6 +12,7 @@ Three paths, tried in order, each checked against the model's own output on the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import logging
 from collections.abc import Callable, Iterator
@@ -130,7 +131,14 @@ def _capture_fx(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphMo
 
 def _capture_export(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, list[str]]:
     with torch.no_grad():
-        _, dropped = plain_outputs(model(*args, **kwargs))
+        output = model(*args, **kwargs)
+    _, dropped = plain_outputs(output)
+    lost = _results_lost(output)
+    if lost:
+        raise ValueError(
+            f"the model returns {lost}, which torch.export cannot return (not a registered pytree type): its tensors "
+            "would be lost; torch.utils._pytree.register_dataclass on its class lets export keep them"
+        )
     # a failed export logs a warning and prints the partial graph to stderr; the reason is kept in Graph.notes instead
     distinct_args, distinct_kwargs = _without_shared_storage(args, kwargs)
     with _quiet_logger("torch.fx.experimental.symbolic_shapes"), contextlib.redirect_stderr(io.StringIO()):
@@ -163,6 +171,20 @@ def _without_shared_storage(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return leaf
 
     return pytree.tree_map(distinct, (args, kwargs))
+
+
+def _results_lost(output: Any) -> str:
+    """What of the model's output ``plain_outputs`` would drop that holds its results ('' if nothing): the whole
+    output, or a dataclass with tensor fields. Caches (Hugging Face's ``DynamicCache``) are dropped on purpose."""
+    leaves = pytree.tree_leaves(output)
+    if output is not None and not isinstance(output, _PLAIN_LEAVES) and len(leaves) == 1 and leaves[0] is output:
+        return f"a {type(output).__name__}"
+    for leaf in leaves:
+        if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            fields = [getattr(leaf, field.name) for field in dataclasses.fields(leaf)]
+            if any(isinstance(value, torch.Tensor) for value in pytree.tree_leaves(fields)):
+                return f"a {type(leaf).__name__} holding tensors"
+    return ""
 
 
 def _capture_export_on_eager_paths(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, list[str]]:

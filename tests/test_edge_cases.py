@@ -310,3 +310,34 @@ def test_buffers_updated_outside_the_traced_tensors_advance_as_in_the_model(assi
     assert autockpt.get_plan(optimized).capture != "fx"
     assert_same_step(optimized, reference, case)
     assert int(optimized.state_dict()["count"]) == int(reference.count) == 1
+
+
+@dataclasses.dataclass
+class _Prediction:
+    logits: torch.Tensor
+    tag: str = "prediction"
+
+
+class _ReturnsADataclass(nn.Module):
+    """fx cannot trace it (a branch on the input's shape) and its output is a dataclass torch.export cannot return."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64)) for _ in range(8))
+
+    def forward(self, x: torch.Tensor) -> _Prediction:
+        for block in self.blocks:
+            x = torch.tanh(block(x)) if x.shape[0] > 1 else block(x)
+        return _Prediction(logits=x)
+
+
+def test_an_output_export_cannot_return_is_not_dropped() -> None:
+    """The export capture replaced the whole dataclass by None and profiling then failed inside the loss function."""
+    torch.manual_seed(0)
+    case = zoo.ZooCase(
+        name="dataclass-output", model=_ReturnsADataclass(), args=(torch.randn(512, 64),),
+        loss_fn=lambda out: out.logits.square().mean(),
+    )
+    plan = _check(case, 0.5)
+    assert plan.capture == "module"
+    assert any("_Prediction" in note for note in plan.notes)

@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 
 from autockpt._state import enter_training_modes, preserved_model_state
 from autockpt.capture import capture
-from autockpt.errors import InfeasibleBudgetError
+from autockpt.errors import InfeasibleBudgetError, LossFunctionError
 from autockpt.measure import alternating_step_seconds, measure_step
 from autockpt.plan_io import check_fingerprint, model_fingerprint
 from autockpt.profile import device_of, for_checkpoint, profile
@@ -464,11 +464,32 @@ def default_loss(output: Any) -> torch.Tensor:
         return output["loss"]
     leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
     if not leaves:
-        raise ValueError(
+        raise LossFunctionError(
             f"the model's output has no floating-point tensor that requires grad (got {type(output).__name__}); "
             "pass loss_fn=lambda output: ... that returns the scalar loss to backpropagate."
         )
     return sum(t.sum() for t in leaves)
+
+
+def _checked(loss_fn: Callable[[Any], Any]) -> Callable[[Any], torch.Tensor]:
+    """``loss_fn`` with its result checked: a scalar floating-point tensor attached to the graph, or a
+    ``LossFunctionError`` that says what came back (instead of backward failing deep inside profiling)."""
+
+    def loss(output: Any) -> torch.Tensor:
+        value = loss_fn(output)
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point() and value.requires_grad:
+            return value
+        if isinstance(value, torch.Tensor):
+            got = f"a {value.dtype} tensor of shape {tuple(value.shape)} (requires_grad={value.requires_grad})"
+        else:
+            got = f"{describe_value(value)} ({type(value).__name__})"
+        raise LossFunctionError(
+            f"loss_fn returned {got}; expected a floating-point tensor with one element that requires grad, computed "
+            "from the model's output (e.g. lambda out: out.logits.float().mean()). Reduce it with .mean() or .sum(), "
+            "and keep it attached to the graph (no .item(), .detach() or torch.no_grad())."
+        )
+
+    return loss
 
 
 def budget_to_bytes(budget_gb: Any, budget_bytes: Any) -> int:
@@ -483,6 +504,8 @@ def budget_to_bytes(budget_gb: Any, budget_bytes: Any) -> int:
         raise ValueError(f"{name} must be a positive number, got {describe_value(value)} ({type(value).__name__})")
     if not math.isfinite(float(value)) or value <= 0:
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    if name == "budget_bytes" and float(value) != int(value):
+        raise ValueError(f"budget_bytes must be a whole number of bytes, got {value!r}; for GB use budget_gb=")
     result = int(round(float(value) * GB)) if name == "budget_gb" else int(value)
     if result <= 0:
         raise ValueError(f"{name}={value!r} is less than one byte; give the budget in {'GB' if name == 'budget_gb' else 'bytes'}")
@@ -517,7 +540,9 @@ class _Request:
             raise ValueError(
                 f"{type(model).__name__} has no parameter that requires grad: there is no training step to plan"
             )
-        return _Request(model=model, args=args, kwargs=kwargs, loss=loss_fn or default_loss, solver_options=solver_options)
+        return _Request(
+            model=model, args=args, kwargs=kwargs, loss=_checked(loss_fn or default_loss), solver_options=solver_options
+        )
 
 
 def _example_arguments(example_inputs: Any, example_kwargs: Any) -> tuple[tuple, dict]:
@@ -541,4 +566,11 @@ def _example_arguments(example_inputs: Any, example_kwargs: Any) -> tuple[tuple,
         raise TypeError(f"example_kwargs must be a dict of keyword arguments, got {type(example_kwargs).__name__}")
     if not example_inputs and not example_kwargs:
         raise ValueError("give example_inputs and/or example_kwargs: autockpt measures the model on a real step")
+    for path, leaf in pytree.tree_flatten_with_path((example_inputs, dict(example_kwargs)))[0]:
+        if type(leaf).__module__ == "numpy" and hasattr(leaf, "shape"):
+            where = "example_inputs" if path[0].idx == 0 else "example_kwargs"
+            raise TypeError(
+                f"{where}{pytree.keystr(path[1:])} is a numpy array of shape {tuple(leaf.shape)}: the model is run on "
+                "torch tensors; convert it with torch.from_numpy(...) (and .to(device) where the model lives)"
+            )
     return example_inputs, dict(example_kwargs)

@@ -19,6 +19,10 @@ class InfeasibleBudgetError(AutockptError, ValueError):
         self.min_feasible_bytes = min_feasible_bytes
 
 
+class LossFunctionError(AutockptError, ValueError):
+    """The loss function did not return a scalar tensor that backward can start from."""
+
+
 class CaptureError(AutockptError, RuntimeError):
     """No capture path (fx, export, module-level) could run the model on the example inputs."""
 

@@ -32,7 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from autockpt.capture import ModuleUnitRecorder, compute_nodes
-from autockpt.errors import ProfileError
+from autockpt.errors import LossFunctionError, ProfileError
 from autockpt.rewrite import CheckpointedRegion
 from autockpt.solve.structure import find_repeated_blocks
 from autockpt.types import (
@@ -87,6 +87,8 @@ def profile(
         unit_ms_runs, step_ms_runs = _timed_steps(
             graph, args, kwargs, loss_fn, timed_units=set(timed_at), repeats=timing_repeats
         )
+    except LossFunctionError:
+        raise  # the user's loss function, not the graph: its message says what to change
     except Exception as error:
         raise ProfileError(
             f"running the captured {graph.kind.value} graph forward and backward failed: "

@@ -155,9 +155,10 @@ def _checkpointed_forward(
 class OptimizedModule(nn.Module):
     """The model, trained under a memory plan. Same parameters, buffers and state_dict keys as the original.
 
-    In eval mode, under ``torch.no_grad()``, for inputs whose shapes differ from the ones the plan was made for, or
-    (fx and export captures) when a submodule's train/eval flag differs from what it was when the model was captured,
-    it runs the original model unchanged: the captured graph has those branches baked in.
+    In eval mode (warned once when gradients are on), under ``torch.no_grad()``, for inputs whose shapes differ from
+    the ones the plan was made for, or (fx and export captures) when a submodule's train/eval flag differs from what
+    it was when the model was captured, it runs the original model unchanged: the captured graph has those branches
+    baked in.
     """
 
     def __init__(
@@ -183,8 +184,7 @@ class OptimizedModule(nn.Module):
         self.__dict__["_autockpt_executable"] = executable
         self.__dict__["_autockpt_checkpointed"] = tuple(checkpointed_modules)
         self.__dict__["_autockpt_modes"] = modes  # empty: the model runs live (module-level), any flags will do
-        self.__dict__["_autockpt_warned"] = False
-        self.__dict__["_autockpt_warned_modes"] = False
+        self.__dict__["_autockpt_warned"] = set()  # reasons for running without the plan already logged
 
     @property
     def original_module(self) -> nn.Module:
@@ -207,16 +207,21 @@ class OptimizedModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         model = self.original_module
-        if not (self.training and torch.is_grad_enabled()):
+        if not torch.is_grad_enabled():
+            return model(*args, **kwargs)
+        if not self.training:
+            self._warn_once(
+                "eval", "autockpt: the optimized module is in eval mode with gradients enabled; it runs the original "
+                "model without the plan (made for the training step in train mode), so its peak is the unmodified "
+                "one. Call .train() to train under the plan, or use torch.no_grad() to evaluate.",
+            )
             return model(*args, **kwargs)
         if input_signature(args, kwargs) != self.__dict__["_autockpt_signature"]:
-            if not self.__dict__["_autockpt_warned"]:
-                logger.warning(
-                    "autockpt: inputs differ from the example inputs the plan was made for (shapes, dtypes or "
-                    "argument values); running the original model without the plan. Call autockpt.optimize with "
-                    "these inputs to plan for them."
-                )
-                self.__dict__["_autockpt_warned"] = True
+            self._warn_once(
+                "inputs", "autockpt: inputs differ from the example inputs the plan was made for (shapes, dtypes or "
+                "argument values); running the original model without the plan. Call autockpt.optimize with these "
+                "inputs to plan for them.",
+            )
             return model(*args, **kwargs)
         executable = self.__dict__["_autockpt_executable"]
         if executable is not None:
@@ -232,15 +237,20 @@ class OptimizedModule(nn.Module):
         now = training_modes(model)
         if not captured or now == captured:
             return False
-        if not self.__dict__["_autockpt_warned_modes"]:
-            names = [name or "<root>" for (name, _), was, is_ in zip(model.named_modules(), captured, now) if was != is_]
-            logger.warning(
-                "autockpt: the train/eval flags of %d submodule(s) differ from when the plan was made (%s%s); "
-                "running the original model without the plan. Plan again with the flags the training step uses.",
-                len(names), ", ".join(names[:5]), ", ..." if len(names) > 5 else "",
-            )
-            self.__dict__["_autockpt_warned_modes"] = True
+        names = [name or "<root>" for (name, _), was, is_ in zip(model.named_modules(), captured, now) if was != is_]
+        self._warn_once(
+            "modes", "autockpt: the train/eval flags of %d submodule(s) differ from when the plan was made (%s%s); "
+            "running the original model without the plan. Plan again with the flags the training step uses.",
+            len(names), ", ".join(names[:5]), ", ..." if len(names) > 5 else "",
+        )
         return True
+
+    def _warn_once(self, reason: str, message: str, *args: Any) -> None:
+        """Log why the plan is not used, once per reason: training loops call forward every step."""
+        warned = self.__dict__["_autockpt_warned"]
+        if reason not in warned:
+            warned.add(reason)
+            logger.warning(message, *args)
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -34,6 +34,7 @@ def cnn_probe() -> autockpt.Plan:
         ({"budget_gb": True}, "positive number"),
         ({"budget_gb": "8GB"}, "positive number"),
         ({"budget_gb": 1e-12}, "less than one byte"),
+        ({"budget_bytes": 2.7}, "whole number of bytes"),
     ],
 )
 def test_bad_budgets_are_value_errors(kwargs: dict, match: str) -> None:
@@ -77,12 +78,31 @@ def test_budget_gb_means_ten_to_the_ninth_bytes() -> None:
         (lambda m, x: autockpt.plan(m, budget_gb=1, example_inputs=(x,), example_kwargs=[1]), TypeError, "dict"),
         (lambda m, x: autockpt.plan(m, budget_gb=1, example_inputs=(x,), loss_fn=3), TypeError, "callable"),
         (lambda m, x: autockpt.get_plan(m), TypeError, "autockpt.optimize"),
+        (lambda m, x: autockpt.plan(m, budget_gb=1, example_inputs=(x.numpy(),)), TypeError, r"torch\.from_numpy"),
+        (lambda m, x: autockpt.plan(m, budget_gb=1, example_kwargs={"x": x.numpy()}), TypeError, r"example_kwargs\['x'\]"),
     ],
 )
 def test_bad_arguments_say_what_was_expected(call, error, match) -> None:
     case = zoo.build("mlp")
     with pytest.raises(error, match=match):
         call(case.model, case.args[0])
+
+
+@pytest.mark.parametrize(
+    "loss_fn, match",
+    [
+        (lambda out: out, r"tensor of shape \(256, 10\)"),  # not reduced
+        (lambda out: out.sum().item(), r"\(float\)"),
+        (lambda out: out.sum().detach(), "requires_grad=False"),
+    ],
+    ids=["not-reduced", "python-float", "detached"],
+)
+def test_a_loss_function_that_returns_no_scalar_loss_is_named(loss_fn, match: str) -> None:
+    """It failed inside profiling with a ProfileError that blamed the captured graph."""
+    case = zoo.build("mlp")
+    with pytest.raises(autockpt.LossFunctionError, match=match) as caught:
+        autockpt.plan(case.model, budget_gb=1, example_inputs=case.args, loss_fn=loss_fn)
+    assert "loss_fn returned" in str(caught.value) and ".mean()" in str(caught.value)
 
 
 def test_model_without_trainable_parameters_is_rejected() -> None:
@@ -117,7 +137,7 @@ def test_optimized_module_shares_parameters_and_state_dict_keys(cnn_probe: autoc
     reference.load_state_dict(optimized.state_dict())
 
 
-def test_eval_mode_and_no_grad_run_the_original(cnn_probe: autockpt.Plan) -> None:
+def test_eval_mode_and_no_grad_run_the_original(cnn_probe: autockpt.Plan, caplog: pytest.LogCaptureFixture) -> None:
     case = zoo.build("transformer")
     reference = twin(case)
     optimized = autockpt.optimize(
@@ -125,7 +145,9 @@ def test_eval_mode_and_no_grad_run_the_original(cnn_probe: autockpt.Plan) -> Non
     )
     optimized.eval()
     assert not case.model.training
-    torch.testing.assert_close(optimized(*case.args), reference.eval()(*case.args))
+    with caplog.at_level(logging.WARNING, logger="autockpt"):
+        torch.testing.assert_close(optimized(*case.args), reference.eval()(*case.args))  # gradients on: warned
+    assert "in eval mode with gradients enabled" in caplog.text
     optimized.train()
     reference.train()
     with torch.no_grad():

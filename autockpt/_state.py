@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -75,3 +76,13 @@ def enter_training_modes(model: nn.Module) -> None:
     mode throughout, as ``model.train()`` does. Callers restore the flags (``preserved_model_state``)."""
     if not model.training:
         model.train()
+
+
+@functools.cache
+def _autocast_device_types() -> tuple[str, ...]:
+    return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+
+
+def autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
+    """Per device type: whether autocast is on and to which dtype."""
+    return tuple((t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in _autocast_device_types())

@@ -22,7 +22,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from autockpt._state import BufferState, buffer_values, cuda_devices_of, training_modes
+from autockpt._state import BufferState, autocast_state, buffer_values, cuda_devices_of, training_modes
 from autockpt.errors import CaptureError
 from autockpt.types import CaptureKind, Graph, ModuleSpan, Unit
 
@@ -53,7 +53,7 @@ def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         logger.info("captured the model with %s (%d units)", kind.value, len(units))
         return Graph(
             kind=kind, model=model, executable=executable, units=units, module_spans=(), notes=tuple(notes + extra_notes),
-            training_modes=training_modes(model),
+            training_modes=training_modes(model), autocast=autocast_state(),
         )
     try:
         units, spans = _record_module_units(model, args, kwargs)
@@ -71,6 +71,7 @@ def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         module_spans=spans,
         notes=tuple(notes),
         training_modes=training_modes(model),
+        autocast=autocast_state(),
     )
 
 

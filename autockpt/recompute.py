@@ -25,7 +25,6 @@ stop), and the gradients of its outputs stay alive until its backward returns.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +33,8 @@ from typing import Any
 import torch
 from torch.autograd.graph import get_gradient_edge
 from torch.utils import _pytree as pytree
+
+from autockpt._state import autocast_state
 
 
 logger = logging.getLogger(__name__)
@@ -131,7 +132,7 @@ class _ReplayState:
             cpu_rng=torch.get_rng_state(),
             cuda_devices=devices,
             cuda_rng=[torch.cuda.get_rng_state(d) for d in devices],
-            autocast=[(t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in _autocast_device_types()],
+            autocast=list(autocast_state()),
             autocast_cache=torch.is_autocast_cache_enabled(),
         )
 
@@ -156,11 +157,6 @@ class _ReplayState:
             torch.set_rng_state(outside_cpu)
             for device, state in zip(self.cuda_devices, outside_cuda):
                 torch.cuda.set_rng_state(state, device)
-
-
-@functools.cache
-def _autocast_device_types() -> tuple[str, ...]:
-    return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
 
 def _drop(_: torch.Tensor) -> None:

@@ -25,7 +25,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
-from autockpt._state import training_modes
+from autockpt._state import autocast_state, training_modes
 from autockpt.capture import compute_nodes
 from autockpt.recompute import buffers_put_back, checkpointed_call
 from autockpt.types import CaptureKind, CheckpointKind, Graph, Plan, Region
@@ -39,7 +39,8 @@ def rewrite(graph: Graph, plan: Plan, args: tuple, kwargs: dict) -> OptimizedMod
         spans = {(s.first_unit, s.last_unit): s.path for s in graph.module_spans}
         modules = [graph.model.get_submodule(spans[(r.first_unit, r.last_unit)]) for r in plan.regions]
         return OptimizedModule(
-            graph.model, plan, input_signature(args, kwargs), executable=None, checkpointed_modules=modules, modes=()
+            graph.model, plan, input_signature(args, kwargs), executable=None, checkpointed_modules=modules,
+            conditions=None,
         )
     gm = graph.executable
     assert isinstance(gm, fx.GraphModule)
@@ -50,7 +51,7 @@ def rewrite(graph: Graph, plan: Plan, args: tuple, kwargs: dict) -> OptimizedMod
     gm.recompile()
     return OptimizedModule(
         graph.model, plan, input_signature(args, kwargs), executable=gm, checkpointed_modules=(),
-        modes=graph.training_modes,
+        conditions=CaptureConditions(graph),
     )
 
 
@@ -152,13 +153,53 @@ def _checkpointed_forward(
     )
 
 
+class CaptureConditions:
+    """What an fx or export graph was captured under and bakes in, so it is right only while they hold: the model's
+    parameter and buffer objects (the graph reads those objects, not the model's registries: ``load_state_dict(...,
+    assign=True)`` or ``.float()`` after ``.double()`` puts new ones there), their dtypes and devices (``.double()``,
+    ``.to(device)``; casts and constants are baked in), the autocast state and every submodule's train/eval flag."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.modes = graph.training_modes
+        self.autocast = graph.autocast
+        self.tensors = [
+            (f"{path}.{name}" if path else name, registry, name, tensor, tensor.dtype, tensor.device)
+            for path, module in graph.model.named_modules()
+            for registry in (module._parameters, module._buffers)
+            for name, tensor in registry.items()
+            if tensor is not None
+        ]
+
+    def changed(self, model: nn.Module) -> tuple[str, str]:
+        """('', '') while the graph is right; else what changed (a short key) and how (for a message)."""
+        for qualified, registry, name, tensor, dtype, device in self.tensors:
+            now = registry.get(name)
+            if now is not tensor:
+                return "tensors", f"{qualified} is another tensor object than when planned (load_state_dict(assign=True)?)"
+            if now.dtype != dtype or now.device != device:
+                return "tensors", f"{qualified} is now {now.dtype} on {now.device}, planned as {dtype} on {device}"
+        now_modes = training_modes(model)
+        if now_modes != self.modes:
+            names = [path or "<root>" for (path, _), was, is_ in zip(model.named_modules(), self.modes, now_modes) if was != is_]
+            listed = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+            return "modes", f"the train/eval flags of {len(names)} submodule(s) differ from when planned ({listed})"
+        if autocast_state() != self.autocast:
+            return "autocast", f"autocast is {_autocast_text(autocast_state())}, planned {_autocast_text(self.autocast)}"
+        return "", ""
+
+
+def _autocast_text(state: tuple[tuple[str, bool, torch.dtype], ...]) -> str:
+    on = [f"{device} {str(dtype).removeprefix('torch.')}" for device, enabled, dtype in state if enabled]
+    return "on (" + ", ".join(on) + ")" if on else "off"
+
+
 class OptimizedModule(nn.Module):
     """The model, trained under a memory plan. Same parameters, buffers and state_dict keys as the original.
 
     In eval mode (warned once when gradients are on), under ``torch.no_grad()``, for inputs whose shapes differ from
-    the ones the plan was made for, or (fx and export captures) when a submodule's train/eval flag differs from what
-    it was when the model was captured, it runs the original model unchanged: the captured graph has those branches
-    baked in.
+    the ones the plan was made for, or (fx and export captures) when what the graph was captured under has changed
+    (``CaptureConditions``: tensors replaced or converted, train/eval flags, autocast), it runs the original model
+    unchanged, warning once per reason.
     """
 
     def __init__(
@@ -169,7 +210,7 @@ class OptimizedModule(nn.Module):
         *,
         executable: fx.GraphModule | None,
         checkpointed_modules: Sequence[nn.Module],
-        modes: tuple[bool, ...],
+        conditions: CaptureConditions | None,
     ) -> None:
         super().__init__()
         # the model's own registries, not copies: a forward that assigns a new tensor to a buffer
@@ -183,7 +224,7 @@ class OptimizedModule(nn.Module):
         self.__dict__["_autockpt_signature"] = signature
         self.__dict__["_autockpt_executable"] = executable
         self.__dict__["_autockpt_checkpointed"] = tuple(checkpointed_modules)
-        self.__dict__["_autockpt_modes"] = modes  # empty: the model runs live (module-level), any flags will do
+        self.__dict__["_autockpt_conditions"] = conditions  # None: the model runs live (module-level)
         self.__dict__["_autockpt_warned"] = set()  # reasons for running without the plan already logged
 
     @property
@@ -225,25 +266,16 @@ class OptimizedModule(nn.Module):
             return model(*args, **kwargs)
         executable = self.__dict__["_autockpt_executable"]
         if executable is not None:
-            if self._modes_changed(model):
+            reason, details = self.__dict__["_autockpt_conditions"].changed(model)
+            if reason:
+                self._warn_once(
+                    reason, "autockpt: running the original model without the plan: %s. The captured graph bakes in "
+                    "what it was planned under; plan again under the conditions training runs in.", details,
+                )
                 return model(*args, **kwargs)
             return executable(*args, **kwargs)
         with _patched_forwards(self.__dict__["_autockpt_checkpointed"], self.plan.checkpoint_kind):
             return model(*args, **kwargs)
-
-    def _modes_changed(self, model: nn.Module) -> bool:
-        """Whether a submodule's train/eval flag differs from the captured graph's (warned once)."""
-        captured = self.__dict__["_autockpt_modes"]
-        now = training_modes(model)
-        if not captured or now == captured:
-            return False
-        names = [name or "<root>" for (name, _), was, is_ in zip(model.named_modules(), captured, now) if was != is_]
-        self._warn_once(
-            "modes", "autockpt: the train/eval flags of %d submodule(s) differ from when the plan was made (%s%s); "
-            "running the original model without the plan. Plan again with the flags the training step uses.",
-            len(names), ", ".join(names[:5]), ", ..." if len(names) > 5 else "",
-        )
-        return True
 
     def _warn_once(self, reason: str, message: str, *args: Any) -> None:
         """Log why the plan is not used, once per reason: training loops call forward every step."""

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import pandas as pd
+    import torch
     from torch import nn
 
 # A unit index used for work that happens outside the captured graph (the loss function, autograd's start).
@@ -92,6 +93,8 @@ class Graph:
     # the train/eval flag of every submodule (``model.modules()`` order) when captured: fx and export bake the
     # branches that read them (dropout on or off, BatchNorm batch or running statistics) into the graph
     training_modes: tuple[bool, ...] = ()
+    # per device type, whether autocast was on and to which dtype: export bakes the casts it made into the graph
+    autocast: tuple[tuple[str, bool, torch.dtype], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

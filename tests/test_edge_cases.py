@@ -17,7 +17,7 @@ from autockpt.rewrite import rewrite
 from autockpt.simulate import simulate
 from autockpt.solve.candidates import candidate_regions
 from autockpt.types import Region
-from conftest import assert_same_step, budget_at, needs_transformers, probe, twin
+from conftest import assert_same_step, budget_at, needs_transformers, probe, run_step, twin
 
 
 def _optimize_at(case: zoo.ZooCase, fraction: float) -> nn.Module:
@@ -240,15 +240,64 @@ def test_frozen_batchnorm_in_a_training_model_stays_frozen() -> None:
     assert int(case.model.blocks[3][1].num_batches_tracked) == 2  # the checked step and the measured step
 
 
-def test_flags_changed_after_planning_run_the_original_model(caplog: pytest.LogCaptureFixture) -> None:
+def _unfreeze(module: nn.Module) -> None:
+    module.train()  # unfreezes every BatchNorm
+
+
+def _round_trip_dtype(module: nn.Module) -> None:
+    module.double().float()  # new buffer tensor objects, same values and dtype
+
+
+def _load_assigning(module: nn.Module) -> None:
+    module.load_state_dict({name: value.clone() for name, value in module.state_dict().items()}, assign=True)
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (_unfreeze, "train/eval flags of 3 submodule(s) differ"),
+        (_round_trip_dtype, "another tensor object than when planned"),
+        (_load_assigning, "another tensor object than when planned"),
+    ],
+    ids=["train-unfreezes", "double-then-float", "load-state-dict-assign"],
+)
+def test_changes_after_planning_run_the_original_model(change, reason: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The export graph reads the tensor objects and flags it was captured with: after these changes it computed
+    with stale buffers (BatchNorm statistics advanced twice), missed new parameters' gradients or failed on dtypes."""
     case = _frozen_batchnorm_case()
     reference = twin(case)
     optimized = _optimize_at(case, 0.5)
-    optimized.train()  # unfreezes every BatchNorm, in the model and in the reference alike
-    reference.train()
+    change(optimized)
+    change(reference)
     with caplog.at_level("WARNING", logger="autockpt.rewrite"):
         assert_same_step(optimized, reference, case)
-    assert "train/eval flags of 3 submodule(s) differ" in caplog.text and "blocks.0.1" in caplog.text
+    assert "running the original model without the plan" in caplog.text and reason in caplog.text
+
+
+@needs_transformers
+def test_a_model_converted_after_planning_runs_the_original_model(caplog: pytest.LogCaptureFixture) -> None:
+    """GPT-2 in float64 after planning in float32 (its inputs, token ids, are unchanged): the export graph failed."""
+    case = zoo.build("gpt2")
+    reference = twin(case)
+    optimized = _optimize_at(case, 0.5)
+    optimized.double()
+    reference.double()
+    with caplog.at_level("WARNING", logger="autockpt.rewrite"):
+        actual, actual_grads = run_step(optimized, case)
+    expected, expected_grads = run_step(reference, case)
+    torch.testing.assert_close(actual.logits, expected.logits)
+    torch.testing.assert_close(actual_grads, expected_grads)
+    assert "is now torch.float64 on cpu, planned as torch.float32 on cpu" in caplog.text
+
+
+def test_a_step_under_another_autocast_state_runs_the_original_model(caplog: pytest.LogCaptureFixture) -> None:
+    """Planned without autocast, trained under bfloat16 autocast: the export graph's baked-in casts failed."""
+    case = _frozen_batchnorm_case()
+    reference = twin(case)
+    optimized = _optimize_at(case, 0.5)
+    with torch.autocast("cpu", dtype=torch.bfloat16), caplog.at_level("WARNING", logger="autockpt.rewrite"):
+        assert_same_step(optimized, reference, case)
+    assert "autocast is on (cpu bfloat16), planned off" in caplog.text
 
 
 @needs_transformers

@@ -35,6 +35,9 @@ _PLAIN_LEAVES = (torch.Tensor, int, float, bool, str, type(None))
 def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Graph:
     """Capture ``model`` called as ``model(*args, **kwargs)``; never fails on an untraceable model."""
     notes: list[str] = []
+    # a trace may assign to buffers (fx leaves a Proxy in ``self.ema = 0.9 * self.ema + ...``): each attempt starts
+    # from, and leaves, the model's own buffers
+    buffers = BufferState(model)
     attempts = (
         (CaptureKind.FX, "fx", _capture_fx),
         (CaptureKind.EXPORT, "export on eager library paths", _capture_export_on_eager_paths),
@@ -43,8 +46,10 @@ def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     for kind, label, attempt in attempts:
         try:
             executable, extra_notes = attempt(model, args, kwargs)
+            buffers.restore()
             _check_same_outputs(model, executable, args, kwargs)
         except Exception as error:  # any failure means: try the next path
+            buffers.restore()
             reason = f"{label} capture not used: {type(error).__name__}: {_first_line(error)}"
             logger.info(reason)
             notes.append(reason)

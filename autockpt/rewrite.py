@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import operator
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -39,7 +40,7 @@ def rewrite(graph: Graph, plan: Plan, args: tuple, kwargs: dict) -> OptimizedMod
         spans = {(s.first_unit, s.last_unit): s.path for s in graph.module_spans}
         modules = [graph.model.get_submodule(spans[(r.first_unit, r.last_unit)]) for r in plan.regions]
         return OptimizedModule(
-            graph.model, plan, input_signature(args, kwargs), executable=None, checkpointed_modules=modules,
+            graph.model, plan, CallForm(graph.model, args, kwargs), executable=None, checkpointed_modules=modules,
             conditions=None,
         )
     gm = graph.executable
@@ -50,7 +51,7 @@ def rewrite(graph: Graph, plan: Plan, args: tuple, kwargs: dict) -> OptimizedMod
     gm.graph.lint()
     gm.recompile()
     return OptimizedModule(
-        graph.model, plan, input_signature(args, kwargs), executable=gm, checkpointed_modules=(),
+        graph.model, plan, CallForm(graph.model, args, kwargs), executable=gm, checkpointed_modules=(),
         conditions=CaptureConditions(graph),
     )
 
@@ -62,6 +63,80 @@ def input_signature(args: tuple, kwargs: dict) -> tuple:
         (tuple(leaf.shape), leaf.dtype, leaf.device) if isinstance(leaf, torch.Tensor) else repr(leaf) for leaf in leaves
     )
     return (str(spec), described)
+
+
+class CallForm:
+    """How the example call passed its inputs, so that a step passing the same values another way (``input_ids`` by
+    keyword instead of positionally, keywords in another order, an explicit default such as ``attention_mask=None``)
+    is put back into that form and keeps the plan: the captured graph takes its inputs exactly as the example did."""
+
+    def __init__(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.signature = input_signature(args, kwargs)
+        self.positional_names: tuple[str, ...] | None = None  # None: calls are taken only in the example's form
+        self.keyword_names = tuple(kwargs)
+        self.forward_signature = inspect.Signature()
+        try:
+            self.forward_signature = inspect.signature(model.forward)
+            bound = self.forward_signature.bind(*args, **kwargs)
+        except (TypeError, ValueError):  # no introspectable signature, or the example does not bind to it
+            return
+        names = []
+        for name in bound.arguments:
+            kind = self.parameters[name].kind
+            if kind is inspect.Parameter.VAR_POSITIONAL:
+                return  # *args: positions do not map to names
+            if kind is not inspect.Parameter.VAR_KEYWORD and name not in kwargs:
+                names.append(name)
+        self.positional_names = tuple(names)
+
+    @property
+    def parameters(self) -> Mapping[str, inspect.Parameter]:
+        return self.forward_signature.parameters
+
+    def matches(self, args: tuple, kwargs: dict) -> bool:
+        return input_signature(args, kwargs) == self.signature
+
+    def arranged(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """The call's values in the example's form, or None when it passes other values (not only another way)."""
+        if self.positional_names is None:
+            return None
+        values = self._named_values(args, kwargs)
+        if values is None:
+            return None
+        wanted = set(self.positional_names) | set(self.keyword_names)
+        for name, value in values.items():
+            if name not in wanted and not self._is_default(name, value):
+                return None  # a value the example did not pass: the graph has no input for it
+        for name in wanted - values.keys():
+            if name not in self.parameters or self.parameters[name].default is inspect.Parameter.empty:
+                return None
+            values[name] = self.parameters[name].default
+        rearranged = tuple(values[n] for n in self.positional_names), {n: values[n] for n in self.keyword_names}
+        return rearranged if self.matches(*rearranged) else None
+
+    def _named_values(self, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+        """Every value the call passes, by parameter name (``**kwargs`` entries by their own names)."""
+        try:
+            bound = self.forward_signature.bind(*args, **kwargs)
+        except TypeError:
+            return None
+        values: dict[str, Any] = {}
+        for name, value in bound.arguments.items():
+            kind = self.parameters[name].kind
+            if kind is inspect.Parameter.VAR_POSITIONAL:
+                return None
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                values.update(value)
+            else:
+                values[name] = value
+        return values
+
+    def _is_default(self, name: str, value: Any) -> bool:
+        parameter = self.parameters.get(name)
+        if parameter is None or parameter.default is inspect.Parameter.empty:
+            return False
+        default = parameter.default
+        return value is default or (not isinstance(value, torch.Tensor) and type(value) is type(default) and value == default)
 
 
 def run_checkpointed(
@@ -206,7 +281,7 @@ class OptimizedModule(nn.Module):
         self,
         model: nn.Module,
         plan: Plan,
-        signature: tuple,
+        call_form: CallForm,
         *,
         executable: fx.GraphModule | None,
         checkpointed_modules: Sequence[nn.Module],
@@ -221,7 +296,7 @@ class OptimizedModule(nn.Module):
         # plain attributes (not registered): the optimized module's state is exactly the model's
         self.__dict__["_autockpt_model"] = model
         self.__dict__["_autockpt_plan"] = plan
-        self.__dict__["_autockpt_signature"] = signature
+        self.__dict__["_autockpt_call_form"] = call_form
         self.__dict__["_autockpt_executable"] = executable
         self.__dict__["_autockpt_checkpointed"] = tuple(checkpointed_modules)
         self.__dict__["_autockpt_conditions"] = conditions  # None: the model runs live (module-level)
@@ -257,13 +332,17 @@ class OptimizedModule(nn.Module):
                 "one. Call .train() to train under the plan, or use torch.no_grad() to evaluate.",
             )
             return model(*args, **kwargs)
-        if input_signature(args, kwargs) != self.__dict__["_autockpt_signature"]:
-            self._warn_once(
-                "inputs", "autockpt: inputs differ from the example inputs the plan was made for (shapes, dtypes or "
-                "argument values); running the original model without the plan. Call autockpt.optimize with these "
-                "inputs to plan for them.",
-            )
-            return model(*args, **kwargs)
+        call_form: CallForm = self.__dict__["_autockpt_call_form"]
+        if not call_form.matches(args, kwargs):
+            arranged = call_form.arranged(args, kwargs)
+            if arranged is None:
+                self._warn_once(
+                    "inputs", "autockpt: inputs differ from the example inputs the plan was made for (shapes, dtypes, "
+                    "argument values or which arguments are given); running the original model without the plan. "
+                    "Call autockpt.optimize with these inputs to plan for them.",
+                )
+                return model(*args, **kwargs)
+            args, kwargs = arranged
         executable = self.__dict__["_autockpt_executable"]
         if executable is not None:
             reason, details = self.__dict__["_autockpt_conditions"].changed(model)

@@ -394,3 +394,34 @@ def test_an_output_export_cannot_return_is_not_dropped() -> None:
     plan = _check(case, 0.5)
     assert plan.capture == "module"
     assert any("_Prediction" in note for note in plan.notes)
+
+
+@needs_transformers
+def test_the_same_inputs_passed_another_way_keep_the_plan(caplog: pytest.LogCaptureFixture) -> None:
+    """input_ids by keyword instead of positionally, keywords in another order, an explicit None: the plan was
+    dropped (the step ran unplanned, over the budget) because the call's structure differed from the example's."""
+    case = zoo.build("gpt2")
+    reference = twin(case)
+    optimized = _optimize_at(case, 0.5)
+    plan = autockpt.get_plan(optimized)
+    ids = case.args[0]
+    labels = ids.clone()
+    calls = [((), {"input_ids": ids, "labels": labels}), ((), {"labels": labels, "input_ids": ids, "attention_mask": None})]
+    with caplog.at_level("WARNING", logger="autockpt"):
+        for args, kwargs in calls:
+            other_form = zoo.ZooCase(name="gpt2-keywords", model=case.model, args=args, kwargs=kwargs)
+            assert autockpt.measure_step(optimized, args, kwargs).peak_bytes <= plan.budget_bytes
+            assert_same_step(optimized, reference, other_form)
+    assert "inputs differ" not in caplog.text
+    # a value the example did not pass (a mask tensor) has no input in the graph: the original model runs, warned
+    masked = zoo.ZooCase(
+        name="gpt2-masked", model=case.model, args=(ids,), kwargs={"labels": labels, "attention_mask": torch.ones_like(ids)}
+    )
+    with caplog.at_level("WARNING", logger="autockpt"):
+        actual, actual_grads = run_step(optimized, masked)
+    expected, expected_grads = run_step(reference, masked)
+    assert "which arguments are given" in caplog.text
+    torch.testing.assert_close(actual.loss, expected.loss)
+    assert actual_grads.keys() == expected_grads.keys()
+    for name, want in expected_grads.items():
+        torch.testing.assert_close(actual_grads[name], want, msg=f"gradient of {name}")

@@ -2,21 +2,23 @@
 
 * ``hf_gradient_checkpointing``: Hugging Face's own ``model.gradient_checkpointing_enable(
   gradient_checkpointing_kwargs={"use_reentrant": False})`` (diffusers: ``enable_gradient_checkpointing()``, which
-  uses ``use_reentrant=False`` itself) on a copy of the model. Peak by MemTracker (``autockpt.measure_step``).
+  uses ``use_reentrant=False`` itself) on a copy of the model. Peak by ``autockpt.measure_step`` (MemTracker on CPU,
+  ``torch.cuda.max_memory_allocated`` on CUDA).
 * ``torch_sac_milp``: PyTorch's module-level selective-activation-checkpointing MILP
   (``torch.distributed._tools.sac_ilp.sac_milp``) fed by its own estimators (MemTracker, RuntimeEstimator and
-  SACEstimator in "operator-level-benchmark" mode, i.e. ops timed on this CPU). Its answer, a fraction of each
-  chosen module's activation memory to discard, is applied as PyTorch intends: per module,
+  SACEstimator in "operator-level-benchmark" mode: ops timed with CUDA events on CUDA, timed here on CPU). Its
+  answer, a fraction of each chosen module's activation memory to discard, is applied as PyTorch intends: per module,
   ``get_optimal_checkpointing_policy_per_module`` picks which ops to save, and the module's forward runs under
   ``torch.utils.checkpoint(use_reentrant=False, context_fn=create_selective_checkpoint_contexts(policy))``.
-  Peak by MemTracker.
+  Peak by ``autockpt.measure_step``.
 * ``torch_compile_budget``: ``torch.compile`` with ``torch._functorch.config.activation_memory_budget`` set to the
   budget's fraction (0 = recompute everything the partitioner can, 1 = its default). MemTracker cannot see
   allocations inside Inductor's compiled code, so the peak is measured with ``torch.profiler``
   (``profile_memory=True``): the highest running total of CPU allocator bytes during one step, plus the bytes of
   parameters, buffers and inputs that exist before the step. That method reads a few per cent above MemTracker on
   eager code (the allocator sees kernel workspaces MemTracker does not), so the eager model is measured the same
-  way (``eager_profiler_peak_bytes``) to compare like with like.
+  way (``eager_profiler_peak_bytes``) to compare like with like. On CUDA the caching allocator sees every
+  allocation, compiled or not, so the peak is ``torch.cuda.max_memory_allocated`` as for every other strategy.
 
 Every function returns an ``AnchorResult``; an anchor that cannot run says why (``status`` unavailable, ``reason``)
 instead of raising, so a sweep can put a "not available: reason" row in its table.
@@ -53,8 +55,15 @@ class AnchorStatus(str, Enum):
 
 
 class PeakMethod(str, Enum):
-    MEMTRACKER = "memtracker"  # torch.distributed._tools.mem_tracker.MemTracker, as autockpt.measure_step
+    MEMTRACKER = "memtracker"  # torch.distributed._tools.mem_tracker.MemTracker, as autockpt.measure_step on CPU
+    CUDA_ALLOCATOR = "max_memory_allocated"  # torch.cuda.max_memory_allocated, as autockpt.measure_step on CUDA
     PROFILER = "profiler"  # torch.profiler CPU allocator events + static bytes
+
+
+def step_peak_method(model: nn.Module) -> PeakMethod:
+    """How ``autockpt.measure_step`` measures a step of ``model`` (it follows the parameters' device)."""
+    on_cuda = any(p.is_cuda for p in model.parameters())
+    return PeakMethod.CUDA_ALLOCATOR if on_cuda else PeakMethod.MEMTRACKER
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -68,7 +77,7 @@ class AnchorResult:
     solve_time_s: float = 0.0  # time the anchor spent deciding (estimators + MILP, or compilation)
     reason: str = ""
     notes: tuple[str, ...] = field(default=())
-    eager_profiler_peak_bytes: int | None = None  # profiler method on the unmodified eager model
+    eager_profiler_peak_bytes: int | None = None  # profiler method on the unmodified eager model (CPU only)
 
 
 # ------------------------------------------------------------------------------------------------ Hugging Face
@@ -100,7 +109,7 @@ def hf_gradient_checkpointing(
     peak = measure_step(twin, args, dict(kwargs), loss_fn).peak_bytes
     return AnchorResult(
         strategy=strategy, status=AnchorStatus.MEASURED, module=twin, measured_peak_bytes=peak, solve_time_s=solve_s,
-        notes=(how,),
+        peak_method=step_peak_method(twin), notes=(how,),
     )
 
 
@@ -159,7 +168,7 @@ def torch_sac_milp(
              + (" ..." if len(wrapped) > 6 else ""), f"MILP recompute estimate {recompute_ms} ms", *notes)
     return AnchorResult(
         strategy=strategy, status=AnchorStatus.MEASURED, module=twin, measured_peak_bytes=peak,
-        predicted_peak_bytes=int(predicted_peak), solve_time_s=solve_s, notes=notes,
+        peak_method=step_peak_method(twin), predicted_peak_bytes=int(predicted_peak), solve_time_s=solve_s, notes=notes,
     )
 
 
@@ -170,7 +179,7 @@ def _sac_decisions(
 
     Their "operator-level-benchmark" mode times ops with CUDA events and the cost model needs CUDA's peak FLOP/s, so
     on CPU each op is timed here instead (random inputs of the fake tensors' shapes, median of 3 runs with
-    ``time.perf_counter``); everything else is PyTorch's code.
+    ``time.perf_counter``); on CUDA, and everywhere else, it is PyTorch's code.
     """
     from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
     from torch.distributed._tools.ilp_utils import aggregate_stats, parse_module_info
@@ -183,6 +192,8 @@ def _sac_decisions(
     with FakeCopyMode(fake_mode):
         fake_model = copy.deepcopy(model)
     fake_model.train()
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    on_cpu = device.type == "cpu"
     fake_args, fake_kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, fake_mode.from_tensor, (args, kwargs))
 
     def step() -> None:
@@ -197,13 +208,15 @@ def _sac_decisions(
             step()
         runtime_estimator = RuntimeEstimator()
         with runtime_estimator("operator-level-benchmark"):
-            runtime_estimator._estimate = _cpu_op_time  # type: ignore[attr-defined]
+            if on_cpu:
+                runtime_estimator._estimate = _cpu_op_time  # type: ignore[attr-defined]
             step()
         sac_estimator = SACEstimator()
         with sac_estimator("operator-level-benchmark"):
-            sac_estimator._estimate_runtime = _cpu_op_time  # type: ignore[attr-defined]
+            if on_cpu:
+                sac_estimator._estimate_runtime = _cpu_op_time  # type: ignore[attr-defined]
             step()
-    module_info = aggregate_stats(fake_model, mem_tracker, runtime_estimator, sac_estimator, torch.device("cpu"))
+    module_info = aggregate_stats(fake_model, mem_tracker, runtime_estimator, sac_estimator, device)
     sac_graph = parse_module_info(module_info)
     with _quiet("torch.distributed._tools.sac_ilp"):
         decisions, recompute_ms, predicted_peak = sac_milp(sac_graph, memory_budget=budget_bytes / GIB, world_size=1)
@@ -305,7 +318,8 @@ def torch_compile_budget(
     *,
     fraction: float,
 ) -> AnchorResult:
-    """``torch.compile`` of a copy of ``model`` with ``activation_memory_budget = fraction``; peak by the profiler.
+    """``torch.compile`` of a copy of ``model`` with ``activation_memory_budget = fraction``; peak by the profiler
+    on CPU, by ``torch.cuda.max_memory_allocated`` on CUDA.
 
     ``torch._dynamo.reset()`` is called first (a compiled graph of the same class would otherwise be reused whatever
     the budget), so time the returned module before compiling anything else.
@@ -319,7 +333,8 @@ def torch_compile_budget(
     twin.train()
     loss_fn = loss_fn or default_loss
     kwargs = dict(kwargs)
-    eager_peak = profiler_peak_bytes(model, args, kwargs, loss_fn)
+    on_cuda = step_peak_method(model) is PeakMethod.CUDA_ALLOCATOR
+    eager_peak = None if on_cuda else profiler_peak_bytes(model, args, kwargs, loss_fn)
     torch._dynamo.reset()
     started = time.perf_counter()
     try:
@@ -333,10 +348,13 @@ def torch_compile_budget(
         )
     compile_s = time.perf_counter() - started
     _step(compiled, args, kwargs, loss_fn)  # a second step: nothing left to compile
-    peak = profiler_peak_bytes(compiled, args, kwargs, loss_fn, static_from=twin)
+    if on_cuda:
+        peak, method = measure_step(compiled, args, kwargs, loss_fn).peak_bytes, PeakMethod.CUDA_ALLOCATOR
+    else:
+        peak, method = profiler_peak_bytes(compiled, args, kwargs, loss_fn, static_from=twin), PeakMethod.PROFILER
     return AnchorResult(
         strategy=strategy, status=AnchorStatus.MEASURED, module=compiled, measured_peak_bytes=peak,
-        peak_method=PeakMethod.PROFILER, solve_time_s=compile_s, eager_profiler_peak_bytes=eager_peak,
+        peak_method=method, solve_time_s=compile_s, eager_profiler_peak_bytes=eager_peak,
         notes=(f"activation_memory_budget={fraction:.3f}; compile {compile_s:.0f} s",),
     )
 

@@ -17,13 +17,23 @@ warm-up round, then ``--repeats`` rounds; the ratio is the median over rounds of
 the same round. torch.compile modules are timed in their own alternating loop right after compiling (a later
 compile resets Dynamo's caches).
 
+``--device cuda`` runs every model, input and strategy on the GPU; peaks are then ``torch.cuda.max_memory_allocated``
+for every strategy, torch.compile included (column ``peak_method``). That counts everything the process holds on the
+device, so the anchors' own copies of the model (HF's, SAC's) are moved to the CPU while any other strategy is
+measured, and the previous model is garbage-collected before the next is built (column
+``device_resident_before_bytes`` says what was still allocated then): each peak is its own step's.
+
     python experiments/sweep.py                                   # default CPU sweep (size "small")
+    python experiments/sweep.py --device cuda --size bench        # the same on a GPU, at the larger zoo size
     python experiments/sweep.py --models gpt2,vit --fractions 0.4 --strategies autockpt,none,every_1 --out /tmp/s
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import gc
 import logging
 import math
 import platform
@@ -31,7 +41,7 @@ import statistics
 import sys
 import time
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,13 +119,43 @@ def rebatch(case: zoo.ZooCase, batch: int) -> ExampleBatch:
             return value.repeat(repeats, *([1] * (value.dim() - 1)))[:batch].clone()
         return value
 
-    args = tuple(torch.utils._pytree.tree_map(resize, case.args))
-    kwargs = torch.utils._pytree.tree_map(resize, dict(case.kwargs))
+    return _map_inputs(case, resize)
+
+
+def on_device(case: zoo.ZooCase, device: torch.device) -> zoo.ZooCase:
+    """The case with its model, inputs and the tensors its loss function holds on ``device``."""
+    if device.type == "cpu":
+        return case
+    moved = _map_inputs(case, lambda value: value.to(device) if isinstance(value, torch.Tensor) else value)
+    return dataclasses.replace(case, model=case.model.to(device), args=moved.args, kwargs=moved.kwargs,
+                               loss_fn=moved.loss_fn)
+
+
+def _map_inputs(case: zoo.ZooCase, change: Callable[[Any], Any]) -> ExampleBatch:
+    """``change`` applied to every leaf of the case's inputs and to the cells of its loss function's closure."""
+    args = tuple(torch.utils._pytree.tree_map(change, case.args))
+    kwargs = torch.utils._pytree.tree_map(change, dict(case.kwargs))
     loss_fn = case.loss_fn
     if isinstance(loss_fn, types.FunctionType) and loss_fn.__closure__:
-        cells = tuple(types.CellType(resize(c.cell_contents)) for c in loss_fn.__closure__)
+        cells = tuple(types.CellType(change(c.cell_contents)) for c in loss_fn.__closure__)
         loss_fn = types.FunctionType(loss_fn.__code__, loss_fn.__globals__, loss_fn.__name__, loss_fn.__defaults__, cells)
     return ExampleBatch(args=args, kwargs=kwargs, loss_fn=loss_fn)
+
+
+@contextlib.contextmanager
+def parked(copies: Sequence[nn.Module], device: torch.device) -> Iterator[None]:
+    """On CUDA a measured peak counts everything the process holds on the device, so the anchors' own copies of the
+    model (and their gradients) wait on the CPU while another strategy is measured."""
+    if device.type != "cuda" or not copies:
+        yield
+        return
+    for copy_ in copies:
+        copy_.to("cpu")
+    try:
+        yield
+    finally:
+        for copy_ in copies:
+            copy_.to(device)
 
 
 def _batch_of(case: zoo.ZooCase) -> int:
@@ -158,12 +198,14 @@ class SweepConfig:
     batch_strategies: tuple[str, ...] = DEFAULT_BATCH_STRATEGIES
     out: Path = Path("experiments/results/sweep")
     quiet: bool = False
+    device: torch.device = torch.device("cpu")
 
 
 def sweep_model(name: str, config: SweepConfig, bar: tqdm) -> tuple[list[Point], dict[str, int]]:
     """Measure every strategy on one zoo model; returns the points and the budgets (label -> bytes)."""
     torch.manual_seed(0)
-    case = zoo.build(name, config.size)
+    case = on_device(zoo.build(name, config.size), config.device)
+    step_peak_method = anchors.step_peak_method(case.model).value
     batch = ExampleBatch(args=case.args, kwargs=case.kwargs, loss_fn=case.loss_fn)
     bar.set_postfix_str(f"{name}: capture + profile")
     planner = Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
@@ -175,9 +217,15 @@ def sweep_model(name: str, config: SweepConfig, bar: tqdm) -> tuple[list[Point],
     }
     points: list[Point] = []
     eager: dict[str, nn.Module] = {}
+    anchor_copies: list[nn.Module] = []  # deep copies of the model the anchors made (parked while others are measured)
 
     def measure(module: nn.Module) -> int:
-        return autockpt.measure_step(module, case.args, case.kwargs, case.loss_fn).peak_bytes
+        peak = autockpt.measure_step(module, case.args, case.kwargs, case.loss_fn).peak_bytes
+        # the gradients it leaves are on the model's own parameters (plans share them): on CUDA a later profile or
+        # verification would count them as memory the process holds
+        for param in module.parameters():
+            param.grad = None
+        return peak
 
     # baselines (budget-independent)
     seen: dict[tuple, str] = {}
@@ -191,6 +239,7 @@ def sweep_model(name: str, config: SweepConfig, bar: tqdm) -> tuple[list[Point],
         the_plan = baseline_plan(planner, strategy)
         point = Point(
             strategy=strategy, predicted_peak_bytes=the_plan.predicted_peak_bytes, regions=len(the_plan.regions),
+            peak_method=step_peak_method,
             predicted_ratio=1 + the_plan.predicted_overhead, solve_s=0.0, capture=capture, notes="; ".join(chosen.notes),
         )
         if key in seen:
@@ -207,6 +256,7 @@ def sweep_model(name: str, config: SweepConfig, bar: tqdm) -> tuple[list[Point],
         eager["none"] = planner.apply(none_plan)
     eager["original"] = case.model
     points.append(Point(strategy="original", measured_peak_bytes=measure(case.model), capture="eager", solve_s=0.0,
+                        peak_method=step_peak_method,
                         notes="the model itself, not captured (timing reference for the anchors)"))
     points[-1].module = case.model
 
@@ -217,6 +267,7 @@ def sweep_model(name: str, config: SweepConfig, bar: tqdm) -> tuple[list[Point],
         points.append(_anchor_point(result, capture="eager"))
         if result.module is not None:
             eager[result.strategy] = result.module
+            anchor_copies.append(result.module)
             budgets["hf_peak"] = result.measured_peak_bytes
 
     # autockpt at every budget: its default checkpoint choice (the planner above), and each checkpoint alone
@@ -224,15 +275,17 @@ def sweep_model(name: str, config: SweepConfig, bar: tqdm) -> tuple[list[Point],
         checkpoint = AUTOCKPT_STRATEGIES[strategy]
         if checkpoint != AUTO_CHECKPOINT:
             bar.set_postfix_str(f"{name}: profile for {strategy}")
-            planner_for = Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs,
-                                  loss_fn=case.loss_fn, solver_options=SolverOptions(checkpoint=checkpoint))
+            with parked(anchor_copies, config.device):  # the profile counts what the device holds besides the step
+                planner_for = Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs,
+                                      loss_fn=case.loss_fn, solver_options=SolverOptions(checkpoint=checkpoint))
         else:
             planner_for = planner
         for label, budget in budgets.items():
             bar.set_postfix_str(f"{name}: {strategy} @ {label}")
             started = time.perf_counter()
             try:
-                module = planner_for.optimize(budget_bytes=budget)
+                with parked(anchor_copies, config.device):
+                    module = planner_for.optimize(budget_bytes=budget)
             except autockpt.InfeasibleBudgetError as error:
                 points.append(Point(strategy=strategy, budget_label=label, budget_bytes=budget, status="infeasible",
                                     capture=capture, notes=f"InfeasibleBudgetError, min feasible {error.min_feasible_bytes} bytes"))
@@ -243,7 +296,8 @@ def sweep_model(name: str, config: SweepConfig, bar: tqdm) -> tuple[list[Point],
                 strategy=strategy, budget_label=label, budget_bytes=budget, module=module,
                 predicted_peak_bytes=plan.predicted_peak_bytes, measured_peak_bytes=peak, regions=len(plan.regions),
                 predicted_ratio=1 + plan.predicted_overhead, solve_s=plan.solve_time_s, capture=capture,
-                checkpoint=plan.checkpoint_kind.value, notes=f"{plan.status.value}; optimize {time.perf_counter() - started:.1f} s",
+                peak_method=step_peak_method, checkpoint=plan.checkpoint_kind.value,
+                notes=f"{plan.status.value}; optimize {time.perf_counter() - started:.1f} s",
             )
             points.append(point)
             eager[f"{strategy}@{label}"] = module
@@ -254,11 +308,13 @@ def sweep_model(name: str, config: SweepConfig, bar: tqdm) -> tuple[list[Point],
             label = f"{fraction:.2f}"
             budget = budgets.get(label) or int(profile.static_bytes + fraction * (profile.baseline_peak_bytes - profile.static_bytes))
             bar.set_postfix_str(f"{name}: SAC MILP @ {label}")
-            result = anchors.torch_sac_milp(case.model, case.args, case.kwargs, case.loss_fn, budget_bytes=budget)
+            with parked(anchor_copies, config.device):
+                result = anchors.torch_sac_milp(case.model, case.args, case.kwargs, case.loss_fn, budget_bytes=budget)
             point = _anchor_point(result, capture="eager", label=label, budget=budget)
             points.append(point)
             if result.module is not None:
                 eager[f"{result.strategy}@{label}"] = result.module
+                anchor_copies.append(result.module)
 
     # timing of every eager module, round robin
     bar.set_postfix_str(f"{name}: timing {len(eager)} modules x {config.repeats + 1} rounds")
@@ -276,12 +332,16 @@ def sweep_model(name: str, config: SweepConfig, bar: tqdm) -> tuple[list[Point],
         fractions = config.compile_fractions if name in config.compile_models else ()
         if not fractions:
             points.append(Point(strategy="torch_compile_budget", status="unavailable", capture="compiled",
-                                notes=f"not run by default for {name}: CPU compilation takes about a minute per budget "
+                                notes=f"not run by default for {name}: compilation takes about a minute per budget "
                                       "(add it with --compile-models)"))
         for fraction in fractions:
             label = f"{fraction:.2f}"
             bar.set_postfix_str(f"{name}: torch.compile @ {label}")
-            result = anchors.torch_compile_budget(case.model, case.args, case.kwargs, case.loss_fn, fraction=fraction)
+            for param in case.model.parameters():  # the timing rounds left gradients; the compiled copy starts without
+                param.grad = None
+            with parked(anchor_copies, config.device):
+                result = anchors.torch_compile_budget(case.model, case.args, case.kwargs, case.loss_fn,
+                                                      fraction=fraction)
             point = _anchor_point(result, capture="compiled", label=label, budget=budgets.get(label))
             if result.module is not None:
                 point.step_time_ratio = step_time_ratio(result.module, eager["none"], batch, config.repeats)
@@ -290,7 +350,24 @@ def sweep_model(name: str, config: SweepConfig, bar: tqdm) -> tuple[list[Point],
             torch._dynamo.reset()
     for point in points:
         point.module = None
+    eager.clear()
+    anchor_copies.clear()
     return points, budgets
+
+
+def free_previous_model(device: torch.device) -> int | None:
+    """Collect what the previous model left and return the bytes still allocated on a CUDA ``device`` (None on CPU).
+
+    The planners, captured graphs and models of a finished model sit in reference cycles that only the garbage
+    collector frees, at a moment of its choosing: on CUDA, where every measurement counts all the process holds on the
+    device, an H100 sweep counted GPT-2's 93 MB of parameters in ViT's first profile and in its baseline peaks. Called
+    after ``sweep_model`` has returned (its own frame holds the model until then).
+    """
+    gc.collect()
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return torch.cuda.memory_allocated(device)
 
 
 def _anchor_point(result: anchors.AnchorResult, *, capture: str, label: str = "", budget: int | None = None) -> Point:
@@ -430,7 +507,8 @@ def markdown_table(table: pd.DataFrame) -> str:
 def max_batch_table(config: SweepConfig, bar: tqdm) -> pd.DataFrame:
     rows: list[dict[str, Any]] = []
     for name in config.batch_models:
-        case = zoo.build(name, config.size)
+        free_previous_model(config.device)
+        case = on_device(zoo.build(name, config.size), config.device)
         batch0 = _batch_of(case)
         budget = autockpt.measure_step(case.model, case.args, case.kwargs, case.loss_fn).peak_bytes
         precision = 1 if batch0 <= 8 else batch0 // 8
@@ -468,8 +546,13 @@ def run(config: SweepConfig) -> dict[str, Path]:
     with tqdm(total=total, desc="sweep", unit="step", disable=True if config.quiet else None, file=sys.stderr) as bar:
         for name in config.models:
             model_started = time.perf_counter()
+            resident_bytes = free_previous_model(config.device)
+            if resident_bytes is not None:
+                logger.info("%s: %d bytes allocated on %s before the model is built",
+                            name, resident_bytes, config.device)
             points, budgets = sweep_model(name, config, bar)
-            rows += tidy_rows(name, points, budgets)
+            rows += [{**row, "device_resident_before_bytes": resident_bytes}
+                     for row in tidy_rows(name, points, budgets)]
             bar.update(1)
             logger.info("%s: %.0f s", name, time.perf_counter() - model_started)
             pd.DataFrame(rows).to_csv(config.out / "sweep.csv", index=False)  # partial results survive a crash
@@ -491,15 +574,20 @@ def run(config: SweepConfig) -> dict[str, Path]:
     return paths
 
 
-def report(config: SweepConfig, table: pd.DataFrame, points: pd.DataFrame, batch_table: pd.DataFrame, wall_s: float) -> str:
+def report(config: SweepConfig, table: pd.DataFrame, points: pd.DataFrame, batch_table: pd.DataFrame, wall_s: float,
+           command: str | None = None, machine: str | None = None) -> str:
+    """The markdown report; ``command`` and ``machine`` default to this process's (rerender passes the original
+    run's)."""
     argv = " ".join(sys.argv[1:])
+    command = command or f"python experiments/sweep.py{(' ' + argv) if argv else ''}"
+    machine = machine or (f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
+                          f"Python {platform.python_version()}; device {_device_name(config.device)}")
     lines = [
         "# autockpt sweep",
         "",
-        f"Command: `python experiments/sweep.py{(' ' + argv) if argv else ''}`; wall time {wall_s:.0f} s.",
-        f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
-        f"Python {platform.python_version()}. Peaks in bytes (MB = 10^6); step-time ratio vs `none`, median of "
-        f"{config.repeats} alternating rounds.",
+        f"Command: `{command}`; wall time {wall_s:.0f} s.",
+        f"Machine: {machine}. Peaks in bytes (MB = 10^6); "
+        f"step-time ratio vs `none`, median of {config.repeats} alternating rounds.",
         "",
     ]
     if not table.empty:
@@ -516,6 +604,12 @@ def report(config: SweepConfig, table: pd.DataFrame, points: pd.DataFrame, batch
         lines += ["", "## Max batch size under a fixed budget (the unmodified model's measured peak at the zoo batch)", "",
                   markdown_table(pivot)]
     return "\n".join(lines) + "\n"
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return str(device)
 
 
 def sweep_sections(table: pd.DataFrame, points: pd.DataFrame) -> list[str]:
@@ -542,17 +636,16 @@ def sweep_sections(table: pd.DataFrame, points: pd.DataFrame) -> list[str]:
     return lines
 
 
-def rerender(out: Path, config: SweepConfig, command: str, wall_s: float) -> None:
-    """Rewrite the plots and markdown of a finished sweep from its CSVs (no measurement)."""
+def rerender(out: Path, config: SweepConfig, command: str, wall_s: float, machine: str | None = None) -> None:
+    """Rewrite the plots and markdown of a finished sweep from its CSVs (no measurement), e.g. for a sweep run on a GPU
+    machine whose markdown did not come back; ``machine`` then describes that machine, not this one."""
     table = pd.read_csv(out / "sweep.csv")
     batch_path = out / "max_batch.csv"
     batch_table = pd.read_csv(batch_path) if batch_path.exists() else pd.DataFrame()
     points = unique_points(table)
     for model in table.model.unique():
         pareto_plot(points, model, out / f"pareto_{model}.png")
-    text = report(config, table, points, batch_table, wall_s)
-    text = text.replace(text.splitlines()[2], f"Command: `{command}`; wall time {wall_s:.0f} s.")
-    (out / "sweep.md").write_text(text)
+    (out / "sweep.md").write_text(report(config, table, points, batch_table, wall_s, command=command, machine=machine))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> SweepConfig:
@@ -571,6 +664,7 @@ def parse_args(argv: Sequence[str] | None = None) -> SweepConfig:
     parser.add_argument("--batch-strategies", default=",".join(DEFAULT_BATCH_STRATEGIES))
     parser.add_argument("--out", default="experiments/results/sweep")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--device", default="cpu", help="device to run every model on: cpu, cuda, cuda:1")
     args = parser.parse_args(argv)
 
     def names(text: str) -> tuple[str, ...]:
@@ -582,7 +676,7 @@ def parse_args(argv: Sequence[str] | None = None) -> SweepConfig:
         sac_fractions=tuple(float(f) for f in names(args.sac_fractions)), compile_models=names(args.compile_models),
         compile_fractions=tuple(float(f) for f in names(args.compile_fractions)), repeats=args.repeats,
         batch_models=names(args.batch_models), batch_strategies=names(args.batch_strategies), out=Path(args.out),
-        quiet=args.quiet,
+        quiet=args.quiet, device=_parse_device(parser, args.device),
     )
     for model in (*config.models, *config.batch_models):
         if model not in zoo.BUILDERS:
@@ -593,6 +687,18 @@ def parse_args(argv: Sequence[str] | None = None) -> SweepConfig:
     if config.repeats < 5:
         logger.warning("--repeats %d: the project's standard is a median of at least 5", config.repeats)
     return config
+
+
+def _parse_device(parser: argparse.ArgumentParser, text: str) -> torch.device:
+    try:
+        device = torch.device(text)
+    except RuntimeError as error:
+        parser.error(f"--device {text!r} is not a torch device ({error}); give cpu, cuda or cuda:N")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device {text!r}: the sweep runs on cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {text!r}: this torch build sees no CUDA device (torch {torch.__version__})")
+    return device
 
 
 def main(argv: Sequence[str] | None = None) -> None:

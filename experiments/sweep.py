@@ -223,8 +223,7 @@ def sweep_model(name: str, config: SweepConfig, bar: tqdm) -> tuple[list[Point],
         peak = autockpt.measure_step(module, case.args, case.kwargs, case.loss_fn).peak_bytes
         # the gradients it leaves are on the model's own parameters (plans share them): on CUDA a later profile or
         # verification would count them as memory the process holds
-        for param in module.parameters():
-            param.grad = None
+        module.zero_grad(set_to_none=True)
         return peak
 
     # baselines (budget-independent)
@@ -337,8 +336,7 @@ def sweep_model(name: str, config: SweepConfig, bar: tqdm) -> tuple[list[Point],
         for fraction in fractions:
             label = f"{fraction:.2f}"
             bar.set_postfix_str(f"{name}: torch.compile @ {label}")
-            for param in case.model.parameters():  # the timing rounds left gradients; the compiled copy starts without
-                param.grad = None
+            case.model.zero_grad(set_to_none=True)  # the timing rounds left gradients; the compiled copy starts without
             with parked(anchor_copies, config.device):
                 result = anchors.torch_compile_budget(case.model, case.args, case.kwargs, case.loss_fn,
                                                       fraction=fraction)
@@ -507,32 +505,39 @@ def markdown_table(table: pd.DataFrame) -> str:
 def max_batch_table(config: SweepConfig, bar: tqdm) -> pd.DataFrame:
     rows: list[dict[str, Any]] = []
     for name in config.batch_models:
-        free_previous_model(config.device)
-        case = on_device(zoo.build(name, config.size), config.device)
-        batch0 = _batch_of(case)
-        budget = autockpt.measure_step(case.model, case.args, case.kwargs, case.loss_fn).peak_bytes
-        precision = 1 if batch0 <= 8 else batch0 // 8
-        bar.set_postfix_str(f"max batch: {name}")
-
-        def on_trial(trial: Any) -> None:
-            bar.set_postfix_str(f"max batch: {name} {trial.strategy} batch {trial.batch_size}: {trial.outcome.value}")
-
-        started = time.perf_counter()
-        results = max_batch_sizes(
-            lambda: case.model, lambda n: rebatch(case, n), budget_bytes=budget, strategies=config.batch_strategies,
-            start=batch0, precision=precision, on_trial=on_trial,
-        )
-        for strategy, result in results.items():
-            rows.append({
-                "model": name, "budget_bytes": budget, "zoo_batch": batch0, "strategy": strategy,
-                "max_batch": result.batch_size, "first_over_batch": result.first_over_batch,
-                "measured_peak_bytes": result.measured_peak_bytes, "trials": len(result.trials), "precision": precision,
-                "last_outcome": result.trials[-1].outcome.value, "last_detail": result.trials[-1].detail,
-            })
+        free_previous_model(config.device)  # after max_batch_rows has returned: its frame held the previous model
+        rows += max_batch_rows(name, config, bar)
         bar.update(1)
-        logger.info("max batch %s: %.0f s", name, time.perf_counter() - started)
         pd.DataFrame(rows).to_csv(config.out / "max_batch.csv", index=False)  # partial results survive a crash
     return pd.DataFrame(rows)
+
+
+def max_batch_rows(name: str, config: SweepConfig, bar: tqdm) -> list[dict[str, Any]]:
+    """One row per batch strategy: the largest batch of ``name`` whose step measures under the zoo batch's peak."""
+    case = on_device(zoo.build(name, config.size), config.device)
+    batch0 = _batch_of(case)
+    budget = autockpt.measure_step(case.model, case.args, case.kwargs, case.loss_fn).peak_bytes
+    precision = 1 if batch0 <= 8 else batch0 // 8
+    bar.set_postfix_str(f"max batch: {name}")
+
+    def on_trial(trial: Any) -> None:
+        bar.set_postfix_str(f"max batch: {name} {trial.strategy} batch {trial.batch_size}: {trial.outcome.value}")
+
+    started = time.perf_counter()
+    results = max_batch_sizes(
+        lambda: case.model, lambda n: rebatch(case, n), budget_bytes=budget, strategies=config.batch_strategies,
+        start=batch0, precision=precision, on_trial=on_trial,
+    )
+    logger.info("max batch %s: %.0f s", name, time.perf_counter() - started)
+    return [
+        {
+            "model": name, "budget_bytes": budget, "zoo_batch": batch0, "strategy": strategy,
+            "max_batch": result.batch_size, "first_over_batch": result.first_over_batch,
+            "measured_peak_bytes": result.measured_peak_bytes, "trials": len(result.trials), "precision": precision,
+            "last_outcome": result.trials[-1].outcome.value, "last_detail": result.trials[-1].detail,
+        }
+        for strategy, result in results.items()
+    ]
 
 
 # ------------------------------------------------------------------------------------------------ main

@@ -702,7 +702,8 @@ def _parse_device(parser: argparse.ArgumentParser, text: str) -> torch.device:
     if device.type not in ("cpu", "cuda"):
         parser.error(f"--device {text!r}: the sweep runs on cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {text!r}: this torch build sees no CUDA device (torch {torch.__version__})")
+        parser.error(f"--device {text!r}: this torch build sees no CUDA device (torch {torch.__version__}); "
+                     "run on a machine with a GPU and a CUDA build of torch, or give --device cpu")
     return device
 
 

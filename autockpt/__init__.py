@@ -7,7 +7,7 @@ Budgets are in GB = 10^9 bytes (``budget_gb``) or bytes (``budget_bytes``).
 
 from __future__ import annotations
 
-from autockpt.api import Planner, apply_plan, default_loss, get_plan, optimize, plan
+from autockpt.api import Planner, apply_plan, baseline_plan, get_plan, optimize, plan
 from autockpt.batch_size import BatchSizeResult, ExampleBatch, max_batch_size, max_batch_sizes
 from autockpt.errors import (
     AutockptError,
@@ -19,15 +19,31 @@ from autockpt.errors import (
     ProfileError,
 )
 from autockpt.estimate import MemoryEstimate, estimate
+from autockpt.loss import default_loss
 from autockpt.measure import measure_step
-from autockpt.plan_io import load_plan
+from autockpt.plan import Plan, load_plan
 from autockpt.rewrite import OptimizedModule
-from autockpt.solve.baselines import BASELINE_STRATEGIES, baseline_plan, baseline_regions
-from autockpt.solve.ilp import SolverOptions
-from autockpt.types import CaptureKind, CheckpointKind, Decision, MemoryCurve, ParetoPoint, Plan, PlanStatus, Region, SolverStats
+from autockpt.solve.base import SolverOptions
+from autockpt.solve.baselines import BASELINE_STRATEGIES, baseline_regions
+from autockpt.types import (
+    Action,
+    CaptureKind,
+    CheckpointKind,
+    Decision,
+    MemoryCurve,
+    ParetoPoint,
+    Placement,
+    PlanStatus,
+    Policy,
+    Region,
+    RegionAction,
+    SolverStats,
+    Stage,
+)
 
 __all__ = [
     "BASELINE_STRATEGIES",
+    "Action",
     "AutockptError",
     "BatchSizeResult",
     "CaptureError",
@@ -42,14 +58,18 @@ __all__ = [
     "OptimizedModule",
     "ParetoPoint",
     "Plan",
+    "Placement",
     "PlanFileError",
     "PlanMismatchError",
     "PlanStatus",
     "Planner",
+    "Policy",
     "ProfileError",
     "Region",
+    "RegionAction",
     "SolverOptions",
     "SolverStats",
+    "Stage",
     "apply_plan",
     "baseline_plan",
     "baseline_regions",

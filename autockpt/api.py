@@ -1,4 +1,8 @@
-"""The public entry points: optimize, plan, Planner, get_plan. Validates input, runs the stages, assembles the Plan."""
+"""The public entry points: optimize, plan, apply_plan, Planner, get_plan, baseline_plan.
+
+``Planner`` coordinates the stages (capture -> trace -> costs -> solve -> policy -> rewrite); verifying a plan on a
+real step and racing the recompute actions against each other is ``verify.py``'s.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,6 @@ import dataclasses
 import logging
 import math
 import numbers
-import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -18,35 +21,27 @@ from torch.utils import _pytree as pytree
 
 from autockpt._state import enter_training_modes, preserved_model_state
 from autockpt.capture import capture
-from autockpt.errors import InfeasibleBudgetError, LossFunctionError
+from autockpt.costs import calibrate
+from autockpt.errors import InfeasibleBudgetError
+from autockpt.loss import checked_loss, default_loss
 from autockpt.measure import alternating_step_seconds, measure_step
+from autockpt.plan import Plan
 from autockpt.plan_io import check_fingerprint, model_fingerprint
-from autockpt.profile import device_of, for_checkpoint, profile
-from autockpt.report import GB, format_bytes
+from autockpt.policy import PlanningContext, assemble_plan
 from autockpt.rewrite import OptimizedModule, rewrite
-from autockpt.simulate import memory_curve, simulate, unit_regions
-from autockpt.solve.baselines import baseline_seed_plans
+from autockpt.simulate import memory_curve, simulate
+from autockpt.solve.base import Problem, SolveResult, SolverOptions, recompute_actions, region_actions
+from autockpt.solve.baselines import baseline_regions, baseline_seed_plans
 from autockpt.solve.candidates import candidate_regions
-from autockpt.solve.ilp import PreparedProblem, SolveResult, SolverOptions, prepare, solve_prepared
-from autockpt.solve.structure import find_repeated_blocks
-from autockpt.types import (
-    CaptureKind,
-    CheckpointKind,
-    Decision,
-    Graph,
-    NodePlan,
-    ParetoPoint,
-    Plan,
-    PlanStatus,
-    Profile,
-    Region,
-    Timeline,
-    describe_value,
-)
+from autockpt.solve.default import solve_prepared
+from autockpt.solve.prepare import prepare
+from autockpt.structure import find_repeated_blocks
+from autockpt.trace import device_of, trace_step
+from autockpt.types import Action, CaptureKind, Graph, ParetoPoint, Placement, Region, describe_value
+from autockpt.units import GB, format_bytes
+from autockpt.verify import verified_module
 
 logger = logging.getLogger(__name__)
-
-_VERIFY_ATTEMPTS = 3
 
 
 def optimize(
@@ -58,20 +53,21 @@ def optimize(
     example_kwargs: Mapping[str, Any] | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     solver_options: SolverOptions | None = None,
+    checkpoint: Action | str | None = None,
 ) -> nn.Module:
     """Return a module that trains like ``model`` with a step peak of at most the budget (GB = 10^9 bytes).
 
     The returned module shares ``model``'s parameters and buffers (same ``state_dict`` keys) and returns the same
     outputs and gradients. Before returning, one real training step on the example inputs is measured; if it went
     over the budget, the plan is tightened by the overshoot and checked again. With the default checkpoint choice
-    (``SolverOptions(checkpoint="auto")``) a plan is made for each checkpoint kind, and when more than one keeps the
-    budget their steps are timed against each other and the faster is returned. ``autockpt.get_plan(result)`` tells
-    what was decided and what was measured.
+    (``checkpoint="auto"``) a plan is made for each recompute action, and when more than one keeps the budget their
+    steps are timed against each other and the faster is returned. ``autockpt.get_plan(result)`` tells what was
+    decided and what was measured.
     """
     budget = budget_to_bytes(budget_gb, budget_bytes)
     planner = Planner(
         model, example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
-        solver_options=solver_options,
+        solver_options=solver_options, checkpoint=checkpoint,
     )
     return planner.optimize(budget_bytes=budget)
 
@@ -85,14 +81,15 @@ def plan(
     example_kwargs: Mapping[str, Any] | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     solver_options: SolverOptions | None = None,
+    checkpoint: Action | str | None = None,
 ) -> Plan:
     """Like ``optimize`` but only plans (no rewrite, no verification step): returns the Plan. With the default
-    checkpoint choice ("auto") it is the plan with the smaller *predicted* overhead of the kinds (``optimize``
-    times them instead)."""
+    checkpoint choice ("auto") it is the plan with the smaller *predicted* overhead of the recompute actions
+    (``optimize`` times them instead)."""
     budget = budget_to_bytes(budget_gb, budget_bytes)
     planner = Planner(
         model, example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
-        solver_options=solver_options,
+        solver_options=solver_options, checkpoint=checkpoint,
     )
     return planner.plan(budget_bytes=budget)
 
@@ -117,20 +114,22 @@ def apply_plan(
         enter_training_modes(model)
         graph = capture(model, request.args, request.kwargs)
         check_fingerprint(the_plan, model_fingerprint(model, graph, request.args, request.kwargs), graph.units)
-        module = rewrite(graph, the_plan, request.args, request.kwargs)
+        module = rewrite(graph, the_plan.policy, request.args, request.kwargs, plan=the_plan)
     module.training = model.training
     return module
 
 
 class Planner:
-    """Capture and profile a model once; then plan at any budget, score any regions, and apply plans.
+    """Capture and trace a model once; then plan at any budget, score any regions, and apply plans.
 
         planner = autockpt.Planner(model, example_inputs=(x,))
-        plans = [planner.plan(budget_gb=b) for b in (2, 4, 6)]      # one capture and profile for all
+        plans = [planner.plan(budget_gb=b) for b in (2, 4, 6)]      # one capture and trace for all
         module = planner.apply(plans[0])                            # rewrite, without measuring
 
     ``on_stage(name)`` is called as each stage starts ("capture", "profile", "solve", "rewrite", "measure"), for
     progress displays. The model is left as it was after every call (weights, buffers, gradients, RNG, modes).
+    ``trace`` (what was measured) and ``costs`` (the actions' prices) may be replaced before the first plan, e.g. with
+    modelled times in experiments.
     """
 
     def __init__(
@@ -141,43 +140,57 @@ class Planner:
         example_kwargs: Mapping[str, Any] | None = None,
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
         solver_options: SolverOptions | None = None,
+        checkpoint: Action | str | None = None,
         on_stage: Callable[[str], None] | None = None,
     ) -> None:
         self.request = _Request.check(model, example_inputs, example_kwargs, loss_fn, solver_options)
+        self.solver_options = self.request.solver_options or SolverOptions()
+        # the checkpoint choice steers profiling and rewriting; SolverOptions(checkpoint=) is its older spelling
+        choice = checkpoint if checkpoint is not None else self.solver_options.checkpoint
         self._on_stage = on_stage or (lambda stage: None)
+        self._device = device_of(model, self.request.args, self.request.kwargs)
         with self._model_state():
             self._on_stage("capture")
             started = time.perf_counter()
             self.graph: Graph = capture(model, self.request.args, self.request.kwargs)
             captured = time.perf_counter()
             self._on_stage("profile")
-            # the checkpoints plans are made for; the profile is calibrated for the first, the others derive from it
-            self.checkpoint_kinds = (self.request.solver_options or SolverOptions()).checkpoint_kinds(self.graph.kind)
-            self.profile = profile(
+            # the recompute actions plans are made for, in order of preference on a tie
+            self.actions = recompute_actions(choice, self.graph.kind)
+            self.trace = trace_step(
                 self.graph, self.request.args, self.request.kwargs, self.request.loss,
                 time_repeated_blocks_once=self._solves_by_blocks(),
-                checkpoint_kind=self.checkpoint_kinds[0],
-                gradient_lifetimes=CheckpointKind.RECOMPUTE_FUNCTION in self.checkpoint_kinds,
+                gradient_lifetimes=Action.RECOMPUTE_OWN in self.actions,
             )
+            self.costs = calibrate(self._device, self.actions)
         self.capture_time_s = captured - started
         self.profile_time_s = time.perf_counter() - captured
         self.fingerprint = model_fingerprint(model, self.graph, self.request.args, self.request.kwargs)
         self._executable_used = False  # rewriting edits graph.executable; later rewrites capture again
-        self._memory_before = memory_curve(self.profile, ())  # the same for every plan of this planner
-        self._device = device_of(model, self.request.args, self.request.kwargs)
-        # per checkpoint kind: scored candidates and floors, shared by every budget
-        self._problems: dict[CheckpointKind, PreparedProblem] = {}
+        self._problems: dict[Action, Problem] = {}  # per action: scored candidates and floors, shared by every budget
+        self._context: PlanningContext | None = None
 
     @property
     def model(self) -> nn.Module:
         return self.request.model
 
+    @property
+    def checkpoint_kinds(self) -> tuple[Action, ...]:
+        """The recompute actions plans are made for (the name from before the actions)."""
+        return self.actions
+
     def plan(self, budget_gb: float | None = None, *, budget_bytes: int | None = None, pareto_points: int = 0) -> Plan:
         """The cheapest plan under the budget (GB = 10^9 bytes). ``pareto_points`` > 0 also solves that many budgets
         from the smallest feasible peak to the unmodified peak and stores them in ``Plan.pareto``."""
         budget = budget_to_bytes(budget_gb, budget_bytes)
-        result, kind = self._solve(budget)
-        the_plan = self._assemble(result.regions, budget, result.timeline, kind, result=result)
+        results, solve_time_s = self._solve_each(budget)
+        action = min(results, key=lambda a: results[a].timeline.overhead_ms)  # the first action on a tie
+        if len(results) > 1:
+            logger.info(
+                "checkpoint: %s (predicted overhead %s)", action.value,
+                ", ".join(f"{a.value} {r.timeline.overhead_ms:.2f} ms" for a, r in results.items()),
+            )
+        the_plan = self._plan_of(results[action], budget, solve_time_s)
         if pareto_points > 0:
             the_plan = dataclasses.replace(the_plan, pareto=self.pareto(pareto_budgets(the_plan, pareto_points)))
         return the_plan
@@ -187,29 +200,31 @@ class Planner:
         points = []
         for budget in budgets:
             try:
-                result, _ = self._solve(int(budget))
+                results, _ = self._solve_each(int(budget))
             except InfeasibleBudgetError:
                 points.append(
                     ParetoPoint(budget_bytes=int(budget), predicted_peak_bytes=None, predicted_overhead=None, regions=0)
                 )
                 continue
+            result = min(results.values(), key=lambda r: r.timeline.overhead_ms)
             points.append(
                 ParetoPoint(
                     budget_bytes=int(budget), predicted_peak_bytes=result.timeline.peak_bytes,
-                    predicted_overhead=self._overhead(result.timeline.overhead_ms), regions=len(result.regions),
+                    predicted_overhead=self.context.overhead(result.timeline.overhead_ms), regions=len(result.regions),
                 )
             )
         return tuple(points)
 
-    def plan_for_regions(self, regions: Sequence[Region], *, strategy: str) -> Plan:
-        """Score given regions (a baseline policy, a hand-made plan) with the same simulator as solved plans, for the
-        first of the planner's checkpoint kinds (torch's, unless another was asked for).
+    def plan_for_regions(self, regions: Sequence[Region], *, strategy: str, action: Action | None = None) -> Plan:
+        """Score given regions (a baseline policy, a hand-made plan) with the same simulator as solved plans, under
+        ``action`` (default: the first of the planner's actions, torch's checkpoint unless another was asked for).
 
         The plan's ``status`` is ``given`` and its budget is its own predicted peak.
         """
+        action = action or self.actions[0]
         ordered = tuple(sorted(regions, key=lambda r: r.first_unit))
-        timeline = simulate(self.profile, ordered)
-        return self._assemble(ordered, timeline.peak_bytes, timeline, self.profile.checkpoint_kind, strategy=strategy)
+        timeline = simulate(self.trace, self.costs, region_actions(ordered, action))
+        return assemble_plan(self.context, ordered, action, timeline.peak_bytes, timeline, strategy=strategy)
 
     def apply(self, the_plan: Plan) -> OptimizedModule:
         """Rewrite the model to run ``the_plan`` (made by this planner, or loaded from a file); nothing is measured.
@@ -219,86 +234,59 @@ class Planner:
         check_fingerprint(the_plan, self.fingerprint, self.graph.units)
         self._on_stage("rewrite")
         with self._model_state():
-            module = rewrite(self._fresh_graph(), the_plan, self.request.args, self.request.kwargs)
+            module = rewrite(self._fresh_graph(), the_plan.policy, self.request.args, self.request.kwargs, plan=the_plan)
         module.training = self.model.training
         return module
 
     def optimize(self, budget_gb: float | None = None, *, budget_bytes: int | None = None) -> OptimizedModule:
         """Plan, rewrite, measure one real step; tighten by the overshoot while the measured peak is over budget.
 
-        When plans are made for more than one checkpoint kind ("auto") and more than one keeps the budget when
+        When plans are made for more than one recompute action ("auto") and more than one keeps the budget when
         measured, their steps are timed against each other and the faster is returned (``Plan.notes`` says by how
-        much): the predicted overheads of the kinds are too close for their errors on some devices.
+        much): the predicted overheads of the actions are too close for their errors on some devices.
         """
-        budget = budget_to_bytes(budget_gb, budget_bytes)
-        target = budget
-        tightenings: list[str] = []
-        peak = 0
-        for attempt in range(_VERIFY_ATTEMPTS):
-            try:
-                results = self._solve_each(target)
-            except InfeasibleBudgetError as error:
-                if attempt == 0:
-                    raise
-                raise InfeasibleBudgetError(
-                    f"the budget {format_bytes(budget)} was not kept when measured ({tightenings[-1]} bytes) "
-                    f"and no tighter plan exists (smallest predicted peak {error.min_feasible_bytes} bytes). Use a "
-                    f"budget of at least {peak} bytes (the measured peak) or a smaller batch.",
-                    budget_bytes=budget,
-                    min_feasible_bytes=peak,
-                ) from error
-            kept: list[OptimizedModule] = []
-            overshoot = 0
-            for kind, result in results.items():
-                the_plan = self._assemble(result.regions, budget, result.timeline, kind, result=result)
-                module = self.apply(the_plan)
-                if the_plan.status is PlanStatus.IDENTITY:
-                    return module
-                self._on_stage("measure")
-                with self._model_state():
-                    module.training = True  # the module follows the user's train/eval flag, restored after measuring
-                    peak = measure_step(module, self.request.args, self.request.kwargs, self.request.loss).peak_bytes
-                module.training = self.model.training
-                module.set_plan(dataclasses.replace(the_plan, measured_peak_bytes=peak))
-                if peak <= budget:
-                    kept.append(module)
-                    continue
-                overshoot = max(overshoot, peak - budget)
-                tightenings.append(f"{kind.value}: predicted {the_plan.predicted_peak_bytes}, measured {peak}")
-                logger.info("measured peak %d bytes is over the budget %d (%s)", peak, budget, kind.value)
-            if kept:
-                return kept[0] if len(kept) == 1 else self._faster(kept)
-            logger.info("no plan kept the budget %d when measured; tightening", budget)
-            target -= overshoot + max(1, budget // 1000)
-        raise InfeasibleBudgetError(
-            f"the budget {format_bytes(budget)} was not kept when measured after {_VERIFY_ATTEMPTS} rounds of plans "
-            f"(bytes: {'; '.join(tightenings)}). Use a budget of at least {peak} bytes (the last measured peak) or a "
-            "smaller batch.",
-            budget_bytes=budget,
-            min_feasible_bytes=peak,
-        )
+        return verified_module(self, budget_to_bytes(budget_gb, budget_bytes))
 
-    def _faster(self, modules: list[OptimizedModule]) -> OptimizedModule:
-        """The module whose training step is fastest, timed in alternating rounds (median of per-round times); the
-        choice and the measured ratios go into its plan's notes."""
+    # -------------------------------------------------------------------------------- what verify.py calls
+
+    def plans_under(self, target_bytes: int, budget_bytes: int) -> list[Plan]:
+        """One plan per action with a plan predicted under ``target_bytes``, recorded as made for ``budget_bytes``."""
+        results, solve_time_s = self._solve_each(target_bytes)
+        return [self._plan_of(result, budget_bytes, solve_time_s) for result in results.values()]
+
+    def measured_peak_bytes(self, module: OptimizedModule) -> int:
         self._on_stage("measure")
         with self._model_state():
-            seconds = alternating_step_seconds(modules, self.request.args, self.request.kwargs, self.request.loss)
-        # per module: the median over rounds of its step time over the first module's in the same round
-        ratios = [statistics.median(t / first for t, first in zip(times, seconds[0])) for times in seconds]
-        fastest = min(range(len(modules)), key=ratios.__getitem__)
-        chosen = modules[fastest]
-        others = ", ".join(
-            f"{module.plan.checkpoint_kind.value}'s step took {ratios[i] / ratios[fastest]:.3f}x as long"
-            for i, module in enumerate(modules) if i != fastest
+            module.training = True  # the module follows the user's train/eval flag, restored after measuring
+            peak = measure_step(module, self.request.args, self.request.kwargs, self.request.loss).peak_bytes
+        module.training = self.model.training
+        return peak
+
+    def alternating_step_seconds(self, modules: Sequence[OptimizedModule]) -> list[list[float]]:
+        self._on_stage("measure")
+        with self._model_state():
+            return alternating_step_seconds(modules, self.request.args, self.request.kwargs, self.request.loss)
+
+    # ------------------------------------------------------------------------------------------- internals
+
+    @property
+    def context(self) -> PlanningContext:
+        """What every plan shares; made at the first plan, so that ``trace`` and ``costs`` may be replaced before."""
+        if self._context is None or self._context.trace is not self.trace or self._context.costs is not self.costs:
+            self._problems.clear()
+            self._context = PlanningContext(
+                graph=self.graph, trace=self.trace, costs=self.costs,
+                placement=Placement.single_device(len(self.graph.units), str(self._device)),
+                fingerprint=self.fingerprint, capture_time_s=self.capture_time_s, profile_time_s=self.profile_time_s,
+                memory_before=memory_curve(self.trace, self.costs, ()),
+            )
+        return self._context
+
+    def _plan_of(self, result: SolveResult, budget_bytes: int, solve_time_s: float) -> Plan:
+        return assemble_plan(
+            self.context, result.regions, result.action, budget_bytes, result.timeline, result=result,
+            solve_time_s=solve_time_s,
         )
-        note = (
-            f"checkpoint {chosen.plan.checkpoint_kind.value} chosen by measured step time: {others} (median of "
-            f"{len(seconds[0])} alternating rounds on the example inputs)"
-        )
-        logger.info(note)
-        chosen.set_plan(dataclasses.replace(chosen.plan, notes=(*chosen.plan.notes, note)))
-        return chosen
 
     @contextlib.contextmanager
     def _model_state(self) -> Iterator[None]:
@@ -307,7 +295,7 @@ class Planner:
             yield
 
     def _fresh_graph(self) -> Graph:
-        """The profiled graph the first time; a new capture afterwards (rewriting edits the executable in place)."""
+        """The traced graph the first time; a new capture afterwards (rewriting edits the executable in place)."""
         if not self._executable_used:
             self._executable_used = True
             return self.graph
@@ -323,118 +311,56 @@ class Planner:
     def _solves_by_blocks(self) -> bool:
         """Repeated blocks are solved (and timed) once per family, unless switched off or the capture is module-level
         (which can only checkpoint whole submodule calls: its candidates are those calls)."""
-        options = self.request.solver_options or SolverOptions()
-        return options.repeated_blocks and self.graph.kind is not CaptureKind.MODULE
+        return self.solver_options.repeated_blocks and self.graph.kind is not CaptureKind.MODULE
 
-    def _solve(self, target_bytes: int) -> tuple[SolveResult, CheckpointKind]:
-        """The plan under ``target_bytes`` with the smallest predicted overhead over the planner's checkpoint kinds,
-        and its kind."""
-        results = self._solve_each(target_bytes)
-        kind = min(results, key=lambda k: results[k].timeline.overhead_ms)  # the first kind on a tie
-        if len(results) > 1:
-            logger.info(
-                "checkpoint: %s (predicted overhead %s)", kind.value,
-                ", ".join(f"{k.value} {r.timeline.overhead_ms:.2f} ms" for k, r in results.items()),
-            )
-        return results[kind], kind
-
-    def _solve_each(self, target_bytes: int) -> dict[CheckpointKind, SolveResult]:
-        """Per checkpoint kind with a plan under ``target_bytes``: its cheapest plan. Each result's
-        ``min_feasible_bytes`` is the lowest over all kinds; raises ``InfeasibleBudgetError`` when no kind has one."""
+    def _solve_each(self, target_bytes: int) -> tuple[dict[Action, SolveResult], float]:
+        """Per action with a plan under ``target_bytes``: its cheapest plan, and the seconds all of it took
+        (preparing each action's problem the first time, floors, every action's solve). Each result's
+        ``min_feasible_bytes`` is the lowest over all actions; raises ``InfeasibleBudgetError`` when no action has
+        a plan."""
         self._on_stage("solve")
-        results: dict[CheckpointKind, SolveResult] = {}
+        started = time.perf_counter()
+        context = self.context
+        results: dict[Action, SolveResult] = {}
         infeasible: list[InfeasibleBudgetError] = []
-        for kind in self.checkpoint_kinds:
+        for action in self.actions:
             try:
-                results[kind] = solve_prepared(self._problem_for(kind), target_bytes, self.request.solver_options)
+                results[action] = solve_prepared(self._problem_for(action, context), target_bytes, self.solver_options)
             except InfeasibleBudgetError as error:
                 infeasible.append(error)
         if not results:
-            raise min(infeasible, key=lambda error: error.min_feasible_bytes)  # the kind that gets lowest
+            raise min(infeasible, key=lambda error: error.min_feasible_bytes)  # the action that gets lowest
         floor = min([r.min_feasible_bytes for r in results.values()] + [e.min_feasible_bytes for e in infeasible])
-        for kind, result in results.items():
-            results[kind] = dataclasses.replace(result, min_feasible_bytes=floor)
+        for action, result in results.items():
+            results[action] = dataclasses.replace(result, min_feasible_bytes=floor)
             logger.info(
-                "plan (%s): %s, %d regions, predicted peak %d bytes (target %d), solve %.1fs", kind.value,
+                "plan (%s): %s, %d regions, predicted peak %d bytes (target %d), solve %.1fs", action.value,
                 result.status.value, len(result.regions), result.timeline.peak_bytes, target_bytes, result.solve_time_s,
             )
-        return results
+        return results, time.perf_counter() - started
 
-    def _profile_for(self, kind: CheckpointKind) -> Profile:
-        return for_checkpoint(self.profile, kind, self._device)
-
-    def _problem_for(self, kind: CheckpointKind) -> PreparedProblem:
-        if kind not in self._problems:
-            measured = self._profile_for(kind)
-            structure = find_repeated_blocks(self.graph, measured) if self._solves_by_blocks() else None
-            self._problems[kind] = prepare(
-                measured, *candidate_regions(self.graph, measured),
-                seed_plans=baseline_seed_plans(self.graph, measured), structure=structure,
+    def _problem_for(self, action: Action, context: PlanningContext) -> Problem:
+        if action not in self._problems:
+            structure = find_repeated_blocks(self.graph, self.trace) if self._solves_by_blocks() else None
+            self._problems[action] = prepare(
+                self.trace, self.costs, action, *candidate_regions(self.graph, self.trace),
+                seed_plans=baseline_seed_plans(self.graph, self.trace), structure=structure,
             )
-        return self._problems[kind]
+        return self._problems[action]
 
-    def _overhead(self, overhead_ms: float) -> float:
-        return overhead_ms / self.profile.step_ms if self.profile.step_ms > 0 else 0.0
 
-    def _assemble(
-        self,
-        regions: tuple[Region, ...],
-        budget: int,
-        timeline: Timeline,
-        kind: CheckpointKind,
-        *,
-        result: SolveResult | None = None,
-        strategy: str = "autockpt",
-    ) -> Plan:
-        measured = self._profile_for(kind)
-        region_of = unit_regions(len(self.graph.units), regions)
-        rerun = set(timeline.rerun_units)
-        nodes = tuple(
-            NodePlan(
-                index=unit.index,
-                name=unit.name,
-                op=unit.op,
-                module_path=unit.module_path,
-                saved_bytes=cost.saved_bytes,
-                output_bytes=cost.output_bytes,
-                forward_ms=cost.forward_ms,
-                flops=cost.flops,
-                decision=Decision.KEEP if region_of[unit.index] is None else Decision.RECOMPUTE,
-                region=region_of[unit.index],
-                recompute_ms=cost.forward_ms if unit.index in rerun else 0.0,
-                saved_tensors=cost.saved_tensors,
-            )
-            for unit, cost in zip(self.graph.units, measured.units)
-        )
-        solved = result is not None
-        return Plan(
-            budget_bytes=budget,
-            predicted_peak_bytes=timeline.peak_bytes,
-            baseline_peak_bytes=result.baseline.peak_bytes if solved else measured.baseline_peak_bytes,
-            min_feasible_bytes=result.min_feasible_bytes if solved else timeline.peak_bytes,
-            static_bytes=measured.static_bytes,
-            predicted_overhead=self._overhead(timeline.overhead_ms),
-            recompute_ms=timeline.recompute_ms,
-            region_overhead_ms=measured.region_overhead_ms,
-            saved_tensor_overhead_ms=measured.saved_tensor_overhead_ms,
-            machinery_ms=timeline.machinery_ms,
-            checkpoint_kind=measured.checkpoint_kind,
-            baseline_step_ms=measured.step_ms,
-            capture=self.graph.kind,
-            status=result.status if solved else PlanStatus.GIVEN,
-            solver=result.solver if solved else "none",
-            solve_time_s=result.solve_time_s if solved else 0.0,
-            capture_time_s=self.capture_time_s,
-            profile_time_s=self.profile_time_s,
-            regions=regions,
-            nodes=nodes,
-            notes=self.graph.notes,
-            strategy=strategy,
-            fingerprint=self.fingerprint,
-            solver_stats=result.stats if solved else None,
-            memory_before=self._memory_before,
-            memory_after=memory_curve(measured, regions),
-        )
+def baseline_plan(planner: Planner, strategy: str, *, action: Action | None = None) -> Plan:
+    """Score ``strategy``'s regions with the planner's simulator: a Plan with status ``given``.
+
+    Raises ``ValueError`` when the policy cannot be expressed on this graph (e.g. ``sqrt_n`` on a module-level
+    capture); the message says why.
+    """
+    chosen = baseline_regions(planner.graph, planner.trace, strategy)
+    if not chosen.available:
+        raise ValueError(f"baseline {strategy!r} on {type(planner.model).__name__}: {'; '.join(chosen.notes)}")
+    the_plan = planner.plan_for_regions(chosen.regions, strategy=strategy, action=action)
+    notes = tuple(f"{strategy}: {note}" for note in chosen.notes)
+    return dataclasses.replace(the_plan, notes=the_plan.notes + notes)
 
 
 def pareto_budgets(the_plan: Plan, points: int) -> list[int]:
@@ -453,43 +379,6 @@ def get_plan(module: nn.Module) -> Plan:
             "Call autockpt.optimize(model, ...) first, or autockpt.plan(...) to get a Plan without rewriting."
         )
     return module.plan
-
-
-def default_loss(output: Any) -> torch.Tensor:
-    """``output.loss`` (Hugging Face), else ``output["loss"]``, else the sum of all floating-point outputs."""
-    loss = getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    if isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
-        return output["loss"]
-    leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
-    if not leaves:
-        raise LossFunctionError(
-            f"the model's output has no floating-point tensor that requires grad (got {type(output).__name__}); "
-            "pass loss_fn=lambda output: ... that returns the scalar loss to backpropagate."
-        )
-    return sum(t.sum() for t in leaves)
-
-
-def _checked(loss_fn: Callable[[Any], Any]) -> Callable[[Any], torch.Tensor]:
-    """``loss_fn`` with its result checked: a scalar floating-point tensor attached to the graph, or a
-    ``LossFunctionError`` that says what came back (instead of backward failing deep inside profiling)."""
-
-    def loss(output: Any) -> torch.Tensor:
-        value = loss_fn(output)
-        if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point() and value.requires_grad:
-            return value
-        if isinstance(value, torch.Tensor):
-            got = f"a {value.dtype} tensor of shape {tuple(value.shape)} (requires_grad={value.requires_grad})"
-        else:
-            got = f"{describe_value(value)} ({type(value).__name__})"
-        raise LossFunctionError(
-            f"loss_fn returned {got}; expected a floating-point tensor with one element that requires grad, computed "
-            "from the model's output (e.g. lambda out: out.logits.float().mean()). Reduce it with .mean() or .sum(), "
-            "and keep it attached to the graph (no .item(), .detach() or torch.no_grad())."
-        )
-
-    return loss
 
 
 def budget_to_bytes(budget_gb: Any, budget_bytes: Any) -> int:
@@ -541,7 +430,7 @@ class _Request:
                 f"{type(model).__name__} has no parameter that requires grad: there is no training step to plan"
             )
         return _Request(
-            model=model, args=args, kwargs=kwargs, loss=_checked(loss_fn or default_loss), solver_options=solver_options
+            model=model, args=args, kwargs=kwargs, loss=checked_loss(loss_fn or default_loss), solver_options=solver_options
         )
 
 

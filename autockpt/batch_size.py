@@ -22,11 +22,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from autockpt.api import Planner, budget_to_bytes
+from autockpt.api import Planner, baseline_plan, budget_to_bytes
 from autockpt.errors import InfeasibleBudgetError
 from autockpt.measure import measure_step
-from autockpt.solve.ilp import SolverOptions
-from autockpt.types import Plan, describe_value
+from autockpt.solve.base import SolverOptions
+from autockpt.solve.baselines import parse_strategy
+from autockpt.plan import Plan
+from autockpt.types import describe_value
 
 logger = logging.getLogger(__name__)
 
@@ -123,8 +125,6 @@ def max_batch_sizes(
         raise ValueError("give at least one strategy, e.g. strategies=('autockpt', 'every_1')")
     for name in strategies:
         if name != AUTOCKPT:
-            from autockpt.solve.baselines import parse_strategy
-
             parse_strategy(name)  # raises with the list of known strategies
     for name, value in (("start", start), ("limit", limit), ("precision", precision)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -208,8 +208,6 @@ class _Searcher:
                 if peak is None:  # identity plan: optimize does not measure it
                     peak = measure_step(module, batch.args, dict(batch.kwargs), batch.loss_fn).peak_bytes
             else:
-                from autockpt.solve.baselines import baseline_plan
-
                 try:
                     the_plan = baseline_plan(planner, strategy)
                 except ValueError as unavailable:

@@ -24,7 +24,7 @@ from typing import Any
 import click
 
 from autockpt.errors import AutockptError
-from autockpt.report import format_bytes
+from autockpt.units import format_bytes
 from autockpt.types import CheckpointKind
 
 # --------------------------------------------------------------------------------------------- parsing values
@@ -369,7 +369,7 @@ def plan(
     Apply the saved plan on the training machine with autockpt.apply_plan(model, autockpt.load_plan(path), ...).
     """
     from autockpt.api import Planner
-    from autockpt.solve.ilp import SolverOptions
+    from autockpt.solve.base import SolverOptions
 
     budget_bytes = parse_budget(budget)
     work = load_workload(model, size, inputs, inputs_ref, device, seed)
@@ -403,7 +403,7 @@ def sweep(
     from tqdm import tqdm
 
     from autockpt.api import Planner
-    from autockpt.solve.ilp import SolverOptions
+    from autockpt.solve.base import SolverOptions
 
     budget_list = [parse_budget(text) for text in budgets.split(",") if text.strip()]
     if not budget_list:

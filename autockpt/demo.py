@@ -14,7 +14,7 @@ import torch
 
 import autockpt
 from autockpt import zoo
-from autockpt.report import format_bytes
+from autockpt.units import format_bytes
 
 
 def main(argv: list[str] | None = None, prog: str = "autockpt demo") -> None:

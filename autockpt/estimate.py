@@ -15,13 +15,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from autockpt.report import enclosing_modules, format_bytes
-from autockpt.types import CheckpointKind, Profile
+from autockpt.api import Planner
+from autockpt.simulate import memory_curve
+from autockpt.summary import enclosing_modules
+from autockpt.types import Action, StepTrace
+from autockpt.units import format_bytes
 
 if TYPE_CHECKING:
     import pandas as pd
-
-    from autockpt.api import Planner
 
 
 class OptimizerKind(str, Enum):
@@ -131,23 +132,18 @@ def estimate(
     ``optimizer`` is "adam", "adamw", "sgd" (with momentum) or "none"; ``depth`` limits the per-module table
     (0: the model only). The model is left as it was.
     """
-    from autockpt.api import Planner
-    from autockpt.solve.ilp import SolverOptions
-
     kind = _optimizer_kind(optimizer)
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
         raise ValueError(f"depth must be an integer >= 0 (module nesting levels in the table), got {depth!r}")
-    # no plan is made: one checkpoint kind keeps the profile to what the estimate reads
+    # no plan is made: one recompute action keeps the trace to what the estimate reads
     planner = Planner(model, example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
-                      solver_options=SolverOptions(checkpoint=CheckpointKind.TORCH_NON_REENTRANT))
+                      checkpoint=Action.RECOMPUTE_TORCH)
     return estimate_from_planner(planner, kind, depth)
 
 
 def estimate_from_planner(planner: Planner, optimizer: OptimizerKind, depth: int) -> MemoryEstimate:
-    from autockpt.simulate import memory_curve
-
-    measured = planner.profile
-    curve = memory_curve(measured, ())
+    measured = planner.trace
+    curve = memory_curve(measured, planner.costs, ())
     peak_event = max(range(len(curve.phases)), key=curve.total_bytes.__getitem__)
     trainable = sum(p.numel() * p.element_size() for p in planner.model.parameters() if p.requires_grad)  # tied once
     return MemoryEstimate(
@@ -168,7 +164,7 @@ def estimate_from_planner(planner: Planner, optimizer: OptimizerKind, depth: int
     )
 
 
-def _module_table(planner: Planner, measured: Profile, depth: int) -> tuple[ModuleMemory, ...]:
+def _module_table(planner: Planner, measured: StepTrace, depth: int) -> tuple[ModuleMemory, ...]:
     parameter_bytes: dict[str, int] = {}
     for name, param in planner.model.named_parameters():
         for prefix in enclosing_modules(name.rsplit(".", 1)[0] if "." in name else "", depth):

@@ -15,6 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from autockpt.loss import default_loss
+from autockpt.trace import StorageTracker, device_of, step_tensors
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StepMeasurement:
@@ -35,9 +38,6 @@ def measure_step(
     parameter's gradient), so such modules are measured with autockpt's own tracker, which counts the same storages.
     On CUDA it is ``torch.cuda.max_memory_allocated``: everything the process holds on the device counts.
     """
-    from autockpt.api import default_loss
-    from autockpt.profile import StorageTracker, device_of, step_tensors
-
     kwargs = dict(example_kwargs or {})
     loss_fn = loss_fn or default_loss
     for param in module.parameters():
@@ -78,8 +78,6 @@ def step_seconds(
     module: nn.Module, example_inputs: tuple, example_kwargs: Mapping[str, Any], loss_fn: Callable[[Any], torch.Tensor]
 ) -> float:
     """Wall-clock seconds of one forward + backward (gradients cleared first, the device synchronised at the end)."""
-    from autockpt.profile import device_of
-
     for param in module.parameters():
         param.grad = None
     device = device_of(module, example_inputs, dict(example_kwargs))

@@ -24,10 +24,12 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from autockpt.errors import PlanFileError, PlanMismatchError
-from autockpt.types import Graph, ModelFingerprint, Plan, TensorSpec, Unit
+from autockpt.types import Graph, ModelFingerprint, PlanRecord, TensorSpec, Unit
 
 SCHEMA = "autockpt.plan"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: a policy (per-region actions, placement) and per-action prices; 1: regions and one kind
+READABLE_VERSIONS = (1, 2)
+PlanT = typing.TypeVar("PlanT", bound=PlanRecord)
 _MAX_LISTED = 5  # differences listed per kind in a mismatch message
 
 
@@ -66,7 +68,7 @@ def input_specs(args: tuple, kwargs: dict) -> tuple[TensorSpec, ...]:
     return tuple(specs)
 
 
-def check_fingerprint(plan: Plan, actual: ModelFingerprint, units: Sequence[Unit]) -> None:
+def check_fingerprint(plan: PlanRecord, actual: ModelFingerprint, units: Sequence[Unit]) -> None:
     """Raise PlanMismatchError listing what differs between the plan's fingerprint and the model's."""
     expected = plan.fingerprint
     if expected is None:
@@ -117,7 +119,7 @@ def _describe(spec: TensorSpec) -> str:
     return f"{spec.dtype.removeprefix('torch.')}{list(spec.shape)}"
 
 
-def _graph_difference(plan: Plan, expected: ModelFingerprint, actual: ModelFingerprint, units: Sequence[Unit]) -> str:
+def _graph_difference(plan: PlanRecord, expected: ModelFingerprint, actual: ModelFingerprint, units: Sequence[Unit]) -> str:
     for node, unit in zip(plan.nodes, units):
         if (node.op, node.module_path) != (unit.op, unit.module_path):
             return (
@@ -132,13 +134,14 @@ def _graph_difference(plan: Plan, expected: ModelFingerprint, actual: ModelFinge
 # ------------------------------------------------------------------------------------------------------- JSON
 
 
-def save_plan(plan: Plan, path: str | os.PathLike[str]) -> None:
+def save_plan(plan: PlanRecord, path: str | os.PathLike[str]) -> None:
     document = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "plan": _encode(plan)}
     Path(path).write_text(json.dumps(document, indent=1) + "\n")
 
 
-def load_plan(path: str | os.PathLike[str]) -> Plan:
-    """Read a plan written by ``Plan.save`` (or ``autockpt plan --out``)."""
+def read_plan(path: str | os.PathLike[str], plan_type: type[PlanT]) -> PlanT:
+    """Read a plan file written by ``save_plan`` (``Plan.save``, ``autockpt plan --out``) as ``plan_type``; files of
+    schema version 1 (regions and one checkpoint kind) are read as version 2."""
     try:
         text = Path(path).read_text()
     except OSError as error:
@@ -150,15 +153,41 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
     if not isinstance(document, dict) or document.get("schema") != SCHEMA:
         raise PlanFileError(f"{str(path)!r} is JSON but not an autockpt plan (no \"schema\": \"{SCHEMA}\")")
     version = document.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if version not in READABLE_VERSIONS:
         raise PlanFileError(
-            f"{str(path)!r} has plan schema version {version!r}; this autockpt reads version {SCHEMA_VERSION}. "
-            "Make the plan again with this version of autockpt."
+            f"{str(path)!r} has plan schema version {version!r}; this autockpt reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}. Make the plan again with this version of autockpt."
         )
     try:
-        return _decode(Plan, document["plan"])
+        data = document["plan"]
+        return _decode(plan_type, _version_1_as_2(data) if version == 1 else data)
     except (KeyError, TypeError, ValueError) as error:
         raise PlanFileError(f"{str(path)!r} is not a valid autockpt plan: {type(error).__name__}: {error}") from error
+
+
+def _version_1_as_2(data: Any) -> dict[str, Any]:
+    """A version-1 plan's fields in version 2: its regions and single checkpoint kind become a policy on one stage
+    (device not recorded in version 1), its machinery costs the kind's price."""
+    if not isinstance(data, dict):
+        raise TypeError(f"expected an object for the plan, got {type(data).__name__}")
+    data = dict(data)
+    kind = data.pop("checkpoint_kind", "torch_non_reentrant")
+    regions = data.pop("regions")
+    data["policy"] = {
+        "region_actions": [{"region": region, "action": kind} for region in regions],
+        "placement": {"stages": [{"first_unit": 0, "last_unit": len(data.get("nodes", ())) - 1, "device": ""}]},
+    }
+    data["planned_action"] = kind
+    data["prices"] = [{
+        "action": kind,
+        "region_ms": data.pop("region_overhead_ms", 0.0),
+        "saved_tensor_ms": data.pop("saved_tensor_overhead_ms", 0.0),
+    }]
+    data["nodes"] = [
+        {**node, "action": kind} if isinstance(node, dict) and node.get("region") is not None else node
+        for node in data.get("nodes", ())
+    ]
+    return data
 
 
 def _encode(value: Any) -> Any:

@@ -1,6 +1,11 @@
-"""Recompute: the activation checkpoint the rewriter puts around every planned region.
+"""Recompute: the runtime of the two recompute actions, which the rewriter puts around every planned region.
 
-A region runs as one autograd Function:
+``run_checkpointed`` runs a callable under a region's action: ``Action.RECOMPUTE_TORCH`` is
+``torch.utils.checkpoint(use_reentrant=False, preserve_rng_state=True)``; ``Action.RECOMPUTE_OWN`` is autockpt's own
+checkpoint, below. ``CheckpointedRegion`` is one outlined fx region under its action (the cost calibration runs the
+same wrapper, ``costs.py``).
+
+Under ``Action.RECOMPUTE_OWN`` a region runs as one autograd Function:
 
 * forward runs the region with autograd recording but with every saved tensor dropped on the spot, so nothing the
   region computes outlives its forward use, and the recorded graph says exactly which outputs need gradients
@@ -14,7 +19,7 @@ Why not ``torch.utils.checkpoint``: the non-reentrant version passes every saved
 times (a holder in forward, a repack while recomputing, an unpack in backward): about 0.012 ms per saved tensor on a
 2-core CPU, against about 0.003 ms here; the same GPT-2 plan at Hugging Face's peak ran 1.24x instead of 1.32x
 (``experiments/bench_checkpoint.py``). But the whole region is re-run, so on conv nets, where early stop skips a
-region's last convolution, torch's is often faster: this is an option (``CheckpointKind``). The reentrant version
+region's last convolution, torch's is often faster: this is an action of its own (``Action.RECOMPUTE_OWN``). The reentrant version
 avoids the hooks but accumulates parameter gradients inside its own backward, so ``torch.autograd.grad`` fails and a
 region whose inputs need no gradient loses its parameters' gradients.
 
@@ -31,10 +36,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import fx
 from torch.autograd.graph import get_gradient_edge
 from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import checkpoint
 
 from autockpt._state import autocast_state
+from autockpt.types import Action
 
 
 logger = logging.getLogger(__name__)
@@ -74,6 +82,55 @@ def checkpointed_call(
     )
     outputs = _RecomputedRegion.apply(call, *inputs, *trainable)
     return call.rebuild_outputs(outputs)
+
+
+def run_checkpointed(
+    action: Action,
+    run: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    *,
+    parameters: Sequence[torch.Tensor],
+    buffers: Sequence[torch.Tensor],
+    closed: bool,
+) -> Any:
+    """``run(*args, **kwargs)`` under a recompute ``action``; ``parameters``, ``buffers`` and ``closed`` are what
+    autockpt's own checkpoint needs to know (``checkpointed_call``)."""
+    if action is Action.RECOMPUTE_OWN:
+        return checkpointed_call(run, args, kwargs, parameters, buffers, closed=closed)
+
+    def restoring_run(*inner_args: Any, **inner_kwargs: Any) -> Any:
+        if torch._C._current_graph_task_id() == -1:  # the forward: statistics advance as usual
+            return run(*inner_args, **inner_kwargs)
+        with buffers_put_back(buffers):  # the recomputation, inside backward
+            return run(*inner_args, **inner_kwargs)
+
+    if action is not Action.RECOMPUTE_TORCH:
+        raise ValueError(f"run_checkpointed runs the recompute actions, got {action.value!r}")
+    return checkpoint(restoring_run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+
+class CheckpointedRegion:
+    """One planned region: its nodes as a GraphModule, run under the region's recompute action.
+
+    A plain callable, not an ``nn.Module``: module hooks (MemTracker's ModTracker, user hooks) would otherwise see
+    the region as a module and could hold on to its inputs and outputs. ``__name__``/``__module__`` let fx codegen
+    call it from the rewritten graph.
+    """
+
+    def __init__(self, body: fx.GraphModule, name: str, action: Action) -> None:
+        self.body = body
+        self.action = action
+        self.buffers = list(body.buffers())  # the same tensor objects as the model's (BatchNorm statistics)
+        # the body reads tensors only through get_attr and its inputs, so these are all it can need gradients for
+        self.parameters = list(body.parameters())
+        self.__name__ = self.__qualname__ = name
+        self.__module__ = __name__
+
+    def __call__(self, *inputs: Any) -> Any:
+        return run_checkpointed(
+            self.action, self.body.forward, inputs, {}, parameters=self.parameters, buffers=self.buffers, closed=True
+        )
 
 
 @dataclass(eq=False)

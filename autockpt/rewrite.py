@@ -1,10 +1,9 @@
-"""Rewrite: (Graph, Plan) -> nn.Module that recomputes exactly the planned regions.
+"""Rewrite: (Graph, Policy) -> nn.Module that runs every planned region under its action.
 
-fx/export captures: each region's nodes are moved into a sub-GraphModule that runs under the plan's checkpoint
-(``Plan.checkpoint_kind``): ``torch.utils.checkpoint(use_reentrant=False, preserve_rng_state=True)`` or autockpt's own
-(``recompute.py``); both re-run the region with the forward's RNG state, so dropout draws the same mask. Module-level
-captures: the chosen submodules' ``forward`` is wrapped in the same checkpoint while (and only while) the optimized
-module runs.
+fx/export captures: each region's nodes are moved into a sub-GraphModule that runs under the region's action
+(``recompute.py``: ``torch.utils.checkpoint(use_reentrant=False, preserve_rng_state=True)`` or autockpt's own); both
+re-run the region with the forward's RNG state, so dropout draws the same mask. Module-level captures: the chosen
+submodules' ``forward`` is wrapped in its region's action while (and only while) the optimized module runs.
 
 During a recomputation (inside backward) the buffers the region touches are put back afterwards, so BatchNorm
 running statistics advance exactly once per step. The returned module mirrors the original's children, parameters
@@ -24,21 +23,26 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
-from torch.utils.checkpoint import checkpoint
 
 from autockpt._state import autocast_state, training_modes
 from autockpt.capture import compute_nodes
-from autockpt.recompute import buffers_put_back, checkpointed_call
-from autockpt.types import CaptureKind, CheckpointKind, Graph, Plan, Region
+from autockpt.recompute import CheckpointedRegion, run_checkpointed
+from autockpt.types import Action, CaptureKind, Graph, PlanRecord, Policy, Region
 
 logger = logging.getLogger(__name__)
 
 
-def rewrite(graph: Graph, plan: Plan, args: tuple, kwargs: dict) -> OptimizedModule:
-    """Build the optimized module. Consumes ``graph.executable`` (it is edited in place)."""
+def rewrite(graph: Graph, policy: Policy, args: tuple, kwargs: dict, *, plan: PlanRecord) -> OptimizedModule:
+    """Build the module that runs ``policy``; ``plan`` (whose policy it is) is attached for ``autockpt.get_plan``.
+    Consumes ``graph.executable`` (it is edited in place)."""
+    if plan.policy != policy:
+        raise ValueError("rewrite: the attached plan must be the one whose policy is applied")
     if graph.kind is CaptureKind.MODULE:
         spans = {(s.first_unit, s.last_unit): s.path for s in graph.module_spans}
-        modules = [graph.model.get_submodule(spans[(r.first_unit, r.last_unit)]) for r in plan.regions]
+        modules = [
+            (graph.model.get_submodule(spans[(ra.region.first_unit, ra.region.last_unit)]), ra.action)
+            for ra in policy.region_actions
+        ]
         return OptimizedModule(
             graph.model, plan, CallForm(graph.model, args, kwargs), executable=None, checkpointed_modules=modules,
             conditions=None,
@@ -46,8 +50,8 @@ def rewrite(graph: Graph, plan: Plan, args: tuple, kwargs: dict) -> OptimizedMod
     gm = graph.executable
     assert isinstance(gm, fx.GraphModule)
     nodes = compute_nodes(gm)
-    for index, region in enumerate(plan.regions):
-        _outline_region(gm, nodes, region, index, plan.checkpoint_kind)
+    for index, region_action in enumerate(policy.region_actions):
+        _outline_region(gm, nodes, region_action.region, index, region_action.action)
     gm.graph.lint()
     gm.recompile()
     return OptimizedModule(
@@ -139,56 +143,7 @@ class CallForm:
         return value is default or (not isinstance(value, torch.Tensor) and type(value) is type(default) and value == default)
 
 
-def run_checkpointed(
-    kind: CheckpointKind,
-    run: Callable[..., Any],
-    args: tuple,
-    kwargs: dict,
-    *,
-    parameters: Sequence[torch.Tensor],
-    buffers: Sequence[torch.Tensor],
-    closed: bool,
-) -> Any:
-    """``run(*args, **kwargs)`` under the checkpoint ``kind``; ``parameters``, ``buffers`` and ``closed`` are what
-    autockpt's own checkpoint needs to know (``recompute.checkpointed_call``)."""
-    if kind is CheckpointKind.RECOMPUTE_FUNCTION:
-        return checkpointed_call(run, args, kwargs, parameters, buffers, closed=closed)
-
-    def restoring_run(*inner_args: Any, **inner_kwargs: Any) -> Any:
-        if torch._C._current_graph_task_id() == -1:  # the forward: statistics advance as usual
-            return run(*inner_args, **inner_kwargs)
-        with buffers_put_back(buffers):  # the recomputation, inside backward
-            return run(*inner_args, **inner_kwargs)
-
-    return checkpoint(restoring_run, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
-
-
-class CheckpointedRegion:
-    """One planned region: its nodes as a GraphModule, run under the plan's checkpoint.
-
-    A plain callable, not an ``nn.Module``: module hooks (MemTracker's ModTracker, user hooks) would otherwise see
-    the region as a module and could hold on to its inputs and outputs. ``__name__``/``__module__`` let fx codegen
-    call it from the rewritten graph.
-    """
-
-    def __init__(self, body: fx.GraphModule, name: str, kind: CheckpointKind) -> None:
-        self.body = body
-        self.kind = kind
-        self.buffers = list(body.buffers())  # the same tensor objects as the model's (BatchNorm statistics)
-        # the body reads tensors only through get_attr and its inputs, so these are all it can need gradients for
-        self.parameters = list(body.parameters())
-        self.__name__ = self.__qualname__ = name
-        self.__module__ = __name__
-
-    def __call__(self, *inputs: Any) -> Any:
-        return run_checkpointed(
-            self.kind, self.body.forward, inputs, {}, parameters=self.parameters, buffers=self.buffers, closed=True
-        )
-
-
-def _outline_region(
-    gm: fx.GraphModule, nodes: list[fx.Node], region: Region, index: int, kind: CheckpointKind
-) -> None:
+def _outline_region(gm: fx.GraphModule, nodes: list[fx.Node], region: Region, index: int, action: Action) -> None:
     region_nodes = nodes[region.first_unit : region.last_unit + 1]
     inside = set(region_nodes)
     inputs: list[fx.Node] = []
@@ -209,7 +164,7 @@ def _outline_region(
     body_graph.output(tuple(env[node] for node in outputs))
     body = fx.GraphModule(gm, body_graph, class_name=f"Region{index}")
     with gm.graph.inserting_after(region_nodes[-1]):
-        call = gm.graph.call_function(CheckpointedRegion(body, f"autockpt_region_{index}", kind), tuple(inputs))
+        call = gm.graph.call_function(CheckpointedRegion(body, f"autockpt_region_{index}", action), tuple(inputs))
     anchor = call
     for position, node in enumerate(outputs):
         with gm.graph.inserting_after(anchor):
@@ -220,11 +175,11 @@ def _outline_region(
 
 
 def _checkpointed_forward(
-    module: nn.Module, kind: CheckpointKind, forward: Callable[..., Any], *args: Any, **kwargs: Any
+    module: nn.Module, action: Action, forward: Callable[..., Any], *args: Any, **kwargs: Any
 ) -> Any:
     # closed=False: a module's forward may read tensors beyond its parameters; autockpt's checkpoint looks for them
     return run_checkpointed(
-        kind, forward, args, kwargs, parameters=list(module.parameters()), buffers=list(module.buffers()), closed=False
+        action, forward, args, kwargs, parameters=list(module.parameters()), buffers=list(module.buffers()), closed=False
     )
 
 
@@ -280,11 +235,11 @@ class OptimizedModule(nn.Module):
     def __init__(
         self,
         model: nn.Module,
-        plan: Plan,
+        plan: PlanRecord,
         call_form: CallForm,
         *,
         executable: fx.GraphModule | None,
-        checkpointed_modules: Sequence[nn.Module],
+        checkpointed_modules: Sequence[tuple[nn.Module, Action]],
         conditions: CaptureConditions | None,
     ) -> None:
         super().__init__()
@@ -307,13 +262,13 @@ class OptimizedModule(nn.Module):
         return self.__dict__["_autockpt_model"]
 
     @property
-    def plan(self) -> Plan:
+    def plan(self) -> PlanRecord:
         return self.__dict__["_autockpt_plan"]
 
-    def set_plan(self, plan: Plan) -> None:
-        """Replace the attached plan (same regions; used to record the measured peak)."""
-        if plan.regions != self.plan.regions:
-            raise ValueError("set_plan only updates a plan's figures; its regions must stay the same")
+    def set_plan(self, plan: PlanRecord) -> None:
+        """Replace the attached plan (same policy; used to record the measured peak)."""
+        if plan.policy != self.plan.policy:
+            raise ValueError("set_plan only updates a plan's figures; its policy must stay the same")
         self.__dict__["_autockpt_plan"] = plan
 
     def train(self, mode: bool = True) -> OptimizedModule:
@@ -353,7 +308,7 @@ class OptimizedModule(nn.Module):
                 )
                 return model(*args, **kwargs)
             return executable(*args, **kwargs)
-        with _patched_forwards(self.__dict__["_autockpt_checkpointed"], self.plan.checkpoint_kind):
+        with _patched_forwards(self.__dict__["_autockpt_checkpointed"]):
             return model(*args, **kwargs)
 
     def _warn_once(self, reason: str, message: str, *args: Any) -> None:
@@ -378,13 +333,13 @@ class OptimizedModule(nn.Module):
 
 
 @contextlib.contextmanager
-def _patched_forwards(modules: Sequence[nn.Module], kind: CheckpointKind) -> Iterator[None]:
+def _patched_forwards(modules: Sequence[tuple[nn.Module, Action]]) -> Iterator[None]:
     patched = []
     try:
-        for module in modules:
+        for module, action in modules:
             had_own = "forward" in module.__dict__
             original = module.forward
-            module.forward = functools.partial(_checkpointed_forward, module, kind, original)
+            module.forward = functools.partial(_checkpointed_forward, module, action, original)
             patched.append((module, had_own, original))
         yield
     finally:

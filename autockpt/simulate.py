@@ -1,19 +1,21 @@
-"""Simulate: (Profile, regions) -> Timeline. Scores any plan; knows nothing about how the plan was found.
+"""Simulate: (StepTrace, CostModel, regions with actions) -> Timeline. Scores any plan, the baselines' too; knows
+nothing about how the plan was found.
 
-The prediction starts from the *measured* timeline of the unmodified step and applies what checkpointing changes,
-storage by storage, following the semantics of the checkpoint the profile was calibrated for
-(``Profile.checkpoint_kind``):
+The prediction starts from the *measured* timeline of the unmodified step and applies what each region's action
+changes, storage by storage (the rule of each action below; ``recompute.py`` runs them):
 
 * a storage produced inside a region and saved only by units of that region is freed after its last forward use;
   when backward first reaches the region, the region is re-run and a fresh copy lives until the saver that used it
   last has run its backward. ``torch.utils.checkpoint(use_reentrant=False)`` stops re-running at the pack of the
-  region's last saved tensor (early stop); autockpt's own checkpoint (``recompute.py``) re-runs the whole region;
+  region's last saved tensor (early stop, ``Action.RECOMPUTE_TORCH``); autockpt's own checkpoint
+  (``Action.RECOMPUTE_OWN``) re-runs the whole region;
 * a storage that a region reads from outside is held by the checkpoint until the region's backward is done;
-* autockpt's own checkpoint also holds the gradients of the region's outputs until the region's backward is done;
+* ``Action.RECOMPUTE_OWN`` also holds the gradients of the region's outputs until the region's backward is done;
 * storages saved by units outside every region live as measured.
 
 Everything the plan does not touch (parameter gradients, backward temporaries) stays as measured, which is what makes
-the prediction close to a real measurement.
+the prediction close to a real measurement. Time: the recomputed kernels as measured, plus each region's machinery at
+its action's price (``CostModel``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,18 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autockpt.types import CheckpointKind, MemoryCurve, MemoryEvent, Phase, Profile, Region, StorageLife, Timeline
+from autockpt.types import (
+    Action,
+    CostModel,
+    MemoryCurve,
+    MemoryEvent,
+    Phase,
+    Region,
+    RegionAction,
+    StepTrace,
+    StorageLife,
+    Timeline,
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -35,7 +48,7 @@ class RegionWindow:
     last_recomputed_unit: int | None  # the last unit whose kernels run again; None: nothing is re-run
 
 
-def region_windows(profile: Profile, regions: Sequence[Region]) -> list[RegionWindow]:
+def region_windows(profile: StepTrace, region_actions: Sequence[RegionAction]) -> list[RegionWindow]:
     """Where each region is recomputed (the first backward event that unpacks what one of its units saved), and how
     far the recomputation runs.
 
@@ -45,9 +58,9 @@ def region_windows(profile: Profile, regions: Sequence[Region]) -> list[RegionWi
     autockpt's own checkpoint runs the whole region: backward starts from the outputs' gradient functions.
     """
     index = _storage_index(profile)
-    early_stop = profile.checkpoint_kind is CheckpointKind.TORCH_NON_REENTRANT
     windows = []
-    for region in regions:
+    for region_action in region_actions:
+        region, early_stop = region_action.region, _stops_early(region_action.action)
         # units that saved anything (their saved tensors are unpacked in backward) -> first and last such event
         spans = {
             u: index.backward_span_of_unit[u]
@@ -72,6 +85,11 @@ def region_windows(profile: Profile, regions: Sequence[Region]) -> list[RegionWi
     return windows
 
 
+def _stops_early(action: Action) -> bool:
+    """Whether the region's recomputation stops at its last saved tensor (torch's non-reentrant checkpoint)."""
+    return action is Action.RECOMPUTE_TORCH
+
+
 def unit_regions(num_units: int, regions: Sequence[Region]) -> list[int | None]:
     """Region index of every unit (None when not checkpointed); raises on overlapping regions."""
     region_of: list[int | None] = [None] * num_units
@@ -85,25 +103,29 @@ def unit_regions(num_units: int, regions: Sequence[Region]) -> list[int | None]:
     return region_of
 
 
-def machinery_ms(profile: Profile, regions: Sequence[Region]) -> float:
-    """What checkpointing ``regions`` adds to a step besides the recomputed kernels: the profile's fixed cost per
-    region plus its cost per tensor the regions' units save (calibrated on the device, ``profile.py``)."""
-    saved_tensors = sum(profile.units[u].saved_tensors for r in regions for u in range(r.first_unit, r.last_unit + 1))
-    return len(regions) * profile.region_overhead_ms + saved_tensors * profile.saved_tensor_overhead_ms
+def machinery_ms(profile: StepTrace, costs: CostModel, region_actions: Sequence[RegionAction]) -> float:
+    """What the regions' actions add to a step besides the recomputed kernels: per region, its action's fixed price
+    plus its price per tensor the region's units save (calibrated on the device, ``costs.py``)."""
+    total = 0.0
+    for region_action in region_actions:
+        region, price = region_action.region, costs.price(region_action.action)
+        saved_tensors = sum(profile.units[u].saved_tensors for u in range(region.first_unit, region.last_unit + 1))
+        total += price.region_ms + saved_tensors * price.saved_tensor_ms
+    return total
 
 
-def simulate(profile: Profile, regions: Sequence[Region]) -> Timeline:
-    """Predict the memory of one training step when ``regions`` are checkpointed."""
-    return _predict(profile, regions, detailed=False).timeline
+def simulate(profile: StepTrace, costs: CostModel, region_actions: Sequence[RegionAction]) -> Timeline:
+    """Predict the memory and added time of one training step when each region runs under its action."""
+    return _predict(profile, costs, region_actions, detailed=False).timeline
 
 
-def memory_curve(profile: Profile, regions: Sequence[Region]) -> MemoryCurve:
+def memory_curve(profile: StepTrace, costs: CostModel, region_actions: Sequence[RegionAction]) -> MemoryCurve:
     """The predicted step of ``simulate`` per event, stacked by category (for reports); sums to its event bytes.
 
     Categories are assigned in a fixed order, each capped by what is left of the event's predicted bytes:
     parameters/buffers/inputs, gradients, recomputed copies, forward tensors, then the rest as temporaries.
     """
-    prediction = _predict(profile, regions, detailed=True)
+    prediction = _predict(profile, costs, region_actions, detailed=True)
     static = profile.parameter_bytes + profile.buffer_bytes + profile.input_bytes
     gradients = profile.gradient_bytes_by_event or (0,) * len(profile.events)
     columns: list[list[int]] = [[], [], [], [], []]
@@ -132,11 +154,20 @@ class _Prediction:
     copy_bytes: list[int]  # per event: recomputed copies alive, plus the replay burst where it sets the peak
 
 
-def _predict(profile: Profile, regions: Sequence[Region], *, detailed: bool) -> _Prediction:
+def _predict(
+    profile: StepTrace, costs: CostModel, region_actions: Sequence[RegionAction], *, detailed: bool
+) -> _Prediction:
     """``detailed``: also split the bytes into forward storages and recomputed copies (for memory curves)."""
     num_events = len(profile.events)
+    regions = [ra.region for ra in region_actions]
+    actions = [ra.action for ra in region_actions]
+    if Action.RECOMPUTE_OWN in actions and not profile.gradient_lifetimes:
+        raise ValueError(
+            f"this trace cannot score {Action.RECOMPUTE_OWN.value!r}: it has no gradient lifetimes (the action holds "
+            "output gradients); trace the step with gradient_lifetimes=True"
+        )
     region_of = unit_regions(len(profile.units), regions)
-    windows = region_windows(profile, regions)
+    windows = region_windows(profile, region_actions)
     index = _storage_index(profile)
     copy_bytes_at_burst = [0] * len(regions)
     plan_delta = [0] * (num_events + 1)  # what the plan changes, on top of the measured timeline (difference array)
@@ -148,7 +179,6 @@ def _predict(profile: Profile, regions: Sequence[Region], *, detailed: bool) -> 
             delta[first] += nbytes
             delta[last + 1] -= nbytes
 
-    holds_output_gradients = profile.checkpoint_kind is CheckpointKind.RECOMPUTE_FUNCTION
     # only storages that a region's unit makes, reads or saves can change
     touched = sorted({s for region in regions for u in range(region.first_unit, region.last_unit + 1)
                       for s in index.storages_of_unit[u]})
@@ -171,7 +201,7 @@ def _predict(profile: Profile, regions: Sequence[Region], *, detailed: bool) -> 
         window = windows[home]
         gradient_free = storage.gradient_free_event
         if (
-            holds_output_gradients
+            actions[home] is Action.RECOMPUTE_OWN  # it holds the gradients of the region's outputs
             and window.first_backward_event is not None
             and gradient_free is not None
             and _is_region_output(storage, region_of, home)
@@ -207,7 +237,7 @@ def _predict(profile: Profile, regions: Sequence[Region], *, detailed: bool) -> 
         c = window.first_backward_event
         offset = sum(plan_delta[: c + 1])
         before_recompute = profile.events[c].start_bytes + offset - copy_bytes_at_burst[r]
-        replay = _replay_peak(profile, region, window, region_of, r)
+        replay = _replay_peak(profile, region, window, region_of, r, early_stop=_stops_early(actions[r]))
         if window.last_recomputed_unit is not None:
             rerun = range(region.first_unit, window.last_recomputed_unit + 1)
             recompute_ms += sum(profile.units[u].forward_ms for u in rerun)
@@ -220,7 +250,7 @@ def _predict(profile: Profile, regions: Sequence[Region], *, detailed: bool) -> 
             event_bytes[c] = burst
 
     peak_event = max(range(num_events), key=event_bytes.__getitem__)
-    machinery = machinery_ms(profile, regions)
+    machinery = machinery_ms(profile, costs, region_actions)
     timeline = Timeline(
         event_bytes=tuple(event_bytes),
         burst_bytes=tuple(burst_bytes),
@@ -244,13 +274,13 @@ class _StorageIndex:
     forward_event_of_unit: dict[int, MemoryEvent]  # unit -> its forward event
 
 
-# Scoring candidates simulates hundreds of plans on one profile: index it once. Profiles are kept alive here, so an
+# Scoring candidates simulates hundreds of plans on one profile: index it once. StepTraces are kept alive here, so an
 # id is never reused while its entry exists; a few entries are enough (one planner at a time, tests).
-_INDEX_CACHE: dict[int, tuple[Profile, _StorageIndex]] = {}
+_INDEX_CACHE: dict[int, tuple[StepTrace, _StorageIndex]] = {}
 _INDEX_CACHE_SIZE = 4
 
 
-def _storage_index(profile: Profile) -> _StorageIndex:
+def _storage_index(profile: StepTrace) -> _StorageIndex:
     cached = _INDEX_CACHE.get(id(profile))
     if cached is not None and cached[0] is profile:
         return cached[1]
@@ -322,7 +352,7 @@ def _plan_free_event(
 
 
 def _replay_peak(
-    profile: Profile, region: Region, window: RegionWindow, region_of: list[int | None], r: int
+    profile: StepTrace, region: Region, window: RegionWindow, region_of: list[int | None], r: int, *, early_stop: bool
 ) -> int:
     """Peak bytes the recomputation of ``region`` adds on top of memory at its start.
 
@@ -336,7 +366,6 @@ def _replay_peak(
     output).
     """
     storages = _storage_index(profile)
-    early_stop = profile.checkpoint_kind is CheckpointKind.TORCH_NON_REENTRANT
     last = window.last_saver_unit if early_stop else region.last_unit
     live = 0
     peak = 0

@@ -1,4 +1,4 @@
-"""Values passed between the pipeline stages: capture -> profile -> solve -> simulate -> rewrite.
+"""Values passed between the pipeline stages: capture -> trace -> costs -> simulate -> solve -> policy -> rewrite.
 
 This module is the only contract between stages. Sizes are ``int`` bytes, times are milliseconds or seconds as the
 field name says, and positions in the step are *units* (one fx node, or one stretch of a module-level run) and
@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import pandas as pd
     import torch
     from torch import nn
 
@@ -29,15 +28,32 @@ class CaptureKind(str, Enum):
     MODULE = "module"  # hooks on submodules: one unit per stretch of a module's forward; checkpoint whole modules
 
 
-class CheckpointKind(str, Enum):
-    """Which activation checkpoint runs the planned regions (``rewrite.py``); the simulator follows its semantics."""
+class Action(str, Enum):
+    """What happens to the tensors one region saves for backward (in the spirit of
+    ``torch.utils.checkpoint.CheckpointPolicy``). A unit in no region keeps them (autograd holds them until backward).
+
+    Each action has a runtime (``recompute.py``), a price in the cost model (``costs.py``) and a storage-lifetime rule
+    in the simulator (``simulate.py``).
+    """
 
     # torch.utils.checkpoint(use_reentrant=False): the recomputation stops at the region's last saved tensor, and
     # the region's backward interleaves with the rest of the graph
-    TORCH_NON_REENTRANT = "torch_non_reentrant"
+    RECOMPUTE_TORCH = "torch_non_reentrant"
     # autockpt's own (``recompute.py``): nothing passes Python hooks per saved tensor, so it costs less time; the
     # region is re-run whole, and its output gradients stay alive until its backward is done (a little more memory)
+    RECOMPUTE_OWN = "recompute_function"
+    # the names these actions had as ``CheckpointKind`` members (same values: plan files and the CLI keep working)
+    TORCH_NON_REENTRANT = "torch_non_reentrant"
     RECOMPUTE_FUNCTION = "recompute_function"
+
+    @property
+    def recomputes(self) -> bool:
+        return self in (Action.RECOMPUTE_TORCH, Action.RECOMPUTE_OWN)
+
+
+# The name of the actions before offload and placement existed: ``CheckpointKind.TORCH_NON_REENTRANT`` is
+# ``Action.RECOMPUTE_TORCH``, ``CheckpointKind.RECOMPUTE_FUNCTION`` is ``Action.RECOMPUTE_OWN``.
+CheckpointKind = Action
 
 
 class Decision(str, Enum):
@@ -148,8 +164,11 @@ class MemoryEvent:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Profile:
-    """Output of profile: what the unmodified training step costs, per unit and over time."""
+class StepTrace:
+    """Output of trace: what the unmodified training step was measured to do, per unit and over time.
+
+    Measurements only: what each action would cost on top of them is the ``CostModel``'s (``costs.py``).
+    """
 
     units: tuple[UnitCost, ...]
     storages: tuple[StorageLife, ...]
@@ -162,19 +181,49 @@ class Profile:
     forward_ms: float
     step_ms: float  # forward + backward, median of repeats
     gradient_bytes_by_event: tuple[int, ...] = ()  # per event: bytes of parameter gradients allocated so far
-    # the checkpoint machinery on this device, on top of the recomputed kernels (``simulate.machinery_ms``): a fixed
-    # cost per region (RNG state, frame and recomputation set-up) plus a cost per tensor the region's units save
-    # (non-reentrant torch: a holder in forward, a repack in the recomputation, an unpack in backward)
-    region_overhead_ms: float = 0.0
-    saved_tensor_overhead_ms: float = 0.0
-    checkpoint_kind: CheckpointKind = CheckpointKind.TORCH_NON_REENTRANT  # what the costs above were calibrated on
-    # whether ``StorageLife.gradient_free_event`` was recorded (the simulation of autockpt's checkpoint needs it)
+    # whether ``StorageLife.gradient_free_event`` was recorded (the simulation of RECOMPUTE_OWN needs it)
     gradient_lifetimes: bool = False
 
     @property
     def static_bytes(self) -> int:
         """Parameters, buffers, inputs and parameter gradients: memory no plan can remove."""
         return self.parameter_bytes + self.buffer_bytes + self.input_bytes + self.gradient_bytes
+
+
+# The name of the measured step before the cost model was split off it (issue 20).
+Profile = StepTrace
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ActionPrice:
+    """What one action adds to a step on one device, on top of the kernels it re-runs: a fixed cost per region
+    (RNG state, frame and recomputation set-up) plus a cost per tensor the region's units save (torch's checkpoint:
+    a holder in forward, a repack in the recomputation, an unpack in backward)."""
+
+    action: Action
+    region_ms: float
+    saved_tensor_ms: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CostModel:
+    """Output of costs: the price of each action on the device the step runs on, calibrated there."""
+
+    device: str
+    prices: tuple[ActionPrice, ...]
+
+    def price(self, action: Action) -> ActionPrice:
+        for price in self.prices:
+            if price.action is action:
+                return price
+        raise ValueError(
+            f"the cost model for {self.device} has no price for {action.value!r} (it has "
+            f"{[p.action.value for p in self.prices]}); calibrate it with costs.calibrate(device, actions)"
+        )
+
+    @property
+    def actions(self) -> tuple[Action, ...]:
+        return tuple(p.action for p in self.prices)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -193,6 +242,79 @@ class Region:
 
     def overlaps(self, other: Region) -> bool:
         return self.first_unit <= other.last_unit and other.first_unit <= self.last_unit
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RegionAction:
+    """One region of a policy and what happens to the tensors its units save for backward."""
+
+    region: Region
+    action: Action
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Stage:
+    """A contiguous run of units (inclusive) and the device it runs on."""
+
+    first_unit: int
+    last_unit: int
+    device: str  # as ``str(torch.device)``: "cpu", "cuda:0"; "" where the plan did not record it (plan files v1)
+
+    def __post_init__(self) -> None:
+        if self.first_unit < 0 or self.last_unit < self.first_unit - 1:
+            raise ValueError(f"Stage needs 0 <= first_unit <= last_unit + 1, got {self.first_unit}..{self.last_unit}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Placement:
+    """Where each part of the step runs: stages in unit order, covering every unit once."""
+
+    stages: tuple[Stage, ...]
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            raise ValueError("a Placement needs at least one stage")
+        for before, after in zip(self.stages, self.stages[1:]):
+            if after.first_unit != before.last_unit + 1:
+                raise ValueError(f"stages must be contiguous and in unit order, got {before} then {after}")
+
+    @staticmethod
+    def single_device(num_units: int, device: str) -> Placement:
+        """Every unit on one device (a graph of no units is one empty stage)."""
+        return Placement(stages=(Stage(first_unit=0, last_unit=num_units - 1, device=device),))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Policy:
+    """What the rewriter needs, nothing else: per region an action, and where the step runs.
+
+    Regions are disjoint and in unit order; a unit in no region keeps what it saves. Different regions may have
+    different actions.
+    """
+
+    region_actions: tuple[RegionAction, ...]
+    placement: Placement
+
+    def __post_init__(self) -> None:
+        regions = self.regions
+        for before, after in zip(regions, regions[1:]):
+            if after.first_unit <= before.last_unit:
+                raise ValueError(f"a Policy's regions must be disjoint and in unit order, got {before} then {after}")
+
+    @property
+    def regions(self) -> tuple[Region, ...]:
+        return tuple(ra.region for ra in self.region_actions)
+
+    @property
+    def actions(self) -> tuple[Action, ...]:
+        """The action of each region, in region order."""
+        return tuple(ra.action for ra in self.region_actions)
+
+    @staticmethod
+    def uniform(regions: Sequence[Region], action: Action, placement: Placement) -> Policy:
+        """The same action for every region (sorted into unit order)."""
+        ordered = sorted(regions, key=lambda r: r.first_unit)
+        return Policy(region_actions=tuple(RegionAction(region=r, action=action) for r in ordered), placement=placement)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -284,15 +406,17 @@ class NodePlan:
     flops: int
     decision: Decision
     region: int | None  # index into Plan.regions, None when not checkpointed
+    action: Action | None = None  # the action of its region, None when in none
     recompute_ms: float = 0.0  # forward ms run again in backward (0 for the tail a region's early stop skips)
     saved_tensors: int = 0  # tensors autograd saves for this unit (each passes the checkpoint's hooks when recomputed)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Plan:
-    """What autockpt decided for one model, inputs and budget, with its predictions.
+class PlanRecord:
+    """The values of a plan: what autockpt decided for one model, inputs and budget, with its predictions.
 
-    Bytes are exact integers; ``summary()`` prints them in GB (10^9 bytes) and GiB (2^30 bytes).
+    ``autockpt.Plan`` (``plan.py``) is this record with its report and save methods; the stages and the modules that
+    write plans (``summary.py``, ``report.py``, ``plan_io.py``) read this record. Bytes are exact integers.
     """
 
     budget_bytes: int
@@ -306,10 +430,13 @@ class Plan:
     capture: CaptureKind
     status: PlanStatus
     solver: str
-    solve_time_s: float
+    solve_time_s: float  # everything after capture and profiling: preparation, floor, every action's solve
     capture_time_s: float
     profile_time_s: float
-    regions: tuple[Region, ...]
+    policy: Policy  # what the rewriter applies
+    # the recompute action the solver planned with: it picks one per plan (every region has it), and an identity plan
+    # still records which one it was made for
+    planned_action: Action
     nodes: tuple[NodePlan, ...]
     measured_peak_bytes: int | None = None  # optimize() runs one real step on the example inputs to check the budget
     notes: tuple[str, ...] = field(default=())
@@ -319,36 +446,37 @@ class Plan:
     memory_before: MemoryCurve | None = None  # predicted step with nothing recomputed
     memory_after: MemoryCurve | None = None  # predicted step under this plan
     pareto: tuple[ParetoPoint, ...] = ()  # other budgets, when the planner was asked for them
-    region_overhead_ms: float = 0.0  # measured fixed cost of one checkpointed region (Profile.region_overhead_ms)
-    saved_tensor_overhead_ms: float = 0.0  # measured machinery cost per saved tensor (Profile.saved_tensor_overhead_ms)
+    prices: tuple[ActionPrice, ...] = ()  # the cost model's prices the prediction used (``costs.py``)
     machinery_ms: float = 0.0  # predicted checkpoint machinery of all regions: part of predicted_overhead
-    checkpoint_kind: CheckpointKind = CheckpointKind.TORCH_NON_REENTRANT  # the checkpoint the rewriter applies
+
+    @property
+    def regions(self) -> tuple[Region, ...]:
+        return self.policy.regions
+
+    @property
+    def checkpoint_kind(self) -> Action:
+        """The recompute action of the plan's regions (the name it had before actions: ``CheckpointKind``)."""
+        return self.planned_action
+
+    @property
+    def region_overhead_ms(self) -> float:
+        """Measured fixed cost of one region of the planned action (``ActionPrice.region_ms``)."""
+        return self._price().region_ms
+
+    @property
+    def saved_tensor_overhead_ms(self) -> float:
+        """Measured machinery cost per saved tensor of the planned action (``ActionPrice.saved_tensor_ms``)."""
+        return self._price().saved_tensor_ms
+
+    def _price(self) -> ActionPrice:
+        for price in self.prices:
+            if price.action is self.planned_action:
+                return price
+        return ActionPrice(action=self.planned_action, region_ms=0.0, saved_tensor_ms=0.0)
 
     @property
     def recomputed_units(self) -> tuple[int, ...]:
         return tuple(n.index for n in self.nodes if n.decision is Decision.RECOMPUTE)
-
-    def summary(self) -> str:
-        from autockpt.report import plan_summary
-
-        return plan_summary(self)
-
-    def to_dataframe(self) -> pd.DataFrame:
-        from autockpt.report import plan_dataframe
-
-        return plan_dataframe(self)
-
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the plan as JSON (schema-versioned, no pickle); ``autockpt.load_plan`` reads it back."""
-        from autockpt.plan_io import save_plan
-
-        save_plan(self, path)
-
-    def report(self, path: str | os.PathLike[str], *, depth: int = 2) -> None:
-        """Write a self-contained report: HTML when ``path`` ends in .html/.htm, markdown otherwise."""
-        from autockpt.report import write_report
-
-        write_report(self, path, depth=depth)
 
     def __repr__(self) -> str:
         return (

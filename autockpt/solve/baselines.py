@@ -32,30 +32,21 @@ says what was split or dropped.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import re
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING
 
-from autockpt.solve.candidates import (
-    _mutation_hazards,
-    _unsafe,
-    candidate_regions,
-    crossing_bytes,
-    equal_saved_segments,
-)
-from autockpt.solve.ilp import SeedPlan
-from autockpt.types import CaptureKind, Graph, Plan, Profile, Region
-
-if TYPE_CHECKING:
-    from autockpt.api import Planner
+from autockpt.solve.base import NO_PROGRAM, Problem, SeedPlan, SolveResult, SolverOptions
+from autockpt.solve.candidates import candidate_regions, equal_saved_segments, is_unsafe, mutation_hazards
+from autockpt.solve.refine import no_plan_error
+from autockpt.structure import crossing_bytes
+from autockpt.types import CaptureKind, Graph, PlanStatus, Profile, Region
 
 logger = logging.getLogger(__name__)
-
 
 
 class BaselinePolicy(str, Enum):
@@ -185,18 +176,27 @@ def baseline_seed_plans(graph: Graph, profile: Profile) -> list[SeedPlan]:
     return seeds
 
 
-def baseline_plan(planner: Planner, strategy: str) -> Plan:
-    """Score ``strategy``'s regions with the planner's simulator: a Plan with status ``given``.
+class BaselineSolver:
+    """A baseline policy behind the solver contract: its regions on the graph, whatever the budget (status
+    ``given``); raises ``InfeasibleBudgetError`` when they do not fit it."""
 
-    Raises ``ValueError`` when the policy cannot be expressed on this graph (e.g. ``sqrt_n`` on a module-level
-    capture); the message says why.
-    """
-    chosen = baseline_regions(planner.graph, planner.profile, strategy)
-    if not chosen.available:
-        raise ValueError(f"baseline {strategy!r} on {type(planner.model).__name__}: {'; '.join(chosen.notes)}")
-    the_plan = planner.plan_for_regions(chosen.regions, strategy=strategy)
-    notes = tuple(f"{strategy}: {note}" for note in chosen.notes)
-    return dataclasses.replace(the_plan, notes=the_plan.notes + notes)
+    def __init__(self, graph: Graph, strategy: str) -> None:
+        parse_strategy(strategy)
+        self.graph, self.strategy, self.name = graph, strategy, strategy
+
+    def solve(self, problem: Problem, budget_bytes: int, options: SolverOptions) -> SolveResult:
+        started = time.perf_counter()
+        chosen = baseline_regions(self.graph, problem.trace, self.strategy)
+        if not chosen.available:
+            raise ValueError(f"baseline {self.strategy!r}: {'; '.join(chosen.notes)}")
+        timeline = problem.simulate(chosen.regions)
+        if timeline.peak_bytes > budget_bytes:
+            raise no_plan_error(budget_bytes, timeline.peak_bytes)
+        return SolveResult(
+            regions=chosen.regions, action=problem.action, timeline=timeline, baseline=problem.baseline,
+            min_feasible_bytes=timeline.peak_bytes, status=PlanStatus.GIVEN, solver=self.name,
+            solve_time_s=time.perf_counter() - started, stats=NO_PROGRAM,
+        )
 
 
 # ------------------------------------------------------------------------------------------------ blocks
@@ -342,11 +342,11 @@ def _all_recomputable(graph: Graph, profile: Profile) -> tuple[list[Region], str
 
 def make_safe(graph: Graph, profile: Profile, regions: Iterable[Region]) -> tuple[list[Region], list[str]]:
     """Split (fx/export) or drop (module level) regions the mutation-hazard filter of ``candidates.py`` rejects."""
-    hazards = _mutation_hazards(profile)
+    hazards = mutation_hazards(profile)
     safe: list[Region] = []
     split = dropped = dropped_units = 0
     for region in regions:
-        if not _unsafe(region, hazards):
+        if not is_unsafe(region, hazards):
             safe.append(region)
             continue
         if graph.kind is CaptureKind.MODULE:
@@ -372,11 +372,11 @@ def _safe_runs(region: Region, hazards: list) -> list[Region]:
     runs: list[Region] = []
     start: int | None = None
     for unit in range(region.first_unit, region.last_unit + 1):
-        if start is not None and not _unsafe(Region(first_unit=start, last_unit=unit), hazards):
+        if start is not None and not is_unsafe(Region(first_unit=start, last_unit=unit), hazards):
             continue
         if start is not None:
             runs.append(Region(first_unit=start, last_unit=unit - 1))
-        start = unit if not _unsafe(Region(first_unit=unit, last_unit=unit), hazards) else None
+        start = unit if not is_unsafe(Region(first_unit=unit, last_unit=unit), hazards) else None
     if start is not None:
         runs.append(Region(first_unit=start, last_unit=region.last_unit))
     return runs

@@ -30,11 +30,14 @@ from dataclasses import dataclass
 import numpy as np
 import pulp
 
-from autockpt.report import GB
-from autockpt.simulate import machinery_ms, simulate
-from autockpt.solve.candidates import elementary_pieces, safe_regions
-from autockpt.solve.structure import RepeatedBlocks
-from autockpt.types import Phase, Profile, Region, Timeline
+from autockpt.solve.base import ProgramAnswer, Problem, Scorer, SolveResult, SolverOptions
+from autockpt.solve.block_types import BlockInstance, BlockPlan, BlockProblem, Chain, ChainOption, OtherRegion
+from autockpt.solve.candidates import safe_regions
+from autockpt.solve.pulp_tools import add_no_good_cut, add_no_overlap, has_solution, is_proven_optimal, solve_and_write
+from autockpt.solve.refine import solve_with_program
+from autockpt.structure import RepeatedBlocks
+from autockpt.types import Phase, PlanStatus, Region, SolverStats, Timeline
+from autockpt.units import GB
 
 logger = logging.getLogger(__name__)
 
@@ -42,67 +45,21 @@ MAX_BLOCK_PLANS = 20_000  # disjoint region sets enumerated per family; more tha
 MAX_INSTANCES_PER_RUN = 12  # longest run of whole instances offered as one region (every_n with n up to this)
 
 
-@dataclass(frozen=True, slots=True)
-class _Instance:
-    region: Region
-    family: int
-    window: np.ndarray  # its forward and backward events, in time order (aligned with the representative's)
-    forward_end: int  # its last forward event
-    backward_start: int  # its first backward event
-
-
-@dataclass(frozen=True, slots=True)
-class _BlockPlan:
-    relative: tuple[tuple[int, int], ...]  # regions as (first, last) unit offsets from the instance's first unit
-    rerun_offsets: tuple[int, ...]  # units re-run in backward, as offsets (their forward ms is an instance's recompute)
-    cost_ms: float  # at the representative
-    retained_gain_bytes: int
-    window_gains: np.ndarray  # bytes fewer than unmodified at each event of the window (negative: recompute burst)
-
-
-@dataclass(frozen=True, slots=True)
-class _OtherRegion:
-    region: Region
-    cost_ms: float
-    gains: np.ndarray  # per event of the whole timeline
-
-
-@dataclass(slots=True)
-class BlockProblem:
-    """Everything the outer program needs that does not depend on the budget."""
-
-    instances: list[_Instance]
-    menus: list[list[_BlockPlan]]  # per family; item 0 is the empty plan
-    need_bytes: list[np.ndarray]  # per instance: worst bytes in its window under each plan of its family's menu
-    cost_ms: list[np.ndarray]  # per instance: added ms (recompute + checkpoint machinery) of each menu plan there
-    others: list[_OtherRegion]
-    base_bytes: np.ndarray  # unmodified bytes per event
-    outside_events: np.ndarray  # events in no instance's window
-    chain: _Chain | None = None  # the outer problem as a chain (None: not a chain, the MILP solves it)
-
-    def regions_of(self, choice: Sequence[int], others: Sequence[int]) -> tuple[Region, ...]:
-        """The plan for menu item ``choice[k]`` at every instance k, plus the chosen other regions."""
-        regions = [self.others[c].region for c in others]
-        for instance, item in zip(self.instances, choice):
-            start = instance.region.first_unit
-            regions += [Region(first_unit=start + a, last_unit=start + b) for a, b in self.menus[instance.family][item].relative]
-        return tuple(sorted(regions, key=lambda r: r.first_unit))
-
-
 def prepare_blocks(
-    profile: Profile, structure: RepeatedBlocks, candidates: Sequence[Region], baseline: Timeline
+    scorer: Scorer, structure: RepeatedBlocks, candidates: Sequence[Region], baseline: Timeline
 ) -> BlockProblem | None:
     """Score each family's block once and build its menu; None when no family is usable (solve flat instead)."""
+    profile = scorer.trace
     base = np.asarray(baseline.event_bytes, dtype=np.int64)
     units_of_event = np.array([e.unit for e in profile.events])
     backward = np.array([e.phase is Phase.BACKWARD for e in profile.events])
-    instances: list[_Instance] = []
-    menus: list[list[_BlockPlan]] = []
+    instances: list[BlockInstance] = []
+    menus: list[list[BlockPlan]] = []
     for family in structure.families:
         found = _family_instances(family.instances, len(menus), units_of_event, backward)
         if len(found) < 2:
             continue
-        menu = _menu(profile, found, candidates, base)
+        menu = _menu(scorer, found, candidates, base)
         if menu is None:
             continue
         instances += found
@@ -121,8 +78,8 @@ def prepare_blocks(
     cost = [
         np.array([
             forward_ms[i.region.first_unit + np.array(plan.rerun_offsets, dtype=np.int64)].sum()
-            + machinery_ms(profile, [Region(first_unit=i.region.first_unit + a, last_unit=i.region.first_unit + b)
-                                     for a, b in plan.relative])
+            + scorer.machinery_ms([Region(first_unit=i.region.first_unit + a, last_unit=i.region.first_unit + b)
+                                   for a, b in plan.relative])
             for plan in menus[i.family]
         ])
         for i in instances
@@ -130,7 +87,7 @@ def prepare_blocks(
     in_window = np.zeros(len(base), dtype=bool)
     for instance in instances:
         in_window[instance.window] = True
-    others = _other_regions(profile, instances, candidates, base)
+    others = _other_regions(scorer, instances, candidates, base)
     problem = BlockProblem(
         instances=instances, menus=menus, need_bytes=need, cost_ms=cost, others=others, base_bytes=base,
         outside_events=np.flatnonzero(~in_window),
@@ -145,7 +102,7 @@ def prepare_blocks(
 
 def _family_instances(
     regions: Sequence[Region], family: int, units_of_event: np.ndarray, backward: np.ndarray
-) -> list[_Instance]:
+) -> list[BlockInstance]:
     """The instances whose event windows line up with the representative's (same phases, same unit offsets)."""
     def window_of(region: Region) -> np.ndarray:
         return np.flatnonzero((units_of_event >= region.first_unit) & (units_of_event <= region.last_unit))
@@ -161,12 +118,13 @@ def _family_instances(
         ) and np.array_equal(backward[window], rep_key[1])
         forward_events, backward_events = window[~backward[window]], window[backward[window]]
         if same and len(forward_events) and len(backward_events) and forward_events.max() < backward_events.min():
-            found.append(_Instance(region, family, window, int(forward_events.max()), int(backward_events.min())))
+            found.append(BlockInstance(region, family, window, int(forward_events.max()), int(backward_events.min())))
     return found
 
 
-def _menu(profile: Profile, instances: list[_Instance], candidates: Sequence[Region], base: np.ndarray) -> list[_BlockPlan] | None:
+def _menu(scorer: Scorer, instances: list[BlockInstance], candidates: Sequence[Region], base: np.ndarray) -> list[BlockPlan] | None:
     """The block plans worth offering for one family, scored at its representative instance."""
+    profile = scorer.trace
     block_units = instances[0].region.last_unit - instances[0].region.first_unit + 1
     relative = {(0, block_units - 1)}  # the whole block, as every_1 checkpoints it
     for instance in instances:
@@ -179,13 +137,13 @@ def _menu(profile: Profile, instances: list[_Instance], candidates: Sequence[Reg
         relative = {(r.first_unit - start, r.last_unit - start) for r in safe_regions(profile, regions)}
     representative = instances[len(instances) // 2]
     start = representative.region.first_unit
-    singles: list[_BlockPlan] = []
+    singles: list[BlockPlan] = []
     for a, b in sorted(relative):
-        alone, gains = _alone(profile, Region(first_unit=start + a, last_unit=start + b), base)
+        alone, gains = _alone(scorer, Region(first_unit=start + a, last_unit=start + b), base)
         if gains.max() <= 0:
             continue  # frees nothing anywhere
         rerun = tuple(u - start for u in alone.rerun_units)
-        singles.append(_BlockPlan(
+        singles.append(BlockPlan(
             ((a, b),), rerun, alone.overhead_ms, _retained_gain(gains, representative), gains[representative.window]
         ))
     plans = _disjoint_combinations(singles, len(representative.window))
@@ -195,29 +153,29 @@ def _menu(profile: Profile, instances: list[_Instance], candidates: Sequence[Reg
     return _undominated(plans, [base[i.window] for i in instances])
 
 
-def _alone(profile: Profile, region: Region, base: np.ndarray) -> tuple[Timeline, np.ndarray]:
+def _alone(scorer: Scorer, region: Region, base: np.ndarray) -> tuple[Timeline, np.ndarray]:
     """``region`` checkpointed alone: its timeline, and the bytes it saves at every event (negative: costs)."""
-    alone = simulate(profile, (region,))
+    alone = scorer.simulate((region,))
     return alone, base - np.asarray(alone.event_bytes, dtype=np.int64)
 
 
-def _retained_gain(gains: np.ndarray, instance: _Instance) -> int:
+def _retained_gain(gains: np.ndarray, instance: BlockInstance) -> int:
     """Bytes not held between ``instance``'s forward and its backward (the least over those events)."""
     between = gains[instance.forward_end + 1 : instance.backward_start]
     return int(between.min()) if len(between) else 0
 
 
-def _disjoint_combinations(singles: list[_BlockPlan], window_length: int) -> list[_BlockPlan] | None:
+def _disjoint_combinations(singles: list[BlockPlan], window_length: int) -> list[BlockPlan] | None:
     """Every set of non-overlapping single regions (the empty set first), with costs and gains added up."""
-    empty = _BlockPlan((), (), 0.0, 0, np.zeros(window_length, dtype=np.int64))
+    empty = BlockPlan((), (), 0.0, 0, np.zeros(window_length, dtype=np.int64))
     plans = [empty]
 
-    def extend(plan: _BlockPlan, after_unit: int, first_index: int) -> bool:
+    def extend(plan: BlockPlan, after_unit: int, first_index: int) -> bool:
         for index in range(first_index, len(singles)):
             single = singles[index]
             if single.relative[0][0] <= after_unit:
                 continue
-            combined = _BlockPlan(
+            combined = BlockPlan(
                 plan.relative + single.relative, plan.rerun_offsets + single.rerun_offsets, plan.cost_ms + single.cost_ms,
                 plan.retained_gain_bytes + single.retained_gain_bytes, plan.window_gains + single.window_gains,
             )
@@ -229,7 +187,7 @@ def _disjoint_combinations(singles: list[_BlockPlan], window_length: int) -> lis
     return plans if extend(empty, -1, 0) else None
 
 
-def _undominated(plans: list[_BlockPlan], window_bases: list[np.ndarray]) -> list[_BlockPlan]:
+def _undominated(plans: list[BlockPlan], window_bases: list[np.ndarray]) -> list[BlockPlan]:
     """Drop each plan that another beats or equals on added time, retained gain and need at every instance."""
     need = np.array([[(b - p.window_gains).max() for b in window_bases] for p in plans], dtype=np.int64)
     cost = np.array([p.cost_ms for p in plans])
@@ -246,11 +204,11 @@ def _undominated(plans: list[_BlockPlan], window_bases: list[np.ndarray]) -> lis
 
 
 def _other_regions(
-    profile: Profile, instances: list[_Instance], candidates: Sequence[Region], base: np.ndarray
-) -> list[_OtherRegion]:
+    scorer: Scorer, instances: list[BlockInstance], candidates: Sequence[Region], base: np.ndarray
+) -> list[OtherRegion]:
     """Regions outside every instance (embedding, head), and runs of whole consecutive instances of one family."""
     regions = [c for c in candidates if not _overlaps_any(c, instances)]
-    by_family: dict[int, list[_Instance]] = {}
+    by_family: dict[int, list[BlockInstance]] = {}
     for instance in instances:
         by_family.setdefault(instance.family, []).append(instance)
     for members in by_family.values():
@@ -260,10 +218,10 @@ def _other_regions(
             if 2 <= len(run) <= MAX_INSTANCES_PER_RUN and contiguous:
                 regions.append(Region(first_unit=run[0].region.first_unit, last_unit=run[-1].region.last_unit))
     others = []
-    for region in safe_regions(profile, list(dict.fromkeys(regions))):
-        alone, gains = _alone(profile, region, base)
+    for region in safe_regions(scorer.trace, list(dict.fromkeys(regions))):
+        alone, gains = _alone(scorer, region, base)
         if gains.max() > 0:
-            others.append(_OtherRegion(region, alone.overhead_ms, gains))
+            others.append(OtherRegion(region, alone.overhead_ms, gains))
     return others
 
 
@@ -297,18 +255,13 @@ def build_block_program(
         if len(members) > 1:
             prob += pulp.lpSum(members) <= 1, f"one_plan_instance_{k}"
     # [Constraint] other regions do not overlap each other
-    num_units = max((o.region.last_unit for o in others), default=-1) + 1
-    for p, piece in enumerate(elementary_pieces(num_units, [o.region for o in others])):
-        covering = [y[c] for c, o in enumerate(others) if piece.first_unit in o.region]
-        if len(covering) > 1:
-            prob += pulp.lpSum(covering) <= 1, f"no_overlap_piece_{p}"
+    add_no_overlap(prob, [o.region for o in others], y)
     # [Constraint] not a set already simulated over the budget
+    everything = [v for row in x for v in row] + y
     for n, regions in enumerate(excluded):
         chosen = _variables_for(problem, regions, x, y)
         if chosen is not None:
-            everything = [v for row in x for v in row] + y
-            terms = [(v, 1 if v.name in chosen else -1) for v in everything]
-            prob += pulp.LpConstraint(pulp.LpAffineExpression(terms), pulp.LpConstraintLE, f"not_plan_{n}", len(chosen) - 1)
+            add_no_good_cut(prob, f"not_plan_{n}", chosen, everything)
 
     rows: dict[tuple, int] = {}  # coefficients -> largest constant: identical rows but the constant collapse to one
 
@@ -358,11 +311,41 @@ def build_block_program(
     return prob, chosen_regions
 
 
+def solve_block_program(
+    problem: Problem,
+    budget: float | None,
+    options: SolverOptions,
+    solver: str,
+    *,
+    excluded: Sequence[tuple[Region, ...]] = (),
+) -> ProgramAnswer:
+    """The outer program at ``budget``: by the chain's dynamic program when it applies (milliseconds), else as a
+    MILP; ``budget`` None: the lowest peak the block program reaches (the MILP). ``excluded``: region sets the answer
+    must not be (the chain cannot rule a set out: it answers the same at the same budget)."""
+    blocks = problem.blocks
+    if blocks is None:
+        raise ValueError("solve_block_program needs a problem prepared with repeated blocks (Problem.blocks)")
+    if budget is not None:
+        regions = solve_block_chain(blocks, int(budget))
+        if regions is not NotImplemented:
+            word = "Optimal Solution Found" if regions is not None else "No Solution Exists"
+            stats = SolverStats(status=f"{word} (block chain)", relative_gap=0.0, variables=0, constraints=0, programs=1)
+            return ProgramAnswer(regions=regions, status=PlanStatus.OPTIMAL, stats=stats)
+    prob, chosen_regions = build_block_program(blocks, budget, excluded)
+    stats = solve_and_write(prob, solver, options)
+    if not has_solution(prob):
+        return ProgramAnswer(regions=() if budget is None else None, status=PlanStatus.FEASIBLE, stats=stats)
+    return ProgramAnswer(
+        regions=chosen_regions(), status=PlanStatus.OPTIMAL if is_proven_optimal(prob) else PlanStatus.FEASIBLE,
+        stats=stats,
+    )
+
+
 def _variables_for(
     problem: BlockProblem, regions: Sequence[Region], x: list[list[pulp.LpVariable]], y: list[pulp.LpVariable]
-) -> set[str] | None:
-    """Names of the variables set to 1 by the plan ``regions``; None if the program cannot express it."""
-    chosen: set[str] = set()
+) -> list[pulp.LpVariable] | None:
+    """The variables set to 1 by the plan ``regions``; None if the program cannot express it."""
+    chosen: list[pulp.LpVariable] = []
     remaining = set(regions)
     for k, instance in enumerate(problem.instances):
         start = instance.region.first_unit
@@ -376,16 +359,16 @@ def _variables_for(
         item = next((m for m, plan in enumerate(menu) if plan.relative == inside), None)
         if item is None:
             return None
-        chosen.add(x[k][item - 1].name)
+        chosen.append(x[k][item - 1])
         remaining -= {Region(first_unit=start + a, last_unit=start + b) for a, b in inside}
     for c, other in enumerate(problem.others):
         if other.region in remaining:
-            chosen.add(y[c].name)
+            chosen.append(y[c])
             remaining.discard(other.region)
     return None if remaining else chosen
 
 
-def _overlaps_any(region: Region, instances: Sequence[_Instance]) -> bool:
+def _overlaps_any(region: Region, instances: Sequence[BlockInstance]) -> bool:
     return any(region.overlaps(i.region) for i in instances)
 
 
@@ -393,29 +376,6 @@ def _overlaps_any(region: Region, instances: Sequence[_Instance]) -> bool:
 
 STATES = 10_000  # retained-gain buckets; gains are rounded down, so rows are pessimistic by < instances / STATES of the range
 MAX_OTHER_SETS = 64  # sets of regions outside the blocks tried one by one; more than this: the MILP solves it
-
-
-@dataclass(frozen=True, slots=True)
-class _Option:
-    """One way to cover instances ``first .. first + length - 1``: a menu plan (length 1) or a run region."""
-
-    first: int
-    length: int
-    cost_ms: float
-    retained_gain_bytes: int
-    need_bytes: np.ndarray  # per covered instance: worst bytes in its window, before earlier instances' gains
-    plan: int | None  # menu item, or None for a run
-    other: int | None  # the run's index in ``others``
-
-
-@dataclass(frozen=True, slots=True)
-class _Chain:
-    """What the dynamic program needs that does not depend on the budget."""
-
-    options: list[list[_Option]]  # per instance: the options starting there
-    outside_prefix: list[int]  # per outside event: how many leading instances hold their gains there
-    outside: list[int]  # ``others`` that cover no instance (embedding, head)
-    outside_sets: list[tuple[int, ...]]  # sets of them that do not overlap, as positions in ``outside``
 
 
 def solve_block_chain(problem: BlockProblem, budget: int) -> tuple[Region, ...] | None | type[NotImplemented]:
@@ -439,7 +399,7 @@ def solve_block_chain(problem: BlockProblem, budget: int) -> tuple[Region, ...] 
     return None if best is None else best[1]
 
 
-def _prepare_chain(problem: BlockProblem) -> _Chain | None:
+def _prepare_chain(problem: BlockProblem) -> Chain | None:
     """The chain form of the outer problem, or None when its rows are not a chain or too many outside sets."""
     outside_prefix = _prefix_of_outside_rows(problem)
     if outside_prefix is None:
@@ -449,7 +409,7 @@ def _prepare_chain(problem: BlockProblem) -> _Chain | None:
     if outside_sets is None:
         return None
     runs = [c for c in range(len(problem.others)) if c not in outside]
-    return _Chain(_chain_options(problem, runs), outside_prefix, outside, outside_sets)
+    return Chain(_chain_options(problem, runs), outside_prefix, outside, outside_sets)
 
 
 def _prefix_of_outside_rows(problem: BlockProblem) -> list[int] | None:
@@ -484,14 +444,14 @@ def _disjoint_sets(regions: list[Region], limit: int) -> list[tuple[int, ...]] |
     return sets
 
 
-def _chain_options(problem: BlockProblem, runs: list[int]) -> list[list[_Option]]:
+def _chain_options(problem: BlockProblem, runs: list[int]) -> list[list[ChainOption]]:
     """Per instance: the options starting there (its menu plans, runs of whole instances from it)."""
-    options: list[list[_Option]] = []
+    options: list[list[ChainOption]] = []
     first_of = {i.region.first_unit: k for k, i in enumerate(problem.instances)}
     for k, instance in enumerate(problem.instances):
         menu = problem.menus[instance.family]
         here = [
-            _Option(k, 1, float(problem.cost_ms[k][m]), plan.retained_gain_bytes, problem.need_bytes[k][m : m + 1], m, None)
+            ChainOption(k, 1, float(problem.cost_ms[k][m]), plan.retained_gain_bytes, problem.need_bytes[k][m : m + 1], m, None)
             for m, plan in enumerate(menu)
         ]
         for index in runs:
@@ -501,13 +461,13 @@ def _chain_options(problem: BlockProblem, runs: list[int]) -> list[list[_Option]
             covered = [i for i in problem.instances if run.region.overlaps(i.region)]
             need = np.array([(problem.base_bytes[i.window] - run.gains[i.window]).max() for i in covered])
             retained = _retained_gain(run.gains, covered[-1])
-            here.append(_Option(k, len(covered), run.cost_ms, retained, need, None, index))
+            here.append(ChainOption(k, len(covered), run.cost_ms, retained, need, None, index))
         options.append(here)
     return options
 
 
 def _cheapest_chain(
-    problem: BlockProblem, options: list[list[_Option]], chosen_others: list[int], budget: int, outside_prefix: list[int]
+    problem: BlockProblem, options: list[list[ChainOption]], chosen_others: list[int], budget: int, outside_prefix: list[int]
 ) -> tuple[float, tuple[Region, ...]] | None:
     """The cheapest choice of options along the chain with ``chosen_others`` checkpointed too."""
     instances, others = problem.instances, problem.others
@@ -526,7 +486,7 @@ def _cheapest_chain(
     prev_state = [np.full(size, -1, dtype=np.int64) for _ in range(num + 1)]
     cost[0][0] = 0.0
     states = np.arange(size)
-    option_list: list[_Option] = []
+    option_list: list[ChainOption] = []
     for k in range(num + 1):
         cost[k][states < lower[k]] = np.inf
         if k == num:
@@ -566,7 +526,7 @@ def _cheapest_chain(
     return total, problem.regions_of(plan_of, [*chosen_others, *runs])
 
 
-def _most_retained(options: list[list[_Option]]) -> int:
+def _most_retained(options: list[list[ChainOption]]) -> int:
     """The largest retained gain any path along the chain can add up (sizes the state space, not a guess)."""
     best = [0] + [-1] * len(options)
     for k, here in enumerate(options):
@@ -578,3 +538,13 @@ def _most_retained(options: list[list[_Option]]) -> int:
 def _buckets_needed(bytes_needed: int, bucket: int) -> int:
     """Fewest retained buckets that relieve ``bytes_needed`` bytes (rounded up: buckets are rounded-down bytes)."""
     return 0 if bytes_needed <= 0 else -(-bytes_needed // bucket)
+
+
+class BlockSolver:
+    """The block program alone (chain DP where it applies), refined until the simulated peak fits; needs a problem
+    prepared with repeated blocks."""
+
+    name = "blocks"
+
+    def solve(self, problem: Problem, budget_bytes: int, options: SolverOptions) -> SolveResult:
+        return solve_with_program(problem, budget_bytes, options, solve_block_program, name=self.name)

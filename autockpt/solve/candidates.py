@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autockpt.structure import crossing_bytes
 from autockpt.types import CaptureKind, Graph, Profile, Region
 
 
@@ -45,34 +46,15 @@ def candidate_regions(
         candidates += _cheap_runs(profile) + _without_leading_non_savers(profile, candidates)
         candidates = list(dict.fromkeys(candidates))  # unique, in order
     saves = [u.saved_bytes > 0 for u in profile.units]
-    hazards = _mutation_hazards(profile)
-    useful = [r for r in candidates if any(saves[r.first_unit : r.last_unit + 1]) and not _unsafe(r, hazards)]
+    hazards = mutation_hazards(profile)
+    useful = [r for r in candidates if any(saves[r.first_unit : r.last_unit + 1]) and not is_unsafe(r, hazards)]
     return segments, useful
 
 
 def safe_regions(profile: Profile, regions: list[Region]) -> list[Region]:
     """The regions checkpoint can re-run correctly (no in-place write into one of their inputs)."""
-    hazards = _mutation_hazards(profile)
-    return [r for r in regions if not _unsafe(r, hazards)]
-
-
-def crossing_bytes(profile: Profile) -> list[int]:
-    """Bytes of activations alive across the cut after unit p (p = 0 .. n-2)."""
-    num_units = len(profile.units)
-    diff = [0] * (num_units + 1)
-    for storage in profile.storages:
-        if not storage.user_units:
-            continue
-        first = max(storage.producer_unit, 0)
-        last = max(storage.user_units) - 1
-        if first <= last:
-            diff[first] += storage.nbytes
-            diff[last + 1] -= storage.nbytes
-    crossing, running = [], 0
-    for p in range(num_units - 1):
-        running += diff[p]
-        crossing.append(running)
-    return crossing
+    hazards = mutation_hazards(profile)
+    return [r for r in regions if not is_unsafe(r, hazards)]
 
 
 def equal_saved_segments(profile: Profile, max_segments: int) -> list[Region]:
@@ -154,33 +136,23 @@ def _without_leading_non_savers(profile: Profile, regions: list[Region]) -> list
     return trimmed
 
 
-def elementary_pieces(num_units: int, candidates: list[Region]) -> list[Region]:
-    """The coarsest partition of the units on which every candidate region is a union of pieces (none for no units:
-    a model with no candidate region)."""
-    if num_units <= 0:
-        return []
-    starts = sorted({0} | {r.first_unit for r in candidates} | {r.last_unit + 1 for r in candidates if r.last_unit + 1 < num_units})
-    ends = starts[1:] + [num_units]
-    return [Region(first_unit=a, last_unit=b - 1) for a, b in zip(starts, ends)]
-
-
 @dataclass(frozen=True, slots=True)
-class _Hazard:
+class MutationHazard:
     producer_unit: int
     user_units: tuple[int, ...]
     mutator_units: tuple[int, ...]
 
 
-def _mutation_hazards(profile: Profile) -> list[_Hazard]:
+def mutation_hazards(profile: Profile) -> list[MutationHazard]:
     """Storages some unit writes into in place after they were made."""
     return [
-        _Hazard(s.producer_unit, s.user_units, s.mutator_units)
+        MutationHazard(s.producer_unit, s.user_units, s.mutator_units)
         for s in profile.storages
         if any(m > s.producer_unit for m in s.mutator_units)
     ]
 
 
-def _unsafe(region: Region, hazards: list[_Hazard]) -> bool:
+def is_unsafe(region: Region, hazards: list[MutationHazard]) -> bool:
     """Would checkpointing ``region`` see an in-place write into one of its inputs?
 
     ``torch.utils.checkpoint`` saves a region's inputs and checks, when it recomputes, that they were not modified.

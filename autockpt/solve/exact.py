@@ -21,14 +21,16 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from autockpt.errors import InfeasibleBudgetError
-from autockpt.simulate import simulate
-from autockpt.solve.candidates import _mutation_hazards, _unsafe
-from autockpt.types import Profile, Region
+from autockpt.solve.base import NO_PROGRAM, Problem, Scorer, SolveResult, SolverOptions
+from autockpt.solve.candidates import is_unsafe, mutation_hazards
+from autockpt.solve.refine import identity_result
+from autockpt.types import PlanStatus, Profile, Region
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -40,13 +42,37 @@ class ExactResult:
     plans_simulated: int = 0  # of those, the ones the memory bound could not rule out (the rest were not simulated)
 
 
-def exact_regions(profile: Profile, budget_bytes: int, *, max_units: int = 14) -> ExactResult:
+class ExactSolver:
+    """``exact_regions`` behind the solver contract: the optimum over region plans, for graphs of up to
+    ``max_units`` units (tests and experiments judge the other solvers by it)."""
+
+    name = "exact"
+
+    def __init__(self, max_units: int = 14) -> None:
+        self.max_units = max_units
+
+    def solve(self, problem: Problem, budget_bytes: int, options: SolverOptions) -> SolveResult:
+        started = time.perf_counter()
+        floor = min_peak_bytes(problem.scorer, max_units=self.max_units)
+        min_feasible = min(floor, problem.baseline.peak_bytes)
+        if budget_bytes >= problem.baseline.peak_bytes:
+            return identity_result(problem, min_feasible, self.name, started, [NO_PROGRAM])
+        found = exact_regions(problem.scorer, budget_bytes, max_units=self.max_units)
+        return SolveResult(
+            regions=found.regions, action=problem.action, timeline=problem.simulate(found.regions),
+            baseline=problem.baseline, min_feasible_bytes=min_feasible, status=PlanStatus.OPTIMAL, solver=self.name,
+            solve_time_s=time.perf_counter() - started, stats=NO_PROGRAM,
+        )
+
+
+def exact_regions(scorer: Scorer, budget_bytes: int, *, max_units: int = 14) -> ExactResult:
     """The cheapest set of regions (by simulated recompute ms) whose simulated peak is at most ``budget_bytes``.
 
     Raises ``ValueError`` when the profile has more than ``max_units`` units (the search is exponential), and
     ``InfeasibleBudgetError`` when no region set fits; its ``min_feasible_bytes`` is then the exact smallest peak
     of any region plan (``min_peak_bytes``).
     """
+    profile, simulate = scorer.trace, scorer.simulate
     num_units = len(profile.units)
     if num_units > max_units:
         raise ValueError(
@@ -55,7 +81,7 @@ def exact_regions(profile: Profile, budget_bytes: int, *, max_units: int = 14) -
             f"wait (about 2.6x longer per extra unit)."
         )
     regions = usable_regions(profile)
-    cost = [simulate(profile, (region,)).overhead_ms for region in regions]
+    cost = [simulate((region,)).overhead_ms for region in regions]
     # extensions[p + 1]: regions starting after unit p, cheapest first (p = -1: any region)
     extensions = [
         sorted((i for i, r in enumerate(regions) if r.first_unit > p), key=lambda i: cost[i])
@@ -75,7 +101,7 @@ def exact_regions(profile: Profile, budget_bytes: int, *, max_units: int = 14) -
             return None
         simulated += 1
         plan = tuple(regions[i] for i in chosen)
-        timeline = simulate(profile, plan)
+        timeline = simulate(plan)
         if timeline.peak_bytes > budget_bytes:
             return None
         return ExactResult(
@@ -110,7 +136,7 @@ def exact_regions(profile: Profile, budget_bytes: int, *, max_units: int = 14) -
             return found
         push(prefix_cost, prefix, after, k + 1)
         push(total, chosen, regions[region].last_unit, 0)
-    floor = min_peak_bytes(profile, max_units=max_units)
+    floor = min_peak_bytes(scorer, max_units=max_units)
     raise InfeasibleBudgetError(
         f"no set of checkpoint regions brings the simulated peak to {budget_bytes} bytes; the smallest peak of any "
         f"region plan is {floor} bytes",
@@ -119,11 +145,12 @@ def exact_regions(profile: Profile, budget_bytes: int, *, max_units: int = 14) -
     )
 
 
-def min_peak_bytes(profile: Profile, *, max_units: int = 14) -> int:
+def min_peak_bytes(scorer: Scorer, *, max_units: int = 14) -> int:
     """The smallest simulated peak of any region plan (the exact memory floor), by depth-first enumeration.
 
     Sets whose memory bound is not below the best peak found so far are not simulated; nothing else is skipped.
     """
+    profile, simulate = scorer.trace, scorer.simulate
     num_units = len(profile.units)
     if num_units > max_units:
         raise ValueError(
@@ -134,7 +161,7 @@ def min_peak_bytes(profile: Profile, *, max_units: int = 14) -> int:
     measured = np.array([event.peak_bytes for event in profile.events], dtype=np.int64)
     removable = [removable_bytes(profile, region) for region in regions]
     starting_after = [[i for i, r in enumerate(regions) if r.first_unit > p] for p in range(-1, num_units)]
-    best = simulate(profile, ()).peak_bytes
+    best = simulate(()).peak_bytes
 
     def visit(chosen: list[int], freed: np.ndarray, after: int) -> None:
         nonlocal best
@@ -142,7 +169,7 @@ def min_peak_bytes(profile: Profile, *, max_units: int = 14) -> int:
             total = freed + removable[i]
             chosen.append(i)
             if int((measured - total).max()) < best:
-                best = min(best, simulate(profile, tuple(regions[j] for j in chosen)).peak_bytes)
+                best = min(best, simulate(tuple(regions[j] for j in chosen)).peak_bytes)
             # a superset may free more than this set, so the bound of this set does not prune its extensions
             visit(chosen, total, regions[i].last_unit)
             chosen.pop()
@@ -174,10 +201,10 @@ def usable_regions(profile: Profile) -> list[Region]:
     into one of its inputs); a range that saves nothing frees nothing and only adds recompute."""
     num_units = len(profile.units)
     saves = [unit.saved_bytes > 0 for unit in profile.units]
-    hazards = _mutation_hazards(profile)
+    hazards = mutation_hazards(profile)
     return [
         Region(first_unit=a, last_unit=b)
         for a in range(num_units)
         for b in range(a, num_units)
-        if any(saves[a : b + 1]) and not _unsafe(Region(first_unit=a, last_unit=b), hazards)
+        if any(saves[a : b + 1]) and not is_unsafe(Region(first_unit=a, last_unit=b), hazards)
     ]

@@ -1,12 +1,11 @@
-"""Profile: Graph -> Profile. Runs the captured step and measures what every unit costs.
+"""Trace: Graph -> StepTrace. Runs the captured, unmodified step and measures what every unit costs.
 
 One tracked step records the memory timeline: a ``TorchDispatchMode`` sees every storage that ops create (the same
 accounting as ``torch.distributed._tools.mem_tracker.MemTracker``), weak references tell when each one is freed,
 and ``saved_tensors_hooks`` tell which unit saved which storage for backward and when backward unpacked it. Timed
 steps give per-unit forward milliseconds (median of repeats) and the step time; one forward under
-``FlopCounterMode`` gives FLOPs. Two chains of tiny checkpointed regions calibrate the checkpoint machinery on the
-device: a fixed cost per region and a cost per saved tensor. The caller keeps the model's state (see
-``autockpt._state``).
+``FlopCounterMode`` gives FLOPs. What each action would add on top (the checkpoint machinery) is priced apart, by
+``costs.py``. The caller keeps the model's state (see ``autockpt._state``).
 """
 
 from __future__ import annotations
@@ -33,26 +32,15 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from autockpt.capture import ModuleUnitRecorder, compute_nodes
 from autockpt.errors import LossFunctionError, ProfileError
-from autockpt.rewrite import CheckpointedRegion
-from autockpt.solve.structure import find_repeated_blocks
-from autockpt.types import (
-    OUTSIDE_GRAPH_UNIT,
-    CaptureKind,
-    CheckpointKind,
-    Graph,
-    MemoryEvent,
-    Phase,
-    Profile,
-    StorageLife,
-    UnitCost,
-)
+from autockpt.structure import find_repeated_blocks
+from autockpt.types import OUTSIDE_GRAPH_UNIT, CaptureKind, Graph, MemoryEvent, Phase, StepTrace, StorageLife, UnitCost
 
 logger = logging.getLogger(__name__)
 
 LossFn = Callable[[Any], torch.Tensor]
 
 
-def profile(
+def trace_step(
     graph: Graph,
     args: tuple,
     kwargs: dict,
@@ -60,12 +48,10 @@ def profile(
     *,
     timing_repeats: int = 3,
     time_repeated_blocks_once: bool = True,
-    checkpoint_kind: CheckpointKind = CheckpointKind.TORCH_NON_REENTRANT,
     gradient_lifetimes: bool = False,
-) -> Profile:
-    """Measure the unmodified training step of ``graph`` on the example inputs, with the machinery costs of
-    ``checkpoint_kind``. ``gradient_lifetimes``: record them even when ``checkpoint_kind`` does not need them, so
-    that ``for_checkpoint`` can turn the profile into one for autockpt's own checkpoint.
+) -> StepTrace:
+    """Measure the unmodified training step of ``graph`` on the example inputs. ``gradient_lifetimes``: also record
+    how long the gradients of forward tensors lived (the simulation of ``Action.RECOMPUTE_OWN`` needs them).
 
     With ``time_repeated_blocks_once``, the units of repeated blocks (found from the tracked step: same ops, FLOPs and
     bytes) are timed at one instance per family and every other instance reuses those times, so the timed steps
@@ -77,12 +63,9 @@ def profile(
         _clear_grads(params)
         loss_fn(graph.executable(*args, **kwargs)).backward()  # warm-up: allocator, lazy initialisation
         _clear_grads(params)
-        # only autockpt's own checkpoint holds output gradients: only its simulator needs their lifetimes
-        record_gradients = gradient_lifetimes or checkpoint_kind is CheckpointKind.RECOMPUTE_FUNCTION
-        tracked = _tracked_step(graph, args, kwargs, loss_fn, record_gradients=record_gradients)
+        tracked = _tracked_step(graph, args, kwargs, loss_fn, record_gradients=gradient_lifetimes)
         flops = _unit_flops(graph, args, kwargs)
-        checkpoint_costs = _checkpoint_costs_on(device_of(graph.model, args, kwargs), checkpoint_kind)
-        untimed = _assemble(graph, args, kwargs, tracked, flops, checkpoint_costs, gradient_lifetimes=record_gradients)
+        untimed = _assemble(graph, args, kwargs, tracked, flops, gradient_lifetimes=gradient_lifetimes)
         timed_at = timing_units(graph, untimed) if time_repeated_blocks_once else list(range(num_units))
         unit_ms_runs, step_ms_runs = _timed_steps(
             graph, args, kwargs, loss_fn, timed_units=set(timed_at), repeats=timing_repeats
@@ -100,7 +83,7 @@ def profile(
     return _with_times(untimed, unit_ms, statistics.median(step_ms_runs), timed_at)
 
 
-def timing_units(graph: Graph, untimed: Profile) -> list[int]:
+def timing_units(graph: Graph, untimed: StepTrace) -> list[int]:
     """Per unit, the unit whose measured forward time it takes: itself, or the same unit of its family's middle
     instance when it belongs to a repeated block (the middle one, away from cold caches at the first layer)."""
     timed_at = list(range(len(untimed.units)))
@@ -390,7 +373,7 @@ def _timed_steps(
     # a unit's time runs to the next marker, so a timed unit followed by an untimed one needs a marker after it
     stops = {u + 1 for u in timed if u + 1 < num_units and u + 1 not in timed}
     params = list(graph.model.parameters())
-    sync = _synchronizer(device_of(graph.model, args, kwargs))
+    sync = synchronizer(device_of(graph.model, args, kwargs))
     stamps: list[tuple[int, float]] = []
 
     def on_unit(index: int) -> None:
@@ -439,95 +422,6 @@ def _unit_flops(graph: Graph, args: tuple, kwargs: dict) -> list[int]:
     return flops
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class CheckpointCosts:
-    """What the checkpoint machinery adds to a step on one device, on top of the recomputed kernels."""
-
-    kind: CheckpointKind
-    region_ms: float  # per region: RNG state, the checkpoint frame, setting up the recomputation
-    saved_tensor_ms: float  # per tensor the region's ops save (torch's: a holder, a repack, an unpack)
-
-
-def measure_checkpoint_costs(
-    device: torch.device,
-    kind: CheckpointKind = CheckpointKind.TORCH_NON_REENTRANT,
-    *,
-    regions: int = 8,
-    short_ops: int = 2,
-    long_ops: int = 32,
-    repeats: int = 15,
-) -> CheckpointCosts:
-    """Calibrate the checkpoint machinery on ``device`` with two chains of tiny regions.
-
-    Each region is a run of elementwise ops on 256 numbers (kernels that cost next to nothing), each op saving one
-    tensor. A chain runs forward and backward through the rewriter's own checkpoint wrapper, alternating with the same
-    chain run plainly; the median difference per region, less the recomputed kernels (timed from a plain forward), is
-    the machinery. Regions of ``short_ops`` and ``long_ops`` ops give its fixed part and its part per saved tensor,
-    which is what makes a real 40-op region cost several times a 2-op one.
-    """
-    start = torch.linspace(0.0, 1.0, 256, device=device).requires_grad_()  # no random numbers: RNG state untouched
-    sync = _synchronizer(device)
-
-    def machinery_ms_per_region(ops: int) -> float:
-        graph = fx.Graph()
-        value = graph.placeholder("x")
-        for position in range(ops):  # sin and cos save their input
-            value = graph.call_function(torch.sin if position % 2 == 0 else torch.cos, (value,))
-        graph.output((value,))
-        body = fx.GraphModule(nn.Module(), graph)
-        region = CheckpointedRegion(body, "autockpt_calibration_region", kind)
-
-        def chain_seconds(checkpointed: bool, backward: bool = True) -> float:
-            sync()
-            began = time.perf_counter()
-            value = start
-            for _ in range(regions):
-                (value,) = region(value) if checkpointed else body(value)
-            if backward:
-                value.sum().backward()
-            sync()
-            return time.perf_counter() - began
-
-        for _ in range(2):  # warm-up
-            chain_seconds(True), chain_seconds(False)
-        differences = [chain_seconds(True) - chain_seconds(False) for _ in range(repeats)]
-        forward_s = statistics.median(chain_seconds(False, backward=False) for _ in range(repeats))
-        # torch's recomputation re-runs every op but the last, whose saved tensor is its input (early stop);
-        # autockpt's re-runs them all
-        early_stop = kind is CheckpointKind.TORCH_NON_REENTRANT
-        recomputed_s = forward_s * (ops - 1) / ops if early_stop else forward_s
-        return (statistics.median(differences) - recomputed_s) / regions * 1e3
-
-    short_ms, long_ms = machinery_ms_per_region(short_ops), machinery_ms_per_region(long_ops)
-    saved_tensor_ms = max(0.0, (long_ms - short_ms) / (long_ops - short_ops))
-    return CheckpointCosts(
-        kind=kind, region_ms=max(0.0, short_ms - short_ops * saved_tensor_ms), saved_tensor_ms=saved_tensor_ms
-    )
-
-
-@functools.cache
-def _checkpoint_costs_on(device: torch.device, kind: CheckpointKind) -> CheckpointCosts:
-    """Once per device and process: the machinery's cost does not depend on the model (``max_batch_size`` profiles
-    a model once per candidate batch)."""
-    return measure_checkpoint_costs(device, kind)
-
-
-def for_checkpoint(measured: Profile, kind: CheckpointKind, device: torch.device) -> Profile:
-    """The same measured step with the machinery costs of ``kind`` (calibrated once per device and process), for
-    planning with another checkpoint without profiling again."""
-    if kind is measured.checkpoint_kind:
-        return measured
-    if kind is CheckpointKind.RECOMPUTE_FUNCTION and not measured.gradient_lifetimes:
-        raise ValueError(
-            f"this profile cannot be used for {kind.value!r}: it has no gradient lifetimes (its simulation holds "
-            "output gradients); profile with gradient_lifetimes=True"
-        )
-    costs = _checkpoint_costs_on(device, kind)
-    return dataclasses.replace(
-        measured, region_overhead_ms=costs.region_ms, saved_tensor_overhead_ms=costs.saved_tensor_ms, checkpoint_kind=kind
-    )
-
-
 # ---------------------------------------------------------------------------------------------------- assembly
 
 
@@ -537,11 +431,10 @@ def _assemble(
     kwargs: dict,
     tracked: _TrackedStep,
     flops: list[int],
-    checkpoint_costs: CheckpointCosts,
     *,
     gradient_lifetimes: bool,
-) -> Profile:
-    """The profile of the tracked step, with no times yet (``_with_times`` adds them)."""
+) -> StepTrace:
+    """The trace of the tracked step, with no times yet (``_with_times`` adds them)."""
     tracker = tracked.tracker
     events = tuple(
         MemoryEvent(
@@ -598,7 +491,7 @@ def _assemble(
     for event, nbytes in tracked.gradient_allocations:
         gradient_added[event] += nbytes
     gradient_by_event = list(itertools.accumulate(gradient_added[: len(events)]))
-    return Profile(
+    return StepTrace(
         units=units,
         storages=tuple(storages),
         events=events,
@@ -610,14 +503,11 @@ def _assemble(
         forward_ms=0.0,
         step_ms=0.0,
         gradient_bytes_by_event=tuple(gradient_by_event),
-        region_overhead_ms=checkpoint_costs.region_ms,
-        saved_tensor_overhead_ms=checkpoint_costs.saved_tensor_ms,
-        checkpoint_kind=checkpoint_costs.kind,
         gradient_lifetimes=gradient_lifetimes,
     )
 
 
-def _with_times(untimed: Profile, unit_ms: list[float], step_ms: float, timed_at: list[int]) -> Profile:
+def _with_times(untimed: StepTrace, unit_ms: list[float], step_ms: float, timed_at: list[int]) -> StepTrace:
     units = tuple(
         dataclasses.replace(
             u, forward_ms=unit_ms[u.index], forward_ms_timed_at=None if timed_at[u.index] == u.index else timed_at[u.index]
@@ -647,7 +537,7 @@ def device_of(model: nn.Module, args: tuple, kwargs: dict) -> torch.device:
     return torch.device("cpu")
 
 
-def _synchronizer(device: torch.device) -> Callable[[], None]:
+def synchronizer(device: torch.device) -> Callable[[], None]:
     if device.type == "cuda":
         return lambda: torch.cuda.synchronize(device)
     return lambda: None

@@ -2,7 +2,7 @@
 
 Found from the measured graph alone: every unit gets a signature (its op, FLOPs, output bytes, bytes saved for
 backward) and a *family* is a stretch of the unit sequence that repeats with some period. Model and module names are
-never read. The block solver (``solve/blocks.py``) scores each family's block once and splits the budget across the
+never read. The profiler times one instance per family; the block solver (``solve/blocks.py``) scores each family's block once and splits the budget across the
 instances; the simulator still scores the assembled plan on the whole timeline, so a wrong guess here costs plan
 quality, never a broken budget.
 """
@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autockpt.solve.candidates import crossing_bytes
 from autockpt.types import Graph, Profile, Region, Unit
 
 logger = logging.getLogger(__name__)
@@ -41,6 +40,25 @@ class RepeatedBlocks:
 
     def covered_units(self) -> int:
         return sum(f.block_units * len(f.instances) for f in self.families)
+
+
+def crossing_bytes(profile: Profile) -> list[int]:
+    """Bytes of activations alive across the cut after unit p (p = 0 .. n-2)."""
+    num_units = len(profile.units)
+    diff = [0] * (num_units + 1)
+    for storage in profile.storages:
+        if not storage.user_units:
+            continue
+        first = max(storage.producer_unit, 0)
+        last = max(storage.user_units) - 1
+        if first <= last:
+            diff[first] += storage.nbytes
+            diff[last + 1] -= storage.nbytes
+    crossing, running = [], 0
+    for p in range(num_units - 1):
+        running += diff[p]
+        crossing.append(running)
+    return crossing
 
 
 def find_repeated_blocks(

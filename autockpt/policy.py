@@ -1,0 +1,110 @@
+"""Policy: a solved (or given) set of regions -> the Policy the rewriter applies and the Plan a person reads.
+
+The plan records, per unit, what it costs and what was decided, and the predicted memory curves before and after.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autockpt.plan import Plan
+from autockpt.simulate import memory_curve, unit_regions
+from autockpt.solve.base import SolveResult
+from autockpt.types import (
+    Action,
+    CostModel,
+    Decision,
+    Graph,
+    MemoryCurve,
+    ModelFingerprint,
+    NodePlan,
+    Placement,
+    PlanStatus,
+    Policy,
+    Region,
+    StepTrace,
+    Timeline,
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanningContext:
+    """What every plan of one planner shares: the captured graph, its trace and prices, and where it runs."""
+
+    graph: Graph
+    trace: StepTrace
+    costs: CostModel
+    placement: Placement
+    fingerprint: ModelFingerprint
+    capture_time_s: float
+    profile_time_s: float
+    memory_before: MemoryCurve  # the predicted step with nothing recomputed
+
+    def overhead(self, overhead_ms: float) -> float:
+        """Added milliseconds as a fraction of the unmodified step."""
+        return overhead_ms / self.trace.step_ms if self.trace.step_ms > 0 else 0.0
+
+
+def assemble_plan(
+    context: PlanningContext,
+    regions: tuple[Region, ...],
+    action: Action,
+    budget_bytes: int,
+    timeline: Timeline,
+    *,
+    result: SolveResult | None = None,
+    solve_time_s: float = 0.0,
+    strategy: str = "autockpt",
+) -> Plan:
+    """The plan of ``regions`` under ``action``; ``result`` is the solver's (None: the regions were given and only
+    scored), ``solve_time_s`` what planning took after capture and profiling."""
+    trace, graph = context.trace, context.graph
+    policy = Policy.uniform(regions, action, context.placement)
+    region_of = unit_regions(len(graph.units), policy.regions)
+    rerun = set(timeline.rerun_units)
+    nodes = tuple(
+        NodePlan(
+            index=unit.index,
+            name=unit.name,
+            op=unit.op,
+            module_path=unit.module_path,
+            saved_bytes=cost.saved_bytes,
+            output_bytes=cost.output_bytes,
+            forward_ms=cost.forward_ms,
+            flops=cost.flops,
+            decision=Decision.KEEP if region_of[unit.index] is None else Decision.RECOMPUTE,
+            region=region_of[unit.index],
+            action=None if region_of[unit.index] is None else action,
+            recompute_ms=cost.forward_ms if unit.index in rerun else 0.0,
+            saved_tensors=cost.saved_tensors,
+        )
+        for unit, cost in zip(graph.units, trace.units)
+    )
+    solved = result is not None
+    return Plan(
+        budget_bytes=budget_bytes,
+        predicted_peak_bytes=timeline.peak_bytes,
+        baseline_peak_bytes=result.baseline.peak_bytes if solved else trace.baseline_peak_bytes,
+        min_feasible_bytes=result.min_feasible_bytes if solved else timeline.peak_bytes,
+        static_bytes=trace.static_bytes,
+        predicted_overhead=context.overhead(timeline.overhead_ms),
+        recompute_ms=timeline.recompute_ms,
+        prices=(context.costs.price(action),),
+        machinery_ms=timeline.machinery_ms,
+        planned_action=action,
+        baseline_step_ms=trace.step_ms,
+        capture=graph.kind,
+        status=result.status if solved else PlanStatus.GIVEN,
+        solver=result.solver if solved else "none",
+        solve_time_s=solve_time_s,
+        capture_time_s=context.capture_time_s,
+        profile_time_s=context.profile_time_s,
+        policy=policy,
+        nodes=nodes,
+        notes=graph.notes,
+        strategy=strategy,
+        fingerprint=context.fingerprint,
+        solver_stats=result.stats if solved else None,
+        memory_before=context.memory_before,
+        memory_after=memory_curve(trace, context.costs, policy.region_actions),
+    )

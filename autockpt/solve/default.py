@@ -1,0 +1,113 @@
+"""The default solver (``strategy="autockpt"``): every algorithm of this package, each where it does best.
+
+1. **Floor**, once per problem and options: the flat MILP minimising the peak (HiGHS prunes with the lowest seed's
+   peak), the greedy order when it finds nothing in time, the block program's lowest peak, and a local descent from
+   each of those and the seed plans (``local.lower_floor_locally``).
+2. **Plan**: ``refine`` with the block program (its chain DP answers in milliseconds) at budgets it can reach, else
+   with the flat MILP; the greedy plan when a program ran out of time.
+3. **Polish**, judged by the simulator: drop regions the plan does not need, swap for cheaper candidates, and take a
+   seed plan (a baseline policy) that fits and adds less time, so a plan is never worse than a baseline.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from autockpt.solve.base import Floor, Problem, SolveResult, SolverOptions, summarise_programs
+from autockpt.solve.blocks import solve_block_program
+from autockpt.solve.greedy import greedy_regions
+from autockpt.solve.local import drop_unneeded_regions, lower_floor_locally, swap_for_cheaper
+from autockpt.solve.milp import solve_flat_program
+from autockpt.solve.pulp_tools import no_incumbent, solver_name
+from autockpt.solve.refine import check_reachable, identity_result, no_plan_error, refine
+from autockpt.types import PlanStatus, SolverStats
+
+logger = logging.getLogger(__name__)
+
+
+class DefaultSolver:
+    name = "autockpt"
+
+    def solve(self, problem: Problem, budget_bytes: int, options: SolverOptions) -> SolveResult:
+        return solve_prepared(problem, budget_bytes, options)
+
+
+def solve_prepared(problem: Problem, budget_bytes: int, options: SolverOptions | None = None) -> SolveResult:
+    """The cheapest plan under ``budget_bytes`` on a prepared problem (the floor is solved once per options)."""
+    options = options or SolverOptions()
+    started = time.perf_counter()
+    baseline = problem.baseline
+    solver = solver_name(options)
+    floor = problem.floors.get(options)
+    if floor is None:
+        floor = problem.floors[options] = find_floor(problem, options, solver)
+    programs: list[SolverStats] = [floor.stats]
+    fallbacks: list[str] = ["memory floor"] if floor.greedy else []
+    min_feasible = min(floor.timeline.peak_bytes, baseline.peak_bytes)
+    if budget_bytes >= baseline.peak_bytes:
+        return identity_result(problem, min_feasible, solver, started, programs)
+    check_reachable(problem, budget_bytes, min_feasible)
+
+    best = (floor.regions, floor.timeline, PlanStatus.FEASIBLE) if floor.timeline.peak_bytes <= budget_bytes else None
+    # the block program solves in milliseconds; below its own floor only the flat program has plans
+    use_blocks = floor.block_peak_bytes is not None and budget_bytes >= floor.block_peak_bytes
+    program = solve_block_program if use_blocks else solve_flat_program
+    best = refine(problem, budget_bytes, options, program, solver, programs, best=best, rules_out_sets=not use_blocks)
+    if any(no_incumbent(p) for p in programs[1:]):  # a plan program timed out: the greedy plan may be cheaper
+        regions = greedy_regions(problem, budget_bytes)
+        timeline = problem.simulate(regions)
+        if timeline.peak_bytes <= budget_bytes and (best is None or timeline.overhead_ms < best[1].overhead_ms):
+            best = (regions, timeline, PlanStatus.FEASIBLE)
+            fallbacks.append("plan")
+    if best is not None:
+        best = drop_unneeded_regions(problem, *best, budget_bytes)
+        best = swap_for_cheaper(problem, *best, budget_bytes)
+    cheaper_seed = min(
+        (seed for seed in problem.seeds if seed.timeline.peak_bytes <= budget_bytes
+         and (best is None or seed.timeline.overhead_ms < best[1].overhead_ms)),
+        key=lambda seed: seed.timeline.overhead_ms, default=None,
+    )
+    if cheaper_seed is not None:  # the program's approximations missed a plan at least this good
+        best = (cheaper_seed.regions, cheaper_seed.timeline, PlanStatus.FEASIBLE)
+        solver = f"{solver} (seed plan {cheaper_seed.name} was cheaper)"
+        logger.info("the %s baseline plan adds less step time than the program's plan; using it", cheaper_seed.name)
+    if fallbacks:
+        logger.warning(
+            "the %s solver found no solution within %.1f s for the %s; used a greedy plan instead (raise "
+            "SolverOptions.time_limit_s for a better one)", solver, options.time_limit_s, " and the ".join(fallbacks),
+        )
+        solver = f"{solver} + greedy fallback ({', '.join(fallbacks)})"
+    if best is None:
+        raise no_plan_error(budget_bytes, floor.timeline.peak_bytes)
+    regions, timeline, status = best
+    return SolveResult(
+        regions=regions, action=problem.action, timeline=timeline, baseline=baseline, min_feasible_bytes=min_feasible,
+        status=status, solver=solver, solve_time_s=time.perf_counter() - started, stats=summarise_programs(programs),
+    )
+
+
+def find_floor(problem: Problem, options: SolverOptions, solver: str) -> Floor:
+    """The lowest simulated peak found: the programs' floors and the seed plans, each lowered by local descent."""
+    floor_programs: list[SolverStats] = []
+    lowest_seed = min(problem.seeds, key=lambda seed: seed.timeline.peak_bytes, default=None)
+    # the lowest seed's peak is a cutoff: branches that cannot beat it are pruned (about twice as fast on GPT-2)
+    cutoff = lowest_seed.timeline.peak_bytes if lowest_seed is not None else None
+    answer = solve_flat_program(problem, None, options, solver, peak_cutoff_bytes=cutoff)
+    floor_programs.append(answer.stats)
+    floor_regions = answer.regions or ()
+    timed_out = no_incumbent(answer.stats)
+    if timed_out:
+        floor_regions = greedy_regions(problem, None)
+    starts = [(floor_regions, problem.simulate(floor_regions))]
+    starts += [(seed.regions, seed.timeline) for seed in problem.seeds]
+    block_floor_bytes = None
+    if problem.blocks is not None:
+        block_answer = solve_block_program(problem, None, options, solver)
+        floor_programs.append(block_answer.stats)
+        block_floor_regions = block_answer.regions or ()
+        starts.append((block_floor_regions, problem.simulate(block_floor_regions)))
+        block_floor_bytes = starts[-1][1].peak_bytes
+    regions, timeline, lowest_start = lower_floor_locally(problem, starts)
+    greedy = timed_out and lowest_start == 0  # the greedy plan (or a descent from it) is the floor
+    return Floor(regions, timeline, floor_programs[0], greedy, block_floor_bytes)

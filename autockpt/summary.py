@@ -1,0 +1,145 @@
+"""Summary: a plan -> readable text, a pandas DataFrame, and its rows per region and per module.
+
+Plain formatting of ``PlanRecord`` values (no plotting): ``Plan.summary()``, ``Plan.to_dataframe()``, the CLI and the
+full reports (``report.py``) use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from autockpt.types import Decision, PlanRecord
+from autockpt.units import format_bytes
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+
+def plan_summary(plan: PlanRecord, *, max_regions: int = 12) -> str:
+    recomputed = plan.recomputed_units
+    lines = [
+        f"autockpt plan: strategy={plan.strategy}, capture={plan.capture.value}, status={plan.status.value}, "
+        f"solver={plan.solver}, checkpoint={plan.checkpoint_kind.value}",
+        f"  budget                 {format_bytes(plan.budget_bytes)}",
+        f"  predicted peak         {format_bytes(plan.predicted_peak_bytes)}",
+        f"  unmodified peak        {format_bytes(plan.baseline_peak_bytes)}",
+        f"  smallest feasible      {format_bytes(plan.min_feasible_bytes)}",
+        f"  static (params, buffers, grads, inputs) {format_bytes(plan.static_bytes)}",
+        f"  recomputed             {len(recomputed)} of {len(plan.nodes)} units in {len(plan.regions)} checkpointed regions",
+        f"  predicted overhead     +{100 * plan.predicted_overhead:.1f}% of the step ({overhead_breakdown(plan)})",
+        f"  time                   capture {plan.capture_time_s:.1f} s, profile {plan.profile_time_s:.1f} s, "
+        f"solve {plan.solve_time_s:.1f} s",
+    ]
+    if plan.regions:
+        lines.append("  checkpointed regions (first unit .. last unit, module):")
+        for row in region_rows(plan)[:max_regions]:
+            lines.append(
+                f"    [{row.index}] {row.first} .. {row.last} ({row.units} units, saves {format_bytes(row.saved_bytes)} "
+                f"unmodified) {row.module_path}".rstrip()
+            )
+        if len(plan.regions) > max_regions:
+            lines.append(f"    ... {len(plan.regions) - max_regions} more (plan.to_dataframe() lists every unit)")
+    else:
+        lines.append("  nothing is recomputed: the unmodified step fits the budget")
+    lines += [f"  note: {note}" for note in plan.notes]
+    return "\n".join(lines)
+
+
+def overhead_breakdown(plan: PlanRecord) -> str:
+    """Where the predicted overhead comes from: recomputed kernels and the checkpoint machinery."""
+    saved_tensors = sum(n.saved_tensors for n in plan.nodes if n.region is not None)
+    return (
+        f"recompute {plan.recompute_ms:.1f} ms + checkpoint machinery {plan.machinery_ms:.1f} ms: "
+        f"{len(plan.regions)} regions x {plan.region_overhead_ms:.3f} ms + {saved_tensors} saved tensors x "
+        f"{plan.saved_tensor_overhead_ms:.4f} ms; unmodified step {plan.baseline_step_ms:.1f} ms"
+    )
+
+
+def plan_dataframe(plan: PlanRecord) -> pd.DataFrame:
+    import pandas as pd
+
+    return pd.DataFrame(
+        {
+            "name": [n.name for n in plan.nodes],
+            "op": [n.op for n in plan.nodes],
+            "module_path": [n.module_path for n in plan.nodes],
+            "saved_bytes": [n.saved_bytes for n in plan.nodes],
+            "output_bytes": [n.output_bytes for n in plan.nodes],
+            "forward_ms": [n.forward_ms for n in plan.nodes],
+            "flops": [n.flops for n in plan.nodes],
+            "saved_tensors": [n.saved_tensors for n in plan.nodes],
+            "decision": [n.decision.value for n in plan.nodes],
+            "region": pd.array([n.region for n in plan.nodes], dtype="Int64"),
+        }
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModuleRow:
+    """Per-module effect of a plan: activation bytes no longer kept, and forward time spent again."""
+
+    path: str
+    saved_bytes: int  # bytes the module's recomputed units would have saved for backward
+    recompute_ms: float
+    recomputed_units: int
+    units: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RegionRow:
+    index: int
+    first: str
+    last: str
+    units: int
+    module_path: str
+    saved_bytes: int
+    recompute_ms: float
+
+
+def enclosing_modules(path: str, depth: int) -> list[str]:
+    """The model ("") and the module paths enclosing ``path``, down to ``depth`` levels: per-module tables."""
+    parts = path.split(".") if path else []
+    return [".".join(parts[:level]) for level in range(min(depth, len(parts)) + 1)]
+
+
+def module_rows(plan: PlanRecord, depth: int) -> list[ModuleRow]:
+    """Modules to ``depth`` levels (the model is depth 0) in order of first appearance in the graph."""
+    totals: dict[str, list[float]] = {}
+    for node in plan.nodes:
+        recomputed = node.decision is Decision.RECOMPUTE
+        for module in enclosing_modules(node.module_path, depth):
+            row = totals.setdefault(module, [0, 0.0, 0, 0])
+            row[0] += node.saved_bytes if recomputed else 0
+            row[1] += node.recompute_ms
+            row[2] += recomputed
+            row[3] += 1
+    return [
+        ModuleRow(path=path, saved_bytes=int(s), recompute_ms=float(ms), recomputed_units=int(r), units=int(n))
+        for path, (s, ms, r, n) in totals.items()
+    ]
+
+
+def region_rows(plan: PlanRecord) -> list[RegionRow]:
+    rows = []
+    for index, region in enumerate(plan.regions):
+        nodes = plan.nodes[region.first_unit : region.last_unit + 1]
+        paths = [n.module_path for n in nodes]
+        rows.append(
+            RegionRow(
+                index=index, first=nodes[0].name, last=nodes[-1].name, units=len(nodes),
+                module_path=_common_module(paths), saved_bytes=sum(n.saved_bytes for n in nodes),
+                recompute_ms=sum(n.recompute_ms for n in nodes),
+            )
+        )
+    return rows
+
+
+def _common_module(paths: list[str]) -> str:
+    split = [p.split(".") if p else [] for p in paths]
+    common: list[str] = []
+    for parts in zip(*split):
+        if any(part != parts[0] for part in parts):
+            break
+        common.append(parts[0])
+    return ".".join(common)

@@ -1,0 +1,105 @@
+"""Verify: plans -> the module that keeps the budget when measured, and the faster of several that do.
+
+``optimize`` does not trust a prediction: it rewrites each candidate plan (one per recompute action), measures one
+real step, tightens the target by the overshoot while every measured peak is over the budget, and, when more than one
+plan keeps it, times their steps against each other (alternating rounds) and keeps the faster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+from collections.abc import Sequence
+from typing import Protocol
+
+from autockpt.errors import InfeasibleBudgetError
+from autockpt.plan import Plan
+from autockpt.rewrite import OptimizedModule
+from autockpt.types import PlanStatus
+from autockpt.units import format_bytes
+
+logger = logging.getLogger(__name__)
+
+VERIFY_ATTEMPTS = 3
+
+
+class CandidatePlans(Protocol):
+    """What verification needs from a planner (``api.Planner`` implements it)."""
+
+    def plans_under(self, target_bytes: int, budget_bytes: int) -> list[Plan]:
+        """One plan per recompute action that has one predicted under ``target_bytes``, made for ``budget_bytes``;
+        raises ``InfeasibleBudgetError`` when none has."""
+
+    def apply(self, plan: Plan) -> OptimizedModule: ...
+
+    def measured_peak_bytes(self, module: OptimizedModule) -> int: ...
+
+    def alternating_step_seconds(self, modules: Sequence[OptimizedModule]) -> list[list[float]]: ...
+
+
+def verified_module(planner: CandidatePlans, budget_bytes: int) -> OptimizedModule:
+    """Plan, rewrite, measure one real step; tighten by the overshoot while the measured peak is over budget."""
+    target = budget_bytes
+    tightenings: list[str] = []
+    peak = 0
+    for attempt in range(VERIFY_ATTEMPTS):
+        try:
+            plans = planner.plans_under(target, budget_bytes)
+        except InfeasibleBudgetError as error:
+            if attempt == 0:
+                raise
+            raise InfeasibleBudgetError(
+                f"the budget {format_bytes(budget_bytes)} was not kept when measured ({tightenings[-1]} bytes) "
+                f"and no tighter plan exists (smallest predicted peak {error.min_feasible_bytes} bytes). Use a "
+                f"budget of at least {peak} bytes (the measured peak) or a smaller batch.",
+                budget_bytes=budget_bytes,
+                min_feasible_bytes=peak,
+            ) from error
+        kept: list[OptimizedModule] = []
+        overshoot = 0
+        for the_plan in plans:
+            module = planner.apply(the_plan)
+            if the_plan.status is PlanStatus.IDENTITY:
+                return module
+            peak = planner.measured_peak_bytes(module)
+            module.set_plan(dataclasses.replace(the_plan, measured_peak_bytes=peak))
+            if peak <= budget_bytes:
+                kept.append(module)
+                continue
+            overshoot = max(overshoot, peak - budget_bytes)
+            kind = the_plan.checkpoint_kind.value
+            tightenings.append(f"{kind}: predicted {the_plan.predicted_peak_bytes}, measured {peak}")
+            logger.info("measured peak %d bytes is over the budget %d (%s)", peak, budget_bytes, kind)
+        if kept:
+            return kept[0] if len(kept) == 1 else faster(planner, kept)
+        logger.info("no plan kept the budget %d when measured; tightening", budget_bytes)
+        target -= overshoot + max(1, budget_bytes // 1000)
+    raise InfeasibleBudgetError(
+        f"the budget {format_bytes(budget_bytes)} was not kept when measured after {VERIFY_ATTEMPTS} rounds of plans "
+        f"(bytes: {'; '.join(tightenings)}). Use a budget of at least {peak} bytes (the last measured peak) or a "
+        "smaller batch.",
+        budget_bytes=budget_bytes,
+        min_feasible_bytes=peak,
+    )
+
+
+def faster(planner: CandidatePlans, modules: list[OptimizedModule]) -> OptimizedModule:
+    """The module whose training step is fastest, timed in alternating rounds (median of per-round times); the
+    choice and the measured ratios go into its plan's notes."""
+    seconds = planner.alternating_step_seconds(modules)
+    # per module: the median over rounds of its step time over the first module's in the same round
+    ratios = [statistics.median(t / first for t, first in zip(times, seconds[0])) for times in seconds]
+    fastest = min(range(len(modules)), key=ratios.__getitem__)
+    chosen = modules[fastest]
+    others = ", ".join(
+        f"{module.plan.checkpoint_kind.value}'s step took {ratios[i] / ratios[fastest]:.3f}x as long"
+        for i, module in enumerate(modules) if i != fastest
+    )
+    note = (
+        f"checkpoint {chosen.plan.checkpoint_kind.value} chosen by measured step time: {others} (median of "
+        f"{len(seconds[0])} alternating rounds on the example inputs)"
+    )
+    logger.info(note)
+    chosen.set_plan(dataclasses.replace(chosen.plan, notes=(*chosen.plan.notes, note)))
+    return chosen

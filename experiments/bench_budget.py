@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> None:
         "unmodified_peak_bytes", "prediction_error", "step_time_ratio", "capture_s", "profile_s", "solve_s",
     ]
     print(markdown_table(table[[c for c in columns if c in table]]))
+    from results_readme import write_section  # refresh this run's section of experiments/results/README.md
+    write_section(Path(args.out).stem, markdown_table(table[[c for c in columns if c in table]]), output=args.out)
     print(f"\nmachine: {torch.get_num_threads()} threads, torch {torch.__version__}; wrote {args.out}")
 
 

@@ -92,6 +92,8 @@ def main() -> None:
             f"{time.perf_counter() - started:.0f} s; ratios: median of {args.repeats} alternating rounds vs `none`.\n\n"
             + markdown_table(table) + "\n")
     (out / "checkpoint_kinds.md").write_text(text)
+    from results_readme import write_section  # refresh this run's section of experiments/results/README.md
+    write_section("bench_checkpoint", text, output=out)
     print(text)
 
 

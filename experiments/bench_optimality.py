@@ -305,6 +305,8 @@ def main(argv: list[str] | None = None) -> None:
     frame.to_csv(args.out / f"{args.name}.csv", index=False)
     command = "python experiments/bench_optimality.py " + " ".join(sys.argv[1:] if argv is None else argv)
     (args.out / f"{args.name}.md").write_text(summary_markdown(frame, command.strip(), args.costs))
+    from results_readme import write_section  # refresh this run's section of experiments/results/README.md
+    write_section(f"bench_{args.name}", (args.out / f"{args.name}.md").read_text(), output=args.out)
     print((args.out / f"{args.name}.md").read_text())
 
 

@@ -186,6 +186,8 @@ def main() -> None:
     frame.to_csv(options.out / "bench_scale.csv", index=False)
     plot(frame, options.out / "bench_scale.png")
     print(frame.to_string(index=False))
+    from results_readme import write_section  # refresh this run's section of experiments/results/README.md
+    write_section("bench_scale", f"```\n{frame.to_string(index=False)}\n```", output=options.out)
 
 
 if __name__ == "__main__":

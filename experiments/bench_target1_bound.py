@@ -109,6 +109,8 @@ def main() -> None:
     out = Path(args.out)
     table.to_csv(out.with_suffix(".csv"), index=False)
     out.with_suffix(".md").write_text(markdown_table(table) + "\n")
+    from results_readme import write_section  # refresh this run's section of experiments/results/README.md
+    write_section("bench_target1_bound", markdown_table(table), output=out.with_suffix(".md"))
     print(markdown_table(table))
 
 

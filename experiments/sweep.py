@@ -575,6 +575,8 @@ def run(config: SweepConfig) -> dict[str, Path]:
     wall_s = time.perf_counter() - started
     paths["md"] = config.out / "sweep.md"
     paths["md"].write_text(report(config, table, points, batch_table, wall_s))
+    from results_readme import write_section  # refresh this run's section of experiments/results/README.md
+    write_section(config.out.name, paths["md"].read_text(), output=config.out)
     print(f"wrote {', '.join(str(p) for p in paths.values())} in {wall_s:.0f} s", file=sys.stderr)
     return paths
 
@@ -651,6 +653,8 @@ def rerender(out: Path, config: SweepConfig, command: str, wall_s: float, machin
     for model in table.model.unique():
         pareto_plot(points, model, out / f"pareto_{model}.png")
     (out / "sweep.md").write_text(report(config, table, points, batch_table, wall_s, command=command, machine=machine))
+    from results_readme import write_section  # refresh this run's section of experiments/results/README.md
+    write_section(out.name, (out / "sweep.md").read_text(), output=out)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> SweepConfig:

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autockpt.api import default_loss
+from autockpt.loss import default_loss
 from autockpt.measure import measure_step
 
 logger = logging.getLogger(__name__)

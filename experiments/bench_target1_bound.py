@@ -37,7 +37,7 @@ from autockpt.api import Planner  # noqa: E402
 from autockpt.solve.baselines import baseline_plan, baseline_seed_plans  # noqa: E402
 from autockpt.solve.candidates import candidate_regions  # noqa: E402
 from autockpt.solve.ilp import SolveResult, prepare, solve_prepared  # noqa: E402
-from autockpt.solve.structure import find_repeated_blocks  # noqa: E402
+from autockpt.structure import find_repeated_blocks  # noqa: E402
 from autockpt.types import CheckpointKind  # noqa: E402
 
 KINDS = (CheckpointKind.TORCH_NON_REENTRANT, CheckpointKind.RECOMPUTE_FUNCTION)

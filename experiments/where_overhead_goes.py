@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import autockpt  # noqa: E402
 from autockpt import zoo  # noqa: E402
-from autockpt.api import default_loss  # noqa: E402
+from autockpt.loss import default_loss  # noqa: E402
 from autockpt.measure import alternating_step_seconds  # noqa: E402
 
 

@@ -38,7 +38,7 @@ from autockpt.solve.prepare import prepare
 from autockpt.structure import find_repeated_blocks
 from autockpt.trace import device_of, trace_step
 from autockpt.types import Action, CaptureKind, Graph, ParetoPoint, Placement, Region, describe_value
-from autockpt.units import GB, format_bytes
+from autockpt.units import GB
 from autockpt.verify import verified_module
 
 logger = logging.getLogger(__name__)

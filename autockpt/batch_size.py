@@ -25,9 +25,9 @@ from torch import nn
 from autockpt.api import Planner, baseline_plan, budget_to_bytes
 from autockpt.errors import InfeasibleBudgetError
 from autockpt.measure import measure_step
+from autockpt.plan import Plan
 from autockpt.solve.base import SolverOptions
 from autockpt.solve.baselines import parse_strategy
-from autockpt.plan import Plan
 from autockpt.types import describe_value
 
 logger = logging.getLogger(__name__)

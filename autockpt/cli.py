@@ -24,8 +24,8 @@ from typing import Any
 import click
 
 from autockpt.errors import AutockptError
+from autockpt.types import Action
 from autockpt.units import format_bytes
-from autockpt.types import CheckpointKind
 
 # --------------------------------------------------------------------------------------------- parsing values
 
@@ -297,10 +297,10 @@ def _solver_options(command: Callable[..., Any]) -> Callable[..., Any]:
                      help="MILP solver (auto: HiGHS when highspy is installed, else CBC)"),
         click.option("--time-limit", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
                      help="seconds per MILP; the best plan found so far is used when it runs out"),
-        click.option("--checkpoint", type=click.Choice(["auto", *(kind.value for kind in CheckpointKind)]),
+        click.option("--checkpoint", type=click.Choice(["auto", *(action.value for action in Action if action.recomputes)]),
                      default="auto", show_default=True,
-                     help="activation checkpoint the plan is made for (auto: plan for both, keep the smaller "
-                          "predicted overhead; module-level captures stay on torch_non_reentrant)"),
+                     help="recompute action the plan is made for (autockpt.Action; auto: plan for both, keep the "
+                          "smaller predicted overhead; module-level captures stay on torch_non_reentrant)"),
     ]
     for option in reversed(options):
         command = option(command)
@@ -373,10 +373,10 @@ def plan(
 
     budget_bytes = parse_budget(budget)
     work = load_workload(model, size, inputs, inputs_ref, device, seed)
-    options = SolverOptions(solver=solver, time_limit_s=time_limit, checkpoint=checkpoint)
+    options = SolverOptions(solver=solver, time_limit_s=time_limit)
     with stage_progress(3 + pareto_points, ctx.meta["autockpt.quiet"]) as progress:
         planner = Planner(work.model, example_inputs=work.args, example_kwargs=work.kwargs, loss_fn=work.loss_fn,
-                          solver_options=options, on_stage=progress)
+                          solver_options=options, checkpoint=checkpoint, on_stage=progress)
         the_plan = planner.plan(budget_bytes=budget_bytes, pareto_points=pareto_points)
     click.echo(the_plan.summary())
     if out_path:
@@ -412,8 +412,8 @@ def sweep(
     quiet = ctx.meta["autockpt.quiet"]
     with stage_progress(2, quiet) as progress:
         planner = Planner(work.model, example_inputs=work.args, example_kwargs=work.kwargs, loss_fn=work.loss_fn,
-                          solver_options=SolverOptions(solver=solver, time_limit_s=time_limit, checkpoint=checkpoint),
-                          on_stage=progress)
+                          solver_options=SolverOptions(solver=solver, time_limit_s=time_limit),
+                          checkpoint=checkpoint, on_stage=progress)
     points = [
         planner.pareto([budget])[0]
         for budget in tqdm(budget_list, desc="budgets", disable=quiet or not sys.stderr.isatty(), leave=False)

@@ -44,7 +44,6 @@ from torch.utils.checkpoint import checkpoint
 from autockpt._state import autocast_state
 from autockpt.types import Action
 
-
 logger = logging.getLogger(__name__)
 
 _FLAT_LEAVES = (torch.Tensor, int, float, bool, str, type(None))

@@ -5,17 +5,13 @@ from __future__ import annotations
 
 import io
 import os
-from dataclasses import dataclass
 from html import escape as html_escape
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from autockpt.summary import module_rows, overhead_breakdown, region_rows
 from autockpt.types import PlanRecord
-from autockpt.units import format_bytes
-
-if TYPE_CHECKING:
-    import pandas as pd
+from autockpt.units import GB, format_bytes
 
 # ------------------------------------------------------------------------------------------------- full reports
 
@@ -147,9 +143,9 @@ def report_html(plan: PlanRecord, *, depth: int = 2) -> str:
     parts.append(f"<h2>Decisions: {len(plan.regions)} checkpointed regions</h2>")
     if plan.regions:
         parts.append(_html_table(
-            ["#", "first unit", "last unit", "units", "module", "saved bytes (unmodified)", "recompute ms"],
+            ["#", "first unit", "last unit", "units", "module", "saved bytes (unmodified)", "recompute ms", "action"],
             [(str(r.index), e(r.first), e(r.last), str(r.units), e(r.module_path or "(model)"),
-              format_bytes(r.saved_bytes), f"{r.recompute_ms:.2f}") for r in region_rows(plan)],
+              format_bytes(r.saved_bytes), f"{r.recompute_ms:.2f}", e(r.action)) for r in region_rows(plan)],
             escape=False,
         ))
     else:
@@ -197,9 +193,9 @@ def report_markdown(plan: PlanRecord, *, depth: int = 2) -> str:
     )
     lines += ["", f"## Decisions: {len(plan.regions)} checkpointed regions", ""]
     lines += _md_table(
-        ["#", "first unit", "last unit", "units", "module", "saved bytes (unmodified)", "recompute ms"],
+        ["#", "first unit", "last unit", "units", "module", "saved bytes (unmodified)", "recompute ms", "action"],
         [(str(r.index), r.first, r.last, str(r.units), r.module_path or "(model)", format_bytes(r.saved_bytes),
-          f"{r.recompute_ms:.2f}") for r in region_rows(plan)],
+          f"{r.recompute_ms:.2f}", r.action) for r in region_rows(plan)],
     )
     lines += ["", "## Solver", ""]
     lines += _md_table(["", ""], _solver_rows(plan))

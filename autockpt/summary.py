@@ -36,7 +36,7 @@ def plan_summary(plan: PlanRecord, *, max_regions: int = 12) -> str:
         for row in region_rows(plan)[:max_regions]:
             lines.append(
                 f"    [{row.index}] {row.first} .. {row.last} ({row.units} units, saves {format_bytes(row.saved_bytes)} "
-                f"unmodified) {row.module_path}".rstrip()
+                f"unmodified, {row.action}) {row.module_path}".rstrip()
             )
         if len(plan.regions) > max_regions:
             lines.append(f"    ... {len(plan.regions) - max_regions} more (plan.to_dataframe() lists every unit)")
@@ -70,6 +70,7 @@ def plan_dataframe(plan: PlanRecord) -> pd.DataFrame:
             "flops": [n.flops for n in plan.nodes],
             "saved_tensors": [n.saved_tensors for n in plan.nodes],
             "decision": [n.decision.value for n in plan.nodes],
+            "action": [n.action.value if n.action is not None else "" for n in plan.nodes],
             "region": pd.array([n.region for n in plan.nodes], dtype="Int64"),
         }
     )
@@ -95,6 +96,7 @@ class RegionRow:
     module_path: str
     saved_bytes: int
     recompute_ms: float
+    action: str  # the region's action (``Action.value``)
 
 
 def enclosing_modules(path: str, depth: int) -> list[str]:
@@ -122,14 +124,14 @@ def module_rows(plan: PlanRecord, depth: int) -> list[ModuleRow]:
 
 def region_rows(plan: PlanRecord) -> list[RegionRow]:
     rows = []
-    for index, region in enumerate(plan.regions):
+    for index, (region, action) in enumerate(zip(plan.regions, plan.policy.actions)):
         nodes = plan.nodes[region.first_unit : region.last_unit + 1]
         paths = [n.module_path for n in nodes]
         rows.append(
             RegionRow(
                 index=index, first=nodes[0].name, last=nodes[-1].name, units=len(nodes),
                 module_path=_common_module(paths), saved_bytes=sum(n.saved_bytes for n in nodes),
-                recompute_ms=sum(n.recompute_ms for n in nodes),
+                recompute_ms=sum(n.recompute_ms for n in nodes), action=action.value,
             )
         )
     return rows

@@ -25,12 +25,11 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import pulp
 
-from autockpt.solve.base import ProgramAnswer, Problem, Scorer, SolveResult, SolverOptions
+from autockpt.solve.base import Problem, ProgramAnswer, Scorer, SolveResult, SolverOptions
 from autockpt.solve.block_types import BlockInstance, BlockPlan, BlockProblem, Chain, ChainOption, OtherRegion
 from autockpt.solve.candidates import safe_regions
 from autockpt.solve.pulp_tools import add_no_good_cut, add_no_overlap, has_solution, is_proven_optimal, solve_and_write

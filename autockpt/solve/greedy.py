@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from autockpt.solve.base import Problem, ScoredCandidate, SolveResult, SolverOptions, NO_PROGRAM
+from autockpt.solve.base import NO_PROGRAM, Problem, ScoredCandidate, SolveResult, SolverOptions
 from autockpt.solve.refine import check_reachable, identity_result, no_plan_error
 from autockpt.types import PlanStatus, Region
 

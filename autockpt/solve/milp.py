@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import pulp
 
-from autockpt.solve.base import ProgramAnswer, Problem, ScoredCandidate, SolveResult, SolverOptions
+from autockpt.solve.base import Problem, ProgramAnswer, ScoredCandidate, SolveResult, SolverOptions
 from autockpt.solve.pulp_tools import add_no_good_cut, add_no_overlap, has_solution, is_proven_optimal, solve_and_write
 from autockpt.solve.refine import solve_with_program
 from autockpt.types import PlanStatus, Region

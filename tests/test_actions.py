@@ -1,0 +1,112 @@
+"""Decisions as actions (issue 20): the Action enum and its old names, the Policy and Placement types, a plan whose
+regions have different actions (predicted to the byte and trained like PyTorch), and plan files of both versions."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+import autockpt
+from autockpt import zoo
+from autockpt.measure import measure_step
+from autockpt.simulate import simulate
+from autockpt.summary import region_rows
+from autockpt.types import Action, CheckpointKind, Placement, Policy, Region, RegionAction, Stage
+
+from conftest import assert_same_step, budget_at, twin
+
+V1_PLAN = Path(__file__).parent / "data" / "plan_v1_transformer_tiny.json"  # written by the release before issue 20
+
+
+def test_checkpoint_kind_is_the_action_under_its_old_names() -> None:
+    assert CheckpointKind is Action is autockpt.Action
+    assert CheckpointKind.TORCH_NON_REENTRANT is Action.RECOMPUTE_TORCH
+    assert CheckpointKind.RECOMPUTE_FUNCTION is Action.RECOMPUTE_OWN
+    assert Action("torch_non_reentrant") is Action.RECOMPUTE_TORCH  # the values plan files and the CLI use
+    assert list(Action) == [Action.RECOMPUTE_TORCH, Action.RECOMPUTE_OWN]  # old names are aliases, not members
+
+
+def test_a_policy_refuses_overlapping_regions_and_a_placement_gaps() -> None:
+    placement = Placement.single_device(10, "cpu")
+    with pytest.raises(ValueError, match="disjoint"):
+        Policy(
+            region_actions=(RegionAction(region=Region(first_unit=0, last_unit=4), action=Action.RECOMPUTE_TORCH),
+                            RegionAction(region=Region(first_unit=4, last_unit=6), action=Action.RECOMPUTE_OWN)),
+            placement=placement,
+        )
+    with pytest.raises(ValueError, match="contiguous"):
+        Placement(stages=(Stage(first_unit=0, last_unit=3, device="cpu"), Stage(first_unit=5, last_unit=9, device="cpu")))
+    uniform = Policy.uniform([Region(first_unit=5, last_unit=6), Region(first_unit=0, last_unit=1)], Action.RECOMPUTE_OWN, placement)
+    assert uniform.regions == (Region(first_unit=0, last_unit=1), Region(first_unit=5, last_unit=6))
+    assert uniform.actions == (Action.RECOMPUTE_OWN, Action.RECOMPUTE_OWN)
+
+
+@pytest.fixture(scope="module")
+def transformer_planner() -> tuple[zoo.ZooCase, autockpt.Planner]:
+    case = zoo.build("transformer", "tiny")
+    return case, autockpt.Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
+
+
+def test_the_old_spelling_of_the_checkpoint_choice_still_plans_for_that_action() -> None:
+    case = zoo.build("mlp", "tiny")
+    old = autockpt.Planner(case.model, example_inputs=case.args, loss_fn=case.loss_fn,
+                           solver_options=autockpt.SolverOptions(checkpoint="recompute_function"))
+    new = autockpt.Planner(case.model, example_inputs=case.args, loss_fn=case.loss_fn, checkpoint=Action.RECOMPUTE_OWN)
+    assert old.actions == new.actions == (Action.RECOMPUTE_OWN,)
+    with pytest.raises(ValueError, match="checkpoint must be 'auto' or one of"):
+        autockpt.Planner(case.model, example_inputs=case.args, loss_fn=case.loss_fn, checkpoint="offload_everything")
+
+
+def test_regions_with_different_actions_are_predicted_to_the_byte_and_train_like_pytorch(transformer_planner) -> None:  # noqa: ANN001
+    case, planner = transformer_planner
+    reference = twin(case)
+    solved = planner.plan(budget_bytes=budget_at(planner.plan(budget_bytes=10**15), 0.35))
+    assert len(solved.regions) >= 2
+    mixed = tuple(
+        RegionAction(region=region, action=(Action.RECOMPUTE_TORCH, Action.RECOMPUTE_OWN)[i % 2])
+        for i, region in enumerate(solved.regions)
+    )
+    timeline = simulate(planner.trace, planner.costs, mixed)
+    predicted = timeline.peak_bytes
+    # each region is priced and re-run under its own action: the mixed plan's added time lies between the uniform ones
+    uniform = sorted(
+        simulate(planner.trace, planner.costs, [dataclasses.replace(r, action=a) for r in mixed]).overhead_ms
+        for a in Action
+    )
+    assert uniform[0] < timeline.overhead_ms < uniform[-1]
+    plan = dataclasses.replace(solved, policy=Policy(region_actions=mixed, placement=solved.policy.placement))
+    module = planner.apply(plan)
+    assert measure_step(module, case.args, case.kwargs, case.loss_fn).peak_bytes == predicted
+    assert_same_step(module, reference, case)
+    assert [row.action for row in region_rows(plan)] == [a.action.value for a in mixed]
+
+
+def test_a_plan_file_round_trips_as_version_2(transformer_planner, tmp_path: Path) -> None:  # noqa: ANN001
+    _, planner = transformer_planner
+    plan = planner.plan(budget_bytes=budget_at(planner.plan(budget_bytes=10**15), 0.5))
+    plan.save(tmp_path / "plan.json")
+    document = json.loads((tmp_path / "plan.json").read_text())
+    assert document["schema_version"] == 2
+    assert document["plan"]["policy"]["placement"]["stages"] == [
+        {"first_unit": 0, "last_unit": len(planner.graph.units) - 1, "device": "cpu"}
+    ]
+    assert autockpt.load_plan(tmp_path / "plan.json") == plan
+
+
+def test_a_version_1_plan_file_loads_as_a_policy_and_applies() -> None:
+    v1 = json.loads(V1_PLAN.read_text())
+    assert v1["schema_version"] == 1
+    loaded = autockpt.load_plan(V1_PLAN)
+    expected_regions = tuple(Region(**r) for r in v1["plan"]["regions"])
+    assert loaded.regions == expected_regions and loaded.regions
+    assert loaded.policy.actions == (Action.RECOMPUTE_OWN,) * len(expected_regions)
+    assert loaded.checkpoint_kind is Action.RECOMPUTE_OWN
+    assert loaded.region_overhead_ms == v1["plan"]["region_overhead_ms"]
+    assert loaded.policy.placement.stages == (Stage(first_unit=0, last_unit=len(loaded.nodes) - 1, device=""),)
+    case = zoo.build("transformer", "tiny")
+    reference = twin(case)
+    module = autockpt.apply_plan(case.model, loaded, example_inputs=case.args, example_kwargs=case.kwargs)
+    assert_same_step(module, reference, case)

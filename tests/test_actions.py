@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import assert_same_step, budget_at, twin
 
 import autockpt
 from autockpt import zoo
@@ -15,8 +16,6 @@ from autockpt.measure import measure_step
 from autockpt.simulate import simulate
 from autockpt.summary import region_rows
 from autockpt.types import Action, CheckpointKind, Placement, Policy, Region, RegionAction, Stage
-
-from conftest import assert_same_step, budget_at, twin
 
 V1_PLAN = Path(__file__).parent / "data" / "plan_v1_transformer_tiny.json"  # written by the release before issue 20
 

@@ -19,12 +19,12 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from autockpt._state import enter_training_modes, preserved_model_state
 from autockpt.capture import capture
 from autockpt.costs import calibrate
 from autockpt.errors import InfeasibleBudgetError
 from autockpt.loss import checked_loss, default_loss
 from autockpt.measure import alternating_step_seconds, measure_step
+from autockpt.model_state import enter_training_modes, preserved_model_state
 from autockpt.plan import Plan
 from autockpt.plan_io import check_fingerprint, model_fingerprint
 from autockpt.policy import PlanningContext, assemble_plan

@@ -22,8 +22,8 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from autockpt._state import BufferState, autocast_state, buffer_values, cuda_devices_of, training_modes
 from autockpt.errors import CaptureError
+from autockpt.model_state import BufferState, autocast_state, buffer_values, cuda_devices_of, training_modes
 from autockpt.types import CaptureKind, Graph, ModuleSpan, Unit
 
 logger = logging.getLogger(__name__)

@@ -41,7 +41,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
-from autockpt._state import autocast_state
+from autockpt.model_state import autocast_state
 from autockpt.types import Action
 
 logger = logging.getLogger(__name__)

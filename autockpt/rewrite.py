@@ -24,8 +24,8 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from autockpt._state import autocast_state, training_modes
 from autockpt.capture import compute_nodes
+from autockpt.model_state import autocast_state, training_modes
 from autockpt.recompute import CheckpointedRegion, run_checkpointed
 from autockpt.types import Action, CaptureKind, Graph, PlanRecord, Policy, Region
 

@@ -5,7 +5,7 @@ accounting as ``torch.distributed._tools.mem_tracker.MemTracker``), weak referen
 and ``saved_tensors_hooks`` tell which unit saved which storage for backward and when backward unpacked it. Timed
 steps give per-unit forward milliseconds (median of repeats) and the step time; one forward under
 ``FlopCounterMode`` gives FLOPs. What each action would add on top (the checkpoint machinery) is priced apart, by
-``costs.py``. The caller keeps the model's state (see ``autockpt._state``).
+``costs.py``. The caller keeps the model's state (see ``autockpt.model_state``).
 """
 
 from __future__ import annotations

@@ -376,7 +376,7 @@ def profiler_peak_bytes(
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
-    from autockpt.profile import step_tensors
+    from autockpt.trace import step_tensors
 
     for param in module.parameters():
         param.grad = None

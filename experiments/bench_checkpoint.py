@@ -1,4 +1,5 @@
-"""Checkpoint kinds: the same plan run through torch's non-reentrant checkpoint and through autockpt's own.
+"""Checkpoint kinds: the same plan run through torch's non-reentrant checkpoint and through autockpt's own
+(``Action.RECOMPUTE_TORCH`` and ``Action.RECOMPUTE_OWN``).
 
 For each model: a plan made for torch's checkpoint (at Hugging Face's measured peak where the model has HF gradient
 checkpointing, else at 0.5 of the way from static memory to the unmodified peak) is applied twice, once with each
@@ -12,7 +13,6 @@ their peaks measured with MemTracker. Then each kind's own memory floor (its pla
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -26,14 +26,18 @@ from sweep import ExampleBatch, markdown_table, round_robin_ratios  # noqa: E402
 
 import autockpt  # noqa: E402
 from autockpt import zoo  # noqa: E402
-from autockpt.api import Planner  # noqa: E402
-from autockpt.solve.baselines import baseline_plan  # noqa: E402
-from autockpt.types import CheckpointKind  # noqa: E402
+from autockpt.api import Planner, baseline_plan  # noqa: E402
+from autockpt.types import Action  # noqa: E402
 
 
-def floor_bytes(case: zoo.ZooCase, kind: CheckpointKind) -> int:
-    planner = Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn,
-                      solver_options=autockpt.SolverOptions(checkpoint=kind))
+def planner_for(case: zoo.ZooCase, action: Action) -> Planner:
+    """A planner that plans (and traces the step) for ``action`` only."""
+    return Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn,
+                   checkpoint=action)
+
+
+def floor_bytes(planner: Planner) -> int:
+    """The smallest feasible budget of ``planner`` (made for one action)."""
     try:
         planner.plan(budget_bytes=1)
     except autockpt.InfeasibleBudgetError as error:
@@ -45,20 +49,22 @@ def bench_model(name: str, size: str, repeats: int) -> dict:
     torch.manual_seed(0)
     case = zoo.build(name, size)
     batch = ExampleBatch(args=case.args, kwargs=case.kwargs, loss_fn=case.loss_fn)
-    planner = Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn,
-                      solver_options=autockpt.SolverOptions(checkpoint=CheckpointKind.TORCH_NON_REENTRANT))
-    profile = planner.profile
+    planner = planner_for(case, Action.RECOMPUTE_TORCH)
+    trace = planner.trace
     hf = anchors.hf_gradient_checkpointing(case.model, case.args, case.kwargs, case.loss_fn)
     if hf.module is not None:
         label, budget = "hf_peak", hf.measured_peak_bytes
     else:
-        label, budget = "0.50", int(profile.static_bytes + 0.5 * (profile.baseline_peak_bytes - profile.static_bytes))
+        label, budget = "0.50", int(trace.static_bytes + 0.5 * (trace.baseline_peak_bytes - trace.static_bytes))
     torch_plan = planner.plan(budget_bytes=budget)
-    function_plan = dataclasses.replace(torch_plan, checkpoint_kind=CheckpointKind.RECOMPUTE_FUNCTION)
+    # the same regions under autockpt's own recomputation: only the action differs. Its planner traces the step with
+    # the gradient lifetimes and prices that action's simulation needs (and gives that action's floor below)
+    function_planner = planner_for(case, Action.RECOMPUTE_OWN)
+    function_plan = function_planner.plan_for_regions(torch_plan.regions, strategy="given", action=Action.RECOMPUTE_OWN)
     modules = {
         "none": planner.apply(baseline_plan(planner, "none")),
         "torch": planner.apply(torch_plan),
-        "function": planner.apply(function_plan),
+        "function": function_planner.apply(function_plan),
     }
     peaks = {
         k: autockpt.measure_step(modules[k], case.args, case.kwargs, case.loss_fn).peak_bytes for k in ("torch", "function")
@@ -69,8 +75,8 @@ def bench_model(name: str, size: str, repeats: int) -> dict:
         "predicted_ratio_torch": 1 + torch_plan.predicted_overhead,
         "ratio_torch": ratios["torch"], "ratio_function": ratios["function"],
         "peak_torch": peaks["torch"], "peak_function": peaks["function"],
-        "floor_torch": floor_bytes(case, CheckpointKind.TORCH_NON_REENTRANT),
-        "floor_function": floor_bytes(case, CheckpointKind.RECOMPUTE_FUNCTION),
+        "floor_torch": floor_bytes(planner),
+        "floor_function": floor_bytes(function_planner),
     }
 
 

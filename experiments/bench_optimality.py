@@ -17,6 +17,7 @@ row per graph ("between floors") records a budget that the production solver ref
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 import sys
@@ -35,12 +36,14 @@ from tqdm import tqdm
 
 import autockpt
 from autockpt import zoo
+from autockpt.costs import free_machinery
 from autockpt.errors import InfeasibleBudgetError
-from autockpt.simulate import simulate
+from autockpt.solve.base import Scorer
 from autockpt.solve.exact import exact_regions, min_peak_bytes
+from autockpt.types import Action, StepTrace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from random_graphs import modelled_costs, random_model  # noqa: E402
+from random_graphs import random_model  # noqa: E402
 
 DEFAULT_FRACTIONS = (0.2, 0.5, 0.8)
 TOLERANCE = 0.01  # the issue's target: within 1 % of the exact optimum
@@ -68,6 +71,17 @@ class Attention(nn.Module):
         return x + self.proj(scores.softmax(dim=-1) @ self.v(h))
 
 
+def modelled_times(trace: StepTrace) -> StepTrace:
+    """``trace`` with forward times from a fixed cost model instead of the clock (memory as measured): 1 us per op,
+    1 TFLOP/s, 100 GB/s for the op's outputs; backward twice the forward. The model of the optimality tests
+    (``tests/random_graphs.py``): measured times of microsecond ops on a shared CPU are mostly noise."""
+    units = tuple(
+        dataclasses.replace(u, forward_ms=1e-3 + u.flops * 1e-9 + u.output_bytes * 1e-8) for u in trace.units
+    )
+    forward_ms = sum(u.forward_ms for u in units)
+    return dataclasses.replace(trace, units=units, forward_ms=forward_ms, step_ms=3 * forward_ms)
+
+
 def real_cases() -> list[Case]:
     """Small real graphs: the zoo's tiny models (too many units for the exact search; recorded as skipped) and
     cut-down versions of the same architectures."""
@@ -91,13 +105,14 @@ def evaluate(
     label: str, kind: str, case: Case, fractions: list[float], costs: str, max_units: int
 ) -> tuple[list[dict], str | None]:
     """Rows for one graph; the second value is why it gave no comparison (None when it did)."""
-    # one checkpoint kind (torch's): the exact solver follows the profile's semantics
-    planner = autockpt.Planner(case.model, example_inputs=case.args, loss_fn=case.loss_fn,
-                               solver_options=autockpt.SolverOptions(checkpoint="torch_non_reentrant"))
-    if costs == "model":
-        planner.profile = modelled_costs(planner.profile)  # before the first plan: the solver sees these costs
-    profile = planner.profile
-    units = len(profile.units)
+    # one action (torch's checkpoint): the exact solver scores plans with the same simulator and action
+    action = Action.RECOMPUTE_TORCH
+    planner = autockpt.Planner(case.model, example_inputs=case.args, loss_fn=case.loss_fn, checkpoint=action)
+    if costs == "model":  # before the first plan: the solver sees these times, and the machinery priced at zero
+        planner.trace = modelled_times(planner.trace)
+        planner.costs = free_machinery(planner.costs)
+    scorer = Scorer(planner.trace, planner.costs, action)
+    units = len(planner.trace.units)
     common = {"kind": kind, "graph": label, "units": units}
     if units > max_units:
         reason = f"{units} units > max_units={max_units}: too many for the exact search"
@@ -107,9 +122,9 @@ def evaluate(
         raise AssertionError("a 1-byte budget was accepted")
     except InfeasibleBudgetError as error:
         floor = error.min_feasible_bytes
-    baseline = simulate(profile, ()).peak_bytes
+    baseline = scorer.simulate(()).peak_bytes
     started = time.perf_counter()
-    exact_floor = min_peak_bytes(profile, max_units=max_units)
+    exact_floor = min_peak_bytes(scorer, max_units=max_units)
     floor_seconds = time.perf_counter() - started
     common |= {"production_floor": floor, "exact_floor": exact_floor, "baseline_peak": baseline,
                "exact_floor_seconds": round(floor_seconds, 3)}
@@ -123,7 +138,7 @@ def evaluate(
     rows = []
     for fraction, budget in budgets:
         started = time.perf_counter()
-        exact = exact_regions(profile, budget, max_units=max_units)
+        exact = exact_regions(scorer, budget, max_units=max_units)
         exact_seconds = time.perf_counter() - started
         row = {**common, "fraction": fraction, "budget_bytes": budget, "exact_ms": exact.overhead_ms,
                "exact_peak": exact.peak_bytes, "exact_regions": _regions(exact.regions),
@@ -134,7 +149,7 @@ def evaluate(
         except InfeasibleBudgetError:
             rows.append({**row, "skipped": "production solver refuses a budget that a region plan fits"})
             continue
-        production_ms = simulate(profile, plan.regions).overhead_ms  # the objective the exact search minimises
+        production_ms = scorer.simulate(plan.regions).overhead_ms  # the objective the exact search minimises
         rows.append({**row, "production_ms": production_ms, "ratio": ratio(production_ms, exact.overhead_ms),
                      "production_peak": plan.predicted_peak_bytes, "production_regions": _regions(plan.regions),
                      "production_status": plan.status.value,

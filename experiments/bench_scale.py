@@ -66,7 +66,7 @@ def run_one(spec: str, fractions: list[float], measure: bool) -> list[dict]:
     torch.set_num_threads(2)
     model, args, kwargs, loss_fn = build(spec)
     planner = autockpt.Planner(model, example_inputs=args, example_kwargs=kwargs, loss_fn=loss_fn)
-    static, peak = planner.profile.static_bytes, planner.profile.baseline_peak_bytes
+    static, peak = planner.trace.static_bytes, planner.trace.baseline_peak_bytes
     rows = []
     for fraction in fractions:
         budget = int(static + fraction * (peak - static))
@@ -107,32 +107,55 @@ def run_one(spec: str, fractions: list[float], measure: bool) -> list[dict]:
     return rows
 
 
+_BLOCK_COUNTS: dict = {}
+
+
 def _repeated_blocks(planner) -> dict:
-    """What structure-aware solving found: block instances and the units they cover."""
-    problem = planner._problems.get(planner.profile.checkpoint_kind)  # torch's checkpoint: the first kind planned
-    blocks = problem.blocks if problem is not None else None
-    if blocks is None:
-        return {"block_instances": 0, "units_in_blocks": 0}
-    sizes = [i.region.last_unit - i.region.first_unit + 1 for i in blocks.instances]
-    return {"block_instances": len(sizes), "units_in_blocks": sum(sizes)}
+    """What structure-aware solving found: block instances and the units they cover, in the problem the planner
+    solves for its first action (torch's checkpoint). The Planner keeps its prepared problems to itself, so the same
+    problem is prepared again here from the same trace, prices and candidates (once per model, after the timed solve;
+    only the counts are kept)."""
+    if id(planner) not in _BLOCK_COUNTS:
+        from autockpt.solve.baselines import baseline_seed_plans
+        from autockpt.solve.candidates import candidate_regions
+        from autockpt.solve.prepare import prepare
+        from autockpt.structure import find_repeated_blocks
+        from autockpt.types import CaptureKind
+
+        graph, trace = planner.graph, planner.trace
+        # the planner solves by blocks unless switched off or the capture is module-level
+        by_blocks = planner.solver_options.repeated_blocks and graph.kind is not CaptureKind.MODULE
+        blocks = None
+        if by_blocks:
+            structure = find_repeated_blocks(graph, trace)
+            if structure.families:  # without a family the problem has no blocks: nothing to score
+                blocks = prepare(
+                    trace, planner.costs, planner.actions[0], *candidate_regions(graph, trace),
+                    seed_plans=baseline_seed_plans(graph, trace), structure=structure,
+                ).blocks
+        sizes = [i.region.last_unit - i.region.first_unit + 1 for i in blocks.instances] if blocks is not None else []
+        _BLOCK_COUNTS[id(planner)] = {"block_instances": len(sizes), "units_in_blocks": sum(sizes)}
+    return _BLOCK_COUNTS[id(planner)]
 
 
 _FLAT_PROBLEMS: dict = {}
 
 
 def _flat_program(planner, budget: int, recompute_ms: float) -> dict:
-    """The same budget solved by one flat program over all units, on the same profile: what the blocks save."""
+    """The same budget solved by one flat program over all units, on the same trace: what the blocks save."""
     from autockpt.solve.baselines import baseline_seed_plans
     from autockpt.solve.candidates import candidate_regions
-    from autockpt.solve.ilp import prepare, solve_prepared
+    from autockpt.solve.default import solve_prepared
+    from autockpt.solve.prepare import prepare
 
-    problem = planner._problems.get(planner.profile.checkpoint_kind)
-    if problem is None or problem.blocks is None:
+    if not _repeated_blocks(planner)["block_instances"]:
         return {}
     started = time.perf_counter()
     if id(planner) not in _FLAT_PROBLEMS:  # scored once per model, like the planner's own problem
-        _FLAT_PROBLEMS[id(planner)] = prepare(planner.profile, *candidate_regions(planner.graph, planner.profile),
-                                              seed_plans=baseline_seed_plans(planner.graph, planner.profile))
+        trace = planner.trace
+        _FLAT_PROBLEMS[id(planner)] = prepare(trace, planner.costs, planner.actions[0],
+                                              *candidate_regions(planner.graph, trace),
+                                              seed_plans=baseline_seed_plans(planner.graph, trace))
     result = solve_prepared(_FLAT_PROBLEMS[id(planner)], budget)
     return {"flat_solve_s": round(time.perf_counter() - started, 3),
             "recompute_vs_flat": round(recompute_ms / result.timeline.recompute_ms, 4)}

@@ -22,7 +22,6 @@ it. A target of 0.5 is then out of reach by recomputation wherever that share is
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -33,14 +32,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sweep import markdown_table  # noqa: E402
 
 from autockpt import zoo  # noqa: E402
-from autockpt.api import Planner  # noqa: E402
-from autockpt.solve.baselines import baseline_plan, baseline_seed_plans  # noqa: E402
+from autockpt.api import Planner, baseline_plan  # noqa: E402
+from autockpt.costs import free_machinery  # noqa: E402
+from autockpt.solve.base import SolveResult  # noqa: E402
+from autockpt.solve.baselines import baseline_seed_plans  # noqa: E402
 from autockpt.solve.candidates import candidate_regions  # noqa: E402
-from autockpt.solve.ilp import SolveResult, prepare, solve_prepared  # noqa: E402
+from autockpt.solve.default import solve_prepared  # noqa: E402
+from autockpt.solve.prepare import prepare  # noqa: E402
 from autockpt.structure import find_repeated_blocks  # noqa: E402
-from autockpt.types import CheckpointKind  # noqa: E402
+from autockpt.types import Action  # noqa: E402
 
-KINDS = (CheckpointKind.TORCH_NON_REENTRANT, CheckpointKind.RECOMPUTE_FUNCTION)
+KINDS = (Action.RECOMPUTE_TORCH, Action.RECOMPUTE_OWN)
 
 
 def measured_at_hf_peak(sweep: pd.DataFrame, model: str) -> dict[str, float]:
@@ -54,15 +56,15 @@ def measured_at_hf_peak(sweep: pd.DataFrame, model: str) -> dict[str, float]:
     }
 
 
-def solved(planner: Planner, kind: CheckpointKind, budget: int, *, free_machinery: bool) -> SolveResult:
-    """The cheapest plan under ``budget`` for ``kind``, from the planner's own profile and candidates, solved as the
-    planner solves them; ``free_machinery`` prices the checkpoint machinery at zero, so only re-run kernels count."""
-    measured = planner._profile_for(kind)
-    if free_machinery:
-        measured = dataclasses.replace(measured, region_overhead_ms=0.0, saved_tensor_overhead_ms=0.0)
+def solved(planner: Planner, kind: Action, budget: int, *, machinery_free: bool) -> SolveResult:
+    """The cheapest plan under ``budget`` for ``kind``, from the planner's own trace, prices and candidates, solved as
+    the planner solves them; ``machinery_free`` prices the checkpoint machinery at zero, so only re-run kernels
+    count."""
+    trace = planner.trace
+    costs = free_machinery(planner.costs) if machinery_free else planner.costs
     problem = prepare(
-        measured, *candidate_regions(planner.graph, measured), seed_plans=baseline_seed_plans(planner.graph, measured),
-        structure=find_repeated_blocks(planner.graph, measured),
+        trace, costs, kind, *candidate_regions(planner.graph, trace),
+        seed_plans=baseline_seed_plans(planner.graph, trace), structure=find_repeated_blocks(planner.graph, trace),
     )
     return solve_prepared(problem, budget)
 
@@ -72,10 +74,10 @@ def bound_row(model: str, size: str, measured: dict[str, float]) -> dict:
     case = zoo.build(model, size)
     budget = measured["budget_bytes"]
     planner = Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
-    step_ms = planner.profile.step_ms
+    step_ms = planner.trace.step_ms
     every_1 = baseline_plan(planner, "every_1")  # scored for torch's checkpoint, like HF's non-reentrant one
-    planned = {kind: solved(planner, kind, budget, free_machinery=False).timeline for kind in KINDS}
-    machinery_free = {kind: solved(planner, kind, budget, free_machinery=True).timeline.recompute_ms for kind in KINDS}
+    planned = {kind: solved(planner, kind, budget, machinery_free=False).timeline for kind in KINDS}
+    machinery_free = {kind: solved(planner, kind, budget, machinery_free=True).timeline.recompute_ms for kind in KINDS}
     least = min(machinery_free.values())
     return {
         "model": model,
@@ -89,8 +91,8 @@ def bound_row(model: str, size: str, measured: dict[str, float]) -> dict:
             for kind, timeline in planned.items()
         },
         "autockpt_measured_overhead": measured["autockpt_overhead"],
-        "least_rerun_torch": machinery_free[CheckpointKind.TORCH_NON_REENTRANT] / step_ms,
-        "least_rerun_function": machinery_free[CheckpointKind.RECOMPUTE_FUNCTION] / step_ms,
+        "least_rerun_torch": machinery_free[Action.RECOMPUTE_TORCH] / step_ms,
+        "least_rerun_function": machinery_free[Action.RECOMPUTE_OWN] / step_ms,
         "bound_vs_every_1": least / every_1.recompute_ms,
         "target_overhead": measured["hf_overhead"] / 2,
     }

@@ -46,7 +46,7 @@ def main() -> None:
     args = parser.parse_args()
     case = zoo.build(args.model, args.size)
     planner = autockpt.Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
-    static, peak = planner.profile.static_bytes, planner.profile.baseline_peak_bytes
+    static, peak = planner.trace.static_bytes, planner.trace.baseline_peak_bytes
     plan = planner.plan(budget_bytes=int(static + args.fraction * (peak - static)), pareto_points=6)
     with tempfile.TemporaryDirectory() as folder:
         html = Path(folder) / "report.html"

@@ -57,20 +57,20 @@ import anchors  # noqa: E402
 from bench_budget import step_time_ratio  # noqa: E402
 import autockpt  # noqa: E402
 from autockpt import zoo  # noqa: E402
-from autockpt.api import Planner  # noqa: E402
+from autockpt.api import Planner, baseline_plan  # noqa: E402
 from autockpt.measure import alternating_step_seconds  # noqa: E402
-from autockpt.solve.ilp import AUTO_CHECKPOINT, SolverOptions  # noqa: E402
-from autockpt.types import CheckpointKind  # noqa: E402
+from autockpt.solve.base import AUTO_CHECKPOINT  # noqa: E402
+from autockpt.types import Action  # noqa: E402
 from autockpt.batch_size import ExampleBatch, TrialOutcome, max_batch_sizes  # noqa: E402
-from autockpt.solve.baselines import BASELINE_STRATEGIES, baseline_plan, baseline_regions  # noqa: E402
+from autockpt.solve.baselines import BASELINE_STRATEGIES, baseline_regions  # noqa: E402
 
 logger = logging.getLogger("sweep")
 
-# autockpt's plans: the default choice of checkpoint, and each checkpoint the rewriter can apply alone
-AUTOCKPT_STRATEGIES: dict[str, CheckpointKind | str] = {
+# autockpt's plans: the default choice of checkpoint, and each recompute action the rewriter can apply alone
+AUTOCKPT_STRATEGIES: dict[str, Action | str] = {
     "autockpt": AUTO_CHECKPOINT,
-    "autockpt_torch": CheckpointKind.TORCH_NON_REENTRANT,
-    "autockpt_function": CheckpointKind.RECOMPUTE_FUNCTION,
+    "autockpt_torch": Action.RECOMPUTE_TORCH,
+    "autockpt_function": Action.RECOMPUTE_OWN,
 }
 # "transformer" (the plain 8-layer fx model at size small) is left out of the default: its 308-unit graph and 0.9 s
 # steps cost as much sweep time as the other models together on 2 cores; run it with --models transformer
@@ -99,7 +99,7 @@ class Point:
     solve_s: float | None = None
     regions: int | None = None
     capture: str = ""
-    checkpoint: str = ""  # autockpt's plans: the checkpoint kind the plan runs with
+    checkpoint: str = ""  # autockpt's plans: the recompute action the plan runs with
     notes: str = ""
     same_as: str = ""  # a baseline with exactly the regions of an earlier one is measured once
     eager_profiler_peak_bytes: int | None = None
@@ -209,10 +209,10 @@ def sweep_model(name: str, config: SweepConfig, bar: tqdm) -> tuple[list[Point],
     batch = ExampleBatch(args=case.args, kwargs=case.kwargs, loss_fn=case.loss_fn)
     bar.set_postfix_str(f"{name}: capture + profile")
     planner = Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
-    profile = planner.profile
+    trace = planner.trace
     capture = planner.graph.kind.value
     budgets = {
-        f"{f:.2f}": int(profile.static_bytes + f * (profile.baseline_peak_bytes - profile.static_bytes))
+        f"{f:.2f}": int(trace.static_bytes + f * (trace.baseline_peak_bytes - trace.static_bytes))
         for f in config.fractions
     }
     points: list[Point] = []
@@ -230,7 +230,7 @@ def sweep_model(name: str, config: SweepConfig, bar: tqdm) -> tuple[list[Point],
     seen: dict[tuple, str] = {}
     for strategy in [s for s in config.strategies if s not in AUTOCKPT_STRATEGIES]:
         bar.set_postfix_str(f"{name}: {strategy}")
-        chosen = baseline_regions(planner.graph, profile, strategy)
+        chosen = baseline_regions(planner.graph, trace, strategy)
         if not chosen.available:
             points.append(Point(strategy=strategy, status="unavailable", capture=capture, notes="; ".join(chosen.notes)))
             continue
@@ -276,7 +276,7 @@ def sweep_model(name: str, config: SweepConfig, bar: tqdm) -> tuple[list[Point],
             bar.set_postfix_str(f"{name}: profile for {strategy}")
             with parked(anchor_copies, config.device):  # the profile counts what the device holds besides the step
                 planner_for = Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs,
-                                      loss_fn=case.loss_fn, solver_options=SolverOptions(checkpoint=checkpoint))
+                                      loss_fn=case.loss_fn, checkpoint=checkpoint)
         else:
             planner_for = planner
         for label, budget in budgets.items():
@@ -295,7 +295,7 @@ def sweep_model(name: str, config: SweepConfig, bar: tqdm) -> tuple[list[Point],
                 strategy=strategy, budget_label=label, budget_bytes=budget, module=module,
                 predicted_peak_bytes=plan.predicted_peak_bytes, measured_peak_bytes=peak, regions=len(plan.regions),
                 predicted_ratio=1 + plan.predicted_overhead, solve_s=plan.solve_time_s, capture=capture,
-                peak_method=step_peak_method, checkpoint=plan.checkpoint_kind.value,
+                peak_method=step_peak_method, checkpoint=plan.planned_action.value,
                 notes=f"{plan.status.value}; optimize {time.perf_counter() - started:.1f} s",
             )
             points.append(point)
@@ -305,7 +305,7 @@ def sweep_model(name: str, config: SweepConfig, bar: tqdm) -> tuple[list[Point],
     if "sac" in config.anchors:
         for fraction in config.sac_fractions:
             label = f"{fraction:.2f}"
-            budget = budgets.get(label) or int(profile.static_bytes + fraction * (profile.baseline_peak_bytes - profile.static_bytes))
+            budget = budgets.get(label) or int(trace.static_bytes + fraction * (trace.baseline_peak_bytes - trace.static_bytes))
             bar.set_postfix_str(f"{name}: SAC MILP @ {label}")
             with parked(anchor_copies, config.device):
                 result = anchors.torch_sac_milp(case.model, case.args, case.kwargs, case.loss_fn, budget_bytes=budget)

@@ -84,7 +84,8 @@ def main() -> None:
     parser.add_argument("model", choices=sorted(zoo.BUILDERS))
     parser.add_argument("--size", default="small", choices=zoo.SIZES)
     parser.add_argument("--budget-bytes", type=int, required=True)
-    parser.add_argument("--checkpoint", default="auto", help="auto, torch_non_reentrant or recompute_function")
+    parser.add_argument("--checkpoint", default="auto",
+                        help="auto, torch_non_reentrant or recompute_function (an autockpt.Action's value)")
     parser.add_argument("--rounds", type=int, default=9, help="alternating timing rounds")
     parser.add_argument("--steps", type=int, default=5, help="profiled steps per module")
     parser.add_argument("--top", type=int, default=20)
@@ -95,7 +96,7 @@ def main() -> None:
     case = zoo.build(args.model, args.size)
     planner = autockpt.Planner(
         case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn,
-        solver_options=autockpt.SolverOptions(checkpoint=args.checkpoint),
+        checkpoint=args.checkpoint,
     )
     plan = planner.plan(budget_bytes=args.budget_bytes)
     none = planner.apply(autockpt.baseline_plan(planner, "none"))

@@ -194,8 +194,8 @@ class _Searcher:
         planner, batch, error = self._planner(size)
         if planner is None:
             return self._record(size, strategy, TrialOutcome.FAILED, None, started, error), None
-        if planner.profile.static_bytes > self.budget:
-            detail = f"static bytes {planner.profile.static_bytes} alone are over the budget"
+        if planner.trace.static_bytes > self.budget:
+            detail = f"static bytes {planner.trace.static_bytes} alone are over the budget"
             return self._record(size, strategy, TrialOutcome.INFEASIBLE, None, started, detail), None
         try:
             if strategy == AUTOCKPT:

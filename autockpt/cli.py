@@ -428,7 +428,7 @@ def sweep(
             "predicted_peak_bytes": p.predicted_peak_bytes,
             "predicted_overhead": p.predicted_overhead,
             "regions": p.regions,
-            "unmodified_peak_bytes": planner.profile.baseline_peak_bytes,
+            "unmodified_peak_bytes": planner.trace.baseline_peak_bytes,
         }
         for p in points
     ]

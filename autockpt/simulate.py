@@ -48,7 +48,7 @@ class RegionWindow:
     last_recomputed_unit: int | None  # the last unit whose kernels run again; None: nothing is re-run
 
 
-def region_windows(profile: StepTrace, region_actions: Sequence[RegionAction]) -> list[RegionWindow]:
+def region_windows(trace: StepTrace, region_actions: Sequence[RegionAction]) -> list[RegionWindow]:
     """Where each region is recomputed (the first backward event that unpacks what one of its units saved), and how
     far the recomputation runs.
 
@@ -57,7 +57,7 @@ def region_windows(profile: StepTrace, region_actions: Sequence[RegionAction]) -
     made before it (a matmul saving its operands) its kernel is skipped; when it saves its own output it runs.
     autockpt's own checkpoint runs the whole region: backward starts from the outputs' gradient functions.
     """
-    index = _storage_index(profile)
+    index = _storage_index(trace)
     windows = []
     for region_action in region_actions:
         region, early_stop = region_action.region, _stops_early(region_action.action)
@@ -103,31 +103,31 @@ def unit_regions(num_units: int, regions: Sequence[Region]) -> list[int | None]:
     return region_of
 
 
-def machinery_ms(profile: StepTrace, costs: CostModel, region_actions: Sequence[RegionAction]) -> float:
+def machinery_ms(trace: StepTrace, costs: CostModel, region_actions: Sequence[RegionAction]) -> float:
     """What the regions' actions add to a step besides the recomputed kernels: per region, its action's fixed price
     plus its price per tensor the region's units save (calibrated on the device, ``costs.py``)."""
     total = 0.0
     for region_action in region_actions:
         region, price = region_action.region, costs.price(region_action.action)
-        saved_tensors = sum(profile.units[u].saved_tensors for u in range(region.first_unit, region.last_unit + 1))
+        saved_tensors = sum(trace.units[u].saved_tensors for u in range(region.first_unit, region.last_unit + 1))
         total += price.region_ms + saved_tensors * price.saved_tensor_ms
     return total
 
 
-def simulate(profile: StepTrace, costs: CostModel, region_actions: Sequence[RegionAction]) -> Timeline:
+def simulate(trace: StepTrace, costs: CostModel, region_actions: Sequence[RegionAction]) -> Timeline:
     """Predict the memory and added time of one training step when each region runs under its action."""
-    return _predict(profile, costs, region_actions, detailed=False).timeline
+    return _predict(trace, costs, region_actions, detailed=False).timeline
 
 
-def memory_curve(profile: StepTrace, costs: CostModel, region_actions: Sequence[RegionAction]) -> MemoryCurve:
+def memory_curve(trace: StepTrace, costs: CostModel, region_actions: Sequence[RegionAction]) -> MemoryCurve:
     """The predicted step of ``simulate`` per event, stacked by category (for reports); sums to its event bytes.
 
     Categories are assigned in a fixed order, each capped by what is left of the event's predicted bytes:
     parameters/buffers/inputs, gradients, recomputed copies, forward tensors, then the rest as temporaries.
     """
-    prediction = _predict(profile, costs, region_actions, detailed=True)
-    static = profile.parameter_bytes + profile.buffer_bytes + profile.input_bytes
-    gradients = profile.gradient_bytes_by_event or (0,) * len(profile.events)
+    prediction = _predict(trace, costs, region_actions, detailed=True)
+    static = trace.parameter_bytes + trace.buffer_bytes + trace.input_bytes
+    gradients = trace.gradient_bytes_by_event or (0,) * len(trace.events)
     columns: list[list[int]] = [[], [], [], [], []]
     for event, total in enumerate(prediction.timeline.event_bytes):
         left = total
@@ -138,7 +138,7 @@ def memory_curve(profile: StepTrace, costs: CostModel, region_actions: Sequence[
             left -= taken
         columns[4].append(left)
     return MemoryCurve(
-        phases=tuple(e.phase for e in profile.events),
+        phases=tuple(e.phase for e in trace.events),
         parameter_bytes=tuple(columns[0]),
         gradient_bytes=tuple(columns[1]),
         recomputed_bytes=tuple(columns[2]),
@@ -155,20 +155,20 @@ class _Prediction:
 
 
 def _predict(
-    profile: StepTrace, costs: CostModel, region_actions: Sequence[RegionAction], *, detailed: bool
+    trace: StepTrace, costs: CostModel, region_actions: Sequence[RegionAction], *, detailed: bool
 ) -> _Prediction:
     """``detailed``: also split the bytes into forward storages and recomputed copies (for memory curves)."""
-    num_events = len(profile.events)
+    num_events = len(trace.events)
     regions = [ra.region for ra in region_actions]
     actions = [ra.action for ra in region_actions]
-    if Action.RECOMPUTE_OWN in actions and not profile.gradient_lifetimes:
+    if Action.RECOMPUTE_OWN in actions and not trace.gradient_lifetimes:
         raise ValueError(
             f"this trace cannot score {Action.RECOMPUTE_OWN.value!r}: it has no gradient lifetimes (the action holds "
             "output gradients); trace the step with gradient_lifetimes=True"
         )
-    region_of = unit_regions(len(profile.units), regions)
-    windows = region_windows(profile, region_actions)
-    index = _storage_index(profile)
+    region_of = unit_regions(len(trace.units), regions)
+    windows = region_windows(trace, region_actions)
+    index = _storage_index(trace)
     copy_bytes_at_burst = [0] * len(regions)
     plan_delta = [0] * (num_events + 1)  # what the plan changes, on top of the measured timeline (difference array)
     forward_delta = [0] * (num_events + 1)  # detailed: the plan's changes to the original forward storages
@@ -183,7 +183,7 @@ def _predict(
     touched = sorted({s for region in regions for u in range(region.first_unit, region.last_unit + 1)
                       for s in index.storages_of_unit[u]})
     for position in touched:
-        storage = profile.storages[position]
+        storage = trace.storages[position]
         base_free = storage.free_event if storage.free_event is not None else num_events - 1
         plan_free = _plan_free_event(storage, region_of, windows, base_free)
         if plan_free != base_free:
@@ -218,7 +218,7 @@ def _predict(
 
     event_bytes, forward_bytes, copy_bytes = [], [], []
     running = forward_running = copy_running = 0
-    for event in profile.events:
+    for event in trace.events:
         running += plan_delta[event.index]
         event_bytes.append(event.peak_bytes + running)
         if detailed:
@@ -236,11 +236,11 @@ def _predict(
             continue
         c = window.first_backward_event
         offset = sum(plan_delta[: c + 1])
-        before_recompute = profile.events[c].start_bytes + offset - copy_bytes_at_burst[r]
-        replay = _replay_peak(profile, region, window, region_of, r, early_stop=_stops_early(actions[r]))
+        before_recompute = trace.events[c].start_bytes + offset - copy_bytes_at_burst[r]
+        replay = _replay_peak(trace, region, window, region_of, r, early_stop=_stops_early(actions[r]))
         if window.last_recomputed_unit is not None:
             rerun = range(region.first_unit, window.last_recomputed_unit + 1)
-            recompute_ms += sum(profile.units[u].forward_ms for u in rerun)
+            recompute_ms += sum(trace.units[u].forward_ms for u in rerun)
             rerun_units += rerun
         burst = before_recompute + replay
         burst_bytes.append(burst)
@@ -250,7 +250,7 @@ def _predict(
             event_bytes[c] = burst
 
     peak_event = max(range(num_events), key=event_bytes.__getitem__)
-    machinery = machinery_ms(profile, costs, region_actions)
+    machinery = machinery_ms(trace, costs, region_actions)
     timeline = Timeline(
         event_bytes=tuple(event_bytes),
         burst_bytes=tuple(burst_bytes),
@@ -274,46 +274,46 @@ class _StorageIndex:
     forward_event_of_unit: dict[int, MemoryEvent]  # unit -> its forward event
 
 
-# Scoring candidates simulates hundreds of plans on one profile: index it once. StepTraces are kept alive here, so an
+# Scoring candidates simulates hundreds of plans on one trace: index it once. StepTraces are kept alive here, so an
 # id is never reused while its entry exists; a few entries are enough (one planner at a time, tests).
 _INDEX_CACHE: dict[int, tuple[StepTrace, _StorageIndex]] = {}
 _INDEX_CACHE_SIZE = 4
 
 
-def _storage_index(profile: StepTrace) -> _StorageIndex:
-    cached = _INDEX_CACHE.get(id(profile))
-    if cached is not None and cached[0] is profile:
+def _storage_index(trace: StepTrace) -> _StorageIndex:
+    cached = _INDEX_CACHE.get(id(trace))
+    if cached is not None and cached[0] is trace:
         return cached[1]
-    num_events = len(profile.events)
-    related: list[set[int]] = [set() for _ in profile.units]
+    num_events = len(trace.events)
+    related: list[set[int]] = [set() for _ in trace.units]
     alive = [0] * (num_events + 1)
-    for position, storage in enumerate(profile.storages):
+    for position, storage in enumerate(trace.storages):
         for unit in {storage.producer_unit, *storage.user_units, *storage.saver_units}:
             if unit >= 0:
                 related[unit].add(position)
         free = storage.free_event if storage.free_event is not None else num_events - 1
         alive[storage.alloc_event] += storage.nbytes
         alive[free + 1] -= storage.nbytes
-    made: list[list[StorageLife]] = [[] for _ in profile.units]
-    for storage in profile.storages:
+    made: list[list[StorageLife]] = [[] for _ in trace.units]
+    for storage in trace.storages:
         if storage.producer_unit >= 0:
             made[storage.producer_unit].append(storage)
-    spans: list[tuple[int, int] | None] = [None] * len(profile.units)
-    for event in profile.events:  # a backward event belongs to the unit whose saved tensors it unpacked
+    spans: list[tuple[int, int] | None] = [None] * len(trace.units)
+    for event in trace.events:  # a backward event belongs to the unit whose saved tensors it unpacked
         if event.phase is Phase.BACKWARD and event.unit >= 0:
             span = spans[event.unit]
             spans[event.unit] = (event.index, event.index) if span is None else (span[0], event.index)
     index = _StorageIndex(
         backward_span_of_unit=tuple(spans),
-        saves_own_output=frozenset(u for s in profile.storages for u in s.saver_units if u == s.producer_unit),
+        saves_own_output=frozenset(u for s in trace.storages for u in s.saver_units if u == s.producer_unit),
         storages_of_unit=tuple(tuple(sorted(s)) for s in related),
         forward_bytes=tuple(itertools.accumulate(alive[:num_events])),
         made_by_unit=tuple(map(tuple, made)),
-        forward_event_of_unit={e.unit: e for e in profile.events if e.phase is Phase.FORWARD and e.unit >= 0},
+        forward_event_of_unit={e.unit: e for e in trace.events if e.phase is Phase.FORWARD and e.unit >= 0},
     )
     if len(_INDEX_CACHE) >= _INDEX_CACHE_SIZE:
         _INDEX_CACHE.pop(next(iter(_INDEX_CACHE)))
-    _INDEX_CACHE[id(profile)] = (profile, index)
+    _INDEX_CACHE[id(trace)] = (trace, index)
     return index
 
 
@@ -352,7 +352,7 @@ def _plan_free_event(
 
 
 def _replay_peak(
-    profile: StepTrace, region: Region, window: RegionWindow, region_of: list[int | None], r: int, *, early_stop: bool
+    trace: StepTrace, region: Region, window: RegionWindow, region_of: list[int | None], r: int, *, early_stop: bool
 ) -> int:
     """Peak bytes the recomputation of ``region`` adds on top of memory at its start.
 
@@ -365,7 +365,7 @@ def _replay_peak(
     far as it had risen by then in the measured forward (a dropout stops once its mask exists, before the masked
     output).
     """
-    storages = _storage_index(profile)
+    storages = _storage_index(trace)
     last = window.last_saver_unit if early_stop else region.last_unit
     live = 0
     peak = 0

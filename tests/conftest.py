@@ -12,7 +12,10 @@ from torch.utils import _pytree as pytree
 
 import autockpt
 from autockpt import zoo
-from autockpt.capture import plain_outputs
+from autockpt.api import default_loss
+from autockpt.capture import capture, plain_outputs
+from autockpt.profile import profile
+from autockpt.types import Profile
 
 needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
 needs_diffusers = pytest.mark.skipif(importlib.util.find_spec("diffusers") is None, reason="needs diffusers")
@@ -47,6 +50,35 @@ def budget_at(plan: autockpt.Plan, fraction: float) -> int:
 
 def probe(case: zoo.ZooCase) -> autockpt.Plan:
     return autockpt.plan(case.model, budget_bytes=10**15, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
+
+
+def profile_of(case: zoo.ZooCase) -> Profile:
+    """The case's model captured and profiled (no Planner, no solving)."""
+    graph = capture(case.model, case.args, case.kwargs)
+    return profile(graph, case.args, case.kwargs, case.loss_fn or default_loss)
+
+
+def optimize_at(case: zoo.ZooCase, fraction: float) -> torch.nn.Module:
+    """Optimize at ``fraction`` of the way from static to peak, or half-way above the floor if that is lower."""
+    base = probe(case)
+    budget = max(budget_at(base, fraction), (base.min_feasible_bytes + base.baseline_peak_bytes) // 2)
+    return autockpt.optimize(
+        case.model, budget_bytes=budget, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn
+    )
+
+
+def check_optimized(case: zoo.ZooCase, fraction: float = 0.5) -> autockpt.Plan:
+    """Optimize (``optimize_at``), then: some region planned, the same step as the original model, the budget kept
+    when measured, and the measured peak within 5 % of the prediction."""
+    reference = twin(case)
+    optimized = optimize_at(case, fraction)
+    plan = autockpt.get_plan(optimized)
+    assert plan.regions
+    assert_same_step(optimized, reference, case)
+    measured = autockpt.measure_step(optimized, case.args, case.kwargs, case.loss_fn).peak_bytes
+    assert measured <= plan.budget_bytes
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * measured
+    return plan
 
 
 def run_step(module: torch.nn.Module, case: zoo.ZooCase, seed: int = 7) -> tuple[Any, dict[str, torch.Tensor]]:

@@ -7,10 +7,6 @@ import torch
 
 import autockpt
 from autockpt import zoo
-from autockpt.api import default_loss
-from autockpt.capture import capture
-from autockpt.profile import profile
-from autockpt.types import CaptureKind
 from conftest import assert_same_step, budget_at, needs_transformers, probe, twin, zoo_params
 
 MODELS = zoo_params("mlp", "cnn", "transformer", "control_flow", "gpt2", "vit", "unet")
@@ -77,44 +73,6 @@ def test_unmodified_prediction_is_close_to_the_original_eager_model(name: str) -
     measured = autockpt.measure_step(case.model, case.args, case.kwargs, case.loss_fn).peak_bytes
     predicted = _probe(name).baseline_peak_bytes
     assert -0.02 * measured <= predicted - measured <= 0.001 * measured
-
-
-@needs_transformers
-@pytest.mark.parametrize("name", ["llama", "vit"])
-def test_exported_hugging_face_graphs_take_the_eager_attention_path(name: str) -> None:
-    """Exported as is, transformers builds an all-True attention mask that every attention converts and saves (the
-    eager model skips it): the captured step costs more than the model it replaces. Captured on the eager library
-    paths, the graph's peak is the eager model's."""
-    case = zoo.build(name)
-    graph = capture(case.model, case.args, case.kwargs)
-    assert graph.kind is CaptureKind.EXPORT
-    eager = autockpt.measure_step(case.model, case.args, case.kwargs, case.loss_fn).peak_bytes
-    captured = profile(graph, case.args, case.kwargs, case.loss_fn or default_loss).baseline_peak_bytes
-    assert captured <= eager
-    assert not any(op.startswith("aten.ge") for op in (u.op for u in graph.units))  # no mask built from positions
-
-
-class _CheckedUnlessExporting(torch.nn.Module):
-    """Checks its input's values on the eager path only, as libraries do (an export cannot trace the check)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = torch.nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.compiler.is_exporting() and not bool(torch.isfinite(x).all()):
-            raise ValueError("non-finite input")
-        return torch.tanh(self.fc(x))
-
-
-def test_a_model_whose_eager_path_cannot_be_exported_is_exported_as_is() -> None:
-    torch.manual_seed(0)
-    model, x = _CheckedUnlessExporting(), torch.randn(4, 8)
-    graph = capture(model, (x,), {})
-    assert graph.kind is CaptureKind.EXPORT
-    assert any(note.startswith("export on eager library paths capture not used") for note in graph.notes)
-    # the public functions are put back
-    assert (torch.compiler.is_exporting.__name__, torch.compiler.is_compiling.__name__) == ("is_exporting", "is_compiling")
 
 
 @pytest.mark.gpu

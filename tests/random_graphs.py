@@ -193,7 +193,6 @@ TORCH_CHECKPOINT = autockpt.SolverOptions(checkpoint="torch_non_reentrant")
 def modelled_planner(seed: int) -> autockpt.Planner:
     """A Planner for ``random_model(seed)`` that plans on ``modelled_costs``, made once per seed (the solver tests of
     several files share it)."""
-    torch.set_num_threads(2)
     torch.manual_seed(seed)
     model, x = random_model(seed)
     planner = autockpt.Planner(model, example_inputs=(x,), solver_options=TORCH_CHECKPOINT)

@@ -10,6 +10,7 @@ seed gives the same program, shapes and weights. No in-place ops and no data-dep
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import autockpt
 from autockpt.types import Profile
 
 UNARY = ("relu", "gelu", "tanh", "sigmoid", "softmax")
@@ -181,3 +183,18 @@ def modelled_costs(
         profile, units=units, forward_ms=forward_ms, step_ms=3 * forward_ms, region_overhead_ms=region_overhead_ms,
         saved_tensor_overhead_ms=saved_tensor_overhead_ms,
     )
+
+
+# the checkpoint whose semantics the exact solver follows (the profile's: torch's); plans compared with it use it too
+TORCH_CHECKPOINT = autockpt.SolverOptions(checkpoint="torch_non_reentrant")
+
+
+@functools.cache
+def modelled_planner(seed: int) -> autockpt.Planner:
+    """A Planner for ``random_model(seed)`` that plans on ``modelled_costs``, made once per seed (the solver tests of
+    several files share it)."""
+    torch.manual_seed(seed)
+    model, x = random_model(seed)
+    planner = autockpt.Planner(model, example_inputs=(x,), solver_options=TORCH_CHECKPOINT)
+    planner.profile = modelled_costs(planner.profile)  # before the first plan: the solver plans on these costs
+    return planner

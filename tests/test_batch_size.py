@@ -27,11 +27,6 @@ def _peak(model: nn.Module, batch: int) -> int:
     return autockpt.measure_step(model, _inputs(batch).args).peak_bytes
 
 
-@pytest.fixture(autouse=True)
-def _threads() -> None:
-    torch.set_num_threads(2)
-
-
 def test_unmodified_model_max_batch_is_exact() -> None:
     model = _model()
     budget = _peak(model, 40)

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 import autockpt
@@ -135,4 +134,3 @@ def test_python_dash_m_and_the_console_script_run_the_same_cli() -> None:
 def test_demo_runs_a_built_in_example() -> None:
     code, out, _ = run("demo", "--model", "mlp", "--size", "tiny")
     assert code == 0 and "within budget" in out
-    torch.set_num_threads(2)

@@ -2,40 +2,48 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
 import autockpt
 from autockpt import zoo
-from autockpt.api import default_loss
-from autockpt.capture import capture
-from autockpt.profile import profile
-from autockpt.types import CaptureKind
-from conftest import assert_same_step, budget_at, needs_transformers, probe, twin, zoo_params
+from conftest import assert_same_step, budget_at, needs_transformers, twin, zoo_params
 
 MODELS = zoo_params("mlp", "cnn", "transformer", "control_flow", "gpt2", "vit", "unet")
 EXPECTED_CAPTURE = {
     "mlp": "fx", "cnn": "fx", "transformer": "fx", "control_flow": "module", "gpt2": "export", "vit": "export", "unet": "export",
 }
-_probes: dict[str, autockpt.Plan] = {}
+Planned = tuple[zoo.ZooCase, autockpt.Planner, autockpt.Plan]
 
 
-def _probe(name: str) -> autockpt.Plan:
-    if name not in _probes:
-        _probes[name] = probe(zoo.build(name))
-    return _probes[name]
+@pytest.fixture(scope="module")
+def planned() -> Callable[[str], Planned]:
+    """Per zoo model: its case, a Planner (the model captured and profiled once for every budget of this file; what
+    ``autockpt.optimize`` does is ``Planner(...).optimize``) and the probe plan, the unmodified step's figures."""
+    made: dict[str, Planned] = {}
+
+    def planned_for(name: str) -> Planned:
+        if name not in made:
+            case = zoo.build(name)
+            planner = autockpt.Planner(
+                case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn
+            )
+            made[name] = case, planner, planner.plan(budget_bytes=10**15)
+        return made[name]
+
+    return planned_for
 
 
 @pytest.mark.parametrize("fraction", [0.3, 0.5, 0.7])
 @pytest.mark.parametrize("name", MODELS)
-def test_budget_is_kept_and_step_matches_pytorch(name: str, fraction: float) -> None:
-    case = zoo.build(name)
-    reference = twin(case)
-    budget = budget_at(_probe(name), fraction)
+def test_budget_is_kept_and_step_matches_pytorch(name: str, fraction: float, planned: Callable[[str], Planned]) -> None:
+    case, planner, probe = planned(name)
+    reference = twin(case)  # the model as earlier budgets' steps left it (BatchNorm statistics)
+    budget = budget_at(probe, fraction)
 
-    optimized = autockpt.optimize(
-        case.model, budget_bytes=budget, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn
-    )
+    optimized = planner.optimize(budget_bytes=budget)
     plan = autockpt.get_plan(optimized)
     assert_same_step(optimized, reference, case)  # first: the measured step below advances BatchNorm statistics
     measured = autockpt.measure_step(optimized, case.args, case.kwargs, case.loss_fn).peak_bytes
@@ -53,8 +61,9 @@ def test_more_hugging_face_architectures_at_half_budget(name: str) -> None:
     """Encoder (BERT), encoder-decoder (T5) and a RoPE/grouped-query decoder (Llama) through the export path."""
     case = zoo.build(name)
     reference = twin(case)
-    budget = budget_at(probe(case), 0.5)
-    optimized = autockpt.optimize(case.model, budget_bytes=budget, example_inputs=case.args, example_kwargs=case.kwargs)
+    planner = autockpt.Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs)
+    budget = budget_at(planner.plan(budget_bytes=10**15), 0.5)
+    optimized = planner.optimize(budget_bytes=budget)
     assert_same_step(optimized, reference, case)
     measured = autockpt.measure_step(optimized, case.args, case.kwargs).peak_bytes
     plan = autockpt.get_plan(optimized)
@@ -64,57 +73,19 @@ def test_more_hugging_face_architectures_at_half_budget(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["transformer", pytest.param("gpt2", marks=needs_transformers)])
-def test_memory_floor_is_at_most_half_way_on_transformers(name: str) -> None:
-    plan = _probe(name)
+def test_memory_floor_is_at_most_half_way_on_transformers(name: str, planned: Callable[[str], Planned]) -> None:
+    plan = planned(name)[2]
     assert plan.min_feasible_bytes <= plan.static_bytes + 0.5 * (plan.baseline_peak_bytes - plan.static_bytes)
 
 
 @pytest.mark.parametrize("name", ["mlp", "transformer"])
-def test_unmodified_prediction_is_close_to_the_original_eager_model(name: str) -> None:
+def test_unmodified_prediction_is_close_to_the_original_eager_model(name: str, planned: Callable[[str], Planned]) -> None:
     # the captured graph frees intermediates as soon as they are dead (fx codegen), eager Python code keeps local
     # variables until the function returns: the two peaks may differ a little, in the graph's favour
     case = zoo.build(name)
     measured = autockpt.measure_step(case.model, case.args, case.kwargs, case.loss_fn).peak_bytes
-    predicted = _probe(name).baseline_peak_bytes
+    predicted = planned(name)[2].baseline_peak_bytes
     assert -0.02 * measured <= predicted - measured <= 0.001 * measured
-
-
-@needs_transformers
-@pytest.mark.parametrize("name", ["llama", "vit"])
-def test_exported_hugging_face_graphs_take_the_eager_attention_path(name: str) -> None:
-    """Exported as is, transformers builds an all-True attention mask that every attention converts and saves (the
-    eager model skips it): the captured step costs more than the model it replaces. Captured on the eager library
-    paths, the graph's peak is the eager model's."""
-    case = zoo.build(name)
-    graph = capture(case.model, case.args, case.kwargs)
-    assert graph.kind is CaptureKind.EXPORT
-    eager = autockpt.measure_step(case.model, case.args, case.kwargs, case.loss_fn).peak_bytes
-    captured = profile(graph, case.args, case.kwargs, case.loss_fn or default_loss).baseline_peak_bytes
-    assert captured <= eager
-    assert not any(op.startswith("aten.ge") for op in (u.op for u in graph.units))  # no mask built from positions
-
-
-class _CheckedUnlessExporting(torch.nn.Module):
-    """Checks its input's values on the eager path only, as libraries do (an export cannot trace the check)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = torch.nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.compiler.is_exporting() and not bool(torch.isfinite(x).all()):
-            raise ValueError("non-finite input")
-        return torch.tanh(self.fc(x))
-
-
-def test_a_model_whose_eager_path_cannot_be_exported_is_exported_as_is() -> None:
-    torch.manual_seed(0)
-    model, x = _CheckedUnlessExporting(), torch.randn(4, 8)
-    graph = capture(model, (x,), {})
-    assert graph.kind is CaptureKind.EXPORT
-    assert any(note.startswith("export on eager library paths capture not used") for note in graph.notes)
-    # the public functions are put back
-    assert (torch.compiler.is_exporting.__name__, torch.compiler.is_compiling.__name__) == ("is_exporting", "is_compiling")
 
 
 @pytest.mark.gpu

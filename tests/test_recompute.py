@@ -1,9 +1,9 @@
-"""autockpt's own checkpoint (``CheckpointKind.RECOMPUTE_FUNCTION``): same step as PyTorch, budgets kept, the
-simulator's whole-region semantics, and the autograd behaviour users rely on."""
+"""autockpt's own checkpoint (``CheckpointKind.RECOMPUTE_FUNCTION``): same step as PyTorch, budgets kept, the "auto"
+choice between the checkpoint kinds, and the autograd behaviour users rely on. (The simulator's whole-region semantics
+for it: test_simulate.py.)"""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import pytest
@@ -14,9 +14,8 @@ import autockpt
 from autockpt import zoo
 from autockpt.profile import for_checkpoint
 from autockpt.recompute import checkpointed_call
-from autockpt.simulate import region_windows, simulate
 from autockpt.solve.baselines import baseline_plan
-from autockpt.types import CaptureKind, CheckpointKind, MemoryEvent, Phase, Profile, Region, StorageLife, UnitCost
+from autockpt.types import CaptureKind, CheckpointKind
 from conftest import assert_same_step, budget_at, probe, twin, zoo_params
 
 FUNCTION = autockpt.SolverOptions(checkpoint="recompute_function")
@@ -28,11 +27,11 @@ MODELS = zoo_params("mlp", "cnn", "transformer", "control_flow", "gpt2", "unet")
 def test_budget_is_kept_and_step_matches_pytorch(name: str) -> None:
     case = zoo.build(name)
     reference = twin(case)
-    budget = budget_at(probe(case), 0.5)
-    optimized = autockpt.optimize(
-        case.model, budget_bytes=budget, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn,
-        solver_options=FUNCTION,
-    )
+    planner = autockpt.Planner(
+        case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn, solver_options=FUNCTION
+    )  # what autockpt.optimize makes; one capture and profile for the probe and the plan
+    budget = budget_at(planner.plan(budget_bytes=10**15), 0.5)
+    optimized = planner.optimize(budget_bytes=budget)
     plan = autockpt.get_plan(optimized)
     assert plan.checkpoint_kind is CheckpointKind.RECOMPUTE_FUNCTION and plan.regions
     assert_same_step(optimized, reference, case)  # outputs, gradients, BatchNorm statistics, dropout masks
@@ -226,47 +225,3 @@ def test_a_module_reading_a_tensor_it_was_not_given_still_gets_its_gradient(
         out.sum().backward()
     torch.testing.assert_close(scale.grad, want)
     assert "neither its arguments nor its parameters" in caplog.text
-
-
-# ------------------------------------------------------------------------------------------------ simulator
-
-
-def test_the_whole_region_is_recomputed_and_output_gradients_are_held() -> None:
-    """Units 0-1 form the region; unit 0 makes A (saved by unit 1), unit 1 makes B, read by unit 2 outside. In the
-    measured step B's gradient is gone after event 4 (unit 2's backward); the region's backward is events 5-6. Under
-    autockpt's checkpoint unit 1 re-runs too (no early stop) and B's gradient (100 B) lives on through event 6."""
-    units = tuple(UnitCost(index=i, forward_ms=1.0, flops=0, output_bytes=0, saved_bytes=0) for i in range(3))
-    storages = (
-        StorageLife(index=0, nbytes=1000, producer_unit=0, alloc_event=0, last_forward_use_event=1, free_event=6,
-                    user_units=(1,), saver_units=(1,), saver_release_events=(6,)),
-        StorageLife(index=1, nbytes=100, producer_unit=1, alloc_event=1, last_forward_use_event=2, free_event=2,
-                    user_units=(2,), saver_units=(), saver_release_events=(), gradient_free_event=4),
-        StorageLife(index=2, nbytes=10, producer_unit=2, alloc_event=2, last_forward_use_event=2, free_event=None,
-                    user_units=(), saver_units=(), saver_release_events=()),
-    )
-    events = (
-        MemoryEvent(index=0, phase=Phase.FORWARD, unit=0, start_bytes=0, peak_bytes=1000),
-        MemoryEvent(index=1, phase=Phase.FORWARD, unit=1, start_bytes=1000, peak_bytes=1100, pack_peak_bytes=1000),
-        MemoryEvent(index=2, phase=Phase.FORWARD, unit=2, start_bytes=1100, peak_bytes=1110),
-        MemoryEvent(index=3, phase=Phase.BACKWARD, unit=-1, start_bytes=1010, peak_bytes=1010),
-        MemoryEvent(index=4, phase=Phase.BACKWARD, unit=2, start_bytes=1010, peak_bytes=1110),
-        MemoryEvent(index=5, phase=Phase.BACKWARD, unit=1, start_bytes=1010, peak_bytes=1010),
-        MemoryEvent(index=6, phase=Phase.BACKWARD, unit=1, start_bytes=1010, peak_bytes=1010),
-        MemoryEvent(index=7, phase=Phase.BACKWARD, unit=-1, start_bytes=10, peak_bytes=10),
-    )
-    measured = Profile(units=units, storages=storages, events=events, parameter_bytes=0, buffer_bytes=0,
-                       input_bytes=0, gradient_bytes=0, baseline_peak_bytes=1110, forward_ms=3.0, step_ms=6.0)
-    region = Region(first_unit=0, last_unit=1)
-    torch_semantics = simulate(measured, (region,))
-    own = dataclasses.replace(measured, checkpoint_kind=CheckpointKind.RECOMPUTE_FUNCTION)
-    (torch_window,), (own_window,) = region_windows(measured, (region,)), region_windows(own, (region,))
-    assert torch_window.last_recomputed_unit == 0  # unit 1 saves only A, packed before its kernel: early stop
-    assert own_window.last_recomputed_unit == 1
-    own_semantics = simulate(own, (region,))
-    assert (torch_semantics.recompute_ms, own_semantics.recompute_ms) == (1.0, 2.0)
-    # the re-run reaches B (100 B) on top of A (1000 B); torch's stops at the pack of A
-    assert own_semantics.burst_bytes[0] - torch_semantics.burst_bytes[0] == 200  # B, and B's gradient held
-    # B's gradient: +100 B from the region's first backward event to its last (events 5 and 6), nowhere else; at
-    # event 5 the re-run's copy of B comes on top
-    difference = [b - a for a, b in zip(torch_semantics.event_bytes, own_semantics.event_bytes)]
-    assert difference[5:7] == [200, 100] and not any(difference[:5]) and not difference[7]

@@ -28,7 +28,6 @@ def _planner(case: zoo.ZooCase) -> autockpt.Planner:
 
 @pytest.fixture(scope="module")
 def transformer() -> tuple[zoo.ZooCase, autockpt.Planner]:
-    torch.set_num_threads(2)
     case = zoo.build("transformer", "tiny")
     return case, _planner(case)
 
@@ -90,7 +89,6 @@ def test_none_and_speed_optimized_change_nothing(transformer: tuple[zoo.ZooCase,
 
 def test_in_place_hazards_are_split_and_the_step_still_matches() -> None:
     """The CNN writes in place (ReLU(inplace), out += x): every baseline region passes the hazard filter and runs."""
-    torch.set_num_threads(2)
     case = zoo.build("cnn", "tiny")
     planner = _planner(case)
     hazards = _mutation_hazards(planner.profile)
@@ -106,7 +104,6 @@ def test_in_place_hazards_are_split_and_the_step_still_matches() -> None:
 
 
 def test_module_level_capture() -> None:
-    torch.set_num_threads(2)
     case = zoo.build("control_flow", "tiny")
     planner = _planner(case)
     assert planner.graph.kind is autockpt.CaptureKind.MODULE
@@ -129,7 +126,6 @@ def test_hugging_face_blocks_and_every_1_matches_hf_checkpointing() -> None:
     """every_1 finds GPT-2's layers from the graph and saves as much memory as HF's own checkpointing."""
     import copy
 
-    torch.set_num_threads(2)
     case = zoo.build("gpt2", "tiny")
     planner = _planner(case)
     assert [b.name for b in find_blocks(planner.graph)] == [f"transformer.h.{i}" for i in range(4)]

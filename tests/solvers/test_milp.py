@@ -1,0 +1,107 @@
+"""The MILP solver (``autockpt.solve.ilp``, CBC and HiGHS through PuLP): the exhaustive optimum on a small chain,
+and the baseline seed plans it falls back on. (Against the exact solver on random graphs: test_optimality.py.)"""
+
+from __future__ import annotations
+
+import pulp
+import pytest
+import torch
+from torch import nn
+
+import autockpt
+from autockpt import zoo
+from autockpt.capture import capture
+from autockpt.profile import profile
+from autockpt.simulate import simulate
+from autockpt.solve.candidates import candidate_regions
+from autockpt.solve.ilp import SolverOptions, solve
+from autockpt.types import Region
+
+
+def _chain(widths: list[int], batch: int) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    previous = 32
+    for width in widths:
+        layers += [nn.Linear(previous, width), nn.Tanh()]
+        previous = width
+    return nn.Sequential(*layers, nn.Linear(previous, 4)), torch.randn(batch, 32)
+
+
+def _disjoint_sets(candidates: list[Region]) -> list[tuple[Region, ...]]:
+    ordered = sorted(candidates, key=lambda r: (r.first_unit, r.last_unit))
+    found: list[tuple[Region, ...]] = []
+
+    def extend(start: int, chosen: tuple[Region, ...], last_unit: int) -> None:
+        found.append(chosen)
+        for i in range(start, len(ordered)):
+            if ordered[i].first_unit > last_unit:
+                extend(i + 1, chosen + (ordered[i],), ordered[i].last_unit)
+
+    extend(0, (), -1)
+    return found
+
+
+SOLVERS = [
+    "cbc",
+    pytest.param("highs", marks=pytest.mark.skipif(not pulp.HiGHS(msg=False).available(), reason="needs highspy")),
+]
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_ilp_finds_the_exhaustive_optimum_on_a_small_chain(solver: str) -> None:
+    model, x = _chain([128] * 5, 256)
+    graph = capture(model, (x,), {})
+    measured = profile(graph, (x,), {}, lambda out: out.sum())
+    segments, candidates = candidate_regions(graph, measured)
+    scored = [(plan, simulate(measured, plan)) for plan in _disjoint_sets(candidates)]
+    baseline = simulate(measured, ())
+    floor = min(t.peak_bytes for _, t in scored)
+    checked = 0
+    for fraction in (0.5, 0.6, 0.7, 0.8, 0.9):
+        budget = int(measured.static_bytes + fraction * (baseline.peak_bytes - measured.static_bytes))
+        feasible = [t.overhead_ms for _, t in scored if t.peak_bytes <= budget]
+        if not feasible:
+            with pytest.raises(autockpt.InfeasibleBudgetError):
+                solve(measured, segments, candidates, budget)
+            continue
+        result = solve(measured, segments, candidates, budget, SolverOptions(solver=solver))
+        assert result.timeline.peak_bytes <= budget
+        assert result.timeline.overhead_ms <= min(feasible) * 1.01 + 1e-9, fraction
+        checked += 1
+    assert checked >= 3
+    result = solve(measured, segments, candidates, baseline.peak_bytes)
+    assert result.min_feasible_bytes <= floor * 1.02
+
+
+def test_a_cheaper_baseline_plan_is_returned_when_the_program_misses_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seeds: whatever the program answers, the plan is never worse than a baseline policy under the same budget."""
+    from autockpt.solve import ilp
+    from autockpt.solve.baselines import BASELINE_STRATEGIES, baseline_plan
+    from autockpt.types import SolverStats
+
+    case = zoo.build("transformer")
+    # one checkpoint kind: the baselines are scored for torch's, so the plan must be made for it too
+    planner = autockpt.Planner(
+        case.model, example_inputs=case.args, solver_options=autockpt.SolverOptions(checkpoint="torch_non_reentrant")
+    )
+    every_1 = baseline_plan(planner, "every_1")
+
+    def infeasible(problem, budget, options, solver_name, programs, **_):  # noqa: ANN001
+        programs.append(SolverStats(status="Infeasible", relative_gap=None, variables=1, constraints=1, programs=1))
+        return ((), ilp.PlanStatus.FEASIBLE) if budget is None else (None, ilp.PlanStatus.FEASIBLE)
+
+    monkeypatch.setattr(ilp, "_solve_program", infeasible)  # the program finds nothing at all
+    # the searches with the simulator off too, so only the seeds can give a plan
+    monkeypatch.setattr(ilp, "_drop_unneeded_regions", lambda profile, *best: best[:3])
+    monkeypatch.setattr(ilp, "_swap_for_cheaper", lambda problem, *best: best[:3])
+    monkeypatch.setattr(
+        ilp, "_lower_floor_locally",
+        lambda problem, starts: min(((*start, i) for i, start in enumerate(starts)), key=lambda s: s[1].peak_bytes),
+    )
+    plan = planner.plan(budget_bytes=every_1.predicted_peak_bytes)
+    assert plan.predicted_peak_bytes <= every_1.predicted_peak_bytes
+    fitting = [baseline_plan(planner, s) for s in BASELINE_STRATEGIES]
+    fitting = [b for b in fitting if b.regions and b.predicted_peak_bytes <= every_1.predicted_peak_bytes]
+    assert plan.predicted_overhead == min(b.predicted_overhead for b in fitting)
+    assert plan.regions in {b.regions for b in fitting}

@@ -1,0 +1,38 @@
+"""Model state through planning and training: train/eval flags as the user set them (an eval-mode model, frozen
+BatchNorm layers in a training model), BatchNorm statistics advancing once per step through the export path."""
+
+from __future__ import annotations
+
+import torch
+
+from autockpt import zoo
+from conftest import check_optimized, optimize_at
+from edge_models import ShapeBranchConvNet, frozen_batchnorm_case
+
+
+def test_optimizing_an_eval_mode_model_keeps_its_mode() -> None:
+    case = zoo.build("cnn")
+    case.model.eval()
+    optimized = optimize_at(case, 0.5)
+    assert not optimized.training and not case.model.training
+    optimized.train()
+    assert optimized.training and case.model.training and case.model.blocks[0].bn1.training
+
+
+def test_batchnorm_statistics_update_once_through_the_export_path() -> None:
+    torch.manual_seed(0)
+    case = zoo.ZooCase(name="bn-export", model=ShapeBranchConvNet(), args=(torch.randn(8, 3, 16, 16),), loss_fn=lambda out: out)
+    plan = check_optimized(case, 0.4)
+    assert plan.capture == "export"
+    assert int(case.model.blocks[0][1].num_batches_tracked) == 2  # the checked step and the measured step, once each
+
+
+def test_frozen_batchnorm_in_a_training_model_stays_frozen() -> None:
+    """The export graph bakes each BatchNorm's mode in: planning must capture the user's flags, not model.train()'s
+    (it did: the frozen layers normalised with batch statistics and updated their running statistics)."""
+    case = frozen_batchnorm_case()
+    plan = check_optimized(case, 0.5)
+    assert plan.capture == "export"
+    assert [block[1].training for block in case.model.blocks] == [False] * 3 + [True] * 3
+    assert int(case.model.blocks[0][1].num_batches_tracked) == 0
+    assert int(case.model.blocks[3][1].num_batches_tracked) == 2  # the checked step and the measured step

@@ -67,7 +67,7 @@ def trace_step(
         flops = _unit_flops(graph, args, kwargs)
         untimed = _assemble(graph, args, kwargs, tracked, flops, gradient_lifetimes=gradient_lifetimes)
         timed_at = timing_units(graph, untimed) if time_repeated_blocks_once else list(range(num_units))
-        unit_ms_runs, step_ms_runs = _timed_steps(
+        unit_ms_runs, step_ms_runs = timed_steps(
             graph, args, kwargs, loss_fn, timed_units=set(timed_at), repeats=timing_repeats
         )
     except LossFunctionError:
@@ -363,7 +363,7 @@ def _last_free_event(records: list[_StorageRecord], num_events: int) -> int | No
 # ------------------------------------------------------------------------------------------------ timing, flops
 
 
-def _timed_steps(
+def timed_steps(
     graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn, *, timed_units: Collection[int], repeats: int
 ) -> tuple[list[list[float]], list[float]]:
     """``repeats`` steps with a clock at ``timed_units``: per step, their forward milliseconds (0 for the others) and

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -13,10 +15,12 @@ from torch.utils import _pytree as pytree
 
 import autockpt
 from autockpt import zoo
-from autockpt.api import default_loss
 from autockpt.capture import capture, plain_outputs
-from autockpt.profile import profile
-from autockpt.types import Profile
+from autockpt.loss import default_loss
+from autockpt.rewrite import rewrite
+from autockpt.solve.base import Scorer, region_actions
+from autockpt.trace import trace_step
+from autockpt.types import Action, ActionPrice, CostModel, Policy, Region, RegionAction, StepTrace
 
 needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
 needs_diffusers = pytest.mark.skipif(importlib.util.find_spec("diffusers") is None, reason="needs diffusers")
@@ -85,10 +89,38 @@ def probe(case: zoo.ZooCase) -> autockpt.Plan:
     return autockpt.plan(case.model, budget_bytes=10**15, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
 
 
-def profile_of(case: zoo.ZooCase) -> Profile:
-    """The case's model captured and profiled (no Planner, no solving)."""
+def profile_of(case: zoo.ZooCase, *, gradient_lifetimes: bool = False) -> StepTrace:
+    """The case's model captured and traced (no Planner, no solving)."""
     graph = capture(case.model, case.args, case.kwargs)
-    return profile(graph, case.args, case.kwargs, case.loss_fn or default_loss)
+    return trace_step(graph, case.args, case.kwargs, case.loss_fn or default_loss, gradient_lifetimes=gradient_lifetimes)
+
+
+# every action with its machinery priced at zero: for tests about memory, or with modelled times
+FREE_MACHINERY = CostModel(
+    device="cpu", prices=tuple(ActionPrice(action=a, region_ms=0.0, saved_tensor_ms=0.0) for a in Action)
+)
+
+
+def torch_scorer(trace: StepTrace, costs: CostModel = FREE_MACHINERY) -> Scorer:
+    """The simulator for plans under torch's checkpoint (``Action.RECOMPUTE_TORCH``)."""
+    return Scorer(trace, costs, Action.RECOMPUTE_TORCH)
+
+
+def torch_actions(regions: Sequence[Region]) -> tuple[RegionAction, ...]:
+    return region_actions(regions, Action.RECOMPUTE_TORCH)
+
+
+def with_regions(plan: autockpt.Plan, regions: Sequence[Region], action: Action | None = None) -> autockpt.Plan:
+    """``plan`` with other regions (under ``action``, default the plan's own): a hand-made plan to rewrite."""
+    action = action or plan.planned_action
+    policy = Policy.uniform(regions, action, plan.policy.placement)
+    return dataclasses.replace(plan, policy=policy, planned_action=action)
+
+
+def rewritten(plan: autockpt.Plan, model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> torch.nn.Module:
+    """``model`` captured anew and rewritten to run ``plan``'s policy (no fingerprint check, nothing measured)."""
+    kwargs = kwargs or {}
+    return rewrite(capture(model, args, kwargs), plan.policy, args, kwargs, plan=plan)
 
 
 def optimize_at(case: zoo.ZooCase, fraction: float) -> torch.nn.Module:

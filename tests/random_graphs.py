@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import autockpt
-from autockpt.types import Profile
+from autockpt.solve.base import Scorer
+from autockpt.types import Action, ActionPrice, CostModel, StepTrace
 
 UNARY = ("relu", "gelu", "tanh", "sigmoid", "softmax")
 _RECENT = 4  # inputs are drawn among the last few values: short skip connections, like real networks
@@ -165,36 +166,44 @@ def random_model(seed: int) -> tuple[nn.Module, torch.Tensor]:
     return model, x
 
 
-def modelled_costs(
-    profile: Profile, *, region_overhead_ms: float = 0.0, saved_tensor_overhead_ms: float = 0.0
-) -> Profile:
-    """``profile`` with forward times (and the checkpoint machinery's costs) from a fixed cost model instead of the
-    clock.
+def modelled_costs(trace: StepTrace) -> StepTrace:
+    """``trace`` with forward times from a fixed cost model instead of the clock.
 
     Measured times of microsecond ops on a shared CPU are mostly noise (and warm-up outliers), which would make the
     production solver's choices, and so an optimality test, vary from run to run. Memory is measured exactly and
     kept. Model: 1 us per op, 1 TFLOP/s, 100 GB/s for the op's outputs; backward twice the forward.
     """
     units = tuple(
-        dataclasses.replace(u, forward_ms=1e-3 + u.flops * 1e-9 + u.output_bytes * 1e-8) for u in profile.units
+        dataclasses.replace(u, forward_ms=1e-3 + u.flops * 1e-9 + u.output_bytes * 1e-8) for u in trace.units
     )
     forward_ms = sum(u.forward_ms for u in units)
-    return dataclasses.replace(
-        profile, units=units, forward_ms=forward_ms, step_ms=3 * forward_ms, region_overhead_ms=region_overhead_ms,
-        saved_tensor_overhead_ms=saved_tensor_overhead_ms,
+    return dataclasses.replace(trace, units=units, forward_ms=forward_ms, step_ms=3 * forward_ms)
+
+
+def modelled_machinery(*, region_ms: float = 0.0, saved_tensor_ms: float = 0.0) -> CostModel:
+    """Every action's machinery at fixed prices (zero by default) instead of the device's calibration."""
+    return CostModel(
+        device="cpu",
+        prices=tuple(ActionPrice(action=a, region_ms=region_ms, saved_tensor_ms=saved_tensor_ms) for a in Action),
     )
 
 
-# the checkpoint whose semantics the exact solver follows (the profile's: torch's); plans compared with it use it too
+# the action whose semantics the exact solver's scorer follows below (torch's); plans compared with it use it too
 TORCH_CHECKPOINT = autockpt.SolverOptions(checkpoint="torch_non_reentrant")
 
 
 @functools.cache
 def modelled_planner(seed: int) -> autockpt.Planner:
-    """A Planner for ``random_model(seed)`` that plans on ``modelled_costs``, made once per seed (the solver tests of
-    several files share it)."""
+    """A Planner for ``random_model(seed)`` that plans on ``modelled_costs`` and machinery priced at zero, made once
+    per seed (the solver tests of several files share it)."""
     torch.manual_seed(seed)
     model, x = random_model(seed)
-    planner = autockpt.Planner(model, example_inputs=(x,), solver_options=TORCH_CHECKPOINT)
-    planner.profile = modelled_costs(planner.profile)  # before the first plan: the solver plans on these costs
+    planner = autockpt.Planner(model, example_inputs=(x,), checkpoint=Action.RECOMPUTE_TORCH)
+    planner.trace = modelled_costs(planner.trace)  # before the first plan: the solver plans on these costs
+    planner.costs = modelled_machinery()
     return planner
+
+
+def scorer_of(planner: autockpt.Planner) -> Scorer:
+    """The simulator the planner's plans are judged by (its first action, its trace and prices)."""
+    return Scorer(planner.trace, planner.costs, planner.actions[0])

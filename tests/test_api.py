@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import re
-
 import logging
 import math
+import re
 
 import pytest
 import torch
+from conftest import budget_at, probe, run_step, twin
 from torch import nn
 
 import autockpt
 from autockpt import zoo
-from conftest import budget_at, probe, run_step, twin
 
 
 @pytest.fixture(scope="module")

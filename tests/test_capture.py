@@ -8,16 +8,16 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import assert_same_step, check_optimized, needs_transformers, optimize_at, twin
+from edge_models import Chain, ShapeBranchConvNet
 from torch import fx, nn
 
 import autockpt
 from autockpt import zoo
-from autockpt.api import default_loss
 from autockpt.capture import capture
-from autockpt.profile import profile
+from autockpt.loss import default_loss
+from autockpt.trace import trace_step
 from autockpt.types import CaptureKind
-from conftest import assert_same_step, check_optimized, needs_transformers, optimize_at, twin
-from edge_models import Chain, ShapeBranchConvNet
 
 # ------------------------------------------------------------------------------------------ the three paths
 
@@ -200,7 +200,7 @@ def test_exported_hugging_face_graphs_take_the_eager_attention_path(name: str) -
     graph = capture(case.model, case.args, case.kwargs)
     assert graph.kind is CaptureKind.EXPORT
     eager = autockpt.measure_step(case.model, case.args, case.kwargs, case.loss_fn).peak_bytes
-    captured = profile(graph, case.args, case.kwargs, case.loss_fn or default_loss).baseline_peak_bytes
+    captured = trace_step(graph, case.args, case.kwargs, case.loss_fn or default_loss).baseline_peak_bytes
     assert captured <= eager
     assert not any(op.startswith("aten.ge") for op in (u.op for u in graph.units))  # no mask built from positions
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import check_optimized
+from edge_models import Chain, WritesIntoAnEarlierTensor
 from torch import nn
 
 import autockpt
 from autockpt import zoo
-from conftest import check_optimized
-from edge_models import Chain, WritesIntoAnEarlierTensor
 
 
 def test_partly_frozen_model() -> None:

@@ -6,10 +6,10 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from conftest import assert_same_step, budget_at, needs_transformers, twin, zoo_params
 
 import autockpt
 from autockpt import zoo
-from conftest import assert_same_step, budget_at, needs_transformers, twin, zoo_params
 
 MODELS = zoo_params("mlp", "cnn", "transformer", "control_flow", "gpt2", "vit", "unet")
 EXPECTED_CAPTURE = {

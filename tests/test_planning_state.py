@@ -4,10 +4,10 @@ BatchNorm layers in a training model), BatchNorm statistics advancing once per s
 from __future__ import annotations
 
 import torch
-
-from autockpt import zoo
 from conftest import check_optimized, optimize_at
 from edge_models import ShapeBranchConvNet, frozen_batchnorm_case
+
+from autockpt import zoo
 
 
 def test_optimizing_an_eval_mode_model_keeps_its_mode() -> None:

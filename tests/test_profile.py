@@ -1,4 +1,4 @@
-"""Profile: what the timed steps measure, and what the checkpoint machinery costs."""
+"""Trace and costs: what the timed steps measure, and what the checkpoint machinery costs."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ import torch
 from torch import nn
 
 import autockpt
-from autockpt import profile as profile_module
+from autockpt import trace as trace_module
 from autockpt import zoo
+from autockpt.api import baseline_plan
 from autockpt.capture import capture
+from autockpt.costs import measure_action_price
 
 
 def _mlp() -> tuple[nn.Module, torch.Tensor]:
@@ -36,9 +38,9 @@ def test_the_timed_step_leaves_out_inserting_and_removing_the_unit_markers(monke
         clock[0] += 10.0
         return recompile()
 
-    monkeypatch.setattr(profile_module.time, "perf_counter", perf_counter)
+    monkeypatch.setattr(trace_module.time, "perf_counter", perf_counter)
     monkeypatch.setattr(gm, "recompile", slow_recompile)
-    unit_ms_runs, step_ms_runs = profile_module._timed_steps(
+    unit_ms_runs, step_ms_runs = trace_module.timed_steps(
         graph, (x,), {}, lambda out: out.sum(), timed_units=list(range(len(graph.units))), repeats=3
     )
     assert clock[0] >= 20.0  # the markers did go in and come out
@@ -49,24 +51,25 @@ def test_the_timed_step_leaves_out_inserting_and_removing_the_unit_markers(monke
 def test_the_checkpoint_machinery_is_calibrated_per_region_and_per_saved_tensor_and_reaches_the_plan() -> None:
     model, x = _mlp()
     rng_before = torch.get_rng_state()
-    costs = profile_module.measure_checkpoint_costs(torch.device("cpu"))
+    costs = measure_action_price(torch.device("cpu"))
     assert torch.equal(torch.get_rng_state(), rng_before)  # planning must not move the user's RNG
     # a checkpointed region costs more than its ops run plainly, and more the more tensors it saves (about 0.1 ms per
     # region and 0.01 ms per saved tensor on the 2-core CI machine)
     assert costs.region_ms > 0.0 and costs.saved_tensor_ms > 0.0
 
     planner = autockpt.Planner(model, example_inputs=(x,))
-    profile = planner.profile
-    assert profile.region_overhead_ms > 0.0 and profile.saved_tensor_overhead_ms > 0.0
+    profile = planner.trace
+    price = planner.costs.price(autockpt.Action.RECOMPUTE_TORCH)
+    assert price.region_ms > 0.0 and price.saved_tensor_ms > 0.0
     packed = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
         model(x)
     assert sum(u.saved_tensors for u in profile.units) == len(packed) > 0  # every pack is counted at its unit
 
-    every_1 = autockpt.solve.baselines.baseline_plan(planner, "every_1")
+    every_1 = baseline_plan(planner, "every_1")
     saved_in_regions = sum(n.saved_tensors for n in every_1.nodes if n.region is not None)
     assert saved_in_regions > 0
-    machinery_ms = len(every_1.regions) * profile.region_overhead_ms + saved_in_regions * profile.saved_tensor_overhead_ms
+    machinery_ms = len(every_1.regions) * price.region_ms + saved_in_regions * price.saved_tensor_ms
     assert every_1.machinery_ms == pytest.approx(machinery_ms)
     assert every_1.predicted_overhead == pytest.approx((every_1.recompute_ms + machinery_ms) / every_1.baseline_step_ms)
     assert f"{saved_in_regions} saved tensors x" in every_1.summary()
@@ -88,16 +91,16 @@ def test_repeated_blocks_are_timed_at_one_instance_and_the_others_reuse_its_time
     model, x = nn.Sequential(nn.Linear(16, 32), *[_Layer() for _ in range(6)], nn.Linear(32, 4)), torch.randn(8, 16)
     graph = capture(model, (x,), {})
     marked: list[set[int]] = []
-    real_timed_steps = profile_module._timed_steps
+    real_timed_steps = trace_module.timed_steps
 
     def recording_timed_steps(*args: object, timed_units: list[int], **kwargs: object) -> object:
         marked.append(set(timed_units))
         return real_timed_steps(*args, timed_units=timed_units, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(profile_module, "_timed_steps", recording_timed_steps)
-        shared = profile_module.profile(graph, (x,), {}, lambda out: out.sum())
-    each = profile_module.profile(graph, (x,), {}, lambda out: out.sum(), time_repeated_blocks_once=False)
+        patch.setattr(trace_module, "timed_steps", recording_timed_steps)
+        shared = trace_module.trace_step(graph, (x,), {}, lambda out: out.sum())
+    each = trace_module.trace_step(graph, (x,), {}, lambda out: out.sum(), time_repeated_blocks_once=False)
 
     families = autockpt.solve.structure.find_repeated_blocks(graph, shared).families
     assert len(families) == 1 and len(families[0].instances) == 6
@@ -127,9 +130,9 @@ def test_every_timed_step_of_a_module_level_capture_times_its_units() -> None:
     assert graph.kind is autockpt.CaptureKind.MODULE
     modules = [unit.index for unit in graph.units if unit.op == "module"]
     assert modules
-    unit_ms_runs, _ = profile_module._timed_steps(
+    unit_ms_runs, _ = trace_module.timed_steps(
         graph, case.args, case.kwargs, autockpt.default_loss, timed_units=range(len(graph.units)), repeats=3
     )
     assert len(unit_ms_runs) == 3 and all(all(run[u] > 0.0 for u in modules) for run in unit_ms_runs)
-    result = profile_module.profile(graph, case.args, case.kwargs, autockpt.default_loss)
+    result = trace_module.trace_step(graph, case.args, case.kwargs, autockpt.default_loss)
     assert all(result.units[u].forward_ms > 0.0 for u in modules)

@@ -8,15 +8,14 @@ import logging
 
 import pytest
 import torch
+from conftest import assert_same_step, budget_at, probe, twin, zoo_params
 from torch import nn
 
 import autockpt
 from autockpt import zoo
-from autockpt.profile import for_checkpoint
+from autockpt.api import baseline_plan
 from autockpt.recompute import checkpointed_call
-from autockpt.solve.baselines import baseline_plan
 from autockpt.types import CaptureKind, CheckpointKind
-from conftest import assert_same_step, budget_at, probe, twin, zoo_params
 
 FUNCTION = autockpt.SolverOptions(checkpoint="recompute_function")
 
@@ -82,11 +81,11 @@ def test_auto_plans_for_both_kinds_and_keeps_the_cheaper_predicted_plan() -> Non
         planner = autockpt.Planner(
             case.model, example_inputs=case.args, loss_fn=case.loss_fn, solver_options=autockpt.SolverOptions(checkpoint=kind)
         )
-        planner.profile = for_checkpoint(auto.profile, kind, torch.device("cpu"))  # the same measured step
+        planner.trace = auto.trace  # the same measured step
         alone[kind] = planner
     floors = {kind: _floor(planner) for kind, planner in alone.items()}
     assert _floor(auto) == min(floors.values())
-    top = auto.profile.baseline_peak_bytes
+    top = auto.trace.baseline_peak_bytes
     for fraction in (0.3, 0.5, 0.8):
         budget = int(max(floors.values()) + fraction * (top - max(floors.values())))
         plans = {kind: planner.plan(budget_bytes=budget) for kind, planner in alone.items()}

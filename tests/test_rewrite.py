@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_same_step, needs_transformers, optimize_at, profile_of, run_step, twin
+from edge_models import frozen_batchnorm_case
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import autockpt
 from autockpt import zoo
 from autockpt.simulate import region_windows
-from conftest import assert_same_step, needs_transformers, optimize_at, profile_of, run_step, twin
-from edge_models import frozen_batchnorm_case
 
 
 def test_recomputed_flops_are_exactly_the_planned_units() -> None:
@@ -22,7 +22,7 @@ def test_recomputed_flops_are_exactly_the_planned_units() -> None:
     budget = int(probe.static_bytes + 0.4 * (probe.baseline_peak_bytes - probe.static_bytes))
     optimized = autockpt.optimize(case.model, budget_bytes=budget, example_inputs=case.args)
     plan = autockpt.get_plan(optimized)
-    windows = region_windows(profile_of(case), plan.regions)
+    windows = region_windows(profile_of(case), plan.policy.region_actions)
     expected_extra = sum(
         plan.nodes[u].flops
         for r, w in zip(plan.regions, windows)

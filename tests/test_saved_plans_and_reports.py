@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
-import shutil
-import sys
 import json
 import re
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_same_step, budget_at, needs_transformers, twin
 
 import autockpt
 from autockpt import zoo
-from autockpt.report import format_bytes, module_rows, region_rows
-from conftest import assert_same_step, budget_at, needs_transformers, twin
+from autockpt.summary import module_rows, region_rows
+from autockpt.units import format_bytes
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def test_a_saved_plan_reads_back_equal(transformer_plan: autockpt.Plan, tmp_path
     loaded = autockpt.load_plan(tmp_path / "plan.json")
     assert loaded == transformer_plan
     document = json.loads((tmp_path / "plan.json").read_text())
-    assert document["schema"] == "autockpt.plan" and document["schema_version"] == 1
+    assert document["schema"] == "autockpt.plan" and document["schema_version"] == 2
 
 
 def test_a_loaded_plan_applies_without_solving_and_trains_like_pytorch(
@@ -41,7 +42,7 @@ def test_a_loaded_plan_applies_without_solving_and_trains_like_pytorch(
     case = zoo.build("transformer")  # a fresh model, as on another machine
     reference = twin(case)
     monkeypatch.setattr("autockpt.api.solve_prepared", lambda *a, **k: pytest.fail("apply_plan must not solve"))
-    monkeypatch.setattr("autockpt.api.profile", lambda *a, **k: pytest.fail("apply_plan must not profile"))
+    monkeypatch.setattr("autockpt.api.trace_step", lambda *a, **k: pytest.fail("apply_plan must not profile"))
     module = autockpt.apply_plan(case.model, autockpt.load_plan(tmp_path / "plan.json"), example_inputs=case.args)
     assert autockpt.get_plan(module).regions == transformer_plan.regions
     torch.manual_seed(0)

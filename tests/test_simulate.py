@@ -4,30 +4,29 @@ saves activations and a region ending in a matmul."""
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
 import torch
+from conftest import FREE_MACHINERY, profile_of, rewritten, torch_actions, torch_scorer, with_regions
+from edge_models import Chain
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import autockpt
 from autockpt import zoo
-from autockpt.api import default_loss
 from autockpt.capture import capture
-from autockpt.profile import profile
-from autockpt.rewrite import rewrite
+from autockpt.loss import default_loss
 from autockpt.simulate import region_windows, simulate
+from autockpt.solve.base import region_actions
 from autockpt.solve.candidates import candidate_regions
-from autockpt.types import CheckpointKind, MemoryEvent, Phase, Profile, Region, StorageLife, UnitCost
-from conftest import profile_of
-from edge_models import Chain
+from autockpt.trace import trace_step
+from autockpt.types import Action, MemoryEvent, Phase, Region, StepTrace, StorageLife, UnitCost
 
 # ------------------------------------------------------------------------------------------ hand-built timelines
 
 
-def _hand_built_profile() -> Profile:
+def _hand_built_profile() -> StepTrace:
     """Two units: unit 0 makes A (1000 B) that unit 1 saves; unit 1 makes the output B (10 B, kept by the caller).
 
     Static bytes are 100; the backward of unit 1 needs a 1000 B temporary.
@@ -50,19 +49,19 @@ def _hand_built_profile() -> Profile:
         MemoryEvent(index=3, phase=Phase.BACKWARD, unit=1, start_bytes=1110, peak_bytes=2110),
         MemoryEvent(index=4, phase=Phase.BACKWARD, unit=-1, start_bytes=110, peak_bytes=110),
     )
-    return Profile(units=units, storages=storages, events=events, parameter_bytes=100, buffer_bytes=0, input_bytes=0,
+    return StepTrace(units=units, storages=storages, events=events, parameter_bytes=100, buffer_bytes=0, input_bytes=0,
                    gradient_bytes=0, baseline_peak_bytes=2110, forward_ms=5.0, step_ms=10.0)
 
 
 def test_simulator_on_a_hand_built_timeline() -> None:
     profile_ = _hand_built_profile()
-    assert simulate(profile_, ()).event_bytes == (1100, 1110, 1110, 2110, 110)
+    assert torch_scorer(profile_).simulate(()).event_bytes == (1100, 1110, 1110, 2110, 110)
     region = Region(first_unit=0, last_unit=1)
-    (window,) = region_windows(profile_, (region,))
+    (window,) = region_windows(profile_, torch_actions((region,)))
     assert (window.first_backward_event, window.last_backward_event, window.last_saver_unit) == (3, 3, 1)
     # unit 1 saves only its input A, which autograd packs before the kernel: early stop skips unit 1 entirely
     assert window.last_recomputed_unit == 0
-    timeline = simulate(profile_, (region,))
+    timeline = torch_scorer(profile_).simulate((region,))
     # A is freed after its last forward use, so the start of backward holds only static + output B
     assert timeline.event_bytes[2] == 110
     # at unit 1's backward A is recomputed by re-running unit 0 only: still 2110 at the peak of that event
@@ -101,9 +100,9 @@ def test_recomputation_holds_the_region_outputs_and_stops_at_the_last_pack() -> 
         MemoryEvent(index=4, phase=Phase.BACKWARD, unit=1, start_bytes=610, peak_bytes=1110),
         MemoryEvent(index=5, phase=Phase.BACKWARD, unit=-1, start_bytes=110, peak_bytes=110),
     )
-    profile_ = Profile(units=units, storages=storages, events=events, parameter_bytes=100, buffer_bytes=0,
+    profile_ = StepTrace(units=units, storages=storages, events=events, parameter_bytes=100, buffer_bytes=0,
                        input_bytes=0, gradient_bytes=0, baseline_peak_bytes=1810, forward_ms=3.0, step_ms=6.0)
-    timeline = simulate(profile_, (Region(first_unit=0, last_unit=1),))
+    timeline = torch_scorer(profile_).simulate((Region(first_unit=0, last_unit=1),))
     # before the re-run: static 100 + output 10 (S is not kept by autograd any more); then A 1000 + S 500, no T
     assert timeline.burst_bytes == (110 + 1000 + 500,)
 
@@ -131,15 +130,16 @@ def test_the_whole_region_is_recomputed_and_output_gradients_are_held() -> None:
         MemoryEvent(index=6, phase=Phase.BACKWARD, unit=1, start_bytes=1010, peak_bytes=1010),
         MemoryEvent(index=7, phase=Phase.BACKWARD, unit=-1, start_bytes=10, peak_bytes=10),
     )
-    measured = Profile(units=units, storages=storages, events=events, parameter_bytes=0, buffer_bytes=0,
-                       input_bytes=0, gradient_bytes=0, baseline_peak_bytes=1110, forward_ms=3.0, step_ms=6.0)
+    measured = StepTrace(units=units, storages=storages, events=events, parameter_bytes=0, buffer_bytes=0,
+                         input_bytes=0, gradient_bytes=0, baseline_peak_bytes=1110, forward_ms=3.0, step_ms=6.0,
+                         gradient_lifetimes=True)
     region = Region(first_unit=0, last_unit=1)
-    torch_semantics = simulate(measured, (region,))
-    own = dataclasses.replace(measured, checkpoint_kind=CheckpointKind.RECOMPUTE_FUNCTION)
-    (torch_window,), (own_window,) = region_windows(measured, (region,)), region_windows(own, (region,))
+    own_action = region_actions((region,), Action.RECOMPUTE_OWN)
+    torch_semantics = simulate(measured, FREE_MACHINERY, torch_actions((region,)))
+    (torch_window,), (own_window,) = region_windows(measured, torch_actions((region,))), region_windows(measured, own_action)
     assert torch_window.last_recomputed_unit == 0  # unit 1 saves only A, packed before its kernel: early stop
     assert own_window.last_recomputed_unit == 1
-    own_semantics = simulate(own, (region,))
+    own_semantics = simulate(measured, FREE_MACHINERY, own_action)
     assert (torch_semantics.recompute_ms, own_semantics.recompute_ms) == (1.0, 2.0)
     # the re-run reaches B (100 B) on top of A (1000 B); torch's stops at the pack of A
     assert own_semantics.burst_bytes[0] - torch_semantics.burst_bytes[0] == 200  # B, and B's gradient held
@@ -157,7 +157,7 @@ def test_simulated_peak_equals_measured_peak_for_random_plans(name: str) -> None
     case = zoo.build(name)
     loss_fn = case.loss_fn or default_loss
     graph = capture(case.model, case.args, case.kwargs)
-    measured = profile(graph, case.args, case.kwargs, loss_fn)
+    measured = trace_step(graph, case.args, case.kwargs, loss_fn)
     _, candidates = candidate_regions(graph, measured)
     probe = autockpt.plan(case.model, budget_bytes=10**15, example_inputs=case.args, loss_fn=case.loss_fn)
     rng = random.Random(0)
@@ -166,9 +166,9 @@ def test_simulated_peak_equals_measured_peak_for_random_plans(name: str) -> None
         for region in rng.sample(candidates, len(candidates)):
             if all(region.last_unit < r.first_unit or region.first_unit > r.last_unit for r in chosen) and rng.random() < 0.5:
                 chosen.append(region)
-        plan = dataclasses.replace(probe, regions=tuple(sorted(chosen, key=lambda r: r.first_unit)))
-        predicted = simulate(measured, plan.regions).peak_bytes
-        module = rewrite(capture(case.model, case.args, case.kwargs), plan, case.args, case.kwargs)
+        plan = with_regions(probe, tuple(sorted(chosen, key=lambda r: r.first_unit)))
+        predicted = torch_scorer(measured).simulate(plan.regions).peak_bytes
+        module = rewritten(plan, case.model, case.args, case.kwargs)
         actual = autockpt.measure_step(module, case.args, case.kwargs, case.loss_fn).peak_bytes
         # exact for most plans; regions whose ops write in place are over-predicted by up to ~2 % (the safe side)
         assert -0.005 * actual <= predicted - actual <= 0.02 * actual, (chosen, predicted, actual)
@@ -181,12 +181,12 @@ def test_loss_function_that_saves_activations_is_accounted() -> None:
     model.head = nn.Linear(128, 2048)  # a wide output, so the loss's saved copy of it dominates the peak
     loss_fn = lambda out: out.exp().mean()  # noqa: E731
     plan = autockpt.plan(model, budget_bytes=10**15, example_inputs=(x,), loss_fn=loss_fn)
-    measured_profile = profile(capture(model, (x,), {}), (x,), {}, loss_fn)
+    measured_profile = trace_step(capture(model, (x,), {}), (x,), {}, loss_fn)
     last = len(plan.nodes) - 1
     for first in (last - 2, last - 4):
         region = Region(first_unit=first, last_unit=last)
-        predicted = simulate(measured_profile, (region,)).peak_bytes
-        module = rewrite(capture(model, (x,), {}), dataclasses.replace(plan, regions=(region,)), (x,), {})
+        predicted = torch_scorer(measured_profile).simulate((region,)).peak_bytes
+        module = rewritten(with_regions(plan, (region,)), model, (x,))
         measured = autockpt.measure_step(module, (x,), None, loss_fn).peak_bytes
         assert abs(predicted - measured) <= 0.01 * measured, (region, predicted, measured)
 
@@ -197,10 +197,10 @@ def test_a_region_ending_in_a_matmul_does_not_rerun_it() -> None:
     measured = profile_of(case)
     linear_units = [u.index for u in measured.units if u.flops > 0]
     region = Region(first_unit=linear_units[2] + 1, last_unit=linear_units[4])  # GELU, Linear, GELU, Linear
-    (window,) = region_windows(measured, (region,))
+    (window,) = region_windows(measured, torch_actions((region,)))
     assert window.last_saver_unit == linear_units[4] and window.last_recomputed_unit == linear_units[4] - 1
     probe = autockpt.plan(case.model, budget_bytes=10**15, example_inputs=case.args)
-    module = rewrite(capture(case.model, case.args, {}), dataclasses.replace(probe, regions=(region,)), case.args, {})
+    module = rewritten(with_regions(probe, (region,)), case.model, case.args)
 
     def step_flops(m: nn.Module) -> int:
         counter = FlopCounterMode(display=False)

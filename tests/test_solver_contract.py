@@ -4,10 +4,9 @@ on small random graphs: none may beat the optimum, and the default solver must r
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
-from random_graphs import random_model
+from conftest import FREE_MACHINERY
+from random_graphs import modelled_costs, random_model
 
 import autockpt
 import autockpt.zoo
@@ -25,24 +24,15 @@ from autockpt.solve.milp import MilpSolver
 from autockpt.solve.prepare import prepare
 from autockpt.structure import find_repeated_blocks
 from autockpt.trace import trace_step
-from autockpt.types import Action, ActionPrice, CostModel, PlanStatus, StepTrace
-
-FREE = CostModel(device="cpu", prices=tuple(ActionPrice(action=a, region_ms=0.0, saved_tensor_ms=0.0) for a in Action))
-
-
-def _modelled(trace: StepTrace) -> StepTrace:
-    """Fixed times instead of the clock (1 us per op, 1 TFLOP/s, 100 GB/s of outputs), so plans do not vary."""
-    units = tuple(dataclasses.replace(u, forward_ms=1e-3 + u.flops * 1e-9 + u.output_bytes * 1e-8) for u in trace.units)
-    forward_ms = sum(u.forward_ms for u in units)
-    return dataclasses.replace(trace, units=units, forward_ms=forward_ms, step_ms=3 * forward_ms)
+from autockpt.types import Action, PlanStatus
 
 
 def _problem(seed: int) -> tuple[Problem, autockpt.types.Graph]:
     model, x = random_model(seed)
     graph = capture(model, (x,), {})
-    trace = _modelled(trace_step(graph, (x,), {}, default_loss))
+    trace = modelled_costs(trace_step(graph, (x,), {}, default_loss))
     problem = prepare(
-        trace, FREE, Action.RECOMPUTE_TORCH, *candidate_regions(graph, trace),
+        trace, FREE_MACHINERY, Action.RECOMPUTE_TORCH, *candidate_regions(graph, trace),
         seed_plans=baseline_seed_plans(graph, trace), structure=find_repeated_blocks(graph, trace),
     )
     return problem, graph

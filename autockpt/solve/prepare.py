@@ -40,7 +40,7 @@ def prepare(
     known = set(candidates)
     extra = sorted({r for seed in seeds for r in seed.regions if r not in known}, key=lambda r: (r.first_unit, r.last_unit))
     blocks = _event_blocks(trace, segments)
-    scored, lowest_single = _score_candidates(score, [*candidates, *extra], baseline, blocks)
+    scored, lowest_single = score_candidates(score, [*candidates, *extra], baseline, blocks)
     if lowest_single is not None:
         # regions interact (a recomputation burst can sit on another region's gain), so the programs, which add
         # gains up, can miss that one region alone lowers the peak; scoring simulated it anyway
@@ -85,7 +85,7 @@ def _block_of_event(blocks: list[list[int]], num_events: int) -> list[int]:
     return block_of
 
 
-def _score_candidates(
+def score_candidates(
     score: Callable[[Sequence[Region]], Timeline], candidates: Sequence[Region], baseline: Timeline, blocks: list[list[int]]
 ) -> tuple[list[ScoredCandidate], Seed | None]:
     """The candidates that free anything, with their gains per event block; and the one region whose checkpointing

@@ -4,22 +4,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_same_step, needs_transformers, twin
 from torch import nn
 
 import autockpt
 from autockpt import zoo
+from autockpt.api import baseline_plan
 from autockpt.solve.baselines import (
     BASELINE_STRATEGIES,
     BaselinePolicy,
-    baseline_plan,
     baseline_regions,
     find_blocks,
     parse_strategy,
 )
-from autockpt.solve.candidates import _mutation_hazards, _unsafe
+from autockpt.solve.candidates import is_unsafe, mutation_hazards
 from autockpt.types import PlanStatus
-
-from conftest import assert_same_step, needs_transformers, twin
 
 
 def _planner(case: zoo.ZooCase) -> autockpt.Planner:
@@ -62,7 +61,7 @@ def test_every_n_checkpoints_every_nth_block(transformer: tuple[zoo.ZooCase, aut
     _, planner = transformer
     blocks = find_blocks(planner.graph)
     for n in (1, 2, 4):
-        chosen = baseline_regions(planner.graph, planner.profile, f"every_{n}")
+        chosen = baseline_regions(planner.graph, planner.trace, f"every_{n}")
         assert chosen.regions == tuple(b.region for b in blocks[::n])
 
 
@@ -75,7 +74,7 @@ def test_baseline_step_matches_pytorch(transformer: tuple[zoo.ZooCase, autockpt.
     module = planner.apply(the_plan)
     assert_same_step(module, twin(case), case)
     measured = autockpt.measure_step(module, case.args, case.kwargs, case.loss_fn).peak_bytes
-    assert measured < planner.profile.baseline_peak_bytes
+    assert measured < planner.trace.baseline_peak_bytes
     # block-aligned or not (sqrt_n and for_transformers cut inside blocks), the simulator is exact to 1 %
     assert measured == pytest.approx(the_plan.predicted_peak_bytes, rel=0.01)
 
@@ -84,19 +83,19 @@ def test_none_and_speed_optimized_change_nothing(transformer: tuple[zoo.ZooCase,
     _, planner = transformer
     for strategy in ("none", "speed_optimized"):
         the_plan = baseline_plan(planner, strategy)
-        assert the_plan.regions == () and the_plan.predicted_peak_bytes == planner.profile.baseline_peak_bytes
+        assert the_plan.regions == () and the_plan.predicted_peak_bytes == planner.trace.baseline_peak_bytes
 
 
 def test_in_place_hazards_are_split_and_the_step_still_matches() -> None:
     """The CNN writes in place (ReLU(inplace), out += x): every baseline region passes the hazard filter and runs."""
     case = zoo.build("cnn", "tiny")
     planner = _planner(case)
-    hazards = _mutation_hazards(planner.profile)
+    hazards = mutation_hazards(planner.trace)
     assert hazards, "the CNN should have in-place writes for this test to mean anything"
     split_somewhere = False
     for strategy in BASELINE_STRATEGIES:
-        chosen = baseline_regions(planner.graph, planner.profile, strategy)
-        assert not any(_unsafe(r, hazards) for r in chosen.regions), strategy
+        chosen = baseline_regions(planner.graph, planner.trace, strategy)
+        assert not any(is_unsafe(r, hazards) for r in chosen.regions), strategy
         split_somewhere |= any("split" in note for note in chosen.notes)
     assert split_somewhere  # sqrt_n / memory_efficient cut through the in-place stem and blocks
     module = planner.apply(baseline_plan(planner, "sqrt_n"))
@@ -107,7 +106,7 @@ def test_module_level_capture() -> None:
     case = zoo.build("control_flow", "tiny")
     planner = _planner(case)
     assert planner.graph.kind is autockpt.CaptureKind.MODULE
-    unavailable = baseline_regions(planner.graph, planner.profile, "sqrt_n")
+    unavailable = baseline_regions(planner.graph, planner.trace, "sqrt_n")
     assert not unavailable.available and "module-level" in unavailable.notes[0]
     with pytest.raises(ValueError, match="module-level"):
         baseline_plan(planner, "sqrt_n")

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import pulp
 import pytest
+from conftest import assert_same_step, needs_transformers, twin
 
 import autockpt
 from autockpt import zoo
-from autockpt.simulate import simulate
+from autockpt.solve.base import Scorer, SolverOptions
 from autockpt.solve.baselines import baseline_seed_plans
 from autockpt.solve.blocks import build_block_program, prepare_blocks, solve_block_chain
 from autockpt.solve.candidates import candidate_regions
-from autockpt.solve.ilp import SolverOptions, prepare, solve_prepared
-from autockpt.solve.structure import find_repeated_blocks
-from conftest import assert_same_step, needs_transformers, twin
+from autockpt.solve.default import solve_prepared
+from autockpt.solve.prepare import prepare
+from autockpt.structure import find_repeated_blocks
+from autockpt.types import Action
 
 pytestmark = needs_transformers  # the repeated blocks here are Hugging Face layers
 
@@ -27,12 +29,12 @@ def gpt2_planner() -> autockpt.Planner:
 
 
 def _budget(planner: autockpt.Planner, fraction: float) -> int:
-    profile = planner.profile
+    profile = planner.trace
     return int(profile.static_bytes + fraction * (profile.baseline_peak_bytes - profile.static_bytes))
 
 
 def test_the_layers_of_a_transformer_are_found_as_one_family(gpt2_planner: autockpt.Planner) -> None:
-    structure = find_repeated_blocks(gpt2_planner.graph, gpt2_planner.profile)
+    structure = find_repeated_blocks(gpt2_planner.graph, gpt2_planner.trace)
     layers = gpt2_planner.model.config.n_layer
     family = max(structure.families, key=lambda f: f.block_units * len(f.instances))
     assert len(family.instances) == layers
@@ -47,7 +49,7 @@ def test_the_layers_of_a_transformer_are_found_as_one_family(gpt2_planner: autoc
     assert all(a.last_unit + 1 == b.first_unit for a, b in zip(family.instances, family.instances[1:]))
     # the cut between layers is where the fewest bytes cross: no activation of a layer is read by the next
     # except through the residual stream, so the first unit of a layer reads nothing made inside the layer before
-    profile = gpt2_planner.profile
+    profile = gpt2_planner.trace
     for a, b in zip(family.instances, family.instances[1:]):
         crossing = [s for s in profile.storages if a.first_unit <= s.producer_unit <= a.last_unit and any(u > a.last_unit for u in s.user_units)]
         assert len({s.producer_unit for s in crossing}) <= 2, crossing
@@ -63,20 +65,21 @@ def test_layers_of_different_widths_are_not_a_family() -> None:
         layers += [nn.Linear(a, b), nn.GELU(), nn.Linear(b, b), nn.LayerNorm(b)]
     model = nn.Sequential(*layers)
     planner = autockpt.Planner(model, example_inputs=(torch.randn(8, widths[0]),))
-    assert find_repeated_blocks(planner.graph, planner.profile).families == ()
+    assert find_repeated_blocks(planner.graph, planner.trace).families == ()
     # the same layers repeated at one width are (the first may differ: its input is not made in forward)
     same = nn.Sequential(*[m for _ in range(5) for m in (nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32), nn.LayerNorm(32))])
     planner = autockpt.Planner(same, example_inputs=(torch.randn(8, 32),))
-    families = find_repeated_blocks(planner.graph, planner.profile).families
+    families = find_repeated_blocks(planner.graph, planner.trace).families
     assert len(families) == 1 and len(families[0].instances) >= 4 and families[0].block_units == 4
 
 
 def test_the_chain_solver_matches_the_block_milp(gpt2_planner: autockpt.Planner) -> None:
     """Two solvers of one outer problem: the dynamic program (rounding gains down) and HiGHS/CBC on the MILP."""
-    profile = gpt2_planner.profile
+    profile = gpt2_planner.trace
+    scorer = Scorer(profile, gpt2_planner.costs, Action.RECOMPUTE_TORCH)  # the machinery priced as in planning
     segments, candidates = candidate_regions(gpt2_planner.graph, profile)
     structure = find_repeated_blocks(gpt2_planner.graph, profile)
-    problem = prepare_blocks(profile, structure, candidates, simulate(profile, ()))
+    problem = prepare_blocks(scorer, structure, candidates, scorer.simulate(()))
     assert problem is not None
     for fraction in FRACTIONS:
         budget = _budget(gpt2_planner, fraction)
@@ -87,7 +90,7 @@ def test_the_chain_solver_matches_the_block_milp(gpt2_planner: autockpt.Planner)
             assert chain is None
             continue
         assert chain is not None and chain is not NotImplemented
-        milp_ms, chain_ms = simulate(profile, chosen()).overhead_ms, simulate(profile, chain).overhead_ms
+        milp_ms, chain_ms = scorer.simulate(chosen()).overhead_ms, scorer.simulate(chain).overhead_ms
         # the outer problem prices a plan as the simulator does (recompute + each region's fixed cost): the menus
         # once left the fixed cost out, so tied plans with different region counts simulated up to 9 % apart
         assert pulp.value(prob.objective) == pytest.approx(milp_ms, rel=1e-3)
@@ -103,13 +106,14 @@ def test_block_plans_fit_and_cost_about_what_the_flat_program_costs(name: str) -
     # the checkpoint machinery counts on both sides (the block menus once left the fixed cost per region out: block
     # plans came out 9-18 % above the flat program's on these tiny models, where a region's fixed cost is ~1.5 % of
     # the step)
-    profile = planner.profile
-    assert profile.region_overhead_ms > 0 and profile.saved_tensor_overhead_ms > 0
+    profile = planner.trace
+    price = planner.costs.price(Action.RECOMPUTE_TORCH)
+    assert price.region_ms > 0 and price.saved_tensor_ms > 0
     segments, candidates = candidate_regions(planner.graph, profile)
     seeds = baseline_seed_plans(planner.graph, profile)
     structure = find_repeated_blocks(planner.graph, profile)
-    by_blocks = prepare(profile, segments, candidates, seeds, structure)
-    flat = prepare(profile, segments, candidates, seeds)
+    by_blocks = prepare(profile, planner.costs, Action.RECOMPUTE_TORCH, segments, candidates, seeds, structure)
+    flat = prepare(profile, planner.costs, Action.RECOMPUTE_TORCH, segments, candidates, seeds)
     assert by_blocks.blocks is not None
     options = SolverOptions(solver="highs" if pulp.HiGHS(msg=False).available() else "cbc")
     for fraction in FRACTIONS:

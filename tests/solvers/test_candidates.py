@@ -3,24 +3,22 @@ writes in place, and the hazard that rule avoids is real."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
+from conftest import rewritten, with_regions
+from edge_models import WritesIntoAnEarlierTensor
 
 import autockpt
 from autockpt.capture import capture
-from autockpt.profile import profile
-from autockpt.rewrite import rewrite
 from autockpt.solve.candidates import candidate_regions
+from autockpt.trace import trace_step
 from autockpt.types import Region
-from edge_models import WritesIntoAnEarlierTensor
 
 
 def test_candidates_exclude_regions_whose_input_is_written_later() -> None:
     torch.manual_seed(0)
     model, x = WritesIntoAnEarlierTensor(depth=2), torch.randn(64, 128)
-    measured = profile(capture(model, (x,), {}), (x,), {}, lambda out: out.sum())
+    measured = trace_step(capture(model, (x,), {}), (x,), {}, lambda out: out.sum())
     _, candidates = candidate_regions(capture(model, (x,), {}), measured)
     written = [s for s in measured.storages if any(m > s.producer_unit for m in s.mutator_units)]
     assert written
@@ -34,6 +32,6 @@ def test_candidates_exclude_regions_whose_input_is_written_later() -> None:
     storage = written[0]
     reader = min(u for u in storage.user_units if u > storage.producer_unit and u not in storage.mutator_units)
     plan = autockpt.plan(model, budget_bytes=10**15, example_inputs=(x,))
-    module = rewrite(capture(model, (x,), {}), dataclasses.replace(plan, regions=(Region(first_unit=reader, last_unit=reader),)), (x,), {})
+    module = rewritten(with_regions(plan, (Region(first_unit=reader, last_unit=reader),)), model, (x,))
     with pytest.raises(RuntimeError, match="inplace"):
         module(x).sum().backward()

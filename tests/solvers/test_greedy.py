@@ -1,58 +1,59 @@
-"""The greedy fallback (``autockpt.solve.ilp.greedy_regions``): used when the MILP finds nothing in time; it adds
+"""The greedy fallback (``autockpt.solve.greedy.greedy_regions``): used when the MILP finds nothing in time; it adds
 candidates cheapest per byte freed while each lowers the simulated peak, and stops once the budget is met."""
 
 from __future__ import annotations
 
 import pytest
+from random_graphs import modelled_planner, scorer_of
 
 import autockpt
 from autockpt import zoo
-from autockpt.simulate import simulate
 from autockpt.solve.candidates import candidate_regions
 from autockpt.solve.exact import min_peak_bytes
-from autockpt.solve.ilp import greedy_regions, prepare
-
-from random_graphs import modelled_planner
+from autockpt.solve.greedy import greedy_regions
+from autockpt.solve.prepare import prepare
 
 
 @pytest.mark.parametrize("seed", [0, 5, 9])
 def test_greedy_regions_lower_the_peak_and_stop_once_the_budget_is_met(seed: int) -> None:
     planner = modelled_planner(seed)
-    profile = planner.profile
-    problem = prepare(profile, *candidate_regions(planner.graph, profile))
-    baseline = simulate(profile, ()).peak_bytes
+    profile, scorer = planner.trace, scorer_of(planner)
+    problem = prepare(profile, planner.costs, scorer.action, *candidate_regions(planner.graph, profile))
+    baseline = scorer.simulate(()).peak_bytes
 
-    lowest = greedy_regions(profile, problem.scored, None)  # no budget: as low as this order gets
-    floor = simulate(profile, lowest).peak_bytes
+    lowest = greedy_regions(problem, None)  # no budget: as low as this order gets
+    floor = scorer.simulate(lowest).peak_bytes
     assert lowest and floor < baseline
     assert all(a.last_unit < b.first_unit for a, b in zip(lowest, lowest[1:]))  # disjoint, in unit order
     assert set(lowest) <= {candidate.region for candidate in problem.scored}
-    assert floor >= min_peak_bytes(profile)  # never below the exact floor
+    assert floor >= min_peak_bytes(scorer)  # never below the exact floor
 
-    assert greedy_regions(profile, problem.scored, baseline) == ()  # the unmodified step fits: nothing to add
+    assert greedy_regions(problem, baseline) == ()  # the unmodified step fits: nothing to add
     budget = (floor + baseline) // 2
-    fitting = greedy_regions(profile, problem.scored, budget)
-    assert simulate(profile, fitting).peak_bytes <= budget
+    fitting = greedy_regions(problem, budget)
+    assert scorer.simulate(fitting).peak_bytes <= budget
     # the same order as without a budget, stopped early: some of the same regions, never more
     assert set(fitting) <= set(lowest) and len(fitting) <= len(lowest)
 
 
 def test_without_any_solution_in_time_a_greedy_plan_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
-    from autockpt.solve import ilp
-    from autockpt.types import SolverStats
+    from autockpt.solve import default, prepare
+    from autockpt.solve.base import ProgramAnswer
+    from autockpt.types import PlanStatus, SolverStats
 
     case = zoo.build("mlp")
     planner = autockpt.Planner(case.model, example_inputs=case.args)
-    budget = int(planner.profile.static_bytes + 0.6 * (planner.profile.baseline_peak_bytes - planner.profile.static_bytes))
+    budget = int(planner.trace.static_bytes + 0.6 * (planner.trace.baseline_peak_bytes - planner.trace.static_bytes))
 
-    def timed_out(problem, budget, options, solver_name, programs, **_):  # noqa: ANN001
-        programs.append(SolverStats(status="No Solution Found", relative_gap=None, variables=1, constraints=1, programs=1))
-        return ((), ilp.PlanStatus.FEASIBLE) if budget is None else (None, ilp.PlanStatus.FEASIBLE)
+    def timed_out(problem, budget, options, solver, **_):  # noqa: ANN001
+        stats = SolverStats(status="No Solution Found", relative_gap=None, variables=1, constraints=1, programs=1)
+        return ProgramAnswer(regions=() if budget is None else None, status=PlanStatus.FEASIBLE, stats=stats)
 
-    monkeypatch.setattr(ilp, "_solve_program", timed_out)
+    monkeypatch.setattr(default, "solve_flat_program", timed_out)
+    monkeypatch.setattr(default, "solve_block_program", timed_out)
     monkeypatch.setattr(autockpt.api, "baseline_seed_plans", lambda graph, profile: [])  # no seed floor either
-    score = ilp._score_candidates
-    monkeypatch.setattr(ilp, "_score_candidates", lambda *args: (score(*args)[0], None))  # nor the best single region
+    score = prepare.score_candidates
+    monkeypatch.setattr(prepare, "score_candidates", lambda *args: (score(*args)[0], None))  # nor the best single region
     plan = planner.plan(budget_bytes=budget)
     # the greedy floor plan fits every feasible budget; the greedy plan for this budget is used when it costs less
     # (which one wins depends on the measured times), so the label names the floor, and maybe the plan

@@ -1,21 +1,23 @@
-"""The MILP solver (``autockpt.solve.ilp``, CBC and HiGHS through PuLP): the exhaustive optimum on a small chain,
-and the baseline seed plans it falls back on. (Against the exact solver on random graphs: test_optimality.py.)"""
+"""The MILP (``autockpt.solve.milp``, in the default solver; CBC and HiGHS through PuLP): the exhaustive optimum on
+a small chain, and the baseline seed plans it falls back on. (Against the exact solver on random graphs: test_optimality.py.)"""
 
 from __future__ import annotations
 
 import pulp
 import pytest
 import torch
+from conftest import FREE_MACHINERY, torch_scorer
 from torch import nn
 
 import autockpt
 from autockpt import zoo
 from autockpt.capture import capture
-from autockpt.profile import profile
-from autockpt.simulate import simulate
+from autockpt.solve.base import SolveResult, SolverOptions
 from autockpt.solve.candidates import candidate_regions
-from autockpt.solve.ilp import SolverOptions, solve
-from autockpt.types import Region
+from autockpt.solve.default import solve_prepared
+from autockpt.solve.prepare import prepare
+from autockpt.trace import trace_step
+from autockpt.types import Action, Region, StepTrace
 
 
 def _chain(widths: list[int], batch: int) -> tuple[nn.Module, torch.Tensor]:
@@ -26,6 +28,14 @@ def _chain(widths: list[int], batch: int) -> tuple[nn.Module, torch.Tensor]:
         layers += [nn.Linear(previous, width), nn.Tanh()]
         previous = width
     return nn.Sequential(*layers, nn.Linear(previous, 4)), torch.randn(batch, 32)
+
+
+def solve(
+    measured: StepTrace, segments: list[Region], candidates: list[Region], budget: int, options: SolverOptions | None = None
+) -> SolveResult:
+    """The default solver on these candidates, no seed plans, torch's checkpoint with free machinery."""
+    problem = prepare(measured, FREE_MACHINERY, Action.RECOMPUTE_TORCH, segments, candidates)
+    return solve_prepared(problem, budget, options)
 
 
 def _disjoint_sets(candidates: list[Region]) -> list[tuple[Region, ...]]:
@@ -52,10 +62,11 @@ SOLVERS = [
 def test_ilp_finds_the_exhaustive_optimum_on_a_small_chain(solver: str) -> None:
     model, x = _chain([128] * 5, 256)
     graph = capture(model, (x,), {})
-    measured = profile(graph, (x,), {}, lambda out: out.sum())
+    measured = trace_step(graph, (x,), {}, lambda out: out.sum())
     segments, candidates = candidate_regions(graph, measured)
-    scored = [(plan, simulate(measured, plan)) for plan in _disjoint_sets(candidates)]
-    baseline = simulate(measured, ())
+    scorer = torch_scorer(measured)
+    scored = [(plan, scorer.simulate(plan)) for plan in _disjoint_sets(candidates)]
+    baseline = scorer.simulate(())
     floor = min(t.peak_bytes for _, t in scored)
     checked = 0
     for fraction in (0.5, 0.6, 0.7, 0.8, 0.9):
@@ -76,9 +87,11 @@ def test_ilp_finds_the_exhaustive_optimum_on_a_small_chain(solver: str) -> None:
 
 def test_a_cheaper_baseline_plan_is_returned_when_the_program_misses_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """Seeds: whatever the program answers, the plan is never worse than a baseline policy under the same budget."""
-    from autockpt.solve import ilp
-    from autockpt.solve.baselines import BASELINE_STRATEGIES, baseline_plan
-    from autockpt.types import SolverStats
+    from autockpt.api import baseline_plan
+    from autockpt.solve import default
+    from autockpt.solve.base import ProgramAnswer
+    from autockpt.solve.baselines import BASELINE_STRATEGIES
+    from autockpt.types import PlanStatus, SolverStats
 
     case = zoo.build("transformer")
     # one checkpoint kind: the baselines are scored for torch's, so the plan must be made for it too
@@ -87,16 +100,17 @@ def test_a_cheaper_baseline_plan_is_returned_when_the_program_misses_it(monkeypa
     )
     every_1 = baseline_plan(planner, "every_1")
 
-    def infeasible(problem, budget, options, solver_name, programs, **_):  # noqa: ANN001
-        programs.append(SolverStats(status="Infeasible", relative_gap=None, variables=1, constraints=1, programs=1))
-        return ((), ilp.PlanStatus.FEASIBLE) if budget is None else (None, ilp.PlanStatus.FEASIBLE)
+    def infeasible(problem, budget, options, solver, **_):  # noqa: ANN001
+        stats = SolverStats(status="Infeasible", relative_gap=None, variables=1, constraints=1, programs=1)
+        return ProgramAnswer(regions=() if budget is None else None, status=PlanStatus.FEASIBLE, stats=stats)
 
-    monkeypatch.setattr(ilp, "_solve_program", infeasible)  # the program finds nothing at all
+    monkeypatch.setattr(default, "solve_flat_program", infeasible)  # the programs find nothing at all
+    monkeypatch.setattr(default, "solve_block_program", infeasible)
     # the searches with the simulator off too, so only the seeds can give a plan
-    monkeypatch.setattr(ilp, "_drop_unneeded_regions", lambda profile, *best: best[:3])
-    monkeypatch.setattr(ilp, "_swap_for_cheaper", lambda problem, *best: best[:3])
+    monkeypatch.setattr(default, "drop_unneeded_regions", lambda problem, *best: best[:3])
+    monkeypatch.setattr(default, "swap_for_cheaper", lambda problem, *best: best[:3])
     monkeypatch.setattr(
-        ilp, "_lower_floor_locally",
+        default, "lower_floor_locally",
         lambda problem, starts: min(((*start, i) for i, start in enumerate(starts)), key=lambda s: s[1].peak_bytes),
     )
     plan = planner.plan(budget_bytes=every_1.predicted_peak_bytes)

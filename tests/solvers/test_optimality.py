@@ -8,14 +8,13 @@ microsecond ops on a shared CPU are noise, and would make which plan is cheapest
 from __future__ import annotations
 
 import pytest
+from random_graphs import TORCH_CHECKPOINT, modelled_costs, modelled_machinery, modelled_planner, scorer_of
 
 import autockpt
 from autockpt.errors import InfeasibleBudgetError
-from autockpt.simulate import simulate
+from autockpt.solve.base import ProgramAnswer
 from autockpt.solve.exact import exact_regions, min_peak_bytes, usable_regions
-from autockpt.types import Region, SolverStats
-
-from random_graphs import TORCH_CHECKPOINT, modelled_costs, modelled_planner
+from autockpt.types import PlanStatus, Region, SolverStats
 
 TOLERANCE = 0.01  # the issue's target: production within 1 % of the exact optimum
 
@@ -41,15 +40,15 @@ def _production_floor(planner: autockpt.Planner) -> int:
 @pytest.mark.parametrize(("seed", "fraction"), CASES)
 def test_production_plan_is_within_one_percent_of_the_exact_optimum(seed: int, fraction: float) -> None:
     planner = modelled_planner(seed)
-    profile = planner.profile
-    floor, baseline = _production_floor(planner), simulate(profile, ()).peak_bytes
+    scorer = scorer_of(planner)
+    floor, baseline = _production_floor(planner), scorer.simulate(()).peak_bytes
     assert floor < baseline, f"seed {seed}: no region plan lowers the peak; pick another seed"
     budget = int(floor + fraction * (baseline - floor))
 
     plan = planner.plan(budget_bytes=budget)
-    exact = exact_regions(profile, budget)
+    exact = exact_regions(scorer, budget)
 
-    produced = simulate(profile, plan.regions)
+    produced = scorer.simulate(plan.regions)
     assert plan.recompute_ms == pytest.approx(produced.recompute_ms)  # planned on the modelled costs
     assert produced.peak_bytes <= budget and plan.predicted_peak_bytes <= budget
     assert exact.peak_bytes <= budget
@@ -70,12 +69,13 @@ FLOOR_SEEDS = [24, 38, 47, 54, 68]
 @pytest.mark.parametrize("seed", FLOOR_SEEDS)
 def test_production_floor_is_the_exact_floor(seed: int) -> None:
     planner = modelled_planner(seed)
-    exact_floor = min_peak_bytes(planner.profile)
-    assert exact_floor < simulate(planner.profile, ()).peak_bytes
+    scorer = scorer_of(planner)
+    exact_floor = min_peak_bytes(scorer)
+    assert exact_floor < scorer.simulate(()).peak_bytes
     floor = _production_floor(planner)
     assert floor == exact_floor
     plan = planner.plan(budget_bytes=floor)  # the floor is a budget the production solver accepts
-    assert simulate(planner.profile, plan.regions).peak_bytes <= floor
+    assert scorer.simulate(plan.regions).peak_bytes <= floor
 
 
 def _text(regions: tuple[Region, ...]) -> str:
@@ -88,26 +88,27 @@ def test_the_swap_pass_replaces_an_expensive_region_the_program_chose(
 ) -> None:
     """A program that answers the most expensive single region that fits: trying cheaper candidates in its place
     brings the plan down to the exact optimum at that budget."""
-    from autockpt.solve import ilp
+    from autockpt.solve import default
 
-    planner = modelled_planner(seed)
-    profile = planner.profile
-    floor, baseline = _production_floor(planner), simulate(profile, ()).peak_bytes
+    planner = modelled_planner.__wrapped__(seed)  # a planner of its own: its problems are prepared with the patch
+    profile, scorer = planner.trace, scorer_of(planner)
+    floor, baseline = _production_floor(planner), scorer.simulate(()).peak_bytes
     budget = int(floor + 0.7 * (baseline - floor))
-    fitting = [(r,) for r in usable_regions(profile) if simulate(profile, (r,)).peak_bytes <= budget]
-    long_region = max(fitting, key=lambda regions: simulate(profile, regions).recompute_ms)
-    exact = exact_regions(profile, budget)
-    assert simulate(profile, long_region).recompute_ms > 1.5 * exact.overhead_ms  # room for the pass to win
+    fitting = [(r,) for r in usable_regions(profile) if scorer.simulate((r,)).peak_bytes <= budget]
+    long_region = max(fitting, key=lambda regions: scorer.simulate(regions).recompute_ms)
+    exact = exact_regions(scorer, budget)
+    assert scorer.simulate(long_region).recompute_ms > 1.5 * exact.overhead_ms  # room for the pass to win
 
-    def long_answer(problem, budget, options, solver_name, programs, **_):  # noqa: ANN001
-        programs.append(SolverStats(status="Optimal", relative_gap=0.0, variables=1, constraints=1, programs=1))
-        return long_region, ilp.PlanStatus.OPTIMAL
+    def long_answer(problem, budget, options, solver, **_):  # noqa: ANN001
+        stats = SolverStats(status="Optimal", relative_gap=0.0, variables=1, constraints=1, programs=1)
+        return ProgramAnswer(regions=long_region, status=PlanStatus.OPTIMAL, stats=stats)
 
-    monkeypatch.setattr(ilp, "_solve_program", long_answer)
-    monkeypatch.setattr(planner, "_problems", {})  # re-prepare with the patched program (floor included)
+    monkeypatch.setattr(default, "solve_flat_program", long_answer)
+    monkeypatch.setattr(default, "solve_block_program", long_answer)
+    planner = modelled_planner.__wrapped__(seed)  # floors found with the patched programs too
     plan = planner.plan(budget_bytes=budget)
     assert plan.predicted_peak_bytes <= budget
-    assert plan.recompute_ms < simulate(profile, long_region).recompute_ms
+    assert plan.recompute_ms < scorer.simulate(long_region).recompute_ms
     assert plan.recompute_ms <= (1 + TOLERANCE) * exact.overhead_ms + 1e-9, (_text(plan.regions), _text(exact.regions))
 
 
@@ -117,17 +118,18 @@ def test_each_region_s_fixed_cost_is_part_of_the_objective(seed: int) -> None:
     of the exact optimum of recompute time + regions x fixed cost, and it never uses more regions than it does when
     regions are free."""
     planner = modelled_planner(seed)
-    free = planner.profile
+    free = planner.trace
     unit_ms = min(u.forward_ms for u in free.units)
-    floor, baseline = _production_floor(planner), simulate(free, ()).peak_bytes
+    floor, baseline = _production_floor(planner), scorer_of(planner).simulate(()).peak_bytes
     budget = int(floor + 0.3 * (baseline - floor))
     free_plan = planner.plan(budget_bytes=budget)
 
     costly = autockpt.Planner(planner.model, example_inputs=planner.request.args, solver_options=TORCH_CHECKPOINT)
-    costly.profile = modelled_costs(costly.profile, region_overhead_ms=20 * unit_ms)  # a region costs 20 ops
+    costly.trace = modelled_costs(costly.trace)
+    costly.costs = modelled_machinery(region_ms=20 * unit_ms)  # a region costs 20 ops
     plan = costly.plan(budget_bytes=budget)
-    profile = costly.profile
-    produced, exact = simulate(profile, plan.regions), exact_regions(profile, budget)
+    profile, scorer = costly.trace, scorer_of(costly)
+    produced, exact = scorer.simulate(plan.regions), exact_regions(scorer, budget)
     assert produced.overhead_ms == pytest.approx(produced.recompute_ms + len(plan.regions) * 20 * unit_ms)
     assert plan.predicted_overhead == pytest.approx(produced.overhead_ms / profile.step_ms)
     assert produced.peak_bytes <= budget

@@ -102,7 +102,7 @@ def test_repeated_blocks_are_timed_at_one_instance_and_the_others_reuse_its_time
         shared = trace_module.trace_step(graph, (x,), {}, lambda out: out.sum())
     each = trace_module.trace_step(graph, (x,), {}, lambda out: out.sum(), time_repeated_blocks_once=False)
 
-    families = autockpt.solve.structure.find_repeated_blocks(graph, shared).families
+    families = autockpt.structure.find_repeated_blocks(graph, shared).families
     assert len(families) == 1 and len(families[0].instances) == 6
     instances = families[0].instances
     timed_instance = instances[3]

@@ -12,15 +12,16 @@ from torch.utils.flop_counter import FlopCounterMode
 import autockpt
 from autockpt import zoo
 from autockpt.simulate import region_windows
-from conftest import assert_same_step, needs_transformers, optimize_at, profile_of, run_step, twin
+from conftest import assert_same_step, needs_transformers, optimize_at, planner_for, profile_of, run_step, twin
 from edge_models import frozen_batchnorm_case
 
 
 def test_recomputed_flops_are_exactly_the_planned_units() -> None:
     case = zoo.build("mlp")
-    probe = autockpt.plan(case.model, budget_bytes=10**15, example_inputs=case.args)
+    planner = planner_for(case)
+    probe = planner.plan(budget_bytes=10**15)
     budget = int(probe.static_bytes + 0.4 * (probe.baseline_peak_bytes - probe.static_bytes))
-    optimized = autockpt.optimize(case.model, budget_bytes=budget, example_inputs=case.args)
+    optimized = planner.optimize(budget_bytes=budget)
     plan = autockpt.get_plan(optimized)
     windows = region_windows(profile_of(case), plan.regions)
     expected_extra = sum(

@@ -89,6 +89,15 @@ def probe(case: zoo.ZooCase) -> autockpt.Plan:
     return autockpt.plan(case.model, budget_bytes=10**15, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
 
 
+def planner_for(case: zoo.ZooCase, solver_options: autockpt.SolverOptions | None = None) -> autockpt.Planner:
+    """The Planner ``autockpt.optimize`` and ``autockpt.plan`` make for the case (they are ``Planner(...).optimize``
+    and ``.plan``): the model captured and traced once, for a probe and any number of budgets."""
+    return autockpt.Planner(
+        case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn,
+        solver_options=solver_options,
+    )
+
+
 def profile_of(case: zoo.ZooCase, *, gradient_lifetimes: bool = False) -> StepTrace:
     """The case's model captured and traced (no Planner, no solving)."""
     graph = capture(case.model, case.args, case.kwargs)
@@ -126,11 +135,9 @@ def rewritten(plan: autockpt.Plan, model: torch.nn.Module, args: tuple, kwargs: 
 def optimize_at(case: zoo.ZooCase, fraction: float) -> torch.nn.Module:
     """Optimize at ``fraction`` of the way from static to peak, or half-way above the floor if that is lower.
 
-    One Planner makes the probe and the optimized module (``autockpt.optimize`` is ``Planner(...).optimize``): the
-    model is captured and profiled once, not twice."""
-    planner = autockpt.Planner(
-        case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn
-    )
+    One Planner (``planner_for``) makes the probe and the optimized module: the model is captured and profiled once,
+    not twice."""
+    planner = planner_for(case)
     base = planner.plan(budget_bytes=10**15)
     budget = max(budget_at(base, fraction), (base.min_feasible_bytes + base.baseline_peak_bytes) // 2)
     return planner.optimize(budget_bytes=budget)

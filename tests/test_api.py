@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from conftest import budget_at, probe, run_step, twin
+from conftest import budget_at, planner_for, probe, run_step, twin
 from torch import nn
 
 import autockpt
@@ -139,9 +139,8 @@ def test_optimized_module_shares_parameters_and_state_dict_keys(cnn_probe: autoc
 def test_eval_mode_and_no_grad_run_the_original(cnn_probe: autockpt.Plan, caplog: pytest.LogCaptureFixture) -> None:
     case = zoo.build("transformer")
     reference = twin(case)
-    optimized = autockpt.optimize(
-        case.model, budget_bytes=budget_at(probe(case), 0.5), example_inputs=case.args, loss_fn=case.loss_fn
-    )
+    planner = planner_for(case)
+    optimized = planner.optimize(budget_bytes=budget_at(planner.plan(budget_bytes=10**15), 0.5))
     optimized.eval()
     assert not case.model.training
     with caplog.at_level(logging.WARNING, logger="autockpt"):
@@ -158,8 +157,8 @@ def test_eval_mode_and_no_grad_run_the_original(cnn_probe: autockpt.Plan, caplog
 
 def test_other_input_shapes_fall_back_to_the_original_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     case = zoo.build("mlp")
-    base = probe(case)
-    optimized = autockpt.optimize(case.model, budget_bytes=budget_at(base, 0.5), example_inputs=case.args)
+    planner = planner_for(case)
+    optimized = planner.optimize(budget_bytes=budget_at(planner.plan(budget_bytes=10**15), 0.5))
     smaller = case.args[0][:10]
     with caplog.at_level(logging.WARNING, logger="autockpt"):
         out = optimized(smaller)

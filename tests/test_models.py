@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from conftest import assert_same_step, budget_at, needs_transformers, twin, zoo_params
+from conftest import assert_same_step, budget_at, needs_transformers, planner_for, twin, zoo_params
 
 import autockpt
 from autockpt import zoo
@@ -20,16 +20,14 @@ Planned = tuple[zoo.ZooCase, autockpt.Planner, autockpt.Plan]
 
 @pytest.fixture(scope="module")
 def planned() -> Callable[[str], Planned]:
-    """Per zoo model: its case, a Planner (the model captured and profiled once for every budget of this file; what
-    ``autockpt.optimize`` does is ``Planner(...).optimize``) and the probe plan, the unmodified step's figures."""
+    """Per zoo model: its case, its Planner (``planner_for``: the model captured and profiled once for every budget
+    of this file) and the probe plan, the unmodified step's figures."""
     made: dict[str, Planned] = {}
 
     def planned_for(name: str) -> Planned:
         if name not in made:
             case = zoo.build(name)
-            planner = autockpt.Planner(
-                case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn
-            )
+            planner = planner_for(case)
             made[name] = case, planner, planner.plan(budget_bytes=10**15)
         return made[name]
 
@@ -61,7 +59,7 @@ def test_more_hugging_face_architectures_at_half_budget(name: str) -> None:
     """Encoder (BERT), encoder-decoder (T5) and a RoPE/grouped-query decoder (Llama) through the export path."""
     case = zoo.build(name)
     reference = twin(case)
-    planner = autockpt.Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs)
+    planner = planner_for(case)
     budget = budget_at(planner.plan(budget_bytes=10**15), 0.5)
     optimized = planner.optimize(budget_bytes=budget)
     assert_same_step(optimized, reference, case)

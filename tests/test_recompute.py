@@ -8,7 +8,7 @@ import logging
 
 import pytest
 import torch
-from conftest import assert_same_step, budget_at, probe, twin, zoo_params
+from conftest import assert_same_step, budget_at, planner_for, twin, zoo_params
 from torch import nn
 
 import autockpt
@@ -26,9 +26,7 @@ MODELS = zoo_params("mlp", "cnn", "transformer", "control_flow", "gpt2", "unet")
 def test_budget_is_kept_and_step_matches_pytorch(name: str) -> None:
     case = zoo.build(name)
     reference = twin(case)
-    planner = autockpt.Planner(
-        case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn, solver_options=FUNCTION
-    )  # what autockpt.optimize makes; one capture and profile for the probe and the plan
+    planner = planner_for(case, FUNCTION)  # one capture and profile for the probe and the plan
     budget = budget_at(planner.plan(budget_bytes=10**15), 0.5)
     optimized = planner.optimize(budget_bytes=budget)
     plan = autockpt.get_plan(optimized)
@@ -52,9 +50,8 @@ def test_the_simulator_is_exact_for_block_aligned_and_cut_regions(strategy: str)
 
 def test_a_plan_file_keeps_its_checkpoint_kind(tmp_path) -> None:  # noqa: ANN001
     case = zoo.build("mlp")
-    the_plan = autockpt.plan(
-        case.model, budget_bytes=budget_at(probe(case), 0.5), example_inputs=case.args, solver_options=FUNCTION
-    )
+    planner = planner_for(case, FUNCTION)
+    the_plan = planner.plan(budget_bytes=budget_at(planner.plan(budget_bytes=10**15), 0.5))
     the_plan.save(tmp_path / "plan.json")
     loaded = autockpt.load_plan(tmp_path / "plan.json")
     assert loaded.checkpoint_kind is CheckpointKind.RECOMPUTE_FUNCTION
@@ -103,10 +100,9 @@ def _floor(planner: autockpt.Planner) -> int:
 
 def test_auto_optimize_times_both_kinds_plans_and_returns_one_that_trains_like_pytorch() -> None:
     case = zoo.build("gpt2")
-    budget = budget_at(probe(case), 0.5)
-    optimized = autockpt.optimize(
-        case.model, budget_bytes=budget, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn
-    )
+    planner = planner_for(case)  # the default options: checkpoint "auto"
+    budget = budget_at(planner.plan(budget_bytes=10**15), 0.5)
+    optimized = planner.optimize(budget_bytes=budget)
     plan = autockpt.get_plan(optimized)
     assert plan.regions and plan.measured_peak_bytes <= budget
     assert any(note.startswith(f"checkpoint {plan.checkpoint_kind.value} chosen by measured step time") for note in plan.notes)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_same_step, needs_transformers, optimize_at, profile_of, run_step, twin
+from conftest import assert_same_step, needs_transformers, optimize_at, planner_for, profile_of, run_step, twin
 from edge_models import frozen_batchnorm_case
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
@@ -18,9 +18,10 @@ from autockpt.simulate import region_windows
 
 def test_recomputed_flops_are_exactly_the_planned_units() -> None:
     case = zoo.build("mlp")
-    probe = autockpt.plan(case.model, budget_bytes=10**15, example_inputs=case.args)
+    planner = planner_for(case)
+    probe = planner.plan(budget_bytes=10**15)
     budget = int(probe.static_bytes + 0.4 * (probe.baseline_peak_bytes - probe.static_bytes))
-    optimized = autockpt.optimize(case.model, budget_bytes=budget, example_inputs=case.args)
+    optimized = planner.optimize(budget_bytes=budget)
     plan = autockpt.get_plan(optimized)
     windows = region_windows(profile_of(case), plan.policy.region_actions)
     expected_extra = sum(

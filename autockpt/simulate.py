@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from autockpt.types import (
     Action,
@@ -115,8 +117,14 @@ def machinery_ms(trace: StepTrace, costs: CostModel, region_actions: Sequence[Re
 
 
 def simulate(trace: StepTrace, costs: CostModel, region_actions: Sequence[RegionAction]) -> Timeline:
-    """Predict the memory and added time of one training step when each region runs under its action."""
-    return _predict(trace, costs, region_actions, detailed=False).timeline
+    """Predict the memory and added time of one training step when each region runs under its action.
+
+    The solvers simulate thousands of plans per planner, so this is the vectorised twin of ``_predict``: the same
+    rules, applied to every storage at once with numpy, and what depends on one region and its action alone (its
+    window, replay peak, re-run units) cached per trace. ``_predict`` stays the reference (and makes the memory
+    curves); tests/test_simulate.py checks that both give the same timeline, field by field.
+    """
+    return _predict_fast(trace, costs, region_actions)
 
 
 def memory_curve(trace: StepTrace, costs: CostModel, region_actions: Sequence[RegionAction]) -> MemoryCurve:
@@ -161,11 +169,7 @@ def _predict(
     num_events = len(trace.events)
     regions = [ra.region for ra in region_actions]
     actions = [ra.action for ra in region_actions]
-    if Action.RECOMPUTE_OWN in actions and not trace.gradient_lifetimes:
-        raise ValueError(
-            f"this trace cannot score {Action.RECOMPUTE_OWN.value!r}: it has no gradient lifetimes (the action holds "
-            "output gradients); trace the step with gradient_lifetimes=True"
-        )
+    _check_gradient_lifetimes(trace, actions)
     region_of = unit_regions(len(trace.units), regions)
     windows = region_windows(trace, region_actions)
     index = _storage_index(trace)
@@ -262,6 +266,328 @@ def _predict(
         machinery_ms=machinery,
     )
     return _Prediction(timeline=timeline, forward_bytes=forward_bytes, copy_bytes=copy_bytes)
+
+
+def _check_gradient_lifetimes(trace: StepTrace, actions: Sequence[Action]) -> None:
+    if Action.RECOMPUTE_OWN in actions and not trace.gradient_lifetimes:
+        raise ValueError(
+            f"this trace cannot score {Action.RECOMPUTE_OWN.value!r}: it has no gradient lifetimes (the action holds "
+            "output gradients); trace the step with gradient_lifetimes=True"
+        )
+
+
+def _predict_fast(trace: StepTrace, costs: CostModel, region_actions: Sequence[RegionAction]) -> Timeline:
+    """``_predict(trace, costs, region_actions, detailed=False).timeline``, vectorised over storages."""
+    arrays = _storage_arrays(trace)
+    num_events = arrays.num_events
+    if num_events == 0:  # nothing to vectorise; the reference says what is wrong
+        return _predict(trace, costs, region_actions, detailed=False).timeline
+    actions = [ra.action for ra in region_actions]
+    _check_gradient_lifetimes(trace, actions)
+    regions = [ra.region for ra in region_actions]
+    ordered = sorted(regions, key=lambda region: region.first_unit)
+    if ordered and (
+        max(region.last_unit for region in ordered) >= arrays.num_units
+        or any(after.first_unit <= before.last_unit for before, after in itertools.pairwise(ordered))
+    ):
+        unit_regions(arrays.num_units, regions)  # raises the reference's error (past the last unit, or overlap)
+    region_of = np.full(arrays.num_units + 1, -1, dtype=np.int64)  # the extra last entry: unit -1, outside the graph
+    for r, region in enumerate(regions):
+        region_of[region.first_unit : region.last_unit + 1] = r
+    facts = [_region_facts(trace, arrays, ra.region, ra.action) for ra in region_actions]
+    plan_delta = np.zeros(num_events + 1, dtype=np.int64)
+    copy_bytes_at_burst = np.zeros(len(facts), dtype=np.int64)
+    if facts:
+        _storage_deltas(arrays, region_of, facts, actions, plan_delta, copy_bytes_at_burst)
+    running = np.cumsum(plan_delta[:num_events])
+    event_bytes = arrays.peak_bytes + running
+
+    burst_bytes = []
+    recompute_ms = 0.0
+    rerun_units: list[int] = []
+    for r, fact in enumerate(facts):
+        c = fact.first_backward
+        if c < 0:
+            burst_bytes.append(0)
+            continue
+        before_recompute = int(arrays.start_bytes[c]) + int(running[c]) - int(copy_bytes_at_burst[r])
+        if fact.rerun_units:
+            recompute_ms += fact.recompute_ms  # each region's sum, added in region order, as ``_predict`` adds them
+            rerun_units += fact.rerun_units
+        burst = before_recompute + fact.replay_bytes
+        burst_bytes.append(burst)
+        event_bytes[c] = max(event_bytes[c], burst)
+
+    peak_event = int(event_bytes.argmax())  # the first of equal peaks, as max() over the events
+    machinery = 0.0  # as ``machinery_ms``, region by region
+    prices: dict[Action, tuple[float, float]] = {}
+    for action, fact in zip(actions, facts):
+        price = prices.get(action)
+        if price is None:
+            found = costs.price(action)
+            price = prices[action] = (found.region_ms, found.saved_tensor_ms)
+        machinery += price[0] + fact.saved_tensors * price[1]
+    return Timeline(
+        event_bytes=tuple(event_bytes.tolist()),
+        burst_bytes=tuple(burst_bytes),
+        peak_bytes=int(event_bytes[peak_event]),
+        peak_event=peak_event,
+        recompute_ms=recompute_ms,
+        rerun_units=tuple(rerun_units),
+        overhead_ms=recompute_ms + machinery,
+        machinery_ms=machinery,
+    )
+
+
+def _storage_deltas(
+    arrays: _StorageArrays,
+    region_of: np.ndarray,
+    facts: list[_RegionFacts],
+    actions: list[Action],
+    plan_delta: np.ndarray,
+    copy_bytes_at_burst: np.ndarray,
+) -> None:
+    """What the plan changes in every storage's life, as ``_predict``'s loop over touched storages does, added into
+    the difference array ``plan_delta``; and per region, the bytes of the copies its recomputation makes."""
+    none = -1  # an event index or region that does not exist; every real one is >= 0, so it also acts as -infinity
+    a = arrays
+    first_backward = np.array([f.first_backward for f in facts], dtype=np.int64)
+    last_backward = np.array([f.last_backward for f in facts], dtype=np.int64)
+    home = region_of[a.producer]
+    # regions (not the storage's home) that read it hold it until their backward is done (``_plan_free_event``)
+    user_region = region_of[a.user_unit]
+    user_home = home[a.user_owner]
+    read_elsewhere = user_region != user_home
+    held = np.where((user_region >= 0) & read_elsewhere, last_backward[user_region], none)
+    held_max = np.full(a.num_storages, none, dtype=np.int64)
+    np.maximum.at(held_max, a.user_owner, held)
+    saver_region = region_of[a.saver_unit]
+    saved_in_home_entry = (saver_region >= 0) & (saver_region == home[a.saver_owner])
+    saved_in_home = np.zeros(a.num_storages, dtype=bool)
+    saved_in_home[a.saver_owner[saved_in_home_entry]] = True
+    # autograd keeps a storage for each saver that is not checkpointed
+    kept_for = np.full(a.num_storages, none, dtype=np.int64)
+    np.maximum.at(kept_for, a.saver_owner, np.where(saver_region < 0, a.saver_release, none))
+    plan_free = np.where(
+        saved_in_home,
+        np.maximum(np.maximum(a.last_forward_use, held_max), kept_for),
+        np.maximum(a.base_free, held_max),
+    )
+    plan_free[a.never_freed] = a.base_free[a.never_freed]
+    earlier, later = plan_free < a.base_free, plan_free > a.base_free
+    np.subtract.at(plan_delta, plan_free[earlier] + 1, a.nbytes[earlier])
+    np.add.at(plan_delta, a.base_free[earlier] + 1, a.nbytes[earlier])
+    np.add.at(plan_delta, a.base_free[later] + 1, a.nbytes[later])
+    np.subtract.at(plan_delta, plan_free[later] + 1, a.nbytes[later])
+
+    at_home = home >= 0
+    home_first = np.where(at_home, first_backward[home], none)
+    if Action.RECOMPUTE_OWN in actions:
+        # the checkpoint holds the gradients of the region's outputs until the region's backward is done (only the
+        # regions under autockpt's own checkpoint)
+        holds_gradients = np.array([action is Action.RECOMPUTE_OWN for action in actions], dtype=bool)
+        home_last = np.where(at_home, last_backward[home], none)
+        read_outside = np.zeros(a.num_storages, dtype=bool)
+        read_outside[a.user_owner[read_elsewhere]] = True
+        output = a.never_freed | read_outside
+        start = np.maximum(a.gradient_free + 1, home_first)
+        holds = (
+            at_home & holds_gradients[home] & (home_first >= 0) & (a.gradient_free >= 0) & output & (start <= home_last)
+        )
+        np.add.at(plan_delta, start[holds], a.nbytes[holds])
+        np.subtract.at(plan_delta, home_last[holds] + 1, a.nbytes[holds])
+    # a fresh copy from the recomputation lives until the last saver of the home region has unpacked it
+    copy_until = np.full(a.num_storages, none, dtype=np.int64)
+    np.maximum.at(copy_until, a.saver_owner, np.where(saved_in_home_entry, a.saver_release, none))
+    copied = saved_in_home & (home_first >= 0)
+    np.add.at(copy_bytes_at_burst, home[copied], a.nbytes[copied])
+    lives = copied & (home_first <= copy_until)
+    np.add.at(plan_delta, home_first[lives], a.nbytes[lives])
+    np.subtract.at(plan_delta, copy_until[lives] + 1, a.nbytes[lives])
+
+
+@dataclass(frozen=True, slots=True)
+class _RegionFacts:
+    """What depends on one region and its action alone (not on the rest of the plan)."""
+
+    first_backward: int  # the window's events, -1 for None
+    last_backward: int
+    replay_bytes: int  # ``_replay_peak``: its membership tests only ask whether a unit is in this region
+    rerun_units: list[int]
+    recompute_ms: float  # summed over ``rerun_units`` in order with ``sum``, as ``_predict`` sums it
+    saved_tensors: int
+
+
+@dataclass(frozen=True, slots=True)
+class _StorageArrays:
+    """The trace's storages as flat arrays (ragged unit lists as one entry per (storage, unit), with its owner)."""
+
+    num_units: int
+    num_events: int
+    num_storages: int
+    peak_bytes: np.ndarray  # per event
+    start_bytes: np.ndarray  # per event
+    nbytes: np.ndarray  # per storage, from here on
+    producer: np.ndarray  # units as indices into ``region_of``: num_units (its extra entry) for -1, outside the graph
+    base_free: np.ndarray  # the measured free event (the last event when never freed)
+    never_freed: np.ndarray
+    last_forward_use: np.ndarray
+    gradient_free: np.ndarray  # -1: not recorded
+    user_owner: np.ndarray  # per (storage, user unit) entry: the storage
+    user_unit: np.ndarray
+    saver_owner: np.ndarray  # per (storage, saver unit) entry: the storage
+    saver_unit: np.ndarray
+    saver_release: np.ndarray  # the saver's last backward event unpacking the storage
+    forward_ms: list[float]  # per unit
+    saved_tensors_before: list[int]  # per unit and one past the last: tensors the units before it save
+    # per (region, action) simulated on this trace: what they alone fix (bounded: cleared when full)
+    region_facts: dict[tuple[Region, Action], _RegionFacts] = field(default_factory=dict)
+    replay_units: list[_ReplayUnit] = field(default_factory=list)  # ``_replay_units``, made on first use
+
+
+_REGION_FACTS_SIZE = 1 << 16
+# per unit: the rise of its forward event to its peak and to its last pack, and the storages it made that outlive it
+_ReplayUnit = tuple[int, int | None, tuple[tuple[int, int, int, tuple[int, ...]], ...]]
+
+
+def _replay_peak_alone(
+    trace: StepTrace, arrays: _StorageArrays, region: Region, window: RegionWindow, *, early_stop: bool
+) -> int:
+    """``_replay_peak`` of ``region``: its rules only ask whether a unit is in this region, so the rest of the plan
+    does not matter. The same steps, on what ``_replay_units`` keeps per unit: a transient leaves at its last reader
+    (where ``_replay_peak``'s scan finds it), and "read outside the region" compares the first and last reader."""
+    first, last_unit = region.first_unit, region.last_unit
+    last = window.last_saver_unit if early_stop else last_unit
+    assert last is not None  # a region with a first backward event has a last saver
+    replay_units = _replay_units(trace, arrays)
+    live = 0
+    peak = 0
+    leaving: dict[int, int] = {}  # unit -> bytes of transients it is the last reader of
+    for unit in range(first, last + 1):
+        rise, pack_rise, made = replay_units[unit]
+        if early_stop and unit == last and pack_rise is not None:
+            return max(peak, live + pack_rise)
+        peak = max(peak, live + rise)
+        for nbytes, first_user, last_user, savers in made:
+            if first_user < first or last_user > last_unit or any(first <= s <= last_unit for s in savers):
+                live += nbytes  # read outside the region (a unit outside, or the loss), or saved in it
+            elif last_user > unit:
+                live += nbytes  # read by a later unit of the region: until that unit ran
+                leaving[last_user] = leaving.get(last_user, 0) + nbytes
+        peak = max(peak, live)
+        live -= leaving.pop(unit, 0)
+    return peak
+
+
+_NO_USER = (1 << 62, -1)  # (first, last) reader of a storage no unit reads: neither outside a region nor later
+
+
+def _replay_units(trace: StepTrace, arrays: _StorageArrays) -> list[_ReplayUnit]:
+    """Per unit, for ``_replay_peak_alone``: its forward event's rise (to its peak, and to its last pack: None if
+    nothing was packed), and the storages it made that outlive it: bytes, first and last reader, savers."""
+    if arrays.replay_units:
+        return arrays.replay_units
+    index = _storage_index(trace)
+    for unit in range(len(trace.units)):
+        event = index.forward_event_of_unit.get(unit)
+        rise = event.peak_bytes - event.start_bytes if event is not None else 0
+        pack_rise = (
+            event.pack_peak_bytes - event.start_bytes
+            if event is not None and event.pack_peak_bytes is not None
+            else None
+        )
+        made = tuple(
+            (
+                storage.nbytes,
+                *((min(storage.user_units), max(storage.user_units)) if storage.user_units else _NO_USER),
+                storage.saver_units,
+            )
+            for storage in index.made_by_unit[unit]
+            if not (storage.free_event is not None and storage.free_event <= storage.alloc_event)
+        )
+        arrays.replay_units.append((rise, pack_rise, made))
+    return arrays.replay_units
+
+
+def _region_facts(trace: StepTrace, arrays: _StorageArrays, region: Region, action: Action) -> _RegionFacts:
+    key = (region, action)
+    facts = arrays.region_facts.get(key)
+    if facts is not None:
+        return facts
+    (window,) = region_windows(trace, (RegionAction(region=region, action=action),))
+    rerun: list[int] = []
+    recompute_ms = 0.0
+    replay = 0
+    if window.first_backward_event is not None:
+        replay = _replay_peak_alone(trace, arrays, region, window, early_stop=_stops_early(action))
+        if window.last_recomputed_unit is not None:
+            rerun = list(range(region.first_unit, window.last_recomputed_unit + 1))
+            recompute_ms = sum(arrays.forward_ms[region.first_unit : window.last_recomputed_unit + 1])
+    facts = _RegionFacts(
+        first_backward=-1 if window.first_backward_event is None else window.first_backward_event,
+        last_backward=-1 if window.last_backward_event is None else window.last_backward_event,
+        replay_bytes=replay,
+        rerun_units=rerun,
+        recompute_ms=recompute_ms,
+        saved_tensors=arrays.saved_tensors_before[region.last_unit + 1] - arrays.saved_tensors_before[region.first_unit],
+    )
+    if len(arrays.region_facts) >= _REGION_FACTS_SIZE:
+        arrays.region_facts.clear()
+    arrays.region_facts[key] = facts
+    return facts
+
+
+# one entry per trace, kept alive with it (as _INDEX_CACHE: an id is never reused while its entry exists)
+_ARRAYS_CACHE: dict[int, tuple[StepTrace, _StorageArrays]] = {}
+
+
+def _storage_arrays(trace: StepTrace) -> _StorageArrays:
+    cached = _ARRAYS_CACHE.get(id(trace))
+    if cached is not None and cached[0] is trace:
+        return cached[1]
+    num_events = len(trace.events)
+    storages = trace.storages
+
+    def units(values: Sequence[int]) -> np.ndarray:  # unit -1 (outside the graph) -> region_of's extra last entry
+        array = np.array(values, dtype=np.int64)
+        array[array < 0] = len(trace.units)
+        return array
+
+    # one entry per (storage, unit); savers zipped with their release events, as ``_predict`` zips them
+    users = [(s, u) for s, storage in enumerate(storages) for u in storage.user_units]
+    savers = [
+        (s, u, e)
+        for s, storage in enumerate(storages)
+        for u, e in zip(storage.saver_units, storage.saver_release_events)
+    ]
+    arrays = _StorageArrays(
+        num_units=len(trace.units),
+        num_events=num_events,
+        num_storages=len(storages),
+        peak_bytes=np.array([e.peak_bytes for e in trace.events], dtype=np.int64),
+        start_bytes=np.array([e.start_bytes for e in trace.events], dtype=np.int64),
+        nbytes=np.array([s.nbytes for s in storages], dtype=np.int64),
+        producer=units([s.producer_unit for s in storages]),
+        base_free=np.array(
+            [num_events - 1 if s.free_event is None else s.free_event for s in storages], dtype=np.int64
+        ),
+        never_freed=np.array([s.free_event is None for s in storages], dtype=bool),
+        last_forward_use=np.array([s.last_forward_use_event for s in storages], dtype=np.int64),
+        gradient_free=np.array(
+            [-1 if s.gradient_free_event is None else s.gradient_free_event for s in storages], dtype=np.int64
+        ),
+        user_owner=np.array([s for s, _ in users], dtype=np.int64),
+        user_unit=units([u for _, u in users]),
+        saver_owner=np.array([s for s, _, _ in savers], dtype=np.int64),
+        saver_unit=units([u for _, u, _ in savers]),
+        saver_release=np.array([e for _, _, e in savers], dtype=np.int64),
+        forward_ms=[unit.forward_ms for unit in trace.units],
+        saved_tensors_before=[0, *itertools.accumulate(unit.saved_tensors for unit in trace.units)],
+    )
+    if len(_ARRAYS_CACHE) >= _INDEX_CACHE_SIZE:
+        _ARRAYS_CACHE.pop(next(iter(_ARRAYS_CACHE)))
+    _ARRAYS_CACHE[id(trace)] = (trace, arrays)
+    return arrays
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """Simulator: hand-built timelines (early stop, held region outputs, whole-region recomputation and held output
-gradients under autockpt's own checkpoint), and predicted peaks against measured ones for random plans, a loss that
-saves activations and a region ending in a matmul."""
+gradients under autockpt's own checkpoint), the vectorised simulator against the reference one, and predicted peaks
+against measured ones for random plans, a loss that saves activations and a region ending in a matmul."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from conftest import FREE_MACHINERY, profile_of, rewritten, torch_actions, torch_scorer, with_regions
+from conftest import FREE_MACHINERY, planner_for, profile_of, rewritten, torch_actions, torch_scorer, with_regions
 from edge_models import Chain
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
@@ -17,11 +17,23 @@ import autockpt
 from autockpt import zoo
 from autockpt.capture import capture
 from autockpt.loss import default_loss
-from autockpt.simulate import region_windows, simulate
+from autockpt.simulate import _predict, region_windows, simulate
 from autockpt.solve.base import region_actions
 from autockpt.solve.candidates import candidate_regions
 from autockpt.trace import trace_step
-from autockpt.types import Action, MemoryEvent, Phase, Region, StepTrace, StorageLife, UnitCost
+from autockpt.types import (
+    Action,
+    ActionPrice,
+    CostModel,
+    MemoryEvent,
+    Phase,
+    Region,
+    RegionAction,
+    StepTrace,
+    StorageLife,
+    Timeline,
+    UnitCost,
+)
 
 # ------------------------------------------------------------------------------------------ hand-built timelines
 
@@ -147,6 +159,66 @@ def test_the_whole_region_is_recomputed_and_output_gradients_are_held() -> None:
     # event 5 the re-run's copy of B comes on top
     difference = [b - a for a, b in zip(torch_semantics.event_bytes, own_semantics.event_bytes)]
     assert difference[5:7] == [200, 100] and not any(difference[:5]) and not difference[7]
+
+
+# ------------------------------------------------------------------------------------------ vectorised vs reference
+
+
+def _reference(trace: StepTrace, costs: CostModel, plan: tuple[RegionAction, ...]) -> Timeline:
+    return _predict(trace, costs, plan, detailed=False).timeline
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
+def test_the_vectorised_simulator_gives_the_reference_timeline(name: str) -> None:
+    """``simulate`` (numpy, facts cached per region and action) and ``_predict`` (storage by storage) give equal
+    timelines, every field (float sums bit for bit), on every candidate alone under each action and on random plans
+    of mixed actions, in any region order."""
+    planner = planner_for(zoo.build(name))
+    trace, costs = planner.trace, planner.costs
+    assert trace.gradient_lifetimes and costs.price(Action.RECOMPUTE_OWN).saved_tensor_ms > 0
+    _, candidates = candidate_regions(planner.graph, trace)
+    actions = (Action.RECOMPUTE_TORCH, Action.RECOMPUTE_OWN)
+    plans: list[tuple[RegionAction, ...]] = [()]
+    plans += [(RegionAction(region=c, action=a),) for c in candidates for a in actions]
+    rng = random.Random(0)
+    for _ in range(40):
+        chosen: list[Region] = []
+        density = rng.choice((0.05, 0.3, 1.0))
+        for region in rng.sample(candidates, len(candidates)):
+            if not any(region.overlaps(r) for r in chosen) and rng.random() < density:
+                chosen.append(region)  # unsorted on purpose: burst and re-run lists follow the given order
+        plans.append(tuple(RegionAction(region=r, action=rng.choice(actions)) for r in chosen))
+    for plan in plans:
+        timeline = simulate(trace, costs, plan)
+        assert timeline == _reference(trace, costs, plan), plan
+        assert all(type(b) is int for b in (*timeline.event_bytes, *timeline.burst_bytes, timeline.peak_bytes))
+    # the same errors as the reference
+    for bad in (
+        (RegionAction(region=candidates[0], action=Action.RECOMPUTE_TORCH),) * 2,
+        (RegionAction(region=Region(first_unit=0, last_unit=len(trace.units)), action=Action.RECOMPUTE_TORCH),),
+    ):
+        with pytest.raises(ValueError) as expected:
+            _reference(trace, costs, bad)
+        with pytest.raises(ValueError, match="overlap|past the last unit") as got:
+            simulate(trace, costs, bad)
+        assert str(got.value) == str(expected.value)
+
+
+def test_the_vectorised_simulator_on_hand_built_traces() -> None:
+    """The hand-built trace (no gradient lifetimes): equal timelines under torch's checkpoint with priced machinery;
+    autockpt's own checkpoint is refused with the reference's error."""
+    trace = _hand_built_profile()
+    price = ActionPrice(action=Action.RECOMPUTE_TORCH, region_ms=0.1, saved_tensor_ms=0.03)
+    costs = CostModel(device="cpu", prices=(price,))
+    for regions in ((), (Region(first_unit=0, last_unit=1),), (Region(first_unit=1, last_unit=1),)):
+        plan = torch_actions(regions)
+        assert simulate(trace, costs, plan) == _reference(trace, costs, plan)
+    own = region_actions((Region(first_unit=0, last_unit=0),), Action.RECOMPUTE_OWN)
+    with pytest.raises(ValueError) as expected:
+        _reference(trace, costs, own)
+    with pytest.raises(ValueError, match="gradient lifetimes") as got:
+        simulate(trace, costs, own)
+    assert str(got.value) == str(expected.value)
 
 
 # ------------------------------------------------------------------------------------------ predicted vs measured

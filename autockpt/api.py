@@ -331,8 +331,9 @@ class Planner:
         if not results:
             raise min(infeasible, key=lambda error: error.min_feasible_bytes)  # the action that gets lowest
         floor = min([r.min_feasible_bytes for r in results.values()] + [e.min_feasible_bytes for e in infeasible])
+        complete = all(r.floor_complete for r in results.values())  # an infeasible action ran the full search
         for action, result in results.items():
-            results[action] = dataclasses.replace(result, min_feasible_bytes=floor)
+            results[action] = dataclasses.replace(result, min_feasible_bytes=floor, floor_complete=complete)
             logger.info(
                 "plan (%s): %s, %d regions, predicted peak %d bytes (target %d), solve %.1fs", action.value,
                 result.status.value, len(result.regions), result.timeline.peak_bytes, target_bytes, result.solve_time_s,

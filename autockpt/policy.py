@@ -86,6 +86,7 @@ def assemble_plan(
         predicted_peak_bytes=timeline.peak_bytes,
         baseline_peak_bytes=result.baseline.peak_bytes if solved else trace.baseline_peak_bytes,
         min_feasible_bytes=result.min_feasible_bytes if solved else timeline.peak_bytes,
+        floor_complete=result.floor_complete if solved else True,
         static_bytes=trace.static_bytes,
         predicted_overhead=context.overhead(timeline.overhead_ms),
         recompute_ms=timeline.recompute_ms,

@@ -9,7 +9,7 @@ from html import escape as html_escape
 from pathlib import Path
 from typing import Any
 
-from autockpt.summary import module_rows, overhead_breakdown, region_rows
+from autockpt.summary import floor_note, module_rows, overhead_breakdown, region_rows
 from autockpt.types import PlanRecord
 from autockpt.units import GB, format_bytes
 
@@ -38,7 +38,7 @@ def _headline(plan: PlanRecord) -> list[tuple[str, str]]:
         ("budget", format_bytes(plan.budget_bytes)),
         ("predicted peak", format_bytes(plan.predicted_peak_bytes)),
         ("unmodified peak (predicted = profiled)", format_bytes(plan.baseline_peak_bytes)),
-        ("smallest feasible peak", format_bytes(plan.min_feasible_bytes)),
+        ("smallest feasible peak", format_bytes(plan.min_feasible_bytes) + floor_note(plan)),
         ("static (parameters, buffers, gradients, inputs)", format_bytes(plan.static_bytes)),
         ("predicted overhead", f"+{100 * plan.predicted_overhead:.1f}% of the step ({overhead_breakdown(plan)})"),
         ("recomputed", f"{len(plan.recomputed_units)} of {len(plan.nodes)} units in {len(plan.regions)} regions"),

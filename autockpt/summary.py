@@ -16,6 +16,11 @@ if TYPE_CHECKING:
     import pandas as pd
 
 
+def floor_note(plan: PlanRecord) -> str:
+    """Said after the smallest feasible peak when it comes from the quick search."""
+    return "" if plan.floor_complete else " (quick search; a budget below it runs the full search)"
+
+
 def plan_summary(plan: PlanRecord, *, max_regions: int = 12) -> str:
     recomputed = plan.recomputed_units
     lines = [
@@ -24,7 +29,7 @@ def plan_summary(plan: PlanRecord, *, max_regions: int = 12) -> str:
         f"  budget                 {format_bytes(plan.budget_bytes)}",
         f"  predicted peak         {format_bytes(plan.predicted_peak_bytes)}",
         f"  unmodified peak        {format_bytes(plan.baseline_peak_bytes)}",
-        f"  smallest feasible      {format_bytes(plan.min_feasible_bytes)}",
+        f"  smallest feasible      {format_bytes(plan.min_feasible_bytes)}{floor_note(plan)}",
         f"  static (params, buffers, grads, inputs) {format_bytes(plan.static_bytes)}",
         f"  recomputed             {len(recomputed)} of {len(plan.nodes)} units in {len(plan.regions)} checkpointed regions",
         f"  predicted overhead     +{100 * plan.predicted_overhead:.1f}% of the step ({overhead_breakdown(plan)})",

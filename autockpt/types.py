@@ -422,7 +422,7 @@ class PlanRecord:
     budget_bytes: int
     predicted_peak_bytes: int
     baseline_peak_bytes: int  # predicted (= measured in profiling) peak with nothing recomputed
-    min_feasible_bytes: int
+    min_feasible_bytes: int  # the lowest predicted peak found (see floor_complete)
     static_bytes: int
     predicted_overhead: float  # (recompute time + checkpoint machinery) / unmodified step time
     recompute_ms: float
@@ -448,6 +448,9 @@ class PlanRecord:
     pareto: tuple[ParetoPoint, ...] = ()  # other budgets, when the planner was asked for them
     prices: tuple[ActionPrice, ...] = ()  # the cost model's prices the prediction used (``costs.py``)
     machinery_ms: float = 0.0  # predicted checkpoint machinery of all regions: part of predicted_overhead
+    # False: min_feasible_bytes comes from the quick floor search (block program, baselines, local descent), which
+    # was enough to prove this budget reachable; a lower budget runs the full search, which may find lower
+    floor_complete: bool = True
 
     @property
     def regions(self) -> tuple[Region, ...]:

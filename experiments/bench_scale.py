@@ -1,14 +1,19 @@
 """Scaling benchmark: how planning time, planner memory and plan quality grow with model depth.
 
-GPT-2-style models of 6, 12, 24, 48 layers and a UNet with many blocks, random-initialised. Each model runs in its own
+GPT-2-style models of 6, 12, 24, 48 layers, Hugging Face Llama models of 12 and 48 layers and a UNet with many blocks,
+random-initialised. Each model runs in its own
 subprocess, so the planner's peak memory (the process's RSS high-water mark, ``ru_maxrss``) is its own. Per model:
 units in the captured graph, capture / profile / solve seconds (solve at each budget fraction), the planner's peak
 RSS, and per budget the predicted peak, the measured peak of the rewritten model (MemTracker, one real step), the
 prediction error and the predicted overhead. Where repeated blocks were found, the same budget is also solved by the
 flat program on the same profile (``flat_solve_s``, ``recompute_vs_flat``: the block plan's recompute ms over the flat
-plan's), timed after the block solve so it does not count in ``solve_s``. Writes a CSV and a log-log plot of solve time against units.
+plan's), timed after the block solve so it does not count in ``solve_s``. Budgets given as ``--floor-fractions`` sit
+a fraction of the way from the model's memory floor (``InfeasibleBudgetError.min_feasible_bytes`` of a first planner)
+to its unmodified peak and are each solved as the *first* plan of a fresh planner: ``plan_solve_time_s`` is that
+plan's ``Plan.solve_time_s`` (everything after capture and profiling), the figure issue 20 sets a target for (≤ 2 s
+for Llama 12 layers, ≤ 10 s for 48). Writes a CSV and a log-log plot of solve time against units.
 
-    python experiments/bench_scale.py                         # GPT-2 6/12/24/48 layers and a UNet
+    python experiments/bench_scale.py                         # GPT-2 6/12/24/48, Llama 12/48 layers and a UNet
     python experiments/bench_scale.py --models gpt2:6,gpt2:12 --fractions 0.5 --no-measure
 """
 
@@ -22,10 +27,12 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_MODELS = "gpt2:6,gpt2:12,gpt2:24,gpt2:48,unet:4"
+DEFAULT_MODELS = "gpt2:6,gpt2:12,gpt2:24,gpt2:48,llama:12,llama:48,unet:4"
 # GPT-2: width 128, 4 heads, sequence 128, batch 2, vocabulary 512; small enough that profiling stays cheap on CPU,
 # the graph grows with depth like the real thing (about 55 aten units per layer).
 _GPT2 = {"n_embd": 128, "n_head": 4, "seq": 128, "batch": 2, "vocab": 512}
+# Llama: the sizes of issue 20's solve-time target (hidden 64, intermediate 176, 4 heads with 2 KV heads)
+_LLAMA = {"hidden": 64, "intermediate": 176, "heads": 4, "kv_heads": 2, "seq": 128, "batch": 2, "vocab": 1000}
 
 
 def build(spec: str):  # -> (model, args, kwargs, loss_fn)
@@ -43,6 +50,15 @@ def build(spec: str):  # -> (model, args, kwargs, loss_fn)
         )
         ids = torch.randint(0, _GPT2["vocab"], (_GPT2["batch"], _GPT2["seq"]))
         return GPT2LMHeadModel(config), (ids,), {"labels": ids}, None
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            hidden_size=_LLAMA["hidden"], intermediate_size=_LLAMA["intermediate"], num_attention_heads=_LLAMA["heads"],
+            num_key_value_heads=_LLAMA["kv_heads"], num_hidden_layers=depth, vocab_size=_LLAMA["vocab"],
+        )
+        ids = torch.randint(0, _LLAMA["vocab"], (_LLAMA["batch"], _LLAMA["seq"]))
+        return LlamaForCausalLM(config), (ids,), {"labels": ids, "use_cache": False}, None
     if kind == "unet":
         from diffusers import UNet2DModel
 
@@ -54,11 +70,11 @@ def build(spec: str):  # -> (model, args, kwargs, loss_fn)
         )
         sample = torch.randn(2, 3, 32, 32)
         return model, (sample, torch.tensor(10)), {}, lambda out: out.sample.pow(2).mean()
-    raise ValueError(f"unknown model spec {spec!r}: use gpt2:LAYERS or unet:LAYERS_PER_BLOCK")
+    raise ValueError(f"unknown model spec {spec!r}: use gpt2:LAYERS, llama:LAYERS or unet:LAYERS_PER_BLOCK")
 
 
-def run_one(spec: str, fractions: list[float], measure: bool) -> list[dict]:
-    """Plan (and measure) one model in this process; one row per budget fraction."""
+def run_one(spec: str, fractions: list[float], floor_fractions: list[float], measure: bool) -> list[dict]:
+    """Plan (and measure) one model in this process; one row per budget fraction, then one per floor fraction."""
     import torch
 
     import autockpt
@@ -101,9 +117,41 @@ def run_one(spec: str, fractions: list[float], measure: bool) -> list[dict]:
                        prediction_error=round((measured - plan.predicted_peak_bytes) / measured, 5),
                        within_budget=measured <= budget)
         rows.append(row)
+    rows += _first_plans(spec, planner, floor_fractions)
     planner_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     for row in rows:
         row["process_peak_rss_bytes"] = planner_rss
+    return rows
+
+
+def _first_plans(spec: str, planner, floor_fractions: list[float]) -> list[dict]:
+    """Per floor fraction: a fresh planner's first plan at floor + fraction x (peak - floor)."""
+    import autockpt
+
+    if not floor_fractions:
+        return []
+    try:
+        planner.plan(budget_bytes=1)
+    except autockpt.InfeasibleBudgetError as error:
+        floor = error.min_feasible_bytes
+    peak = planner.trace.baseline_peak_bytes
+    rows = []
+    for fraction in floor_fractions:
+        model, args, kwargs, loss_fn = build(spec)
+        budget = int(floor + fraction * (peak - floor))
+        fresh = autockpt.Planner(model, example_inputs=args, example_kwargs=kwargs, loss_fn=loss_fn)
+        started = time.perf_counter()
+        plan = fresh.plan(budget_bytes=budget)
+        rows.append({
+            "model": spec, "units": len(fresh.graph.units), "capture": fresh.graph.kind.value,
+            "parameters": sum(p.numel() for p in model.parameters()), "fraction": f"floor+{fraction}",
+            "budget_bytes": budget, "unmodified_peak_bytes": peak, "static_bytes": fresh.trace.static_bytes,
+            "capture_s": round(fresh.capture_time_s, 3), "profile_s": round(fresh.profile_time_s, 3), "feasible": True,
+            "solve_s": round(time.perf_counter() - started, 3), "plan_solve_time_s": round(plan.solve_time_s, 3),
+            "status": plan.status.value, "min_feasible_bytes": floor, "predicted_peak_bytes": plan.predicted_peak_bytes,
+            "predicted_overhead": round(plan.predicted_overhead, 4), "regions": len(plan.regions),
+            "checkpoint": plan.checkpoint_kind.value,
+        })
     return rows
 
 
@@ -166,7 +214,7 @@ def plot(frame, path: Path) -> None:
 
     figure = Figure(figsize=(6.5, 4.2), layout="constrained")
     ax = figure.subplots()
-    for fraction, group in frame[frame["feasible"]].groupby("fraction"):
+    for fraction, group in frame[frame["feasible"]].groupby(frame["fraction"].astype(str)):
         ax.loglog(group["units"], group["solve_s"], marker="o", linestyle="none", label=f"budget fraction {fraction}")
         for _, row in group.iterrows():
             ax.annotate(row["model"], (row["units"], row["solve_s"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
@@ -181,20 +229,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=DEFAULT_MODELS, help=f"comma-separated specs (default {DEFAULT_MODELS})")
     parser.add_argument("--fractions", default="0.3,0.5", help="budgets: fractions from static memory to the peak")
+    parser.add_argument("--floor-fractions", default="0.3",
+                        help="first plans of fresh planners: fractions from the floor to the peak ('' for none)")
     parser.add_argument("--no-measure", action="store_true", help="skip the real step of each rewritten model")
     parser.add_argument("--out", type=Path, default=Path("experiments/results"))
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one model, print JSON rows
     options = parser.parse_args()
     fractions = [float(f) for f in options.fractions.split(",")]
+    floor_fractions = [float(f) for f in options.floor_fractions.split(",") if f]
     if options.one:
-        print(json.dumps(run_one(options.one, fractions, not options.no_measure)))
+        print(json.dumps(run_one(options.one, fractions, floor_fractions, not options.no_measure)))
         return
 
     import pandas as pd
 
     rows = []
     for spec in options.models.split(","):
-        command = [sys.executable, __file__, "--one", spec, "--fractions", options.fractions]
+        command = [sys.executable, __file__, "--one", spec, "--fractions", options.fractions,
+                   "--floor-fractions", options.floor_fractions]
         command += ["--no-measure"] if options.no_measure else []
         started = time.perf_counter()
         done = subprocess.run(command, capture_output=True, text=True)

@@ -103,6 +103,7 @@ class SolveResult:
     solver: str
     solve_time_s: float
     stats: SolverStats
+    floor_complete: bool = True  # False: min_feasible_bytes is the quick floor's (``solve/default.py``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +139,8 @@ class Floor:
     stats: SolverStats
     greedy: bool  # the solver found nothing in time: a greedy floor
     block_peak_bytes: int | None  # the lowest peak the block program reaches (None: no block program)
+    block_regions: tuple[Region, ...] = ()  # the block program's floor plan (before local descent)
+    complete: bool = True  # False: the quick floor (no flat program solved), ``solve/default.py``
 
 
 @dataclass(frozen=True, slots=True)

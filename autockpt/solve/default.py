@@ -1,8 +1,12 @@
 """The default solver (``strategy="autockpt"``): every algorithm of this package, each where it does best.
 
-1. **Floor**, once per problem and options: the flat MILP minimising the peak (HiGHS prunes with the lowest seed's
-   peak), the greedy order when it finds nothing in time, the block program's lowest peak, and a local descent from
-   each of those and the seed plans (``local.lower_floor_locally``).
+1. **Floor**, once per problem and options, in two steps. The quick floor: the block program's lowest peak and the
+   seed plans, each lowered by local descent (``local.lower_floor_locally``); it proves a budget reachable in well
+   under a second, and a budget at or above it is solved without the next step. The full floor, when a budget is
+   below the quick floor, when the budget needs no plan (the unmodified peak fits: the plan then reports the floor
+   for budgets to come) or when the problem has no repeated blocks: also the flat MILP minimising the peak (HiGHS
+   prunes with the lowest peak known so far), or the greedy order when it finds nothing in time; seconds on 12
+   layers. ``SolveResult.floor_complete`` says which one ``min_feasible_bytes`` comes from.
 2. **Plan**: ``refine`` with the block program (its chain DP answers in milliseconds) at budgets it can reach, else
    with the flat MILP; the greedy plan when a program ran out of time.
 3. **Polish**, judged by the simulator: drop regions the plan does not need, swap for cheaper candidates, and take a
@@ -39,9 +43,7 @@ def solve_prepared(problem: Problem, budget_bytes: int, options: SolverOptions |
     started = time.perf_counter()
     baseline = problem.baseline
     solver = solver_name(options)
-    floor = problem.floors.get(options)
-    if floor is None:
-        floor = problem.floors[options] = find_floor(problem, options, solver)
+    floor = floor_for(problem, options, solver, budget_bytes)
     programs: list[SolverStats] = [floor.stats]
     fallbacks: list[str] = ["memory floor"] if floor.greedy else []
     min_feasible = min(floor.timeline.peak_bytes, baseline.peak_bytes)
@@ -83,12 +85,43 @@ def solve_prepared(problem: Problem, budget_bytes: int, options: SolverOptions |
     regions, timeline, status = best
     return SolveResult(
         regions=regions, action=problem.action, timeline=timeline, baseline=baseline, min_feasible_bytes=min_feasible,
-        status=status, solver=solver, solve_time_s=time.perf_counter() - started, stats=summarise_programs(programs),
+        floor_complete=floor.complete, status=status, solver=solver, solve_time_s=time.perf_counter() - started, stats=summarise_programs(programs),
     )
 
 
-def find_floor(problem: Problem, options: SolverOptions, solver: str) -> Floor:
-    """The lowest simulated peak found: the programs' floors and the seed plans, each lowered by local descent."""
+def floor_for(problem: Problem, options: SolverOptions, solver: str, budget_bytes: int) -> Floor:
+    """The floor ``budget_bytes`` needs (see the module's docstring), computed once per problem and options."""
+    floor = problem.floors.get(options)
+    if floor is None and problem.blocks is not None:
+        floor = quick_floor(problem, options, solver)
+        if floor is not None:
+            problem.floors[options] = floor
+    if floor is not None and (floor.complete or floor.timeline.peak_bytes <= budget_bytes < problem.baseline.peak_bytes):
+        return floor
+    floor = problem.floors[options] = find_floor(problem, options, solver, quick=floor)
+    return floor
+
+
+def quick_floor(problem: Problem, options: SolverOptions, solver: str) -> Floor | None:
+    """The lowest simulated peak of the block program's floor and the seed plans, each lowered by local descent;
+    None when the block program found nothing in time (the full search then runs, with its greedy fallback)."""
+    assert problem.blocks is not None
+    block_answer = solve_block_program(problem, None, options, solver)
+    if no_incumbent(block_answer.stats):
+        return None
+    block_regions = block_answer.regions or ()
+    block_start = (block_regions, problem.simulate(block_regions))
+    starts = [block_start, *((seed.regions, seed.timeline) for seed in problem.seeds)]
+    regions, timeline, _ = lower_floor_locally(problem, starts)
+    return Floor(
+        regions, timeline, block_answer.stats, False, block_start[1].peak_bytes, block_regions=block_regions,
+        complete=False,
+    )
+
+
+def find_floor(problem: Problem, options: SolverOptions, solver: str, *, quick: Floor | None = None) -> Floor:
+    """The lowest simulated peak found: the programs' floors and the seed plans, each lowered by local descent
+    (``quick``: the quick floor already found, whose block program is not solved again)."""
     floor_programs: list[SolverStats] = []
     lowest_seed = min(problem.seeds, key=lambda seed: seed.timeline.peak_bytes, default=None)
     # the lowest seed's peak is a cutoff: branches that cannot beat it are pruned (about twice as fast on GPT-2)
@@ -103,11 +136,18 @@ def find_floor(problem: Problem, options: SolverOptions, solver: str) -> Floor:
     starts += [(seed.regions, seed.timeline) for seed in problem.seeds]
     block_floor_bytes = None
     if problem.blocks is not None:
-        block_answer = solve_block_program(problem, None, options, solver)
-        floor_programs.append(block_answer.stats)
-        block_floor_regions = block_answer.regions or ()
+        if quick is not None:
+            floor_programs.append(quick.stats)
+            block_floor_regions = quick.block_regions
+        else:
+            block_answer = solve_block_program(problem, None, options, solver)
+            floor_programs.append(block_answer.stats)
+            block_floor_regions = block_answer.regions or ()
         starts.append((block_floor_regions, problem.simulate(block_floor_regions)))
         block_floor_bytes = starts[-1][1].peak_bytes
     regions, timeline, lowest_start = lower_floor_locally(problem, starts)
     greedy = timed_out and lowest_start == 0  # the greedy plan (or a descent from it) is the floor
-    return Floor(regions, timeline, floor_programs[0], greedy, block_floor_bytes)
+    return Floor(
+        regions, timeline, floor_programs[0], greedy, block_floor_bytes,
+        block_regions=block_floor_regions if problem.blocks is not None else (), complete=True,
+    )

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from autockpt.solve.base import Problem, ScoredCandidate, Scorer, Seed, SeedPlan
 from autockpt.solve.blocks import prepare_blocks
 from autockpt.structure import RepeatedBlocks
@@ -92,17 +94,19 @@ def score_candidates(
     alone gives the lowest simulated peak (None when no single region lowers it)."""
     scored = []
     lowest_single: Seed | None = None
+    # events in block order, and where each block starts in it: a block's gain is a minimum over a slice
+    order = np.fromiter((e for block in blocks for e in block), dtype=np.int64)
+    starts = np.cumsum([0] + [len(block) for block in blocks[:-1]], dtype=np.int64)
+    baseline_bytes = np.asarray(baseline.event_bytes, dtype=np.int64)
     for region in candidates:
         alone = score((region,))
         if alone.peak_bytes < (lowest_single.timeline if lowest_single else baseline).peak_bytes:
             lowest_single = Seed("single region", (region,), alone)
-        gains_by_event = [b - a for b, a in zip(baseline.event_bytes, alone.event_bytes)]
-        if max(gains_by_event) <= 0:
+        gains_by_event = baseline_bytes - np.asarray(alone.event_bytes, dtype=np.int64)
+        if gains_by_event.max() <= 0:
             continue  # never frees anything
-        gains = {}
-        for index, block in enumerate(blocks):
-            gain = min(gains_by_event[e] for e in block)
-            if gain != 0:
-                gains[index] = gain
+        block_gains = np.minimum.reduceat(gains_by_event[order], starts)
+        (nonzero,) = np.nonzero(block_gains)
+        gains = dict(zip(nonzero.tolist(), block_gains[nonzero].tolist()))
         scored.append(ScoredCandidate(region, alone.overhead_ms, gains))
     return scored, lowest_single

@@ -126,7 +126,7 @@ class Views(nn.Module):
         index = torch.argsort(h.detach(), dim=1)  # int64
         g = torch.gather(h, 1, index)
         w = torch.where(h > 0, h, 0.1 * h)  # a bool mask
-        z = torch.view_as_complex(h.reshape(4, 16, 24, 2))
+        z = torch.view_as_complex(h.float().reshape(4, 16, 24, 2))  # complex bf16 does not exist
         c = (z.conj() * z.sin()).abs()  # a conjugate view is saved
         parts = [a.mean(1), s.mean(1).repeat(1, 4), d.float().mean(1), b.float().mean(1), g.mean(1), w.mean(1),
                  c.mean(1).repeat(1, 2)]

@@ -222,6 +222,8 @@ class Planner:
         The plan's ``status`` is ``given`` and its budget is its own predicted peak.
         """
         action = action or self.actions[0]
+        if action not in self.costs.actions:  # e.g. offload, which the solver does not choose yet: price it here
+            self.costs = calibrate(self._device, (*self.costs.actions, action))
         ordered = tuple(sorted(regions, key=lambda r: r.first_unit))
         timeline = simulate(self.trace, self.costs, region_actions(ordered, action))
         return assemble_plan(self.context, ordered, action, timeline.peak_bytes, timeline, strategy=strategy)

@@ -72,7 +72,7 @@ def assemble_plan(
             output_bytes=cost.output_bytes,
             forward_ms=cost.forward_ms,
             flops=cost.flops,
-            decision=Decision.KEEP if region_of[unit.index] is None else Decision.RECOMPUTE,
+            decision=_decision(region_of[unit.index], action),
             region=region_of[unit.index],
             action=None if region_of[unit.index] is None else action,
             recompute_ms=cost.forward_ms if unit.index in rerun else 0.0,
@@ -92,6 +92,9 @@ def assemble_plan(
         recompute_ms=timeline.recompute_ms,
         prices=(context.costs.price(action),),
         machinery_ms=timeline.machinery_ms,
+        offloaded_bytes=timeline.offloaded_bytes,
+        host_pool_bytes=timeline.host_pool_bytes,
+        transfer_ms=timeline.transfer_ms,
         planned_action=action,
         baseline_step_ms=trace.step_ms,
         capture=graph.kind,
@@ -109,3 +112,9 @@ def assemble_plan(
         memory_before=context.memory_before,
         memory_after=memory_curve(trace, context.costs, policy.region_actions),
     )
+
+
+def _decision(region: int | None, action: Action) -> Decision:
+    if region is None:
+        return Decision.KEEP
+    return Decision.OFFLOAD if action is Action.OFFLOAD else Decision.RECOMPUTE

@@ -26,6 +26,7 @@ from torch.utils import _pytree as pytree
 
 from autockpt.capture import compute_nodes
 from autockpt.model_state import autocast_state, training_modes
+from autockpt.offload import HostPool, PoolStats
 from autockpt.recompute import CheckpointedRegion, run_checkpointed
 from autockpt.types import Action, CaptureKind, Graph, PlanRecord, Policy, Region
 
@@ -37,7 +38,13 @@ def rewrite(graph: Graph, policy: Policy, args: tuple, kwargs: dict, *, plan: Pl
     Consumes ``graph.executable`` (it is edited in place)."""
     if plan.policy != policy:
         raise ValueError("rewrite: the attached plan must be the one whose policy is applied")
+    offloads = Action.OFFLOAD in policy.actions
     if graph.kind is CaptureKind.MODULE:
+        if offloads:
+            raise ValueError(
+                "offloaded regions need a graph capture (fx or export); this model was captured per module call "
+                f"({graph.notes[0] if graph.notes else 'module-level capture'}): plan it with recompute actions only"
+            )
         spans = {(s.first_unit, s.last_unit): s.path for s in graph.module_spans}
         modules = [
             (graph.model.get_submodule(spans[(ra.region.first_unit, ra.region.last_unit)]), ra.action)
@@ -49,14 +56,16 @@ def rewrite(graph: Graph, policy: Policy, args: tuple, kwargs: dict, *, plan: Pl
         )
     gm = graph.executable
     assert isinstance(gm, fx.GraphModule)
+    # one pool per optimized module, allocated here once and reused by every step
+    pool = HostPool(plan.host_pool_bytes, policy.placement.stages[0].device) if offloads else None
     nodes = compute_nodes(gm)
     for index, region_action in enumerate(policy.region_actions):
-        _outline_region(gm, nodes, region_action.region, index, region_action.action)
+        _outline_region(gm, nodes, region_action.region, index, region_action.action, pool)
     gm.graph.lint()
     gm.recompile()
     return OptimizedModule(
         graph.model, plan, CallForm(graph.model, args, kwargs), executable=gm, checkpointed_modules=(),
-        conditions=CaptureConditions(graph),
+        conditions=CaptureConditions(graph), pool=pool,
     )
 
 
@@ -143,7 +152,9 @@ class CallForm:
         return value is default or (not isinstance(value, torch.Tensor) and type(value) is type(default) and value == default)
 
 
-def _outline_region(gm: fx.GraphModule, nodes: list[fx.Node], region: Region, index: int, action: Action) -> None:
+def _outline_region(
+    gm: fx.GraphModule, nodes: list[fx.Node], region: Region, index: int, action: Action, pool: HostPool | None
+) -> None:
     region_nodes = nodes[region.first_unit : region.last_unit + 1]
     inside = set(region_nodes)
     inputs: list[fx.Node] = []
@@ -164,7 +175,10 @@ def _outline_region(gm: fx.GraphModule, nodes: list[fx.Node], region: Region, in
     body_graph.output(tuple(env[node] for node in outputs))
     body = fx.GraphModule(gm, body_graph, class_name=f"Region{index}")
     with gm.graph.inserting_after(region_nodes[-1]):
-        call = gm.graph.call_function(CheckpointedRegion(body, f"autockpt_region_{index}", action), tuple(inputs))
+        name = f"autockpt_region_{index}"
+        runner = OffloadedRegion(body, name, pool, index) if pool is not None and action is Action.OFFLOAD else (
+            CheckpointedRegion(body, name, action))
+        call = gm.graph.call_function(runner, tuple(inputs))
     anchor = call
     for position, node in enumerate(outputs):
         with gm.graph.inserting_after(anchor):
@@ -172,6 +186,22 @@ def _outline_region(gm: fx.GraphModule, nodes: list[fx.Node], region: Region, in
         node.replace_all_uses_with(anchor, delete_user_cb=lambda user: user not in inside)
     for node in reversed(region_nodes):
         gm.graph.erase_node(node)
+
+
+class OffloadedRegion:
+    """One planned region whose saved tensors go to the host pool: its nodes as a GraphModule, run inside
+    ``HostPool.offloading``. A plain callable, like ``CheckpointedRegion`` (and for the same reasons)."""
+
+    def __init__(self, body: fx.GraphModule, name: str, pool: HostPool, index: int) -> None:
+        self.body = body
+        self.pool = pool
+        self.index = index
+        self.__name__ = self.__qualname__ = name
+        self.__module__ = __name__
+
+    def __call__(self, *inputs: Any) -> Any:
+        with self.pool.offloading(self.index):
+            return self.body(*inputs)
 
 
 def _checkpointed_forward(
@@ -241,6 +271,7 @@ class OptimizedModule(nn.Module):
         executable: fx.GraphModule | None,
         checkpointed_modules: Sequence[tuple[nn.Module, Action]],
         conditions: CaptureConditions | None,
+        pool: HostPool | None = None,
     ) -> None:
         super().__init__()
         # the model's own registries, not copies: a forward that assigns a new tensor to a buffer
@@ -256,6 +287,7 @@ class OptimizedModule(nn.Module):
         self.__dict__["_autockpt_checkpointed"] = tuple(checkpointed_modules)
         self.__dict__["_autockpt_conditions"] = conditions  # None: the model runs live (module-level)
         self.__dict__["_autockpt_warned"] = set()  # reasons for running without the plan already logged
+        self.__dict__["_autockpt_pool"] = pool  # the host pool of offloaded regions (None: nothing is offloaded)
 
     @property
     def original_module(self) -> nn.Module:
@@ -270,6 +302,11 @@ class OptimizedModule(nn.Module):
         if plan.policy != self.plan.policy:
             raise ValueError("set_plan only updates a plan's figures; its policy must stay the same")
         self.__dict__["_autockpt_plan"] = plan
+
+    def pool_stats(self) -> PoolStats | None:
+        """The host pool's counters (bytes in and out, peak occupancy, waits on copies); None without a pool."""
+        pool: HostPool | None = self.__dict__["_autockpt_pool"]
+        return pool.stats() if pool is not None else None
 
     def train(self, mode: bool = True) -> OptimizedModule:
         super().train(mode)
@@ -307,6 +344,9 @@ class OptimizedModule(nn.Module):
                     "what it was planned under; plan again under the conditions training runs in.", details,
                 )
                 return model(*args, **kwargs)
+            pool: HostPool | None = self.__dict__["_autockpt_pool"]
+            if pool is not None:  # what existed before the step stays: the plan moves forward-made storages only
+                pool.begin_step(kept=[*pytree.tree_leaves((args, kwargs)), *model.buffers()])
             return executable(*args, **kwargs)
         with _patched_forwards(self.__dict__["_autockpt_checkpointed"]):
             return model(*args, **kwargs)

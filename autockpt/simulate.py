@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from autockpt.offload_model import MovedStorage, offload_transfers
 from autockpt.types import (
     Action,
     CostModel,
@@ -124,6 +125,8 @@ def simulate(trace: StepTrace, costs: CostModel, region_actions: Sequence[Region
     window, replay peak, re-run units) cached per trace. ``_predict`` stays the reference (and makes the memory
     curves); tests/test_simulate.py checks that both give the same timeline, field by field.
     """
+    if any(ra.action is Action.OFFLOAD for ra in region_actions):
+        return _predict(trace, costs, region_actions, detailed=False).timeline  # the fast twin has no offload rules
     return _predict_fast(trace, costs, region_actions)
 
 
@@ -173,6 +176,7 @@ def _predict(
     region_of = unit_regions(len(trace.units), regions)
     windows = region_windows(trace, region_actions)
     index = _storage_index(trace)
+    transfers = offload_transfers(trace, costs, region_actions, region_of, windows)
     copy_bytes_at_burst = [0] * len(regions)
     plan_delta = [0] * (num_events + 1)  # what the plan changes, on top of the measured timeline (difference array)
     forward_delta = [0] * (num_events + 1)  # detailed: the plan's changes to the original forward storages
@@ -189,15 +193,20 @@ def _predict(
     for position in touched:
         storage = trace.storages[position]
         base_free = storage.free_event if storage.free_event is not None else num_events - 1
-        plan_free = _plan_free_event(storage, region_of, windows, base_free)
+        moved = transfers.moves.get(position, ())
+        plan_free = _plan_free_event(storage, region_of, windows, base_free, transfers.regions, moved)
         if plan_free != base_free:
             first, last, nbytes = (plan_free + 1, base_free, -storage.nbytes) if plan_free < base_free else (
                 base_free + 1, plan_free, storage.nbytes)
             add(plan_delta, first, last, nbytes)
             if detailed:
                 add(forward_delta, first, last, nbytes)
+        for copy in moved:  # each copy brought back from the pool, until its last saver has unpacked it
+            add(plan_delta, copy.fetch_event, copy.last_release_event, storage.nbytes)
+            if detailed:
+                add(copy_delta, copy.fetch_event, copy.last_release_event, storage.nbytes)
         home = _region(region_of, storage.producer_unit)
-        if home is None:
+        if home is None or home in transfers.regions:
             continue
         releases = [
             e for u, e in zip(storage.saver_units, storage.saver_release_events) if _region(region_of, u) == home
@@ -235,7 +244,7 @@ def _predict(
     recompute_ms = 0.0
     rerun_units: list[int] = []
     for r, (region, window) in enumerate(zip(regions, windows)):
-        if window.first_backward_event is None:
+        if window.first_backward_event is None or r in transfers.regions:  # an offloaded region re-runs nothing
             burst_bytes.append(0)
             continue
         c = window.first_backward_event
@@ -262,8 +271,11 @@ def _predict(
         peak_event=peak_event,
         recompute_ms=recompute_ms,
         rerun_units=tuple(rerun_units),
-        overhead_ms=recompute_ms + machinery,
+        overhead_ms=recompute_ms + machinery + transfers.exposed_ms,
         machinery_ms=machinery,
+        transfer_ms=transfers.exposed_ms,
+        offloaded_bytes=transfers.moved_bytes,
+        host_pool_bytes=transfers.pool_bytes,
     )
     return _Prediction(timeline=timeline, forward_bytes=forward_bytes, copy_bytes=copy_bytes)
 
@@ -649,31 +661,40 @@ def _region(region_of: list[int | None], unit: int) -> int | None:
 
 
 def _plan_free_event(
-    storage: StorageLife, region_of: list[int | None], windows: list[RegionWindow], base_free: int
+    storage: StorageLife,
+    region_of: list[int | None],
+    windows: list[RegionWindow],
+    base_free: int,
+    offloaded: frozenset[int] = frozenset(),
+    moved: tuple[MovedStorage, ...] = (),
 ) -> int:
     """Event after which the original storage is gone under the plan.
 
-    Only two things change a storage's life: checkpointing the region that made and saved it (autograd no longer
-    holds it for those savers), and a region that reads it (the checkpoint holds it until the region's backward is
-    done). Anything else, Python references included, stays as measured.
+    Three things change a storage's life: recomputing the region that made and saved it (autograd no longer holds it
+    for those savers), a recomputed region that reads it (the checkpoint holds it until the region's backward is
+    done), and moving it to the host pool (``moved``: autograd holds a handle instead, for the savers in
+    ``offloaded`` regions; on a device whose copies run beside compute, the pool holds it while in flight). Anything
+    else, Python references included, stays as measured.
     """
     if storage.free_event is None:
         return base_free
     home = _region(region_of, storage.producer_unit)
+    home = None if home in offloaded else home  # an offloaded region holds nothing of its own
     held_by_regions = [
         windows[r].last_backward_event
         for r in {_region(region_of, user) for user in storage.user_units}
-        if r is not None and r != home and windows[r].last_backward_event is not None
+        if r is not None and r != home and r not in offloaded and windows[r].last_backward_event is not None
     ]
     saved_in_home = home is not None and any(_region(region_of, s) == home for s in storage.saver_units)
-    if not saved_in_home:
+    if not saved_in_home and not moved:
         return max([base_free, *held_by_regions])
     holds = [storage.last_forward_use_event, *held_by_regions]
-    holds += [
-        release
-        for saver, release in zip(storage.saver_units, storage.saver_release_events)
-        if _region(region_of, saver) is None  # autograd keeps it for a unit that is not checkpointed
-    ]
+    for saver, release in zip(storage.saver_units, storage.saver_release_events):
+        saver_region = _region(region_of, saver)
+        # autograd keeps it for a unit in no region, and for one in an offloaded region that did not move it
+        if saver_region is None or (saver_region in offloaded and not moved):
+            holds.append(release)
+    holds += [copy.in_flight_until_event for copy in moved]
     return max(holds)
 
 

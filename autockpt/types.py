@@ -42,6 +42,9 @@ class Action(str, Enum):
     # autockpt's own (``recompute.py``): nothing passes Python hooks per saved tensor, so it costs less time; the
     # region is re-run whole, and its output gradients stay alive until its backward is done (a little more memory)
     RECOMPUTE_OWN = "recompute_function"
+    # what the region saves is copied into a bounded host pool after it is packed and brought back before the
+    # region's backward (``offload.py``): link time instead of recompute time, host memory instead of device memory
+    OFFLOAD = "offload"
     # the names these actions had as ``CheckpointKind`` members (same values: plan files and the CLI keep working)
     TORCH_NON_REENTRANT = "torch_non_reentrant"
     RECOMPUTE_FUNCTION = "recompute_function"
@@ -61,6 +64,7 @@ class Decision(str, Enum):
 
     KEEP = "keep"  # saved in forward, held until backward
     RECOMPUTE = "recompute"  # dropped after forward, recomputed in backward inside its checkpoint region
+    OFFLOAD = "offload"  # moved to the host pool after forward, brought back before backward
 
 
 class PlanStatus(str, Enum):
@@ -206,11 +210,29 @@ class ActionPrice:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class LinkPrice:
+    """The link between the device and host memory, measured on the machine (``costs.calibrate_link``): what moving
+    a storage of n bytes costs one way, ``latency_ms + n / (GB/s * 1e6)`` ms (GB = 10^9 bytes)."""
+
+    device_to_host_gb_per_s: float
+    host_to_device_gb_per_s: float
+    latency_ms: float  # per storage moved, each way
+    overlaps_compute: bool  # copies run on their own streams beside the compute (CUDA); False: synchronous (CPU)
+
+    def device_to_host_ms(self, nbytes: int) -> float:
+        return self.latency_ms + nbytes / (self.device_to_host_gb_per_s * 1e6)
+
+    def host_to_device_ms(self, nbytes: int) -> float:
+        return self.latency_ms + nbytes / (self.host_to_device_gb_per_s * 1e6)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class CostModel:
     """Output of costs: the price of each action on the device the step runs on, calibrated there."""
 
     device: str
     prices: tuple[ActionPrice, ...]
+    link: LinkPrice | None = None  # measured when a plan may offload (a host pool was asked for)
 
     def price(self, action: Action) -> ActionPrice:
         for price in self.prices:
@@ -329,6 +351,9 @@ class Timeline:
     rerun_units: tuple[int, ...] = ()  # units whose kernels run again in backward (early stop skips a region's tail)
     overhead_ms: float  # predicted added step time: recompute_ms + machinery_ms; what solvers minimise
     machinery_ms: float = 0.0  # the checkpoint machinery's share of overhead_ms (``simulate.machinery_ms``)
+    transfer_ms: float = 0.0  # offload: link time the step waits for (part of overhead_ms)
+    offloaded_bytes: int = 0  # offload: bytes moved to the host pool per step (each way)
+    host_pool_bytes: int = 0  # offload: the pool a step needs (``offload.slot_bytes`` of every moved storage)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -451,6 +476,9 @@ class PlanRecord:
     # False: min_feasible_bytes comes from the quick floor search (block program, baselines, local descent), which
     # was enough to prove this budget reachable; a lower budget runs the full search, which may find lower
     floor_complete: bool = True
+    offloaded_bytes: int = 0  # per step, moved to the host pool and back (regions whose action is OFFLOAD)
+    host_pool_bytes: int = 0  # the host pool the optimized module allocates once (0: no pool)
+    transfer_ms: float = 0.0  # predicted link time the step waits for: part of predicted_overhead
 
     @property
     def regions(self) -> tuple[Region, ...]:

@@ -1,0 +1,62 @@
+"""Plans whose regions offload (issue 21, CPU): the simulator's device timeline and pool size against a real step
+(MemTracker's total minus the pool's host buffer, which it counts), and training equal to PyTorch's.
+
+The solver does not choose offload yet: these plans take a solved plan's regions and give them ``Action.OFFLOAD``
+(``Planner.plan_for_regions``).
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import assert_same_step, budget_at, planner_for, twin, zoo_params
+
+import autockpt
+from autockpt import zoo
+from autockpt.offload import slot_bytes
+from autockpt.types import Action, Decision
+
+# MemTracker and the simulator agree to the byte on GPT-2 and Llama; on the MLP and the BatchNorm conv net they
+# differ by 128-512 bytes (not yet explained: small storages whose release the rules place one event off)
+SLACK_BYTES = 1024
+
+
+def offload_plan(case: zoo.ZooCase) -> tuple[autockpt.Planner, autockpt.Plan]:
+    planner = planner_for(case)
+    probe = planner.plan(budget_bytes=10**15)
+    solved = planner.plan(budget_bytes=budget_at(probe, 0.3))
+    return planner, planner.plan_for_regions(solved.regions, strategy="offload", action=Action.OFFLOAD)
+
+
+@pytest.mark.parametrize("name", zoo_params("mlp", "cnn", "gpt2"))
+def test_offloaded_regions_are_predicted_and_train_like_pytorch(name: str) -> None:
+    case = zoo.build(name)
+    reference = twin(case)
+    planner, plan = offload_plan(case)
+    assert plan.regions and plan.policy.actions == (Action.OFFLOAD,) * len(plan.regions)
+    assert plan.offloaded_bytes > 0 and plan.host_pool_bytes >= plan.offloaded_bytes
+    assert plan.predicted_peak_bytes < plan.baseline_peak_bytes
+    assert {n.decision for n in plan.nodes} == {Decision.KEEP, Decision.OFFLOAD}
+    module = planner.apply(plan)
+    for _ in range(2):  # the pool is allocated once and reused
+        measured = planner.measured_peak_bytes(module)  # model state (BatchNorm statistics) put back after
+        device_bytes = measured - plan.host_pool_bytes  # MemTracker counts the pool's host buffer
+        assert abs(device_bytes - plan.predicted_peak_bytes) <= SLACK_BYTES, (device_bytes, plan.predicted_peak_bytes)
+    stats = module.pool_stats()
+    assert stats is not None and stats.allocations == 1 and stats.steps == 2
+    assert stats.peak_occupancy_bytes == plan.host_pool_bytes  # the plan sized the pool exactly
+    assert stats.bytes_in == stats.bytes_out == 2 * plan.offloaded_bytes
+    assert_same_step(module, reference, case)
+
+
+def test_the_pool_is_the_aligned_sum_of_the_moved_storages() -> None:
+    case = zoo.build("mlp")
+    _, plan = offload_plan(case)
+    assert plan.host_pool_bytes % slot_bytes(1) == 0
+    assert plan.transfer_ms > 0 and plan.predicted_overhead > 0  # CPU copies are synchronous: all of it is paid
+
+
+def test_offload_needs_a_graph_capture() -> None:
+    case = zoo.build("control_flow")  # falls to the module-level capture
+    planner, plan = offload_plan(case)
+    with pytest.raises(ValueError, match="graph capture"):
+        planner.apply(plan)

@@ -25,13 +25,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from autockpt.offload import MIN_STORAGE_BYTES, slot_bytes
 from autockpt.types import Action, CostModel, Phase, RegionAction, StepTrace
 
-if TYPE_CHECKING:
-    from autockpt.simulate import RegionWindow
+
+class RegionWindow(Protocol):
+    """What this module reads of ``simulate.RegionWindow`` (simulate imports this module, not the other way)."""
+
+    first_backward_event: int | None
 
 
 @dataclass(frozen=True, slots=True)

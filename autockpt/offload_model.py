@@ -23,7 +23,7 @@ The rules are the runtime's (``offload.py``), applied to the measured trace:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -143,7 +143,7 @@ def _exposed_ms(
     offloaded: list[int],
     owned: dict[int, list[int]],
     nbytes: dict[int, int],  # moved copy -> its storage's bytes
-    fetched_by,  # noqa: ANN001 - region -> region whose unpack fetches it
+    fetched_by: Callable[[int], int],  # region -> the region whose first unpack fetches it
 ) -> float:
     link = costs.link
     assert link is not None

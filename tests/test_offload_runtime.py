@@ -202,6 +202,17 @@ def loss_of(output: torch.Tensor) -> torch.Tensor:
     return output.float().pow(2).mean()
 
 
+def offloaded(name: str) -> tuple[nn.Module, nn.Module, tuple[torch.Tensor, ...], HostPool]:
+    """A case's model (seed 0) with its regions offloaded into a 1 MiB pool, an untouched copy, and its inputs."""
+    case = CASES[name]
+    torch.manual_seed(0)
+    model, inputs = case.build(), case.inputs()
+    reference = copy.deepcopy(model)
+    pool = HostPool(1 << 20, CPU)
+    offload(model, pool, case.regions)
+    return model, reference, inputs, pool
+
+
 def train(
     model: nn.Module,
     inputs: tuple[torch.Tensor, ...],
@@ -314,13 +325,8 @@ def test_same_steps_as_plain_pytorch(name: str, autocast: bool) -> None:
 
 
 def test_prefetch_before_backward_leaves_no_wait() -> None:
-    case = CASES["mlp"]
-    torch.manual_seed(0)
-    model, inputs = case.build(), case.inputs()
-    reference = copy.deepcopy(model)
-    pool = HostPool(1 << 20, CPU)
-    offload(model, pool, case.regions)
-    assert_same(train(model, inputs, pool, prefetch=len(case.regions) - 1), train(reference, inputs))
+    model, reference, inputs, pool = offloaded("mlp")
+    assert_same(train(model, inputs, pool, prefetch=len(CASES["mlp"].regions) - 1), train(reference, inputs))
     assert pool.stats().copy_waits == 0
 
 
@@ -361,11 +367,7 @@ class Reuse(TwoRegions):
 
 def test_kept_storages_are_not_moved() -> None:
     """``begin_step(kept=...)``: the batch and the buffers exist before the step and after it; they stay put."""
-    case = CASES["conv-batchnorm-inplace"]
-    torch.manual_seed(0)
-    model, inputs = case.build(), case.inputs()
-    pool = HostPool(1 << 20, CPU)
-    offload(model, pool, case.regions)
+    model, _, inputs, pool = offloaded("conv-batchnorm-inplace")
     spans = [(t.data_ptr(), t.data_ptr() + t.untyped_storage().nbytes()) for t in (*inputs, *model.buffers())]
     for kept in ((), (*inputs, *model.buffers())):
         pool.begin_step(kept=kept)
@@ -447,12 +449,7 @@ def test_what_is_moved() -> None:
 
 
 def test_forwards_without_backward_do_not_disturb_the_next_step() -> None:
-    case = CASES["transformer-sdpa"]
-    torch.manual_seed(0)
-    model, inputs = case.build(), case.inputs()
-    reference = copy.deepcopy(model)
-    pool = HostPool(1 << 20, CPU)
-    offload(model, pool, case.regions)
+    model, reference, inputs, pool = offloaded("transformer-sdpa")
 
     def detour(module: nn.Module, with_pool: bool) -> None:
         for _ in range(2):  # evaluation under no_grad: nothing is packed
@@ -488,11 +485,7 @@ def test_graph_dropped_without_backward_is_freed() -> None:
 
 
 def test_two_forwards_then_two_backwards_raise() -> None:
-    case = CASES["mlp"]
-    torch.manual_seed(0)
-    model, inputs = case.build(), case.inputs()
-    pool = HostPool(1 << 20, CPU)
-    offload(model, pool, case.regions)
+    model, _, inputs, pool = offloaded("mlp")
     pool.begin_step()
     first = loss_of(model(*inputs))
     pool.begin_step()
@@ -503,12 +496,7 @@ def test_two_forwards_then_two_backwards_raise() -> None:
 
 
 def test_retained_graph_second_backward() -> None:
-    case = CASES["mlp"]
-    torch.manual_seed(0)
-    model, inputs = case.build(), case.inputs()
-    reference = copy.deepcopy(model)
-    pool = HostPool(1 << 20, CPU)
-    offload(model, pool, case.regions)
+    model, reference, inputs, pool = offloaded("mlp")
 
     def twice(module: nn.Module) -> dict[str, torch.Tensor]:
         loss = loss_of(module(*inputs))

@@ -139,7 +139,7 @@ class Floor:
     stats: SolverStats
     greedy: bool  # the solver found nothing in time: a greedy floor
     block_peak_bytes: int | None  # the lowest peak the block program reaches (None: no block program)
-    block_regions: tuple[Region, ...] = ()  # the block program's floor plan (before local descent)
+    block_start: tuple[tuple[Region, ...], Timeline] | None = None  # the block program's floor plan, simulated
     complete: bool = True  # False: the quick floor (no flat program solved), ``solve/default.py``
 
 

@@ -114,7 +114,7 @@ def quick_floor(problem: Problem, options: SolverOptions, solver: str) -> Floor 
     starts = [block_start, *((seed.regions, seed.timeline) for seed in problem.seeds)]
     regions, timeline, _ = lower_floor_locally(problem, starts)
     return Floor(
-        regions, timeline, block_answer.stats, False, block_start[1].peak_bytes, block_regions=block_regions,
+        regions, timeline, block_answer.stats, False, block_start[1].peak_bytes, block_start=block_start,
         complete=False,
     )
 
@@ -134,20 +134,20 @@ def find_floor(problem: Problem, options: SolverOptions, solver: str, *, quick: 
         floor_regions = greedy_regions(problem, None)
     starts = [(floor_regions, problem.simulate(floor_regions))]
     starts += [(seed.regions, seed.timeline) for seed in problem.seeds]
-    block_floor_bytes = None
-    if problem.blocks is not None:
-        if quick is not None:
-            floor_programs.append(quick.stats)
-            block_floor_regions = quick.block_regions
-        else:
-            block_answer = solve_block_program(problem, None, options, solver)
-            floor_programs.append(block_answer.stats)
-            block_floor_regions = block_answer.regions or ()
-        starts.append((block_floor_regions, problem.simulate(block_floor_regions)))
-        block_floor_bytes = starts[-1][1].peak_bytes
+    block_start = None
+    if quick is not None:  # its block program's floor, already solved and simulated
+        floor_programs.append(quick.stats)
+        block_start = quick.block_start
+    elif problem.blocks is not None:
+        block_answer = solve_block_program(problem, None, options, solver)
+        floor_programs.append(block_answer.stats)
+        block_regions = block_answer.regions or ()
+        block_start = (block_regions, problem.simulate(block_regions))
+    if block_start is not None:
+        starts.append(block_start)
     regions, timeline, lowest_start = lower_floor_locally(problem, starts)
     greedy = timed_out and lowest_start == 0  # the greedy plan (or a descent from it) is the floor
     return Floor(
-        regions, timeline, floor_programs[0], greedy, block_floor_bytes,
-        block_regions=block_floor_regions if problem.blocks is not None else (), complete=True,
+        regions, timeline, floor_programs[0], greedy, block_start[1].peak_bytes if block_start else None,
+        block_start=block_start, complete=True,
     )

@@ -25,6 +25,7 @@ from autockpt.errors import InfeasibleBudgetError
 from autockpt.loss import checked_loss, default_loss
 from autockpt.measure import alternating_step_seconds, measure_step
 from autockpt.model_state import enter_training_modes, preserved_model_state
+from autockpt.offload import available_host_bytes
 from autockpt.plan import Plan
 from autockpt.plan_io import check_fingerprint, model_fingerprint
 from autockpt.policy import PlanningContext, assemble_plan
@@ -34,11 +35,12 @@ from autockpt.solve.base import Problem, SolveResult, SolverOptions, recompute_a
 from autockpt.solve.baselines import baseline_regions, baseline_seed_plans
 from autockpt.solve.candidates import candidate_regions
 from autockpt.solve.default import solve_prepared
+from autockpt.solve.joint import JointProblem, solve_joint, unbounded_pool
 from autockpt.solve.prepare import prepare
 from autockpt.structure import find_repeated_blocks
 from autockpt.trace import device_of, trace_step
 from autockpt.types import Action, CaptureKind, Graph, ParetoPoint, Placement, Region, describe_value
-from autockpt.units import GB
+from autockpt.units import GB, format_bytes
 from autockpt.verify import verified_module
 
 logger = logging.getLogger(__name__)
@@ -54,6 +56,7 @@ def optimize(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     solver_options: SolverOptions | None = None,
     checkpoint: Action | str | None = None,
+    host_pool_gb: float | str = 0,
 ) -> nn.Module:
     """Return a module that trains like ``model`` with a step peak of at most the budget (GB = 10^9 bytes).
 
@@ -63,11 +66,16 @@ def optimize(
     (``checkpoint="auto"``) a plan is made for each recompute action, and when more than one keeps the budget their
     steps are timed against each other and the faster is returned. ``autockpt.get_plan(result)`` tells what was
     decided and what was measured.
+
+    ``host_pool_gb`` (GB = 10^9 bytes): the most host memory the plan may offload saved tensors into (one buffer,
+    allocated once, pinned on CUDA, sized by the plan); the program then chooses per region between keeping,
+    recomputing and offloading. 0 (default): recompute only. ``"auto"``: up to half the host memory available now.
+    On CPU the pool is ordinary host memory: the step's device peak is then what MemTracker counts minus the pool.
     """
     budget = budget_to_bytes(budget_gb, budget_bytes)
     planner = Planner(
         model, example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
-        solver_options=solver_options, checkpoint=checkpoint,
+        solver_options=solver_options, checkpoint=checkpoint, host_pool_gb=host_pool_gb,
     )
     return planner.optimize(budget_bytes=budget)
 
@@ -82,6 +90,7 @@ def plan(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     solver_options: SolverOptions | None = None,
     checkpoint: Action | str | None = None,
+    host_pool_gb: float | str = 0,
 ) -> Plan:
     """Like ``optimize`` but only plans (no rewrite, no verification step): returns the Plan. With the default
     checkpoint choice ("auto") it is the plan with the smaller *predicted* overhead of the recompute actions
@@ -89,7 +98,7 @@ def plan(
     budget = budget_to_bytes(budget_gb, budget_bytes)
     planner = Planner(
         model, example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
-        solver_options=solver_options, checkpoint=checkpoint,
+        solver_options=solver_options, checkpoint=checkpoint, host_pool_gb=host_pool_gb,
     )
     return planner.plan(budget_bytes=budget)
 
@@ -141,9 +150,11 @@ class Planner:
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
         solver_options: SolverOptions | None = None,
         checkpoint: Action | str | None = None,
+        host_pool_gb: float | str = 0,
         on_stage: Callable[[str], None] | None = None,
     ) -> None:
         self.request = _Request.check(model, example_inputs, example_kwargs, loss_fn, solver_options)
+        self.host_pool_bytes = host_pool_to_bytes(host_pool_gb)  # the most the plan's host pool may hold
         self.solver_options = self.request.solver_options or SolverOptions()
         # the checkpoint choice steers profiling and rewriting; SolverOptions(checkpoint=) is its older spelling
         choice = checkpoint if checkpoint is not None else self.solver_options.checkpoint
@@ -162,12 +173,16 @@ class Planner:
                 time_repeated_blocks_once=self._solves_by_blocks(),
                 gradient_lifetimes=Action.RECOMPUTE_OWN in self.actions,
             )
-            self.costs = calibrate(self._device, self.actions)
+            if self.host_pool_bytes > 0:
+                self._check_offload_possible(host_pool_gb)
+            offload = (Action.OFFLOAD,) if self.host_pool_bytes > 0 else ()
+            self.costs = calibrate(self._device, (*self.actions, *offload))
         self.capture_time_s = captured - started
         self.profile_time_s = time.perf_counter() - captured
         self.fingerprint = model_fingerprint(model, self.graph, self.request.args, self.request.kwargs)
         self._executable_used = False  # rewriting edits graph.executable; later rewrites capture again
         self._problems: dict[Action, Problem] = {}  # per action: scored candidates and floors, shared by every budget
+        self._joint: dict[tuple[Action, int], JointProblem] = {}  # per recompute action and pool capacity
         self._context: PlanningContext | None = None
 
     @property
@@ -224,8 +239,8 @@ class Planner:
         action = action or self.actions[0]
         if action not in self.costs.actions:  # e.g. offload, which the solver does not choose yet: price it here
             self.costs = calibrate(self._device, (*self.costs.actions, action))
-        ordered = tuple(sorted(regions, key=lambda r: r.first_unit))
-        timeline = simulate(self.trace, self.costs, region_actions(ordered, action))
+        ordered = region_actions(sorted(regions, key=lambda r: r.first_unit), action)
+        timeline = simulate(self.trace, self.costs, ordered)
         return assemble_plan(self.context, ordered, action, timeline.peak_bytes, timeline, strategy=strategy)
 
     def apply(self, the_plan: Plan) -> OptimizedModule:
@@ -276,6 +291,7 @@ class Planner:
         """What every plan shares; made at the first plan, so that ``trace`` and ``costs`` may be replaced before."""
         if self._context is None or self._context.trace is not self.trace or self._context.costs is not self.costs:
             self._problems.clear()
+            self._joint.clear()
             self._context = PlanningContext(
                 graph=self.graph, trace=self.trace, costs=self.costs,
                 placement=Placement.single_device(len(self.graph.units), str(self._device)),
@@ -286,7 +302,7 @@ class Planner:
 
     def _plan_of(self, result: SolveResult, budget_bytes: int, solve_time_s: float) -> Plan:
         return assemble_plan(
-            self.context, result.regions, result.action, budget_bytes, result.timeline, result=result,
+            self.context, result.region_actions, result.action, budget_bytes, result.timeline, result=result,
             solve_time_s=solve_time_s,
         )
 
@@ -327,11 +343,15 @@ class Planner:
         infeasible: list[InfeasibleBudgetError] = []
         for action in self.actions:
             try:
-                results[action] = solve_prepared(self._problem_for(action, context), target_bytes, self.solver_options)
+                if self.host_pool_bytes > 0:
+                    results[action] = solve_joint(self._joint_for(action, self.host_pool_bytes), target_bytes, self.solver_options)
+                else:
+                    results[action] = solve_prepared(self._problem_for(action, context), target_bytes, self.solver_options)
             except InfeasibleBudgetError as error:
                 infeasible.append(error)
         if not results:
-            raise min(infeasible, key=lambda error: error.min_feasible_bytes)  # the action that gets lowest
+            lowest = min(infeasible, key=lambda error: error.min_feasible_bytes)  # the action that gets lowest
+            raise self._with_pool_needed(lowest, target_bytes)
         floor = min([r.min_feasible_bytes for r in results.values()] + [e.min_feasible_bytes for e in infeasible])
         complete = all(r.floor_complete for r in results.values())  # an infeasible action ran the full search
         for action, result in results.items():
@@ -342,6 +362,45 @@ class Planner:
             )
         return results, time.perf_counter() - started
 
+    def _joint_for(self, action: Action, pool_capacity_bytes: int) -> JointProblem:
+        key = (action, pool_capacity_bytes)
+        if key not in self._joint:
+            context = self.context
+            self._joint[key] = JointProblem(
+                self._problem_for(action, context), self._problem_for(Action.OFFLOAD, context), pool_capacity_bytes
+            )
+        return self._joint[key]
+
+    def _check_offload_possible(self, host_pool_gb: float | str) -> None:
+        if self.graph.kind is CaptureKind.MODULE:
+            raise ValueError(
+                f"host_pool_gb={host_pool_gb!r}: offloading needs a graph capture, but {type(self.model).__name__} "
+                f"fell to the module-level capture ({self.graph.notes[0] if self.graph.notes else 'no graph'}); "
+                "plan it without a pool (host_pool_gb=0), which recomputes only"
+            )
+
+    def _with_pool_needed(self, error: InfeasibleBudgetError, target_bytes: int) -> InfeasibleBudgetError:
+        """``error``, saying which host pool would make ``target_bytes`` feasible when a pool (or a larger one) would
+        (found by planning with a pool that holds every offload candidate; nothing changes when none would)."""
+        if self.graph.kind is CaptureKind.MODULE or target_bytes < self.trace.static_bytes:
+            return error
+        if Action.OFFLOAD not in self.costs.actions:
+            self.costs = calibrate(self._device, (*self.costs.actions, Action.OFFLOAD))
+        self._on_stage("solve")
+        joint = unbounded_pool(self._joint_for(self.actions[0], self.host_pool_bytes))
+        if joint.pool_capacity_bytes <= self.host_pool_bytes:
+            return error
+        try:
+            needed = solve_joint(joint, target_bytes, self.solver_options).timeline.host_pool_bytes
+        except InfeasibleBudgetError:
+            return error
+        pool_gb = math.ceil(needed / GB * 1000) / 1000
+        return InfeasibleBudgetError(
+            f"{error} A host pool makes it feasible: with host_pool_gb={pool_gb} ({format_bytes(needed)}), the plan "
+            f"offloads saved tensors to host memory instead.",
+            budget_bytes=error.budget_bytes, min_feasible_bytes=error.min_feasible_bytes, host_pool_bytes_needed=needed,
+        )
+
     def _problem_for(self, action: Action, context: PlanningContext) -> Problem:
         if action not in self._problems:
             structure = find_repeated_blocks(self.graph, self.trace) if self._solves_by_blocks() else None
@@ -350,6 +409,19 @@ class Planner:
                 seed_plans=baseline_seed_plans(self.graph, self.trace), structure=structure,
             )
         return self._problems[action]
+
+
+def host_pool_to_bytes(host_pool_gb: Any) -> int:
+    """Check the host pool argument (GB = 10^9 bytes, or "auto": half of the host memory available now)."""
+    if host_pool_gb == "auto":
+        return available_host_bytes() // 2
+    if isinstance(host_pool_gb, bool) or not isinstance(host_pool_gb, numbers.Real) or not math.isfinite(host_pool_gb) \
+            or host_pool_gb < 0:
+        raise ValueError(
+            f"host_pool_gb must be a number of GB (10^9 bytes) >= 0 or 'auto', got {describe_value(host_pool_gb)}; "
+            "0 (the default) offloads nothing"
+        )
+    return int(float(host_pool_gb) * GB)
 
 
 def baseline_plan(planner: Planner, strategy: str, *, action: Action | None = None) -> Plan:

@@ -55,6 +55,21 @@ def parse_budget(text: str) -> int:
     return int(round(value))
 
 
+def parse_host_pool(text: str) -> float | str:
+    """'0' (no pool), 'auto' (half the host memory available), or a size like '--budget' -> ``host_pool_gb``."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    if text.strip() in ("0", "0GB", "0.0"):
+        return 0
+    try:
+        return parse_budget(text) / 1e9
+    except UserInputError:
+        raise UserInputError(
+            f"--host-pool {text!r} not understood: give 0 (no offloading), auto (up to half the host memory available), "
+            "or a size such as 16GB (GB = 10^9 bytes) or 8GiB"
+        ) from None
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class InputSpec:
     """One example input described on the command line: ``name=dtype[d0,d1,...]:fill``."""
@@ -301,6 +316,9 @@ def _solver_options(command: Callable[..., Any]) -> Callable[..., Any]:
                      default="auto", show_default=True,
                      help="recompute action the plan is made for (autockpt.Action; auto: plan for both, keep the "
                           "smaller predicted overhead; module-level captures stay on torch_non_reentrant)"),
+        click.option("--host-pool", default="0", show_default=True,
+                     help="host memory the plan may offload saved tensors into (one pinned buffer on CUDA): 0 (recompute "
+                          "only), auto (up to half the host memory available), or a size such as 16GB"),
     ]
     for option in reversed(options):
         command = option(command)
@@ -362,7 +380,7 @@ def estimate(
 def plan(
     ctx: click.Context, model: str, inputs: tuple[str, ...], inputs_ref: str | None, size: str, device: str, seed: int,
     budget: str, report_path: str | None, out_path: str | None, pareto_points: int, depth: int, solver: str,
-    time_limit: float, checkpoint: str,
+    time_limit: float, checkpoint: str, host_pool: str,
 ) -> None:
     """Plan MODEL's training step under --budget and print what was decided; nothing is rewritten.
 
@@ -376,7 +394,8 @@ def plan(
     options = SolverOptions(solver=solver, time_limit_s=time_limit)
     with stage_progress(3 + pareto_points, ctx.meta["autockpt.quiet"]) as progress:
         planner = Planner(work.model, example_inputs=work.args, example_kwargs=work.kwargs, loss_fn=work.loss_fn,
-                          solver_options=options, checkpoint=checkpoint, on_stage=progress)
+                          solver_options=options, checkpoint=checkpoint, host_pool_gb=parse_host_pool(host_pool),
+                          on_stage=progress)
         the_plan = planner.plan(budget_bytes=budget_bytes, pareto_points=pareto_points)
     click.echo(the_plan.summary())
     if out_path:
@@ -396,7 +415,7 @@ def plan(
 @click.pass_context
 def sweep(
     ctx: click.Context, model: str, inputs: tuple[str, ...], inputs_ref: str | None, size: str, device: str, seed: int,
-    budgets: str, out_dir: str, solver: str, time_limit: float, checkpoint: str,
+    budgets: str, out_dir: str, solver: str, time_limit: float, checkpoint: str, host_pool: str,
 ) -> None:
     """Plan MODEL at several budgets (one capture and profile) and write the Pareto curve of predicted peak vs
     predicted overhead."""
@@ -413,7 +432,7 @@ def sweep(
     with stage_progress(2, quiet) as progress:
         planner = Planner(work.model, example_inputs=work.args, example_kwargs=work.kwargs, loss_fn=work.loss_fn,
                           solver_options=SolverOptions(solver=solver, time_limit_s=time_limit),
-                          checkpoint=checkpoint, on_stage=progress)
+                          checkpoint=checkpoint, host_pool_gb=parse_host_pool(host_pool), on_stage=progress)
     points = [
         planner.pareto([budget])[0]
         for budget in tqdm(budget_list, desc="budgets", disable=quiet or not sys.stderr.isatty(), leave=False)

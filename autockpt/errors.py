@@ -11,12 +11,17 @@ class InfeasibleBudgetError(AutockptError, ValueError):
     """The budget is below the smallest peak any plan can reach.
 
     ``min_feasible_bytes`` is the smallest predicted peak autockpt found; a budget at or above it is accepted.
+    ``host_pool_bytes_needed``: a host pool (``host_pool_gb``) of that many bytes makes the budget feasible by
+    offloading (None: no pool would, or it was not looked for).
     """
 
-    def __init__(self, message: str, *, budget_bytes: int, min_feasible_bytes: int) -> None:
+    def __init__(
+        self, message: str, *, budget_bytes: int, min_feasible_bytes: int, host_pool_bytes_needed: int | None = None
+    ) -> None:
         super().__init__(message)
         self.budget_bytes = budget_bytes
         self.min_feasible_bytes = min_feasible_bytes
+        self.host_pool_bytes_needed = host_pool_bytes_needed
 
 
 class LossFunctionError(AutockptError, ValueError):

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from autockpt.loss import default_loss
+from autockpt.rewrite import OptimizedModule
 from autockpt.trace import StorageTracker, device_of, step_tensors
 
 
@@ -37,6 +38,10 @@ def measure_step(
     On CPU the peak is MemTracker's; MemTracker cannot track a module with frozen parameters (it hooks every
     parameter's gradient), so such modules are measured with autockpt's own tracker, which counts the same storages.
     On CUDA it is ``torch.cuda.max_memory_allocated``: everything the process holds on the device counts.
+
+    A module whose plan offloads has a host pool: on CUDA it is host memory and not counted; on CPU, where the host
+    is the device, MemTracker counts its buffer, and the peak returned is the step's *device* bytes without it (the
+    budget's bytes; the pool is ``OptimizedModule.host_pool_bytes`` more, bounded by ``host_pool_gb``).
     """
     kwargs = dict(example_kwargs or {})
     loss_fn = loss_fn or default_loss
@@ -64,6 +69,8 @@ def measure_step(
             loss = loss_fn(output)
             loss.backward()
         peak = tracker.get_tracker_snapshot("peak")[device]["Total"]
+        if isinstance(module, OptimizedModule):
+            peak -= module.host_pool_bytes
     else:
         own = StorageTracker(device, static)
         with own:

@@ -65,6 +65,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -91,6 +92,18 @@ class PoolCapacityError(OffloadError):
         super().__init__(message)
         self.needed_bytes = needed_bytes
         self.capacity_bytes = capacity_bytes
+
+
+def available_host_bytes() -> int:
+    """Host memory the system can give without swapping (Linux ``MemAvailable``; elsewhere the free pages)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the file says kB and means KiB
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,7 @@ class RegionWindow(Protocol):
 class MovedStorage:
     """One storage the plan moves to the host pool: the events that bound its device copies."""
 
+    pack_event: int  # the forward event whose saver packs it: its pool slot is taken here, for the rest of the step
     in_flight_until_event: int  # the pool holds the original until here (-1: copies are synchronous)
     fetch_event: int  # the copy brought back is allocated here
     last_release_event: int  # ... and freed after the last saver in an offloaded region unpacked it here
@@ -122,8 +123,9 @@ def offload_transfers(
             continue  # never unpacked in backward: nothing comes back
         after = [h for h in offloaded if h > regions[0]]
         in_flight = (exit_event[after[0]] if after else first_backward) if link.overlaps_compute else -1
+        packed_by = min(copies[copy_index][1])
         moves[copy_index] = MovedStorage(
-            in_flight_until_event=in_flight, fetch_event=min(fetches), last_release_event=max(releases)
+            pack_event=forward_event.get(packed_by, first_backward), in_flight_until_event=in_flight, fetch_event=min(fetches), last_release_event=max(releases)
         )
     nbytes = {c: trace.storages[copies[c][0]].nbytes for c in moves}
     by_storage: dict[int, tuple[MovedStorage, ...]] = {}

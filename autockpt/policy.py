@@ -5,6 +5,7 @@ The plan records, per unit, what it costs and what was decided, and the predicte
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autockpt.plan import Plan
@@ -21,7 +22,7 @@ from autockpt.types import (
     Placement,
     PlanStatus,
     Policy,
-    Region,
+    RegionAction,
     StepTrace,
     Timeline,
 )
@@ -47,7 +48,7 @@ class PlanningContext:
 
 def assemble_plan(
     context: PlanningContext,
-    regions: tuple[Region, ...],
+    region_actions: Sequence[RegionAction],
     action: Action,
     budget_bytes: int,
     timeline: Timeline,
@@ -56,11 +57,14 @@ def assemble_plan(
     solve_time_s: float = 0.0,
     strategy: str = "autockpt",
 ) -> Plan:
-    """The plan of ``regions`` under ``action``; ``result`` is the solver's (None: the regions were given and only
-    scored), ``solve_time_s`` what planning took after capture and profiling."""
+    """The plan of ``region_actions``, made for the recompute action ``action`` (or the one action of given regions);
+    ``result`` is the solver's (None: the regions were given and only scored), ``solve_time_s`` what planning took
+    after capture and profiling."""
     trace, graph = context.trace, context.graph
-    policy = Policy.uniform(regions, action, context.placement)
+    ordered = tuple(sorted(region_actions, key=lambda ra: ra.region.first_unit))
+    policy = Policy(region_actions=ordered, placement=context.placement)
     region_of = unit_regions(len(graph.units), policy.regions)
+    action_of = [None if r is None else policy.actions[r] for r in region_of]
     rerun = set(timeline.rerun_units)
     nodes = tuple(
         NodePlan(
@@ -72,9 +76,9 @@ def assemble_plan(
             output_bytes=cost.output_bytes,
             forward_ms=cost.forward_ms,
             flops=cost.flops,
-            decision=_decision(region_of[unit.index], action),
+            decision=_decision(action_of[unit.index]),
             region=region_of[unit.index],
-            action=None if region_of[unit.index] is None else action,
+            action=action_of[unit.index],
             recompute_ms=cost.forward_ms if unit.index in rerun else 0.0,
             saved_tensors=cost.saved_tensors,
         )
@@ -90,7 +94,7 @@ def assemble_plan(
         static_bytes=trace.static_bytes,
         predicted_overhead=context.overhead(timeline.overhead_ms),
         recompute_ms=timeline.recompute_ms,
-        prices=(context.costs.price(action),),
+        prices=tuple(context.costs.price(a) for a in dict.fromkeys((action, *policy.actions))),
         machinery_ms=timeline.machinery_ms,
         offloaded_bytes=timeline.offloaded_bytes,
         host_pool_bytes=timeline.host_pool_bytes,
@@ -114,7 +118,7 @@ def assemble_plan(
     )
 
 
-def _decision(region: int | None, action: Action) -> Decision:
-    if region is None:
+def _decision(action: Action | None) -> Decision:
+    if action is None:
         return Decision.KEEP
     return Decision.OFFLOAD if action is Action.OFFLOAD else Decision.RECOMPUTE

@@ -9,7 +9,7 @@ from html import escape as html_escape
 from pathlib import Path
 from typing import Any
 
-from autockpt.summary import floor_note, module_rows, overhead_breakdown, region_rows
+from autockpt.summary import decisions_line, floor_note, module_rows, overhead_breakdown, pool_line, region_rows
 from autockpt.types import PlanRecord
 from autockpt.units import GB, format_bytes
 
@@ -41,8 +41,10 @@ def _headline(plan: PlanRecord) -> list[tuple[str, str]]:
         ("smallest feasible peak", format_bytes(plan.min_feasible_bytes) + floor_note(plan)),
         ("static (parameters, buffers, gradients, inputs)", format_bytes(plan.static_bytes)),
         ("predicted overhead", f"+{100 * plan.predicted_overhead:.1f}% of the step ({overhead_breakdown(plan)})"),
-        ("recomputed", f"{len(plan.recomputed_units)} of {len(plan.nodes)} units in {len(plan.regions)} regions"),
+        ("recomputed", decisions_line(plan)),
     ]
+    if plan.host_pool_bytes:
+        rows.append(("host pool", pool_line(plan)))
     if plan.measured_peak_bytes is not None:
         rows.append(("measured peak (one real step)", format_bytes(plan.measured_peak_bytes)))
     if plan.fingerprint is not None:
@@ -85,10 +87,15 @@ def _timeline_svg(plan: PlanRecord) -> str:
             ax.axvline(backward, color="#444444", linewidth=0.8, linestyle=":")
             ax.text(backward, ax.get_ylim()[1] * 0.02, "  backward", fontsize=8, color="#444444")
         peak = max(curve.total_bytes)
+        if curve.host_pool_bytes:  # host memory: drawn as a line beside the device's stack, not in it
+            ax.step(x, [value / GB for value in curve.host_pool_bytes], where="post", color="#8172b3",
+                    linewidth=1.4, label="host pool occupancy (host memory)")
         ax.set_title(f"{title}: peak {format_bytes(peak)}", fontsize=10, loc="left")
         ax.set_ylabel("GB (10^9 bytes)")
     axes[1].set_xlabel("event of the training step (forward units, then backward)")
     axes[0].legend(loc="upper left", fontsize=8, ncols=3)
+    if plan.memory_after is not None and plan.memory_after.host_pool_bytes:
+        axes[1].legend(loc="upper left", fontsize=8, ncols=3)
     return _svg(figure)
 
 
@@ -140,7 +147,7 @@ def report_html(plan: PlanRecord, *, depth: int = 2) -> str:
           f"{r.recompute_ms:.2f}", f"{r.recomputed_units} / {r.units}") for r in module_rows(plan, depth)],
         escape=False,
     ))
-    parts.append(f"<h2>Decisions: {len(plan.regions)} checkpointed regions</h2>")
+    parts.append(f"<h2>Decisions: {len(plan.regions)} regions</h2>")
     if plan.regions:
         parts.append(_html_table(
             ["#", "first unit", "last unit", "units", "module", "saved bytes (unmodified)", "recompute ms", "action"],
@@ -149,7 +156,7 @@ def report_html(plan: PlanRecord, *, depth: int = 2) -> str:
             escape=False,
         ))
     else:
-        parts.append("<p>Nothing is recomputed: the unmodified step fits the budget.</p>")
+        parts.append("<p>Nothing is recomputed or offloaded: the unmodified step fits the budget.</p>")
     parts.append("<h2>Solver</h2>")
     parts.append(_html_table(["", ""], _solver_rows(plan), show_header=False, css="summary"))
     parts.append("<h2>Pareto curve: predicted peak vs predicted overhead</h2>")
@@ -184,14 +191,16 @@ def report_markdown(plan: PlanRecord, *, depth: int = 2) -> str:
         lines += ["", "## At the predicted peak", ""]
         lines += _md_table(["category", "bytes"], [
             (label, format_bytes(getattr(after, name)[peak_event])) for name, label, _ in _CATEGORIES
-        ] + [("total", format_bytes(after.total_bytes[peak_event]))])
+        ] + [("total", format_bytes(after.total_bytes[peak_event]))]
+          + ([("host pool occupancy (host memory, not in the total)", format_bytes(after.host_pool_bytes[peak_event]))]
+             if after.host_pool_bytes else []))
     lines += ["", f"## Per module (depth {depth})", ""]
     lines += _md_table(
         ["module", "activation bytes not kept", "recompute ms", "recomputed units"],
         [(r.path or "(model)", format_bytes(r.saved_bytes), f"{r.recompute_ms:.2f}", f"{r.recomputed_units} / {r.units}")
          for r in module_rows(plan, depth)],
     )
-    lines += ["", f"## Decisions: {len(plan.regions)} checkpointed regions", ""]
+    lines += ["", f"## Decisions: {len(plan.regions)} regions", ""]
     lines += _md_table(
         ["#", "first unit", "last unit", "units", "module", "saved bytes (unmodified)", "recompute ms", "action"],
         [(str(r.index), r.first, r.last, str(r.units), r.module_path or "(model)", format_bytes(r.saved_bytes),

@@ -201,7 +201,7 @@ class OffloadedRegion:
 
     def __call__(self, *inputs: Any) -> Any:
         with self.pool.offloading(self.index):
-            return self.body(*inputs)
+            return self.body.forward(*inputs)  # not body(...): module hooks (MemTracker's) would hold its gradients
 
 
 def _checkpointed_forward(
@@ -302,6 +302,12 @@ class OptimizedModule(nn.Module):
         if plan.policy != self.plan.policy:
             raise ValueError("set_plan only updates a plan's figures; its policy must stay the same")
         self.__dict__["_autockpt_plan"] = plan
+
+    @property
+    def host_pool_bytes(self) -> int:
+        """The host pool's buffer, allocated once (0: the plan offloads nothing)."""
+        pool: HostPool | None = self.__dict__["_autockpt_pool"]
+        return pool.capacity_bytes if pool is not None else 0
 
     def pool_stats(self) -> PoolStats | None:
         """The host pool's counters (bytes in and out, peak occupancy, waits on copies); None without a pool."""

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from autockpt.offload import slot_bytes
 from autockpt.offload_model import MovedStorage, offload_transfers
 from autockpt.types import (
     Action,
@@ -155,6 +156,7 @@ def memory_curve(trace: StepTrace, costs: CostModel, region_actions: Sequence[Re
         recomputed_bytes=tuple(columns[2]),
         activation_bytes=tuple(columns[3]),
         temporary_bytes=tuple(columns[4]),
+        host_pool_bytes=tuple(prediction.pool_bytes) if prediction.timeline.host_pool_bytes else (),
     )
 
 
@@ -163,6 +165,7 @@ class _Prediction:
     timeline: Timeline
     forward_bytes: list[int]  # per event: bytes of forward-made storages alive under the plan
     copy_bytes: list[int]  # per event: recomputed copies alive, plus the replay burst where it sets the peak
+    pool_bytes: list[int]  # per event: host pool slots taken so far this step (offload; not device memory)
 
 
 def _predict(
@@ -181,6 +184,7 @@ def _predict(
     plan_delta = [0] * (num_events + 1)  # what the plan changes, on top of the measured timeline (difference array)
     forward_delta = [0] * (num_events + 1)  # detailed: the plan's changes to the original forward storages
     copy_delta = [0] * (num_events + 1)  # detailed: recomputed copies
+    pool_delta = [0] * (num_events + 1)  # detailed: host pool slots (kept until the step ends)
 
     def add(delta: list[int], first: int, last: int, nbytes: int) -> None:
         if first <= last:
@@ -205,6 +209,7 @@ def _predict(
             add(plan_delta, copy.fetch_event, copy.last_release_event, storage.nbytes)
             if detailed:
                 add(copy_delta, copy.fetch_event, copy.last_release_event, storage.nbytes)
+                add(pool_delta, copy.pack_event, num_events - 1, slot_bytes(storage.nbytes))
         home = _region(region_of, storage.producer_unit)
         if home is None or home in transfers.regions:
             continue
@@ -229,8 +234,8 @@ def _predict(
                 add(copy_delta, window.first_backward_event, max(releases), storage.nbytes)
             copy_bytes_at_burst[home] += storage.nbytes
 
-    event_bytes, forward_bytes, copy_bytes = [], [], []
-    running = forward_running = copy_running = 0
+    event_bytes, forward_bytes, copy_bytes, pool_bytes = [], [], [], []
+    running = forward_running = copy_running = pool_running = 0
     for event in trace.events:
         running += plan_delta[event.index]
         event_bytes.append(event.peak_bytes + running)
@@ -239,6 +244,8 @@ def _predict(
             copy_running += copy_delta[event.index]
             forward_bytes.append(index.forward_bytes[event.index] + forward_running)
             copy_bytes.append(copy_running)
+            pool_running += pool_delta[event.index]
+            pool_bytes.append(pool_running)
 
     burst_bytes = []
     recompute_ms = 0.0
@@ -277,7 +284,7 @@ def _predict(
         offloaded_bytes=transfers.moved_bytes,
         host_pool_bytes=transfers.pool_bytes,
     )
-    return _Prediction(timeline=timeline, forward_bytes=forward_bytes, copy_bytes=copy_bytes)
+    return _Prediction(timeline=timeline, forward_bytes=forward_bytes, copy_bytes=copy_bytes, pool_bytes=pool_bytes)
 
 
 def _check_gradient_lifetimes(trace: StepTrace, actions: Sequence[Action]) -> None:

@@ -22,7 +22,6 @@ def floor_note(plan: PlanRecord) -> str:
 
 
 def plan_summary(plan: PlanRecord, *, max_regions: int = 12) -> str:
-    recomputed = plan.recomputed_units
     lines = [
         f"autockpt plan: strategy={plan.strategy}, capture={plan.capture.value}, status={plan.status.value}, "
         f"solver={plan.solver}, checkpoint={plan.checkpoint_kind.value}",
@@ -31,13 +30,15 @@ def plan_summary(plan: PlanRecord, *, max_regions: int = 12) -> str:
         f"  unmodified peak        {format_bytes(plan.baseline_peak_bytes)}",
         f"  smallest feasible      {format_bytes(plan.min_feasible_bytes)}{floor_note(plan)}",
         f"  static (params, buffers, grads, inputs) {format_bytes(plan.static_bytes)}",
-        f"  recomputed             {len(recomputed)} of {len(plan.nodes)} units in {len(plan.regions)} checkpointed regions",
+        f"  recomputed             {decisions_line(plan)}",
         f"  predicted overhead     +{100 * plan.predicted_overhead:.1f}% of the step ({overhead_breakdown(plan)})",
         f"  time                   capture {plan.capture_time_s:.1f} s, profile {plan.profile_time_s:.1f} s, "
         f"solve {plan.solve_time_s:.1f} s",
     ]
+    if plan.host_pool_bytes:
+        lines.append(f"  host pool              {pool_line(plan)}")
     if plan.regions:
-        lines.append("  checkpointed regions (first unit .. last unit, module):")
+        lines.append("  regions (first unit .. last unit, module):")
         for row in region_rows(plan)[:max_regions]:
             lines.append(
                 f"    [{row.index}] {row.first} .. {row.last} ({row.units} units, saves {format_bytes(row.saved_bytes)} "
@@ -51,13 +52,35 @@ def plan_summary(plan: PlanRecord, *, max_regions: int = 12) -> str:
     return "\n".join(lines)
 
 
+def decisions_line(plan: PlanRecord) -> str:
+    """How many units each decision covers, in how many regions."""
+    recomputing = sum(1 for a in plan.policy.actions if a.recomputes)
+    text = f"{len(plan.recomputed_units)} of {len(plan.nodes)} units in {recomputing} checkpointed regions"
+    offloading = len(plan.policy.actions) - recomputing
+    if offloading:
+        offloaded = sum(1 for n in plan.nodes if n.decision is Decision.OFFLOAD)
+        text += f"; {offloaded} units in {offloading} regions offload what they save to the host pool"
+    return text
+
+
+def pool_line(plan: PlanRecord) -> str:
+    """The host pool: its size, what moves through it per step, and the link time the step waits for."""
+    return (
+        f"{format_bytes(plan.host_pool_bytes)} of host memory, allocated once (not in the device budget); "
+        f"{format_bytes(plan.offloaded_bytes)} moved each way per step, {plan.transfer_ms:.1f} ms of copies not "
+        "hidden behind compute"
+    )
+
+
 def overhead_breakdown(plan: PlanRecord) -> str:
-    """Where the predicted overhead comes from: recomputed kernels and the checkpoint machinery."""
-    saved_tensors = sum(n.saved_tensors for n in plan.nodes if n.region is not None)
+    """Where the predicted overhead comes from: recomputed kernels, the checkpoint machinery, offload copies."""
+    recomputing = sum(1 for a in plan.policy.actions if a.recomputes)
+    saved_tensors = sum(n.saved_tensors for n in plan.nodes if n.decision is Decision.RECOMPUTE)
+    copies = f" + offload copies waited for {plan.transfer_ms:.1f} ms" if plan.offloaded_bytes else ""
     return (
         f"recompute {plan.recompute_ms:.1f} ms + checkpoint machinery {plan.machinery_ms:.1f} ms: "
-        f"{len(plan.regions)} regions x {plan.region_overhead_ms:.3f} ms + {saved_tensors} saved tensors x "
-        f"{plan.saved_tensor_overhead_ms:.4f} ms; unmodified step {plan.baseline_step_ms:.1f} ms"
+        f"{recomputing} regions x {plan.region_overhead_ms:.3f} ms + {saved_tensors} saved tensors x "
+        f"{plan.saved_tensor_overhead_ms:.4f} ms{copies}; unmodified step {plan.baseline_step_ms:.1f} ms"
     )
 
 

@@ -367,6 +367,7 @@ class MemoryCurve:
     activation_bytes: tuple[int, ...]  # tensors made in forward still alive (kept for backward, or not yet freed)
     recomputed_bytes: tuple[int, ...]  # copies made by recomputation, and the recomputation's own temporaries
     temporary_bytes: tuple[int, ...]  # everything else: backward temporaries, activation gradients, workspaces
+    host_pool_bytes: tuple[int, ...] = ()  # host pool slots taken (offload; host memory, not in total_bytes); () none
 
     @property
     def total_bytes(self) -> tuple[int, ...]:

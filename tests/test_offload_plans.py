@@ -15,8 +15,9 @@ from autockpt import zoo
 from autockpt.offload import slot_bytes
 from autockpt.types import Action, Decision
 
-# MemTracker and the simulator agree to the byte on GPT-2 and Llama; on the MLP and the BatchNorm conv net they
-# differ by 128-512 bytes (not yet explained: small storages whose release the rules place one event off)
+# MemTracker and the simulator agree to the byte on the BatchNorm conv net, GPT-2 and Llama (offloaded regions bypass
+# module hooks: MemTracker's would hold the gradients of a region's inputs); on the MLP the prediction is 512 bytes
+# high (on the safe side; not explained yet)
 SLACK_BYTES = 1024
 
 
@@ -39,7 +40,7 @@ def test_offloaded_regions_are_predicted_and_train_like_pytorch(name: str) -> No
     module = planner.apply(plan)
     for _ in range(2):  # the pool is allocated once and reused
         measured = planner.measured_peak_bytes(module)  # model state (BatchNorm statistics) put back after
-        device_bytes = measured - plan.host_pool_bytes  # MemTracker counts the pool's host buffer
+        device_bytes = measured  # measure_step leaves out the pool, which MemTracker counts on CPU
         assert abs(device_bytes - plan.predicted_peak_bytes) <= SLACK_BYTES, (device_bytes, plan.predicted_peak_bytes)
     stats = module.pool_stats()
     assert stats is not None and stats.allocations == 1 and stats.steps == 2

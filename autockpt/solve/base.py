@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from autockpt.simulate import machinery_ms, simulate
 from autockpt.solve.block_types import BlockProblem
@@ -94,8 +94,8 @@ def recompute_actions(choice: Action | str, capture: CaptureKind) -> tuple[Actio
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SolveResult:
-    regions: tuple[Region, ...]
-    action: Action  # every region's action
+    region_actions: tuple[RegionAction, ...]  # in unit order: each chosen region and what happens to what it saves
+    action: Action  # the recompute action planned for (the regions that recompute have it; others offload)
     timeline: Timeline
     baseline: Timeline
     min_feasible_bytes: int
@@ -105,12 +105,17 @@ class SolveResult:
     stats: SolverStats
     floor_complete: bool = True  # False: min_feasible_bytes is the quick floor's (``solve/default.py``)
 
+    @property
+    def regions(self) -> tuple[Region, ...]:
+        return tuple(ra.region for ra in self.region_actions)
+
 
 @dataclass(frozen=True, slots=True)
 class ScoredCandidate:
     region: Region
     cost_ms: float
     gains: dict[int, int]  # event block index -> smallest gain over the block (bytes; negative = extra memory)
+    pool_bytes: int = 0  # host pool bytes the region needs alone (offload; 0 for recompute)
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +192,48 @@ class Problem:
         """The simulator's timeline of ``regions`` under this problem's action."""
         return self.scorer.simulate(regions)
 
+    def fits(self, timeline: Timeline, budget_bytes: int) -> bool:
+        """A plan fits when its simulated peak is within the budget."""
+        return timeline.peak_bytes <= budget_bytes
+
+    @staticmethod
+    def region_of(item: Region) -> Region:
+        """The region of one element of a plan (a plan of this problem is its regions)."""
+        return item
+
+    @property
+    def items(self) -> list[Region]:
+        """Per scored candidate, the plan item it stands for: its region."""
+        return [c.region for c in self.scored]
+
+
+class PlanSearch(Protocol):
+    """What ``refine`` and the local passes need from a problem: a plan is a sequence of items (regions under the
+    problem's one action, or regions with their own action, ``joint.JointProblem``) that the simulator scores."""
+
+    @property
+    def baseline(self) -> Timeline: ...
+
+    @property
+    def trace(self) -> StepTrace: ...
+
+    def simulate(self, plan: Sequence[Any]) -> Timeline: ...
+
+    def fits(self, timeline: Timeline, budget_bytes: int) -> bool: ...
+
+    def region_of(self, item: Any) -> Region: ...
+
+
+class FloorSearch(PlanSearch, Protocol):
+    """What the floor's local descent also needs: the candidates, each with the plan item it stands for, and the
+    event block of each event."""
+
+    scored: list[ScoredCandidate]
+    block_of_event: list[int]
+
+    @property
+    def items(self) -> Sequence[Any]: ...
+
 
 def region_actions(regions: Sequence[Region], action: Action) -> tuple[RegionAction, ...]:
     return tuple(RegionAction(region=r, action=action) for r in regions)
@@ -196,7 +243,7 @@ def region_actions(regions: Sequence[Region], action: Action) -> tuple[RegionAct
 class ProgramAnswer:
     """What one program (at one effective budget, or for the floor) chose."""
 
-    regions: tuple[Region, ...] | None  # None: the program has no solution at that budget
+    regions: tuple[Region, ...] | tuple[RegionAction, ...] | None  # None: no solution at that budget
     status: PlanStatus  # OPTIMAL when the program's answer is proven optimal (for the program, not the simulator)
     stats: SolverStats
 
@@ -207,12 +254,12 @@ class Program(Protocol):
 
     def __call__(
         self,
-        problem: Problem,
+        problem: Any,
         budget: float | None,
         options: SolverOptions,
         solver: str,
         *,
-        excluded: Sequence[tuple[Region, ...]] = (),
+        excluded: Sequence[tuple[Any, ...]] = (),
     ) -> ProgramAnswer: ...
 
 

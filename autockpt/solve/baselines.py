@@ -40,7 +40,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from autockpt.solve.base import NO_PROGRAM, Problem, SeedPlan, SolveResult, SolverOptions
+from autockpt.solve.base import NO_PROGRAM, Problem, SeedPlan, SolveResult, SolverOptions, region_actions
 from autockpt.solve.candidates import candidate_regions, equal_saved_segments, is_unsafe, mutation_hazards
 from autockpt.solve.refine import no_plan_error
 from autockpt.structure import crossing_bytes
@@ -193,7 +193,7 @@ class BaselineSolver:
         if timeline.peak_bytes > budget_bytes:
             raise no_plan_error(budget_bytes, timeline.peak_bytes)
         return SolveResult(
-            regions=chosen.regions, action=problem.action, timeline=timeline, baseline=problem.baseline,
+            region_actions=region_actions(chosen.regions, problem.action), action=problem.action, timeline=timeline, baseline=problem.baseline,
             min_feasible_bytes=timeline.peak_bytes, status=PlanStatus.GIVEN, solver=self.name,
             solve_time_s=time.perf_counter() - started, stats=NO_PROGRAM,
         )

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 
-from autockpt.solve.base import Floor, Problem, SolveResult, SolverOptions, summarise_programs
+from autockpt.solve.base import Floor, Problem, SolveResult, SolverOptions, region_actions, summarise_programs
 from autockpt.solve.blocks import solve_block_program
 from autockpt.solve.greedy import greedy_regions
 from autockpt.solve.local import drop_unneeded_regions, lower_floor_locally, swap_for_cheaper
@@ -84,7 +84,7 @@ def solve_prepared(problem: Problem, budget_bytes: int, options: SolverOptions |
         raise no_plan_error(budget_bytes, floor.timeline.peak_bytes)
     regions, timeline, status = best
     return SolveResult(
-        regions=regions, action=problem.action, timeline=timeline, baseline=baseline, min_feasible_bytes=min_feasible,
+        region_actions=region_actions(regions, problem.action), action=problem.action, timeline=timeline, baseline=baseline, min_feasible_bytes=min_feasible,
         floor_complete=floor.complete, status=status, solver=solver, solve_time_s=time.perf_counter() - started, stats=summarise_programs(programs),
     )
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autockpt.errors import InfeasibleBudgetError
-from autockpt.solve.base import NO_PROGRAM, Problem, Scorer, SolveResult, SolverOptions
+from autockpt.solve.base import NO_PROGRAM, Problem, Scorer, SolveResult, SolverOptions, region_actions
 from autockpt.solve.candidates import is_unsafe, mutation_hazards
 from autockpt.solve.refine import identity_result
 from autockpt.types import PlanStatus, Profile, Region
@@ -59,7 +59,7 @@ class ExactSolver:
             return identity_result(problem, min_feasible, self.name, started, [NO_PROGRAM])
         found = exact_regions(problem.scorer, budget_bytes, max_units=self.max_units)
         return SolveResult(
-            regions=found.regions, action=problem.action, timeline=problem.simulate(found.regions),
+            region_actions=region_actions(found.regions, problem.action), action=problem.action, timeline=problem.simulate(found.regions),
             baseline=problem.baseline, min_feasible_bytes=min_feasible, status=PlanStatus.OPTIMAL, solver=self.name,
             solve_time_s=time.perf_counter() - started, stats=NO_PROGRAM,
         )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from autockpt.solve.base import NO_PROGRAM, Problem, ScoredCandidate, SolveResult, SolverOptions
+from autockpt.solve.base import NO_PROGRAM, Problem, ScoredCandidate, SolveResult, SolverOptions, region_actions
 from autockpt.solve.refine import check_reachable, identity_result, no_plan_error
 from autockpt.types import PlanStatus, Region
 
@@ -29,7 +29,7 @@ class GreedySolver:
         if timeline.peak_bytes > budget_bytes:
             raise no_plan_error(budget_bytes, floor)
         return SolveResult(
-            regions=regions, action=problem.action, timeline=timeline, baseline=problem.baseline,
+            region_actions=region_actions(regions, problem.action), action=problem.action, timeline=timeline, baseline=problem.baseline,
             min_feasible_bytes=min_feasible, status=PlanStatus.FEASIBLE, solver=self.name,
             solve_time_s=time.perf_counter() - started, stats=NO_PROGRAM,
         )

@@ -8,9 +8,10 @@ simulator says is lower (the floor) or cheaper under the budget (a plan).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from autockpt.solve.base import Problem
+from autockpt.solve.base import FloorSearch, PlanSearch, Problem
 from autockpt.types import PlanStatus, Region, Timeline
 
 FLOOR_SEARCH_SIMULATIONS = 120  # in all, over every starting plan: about 1-5 ms each on a 12-layer GPT-2
@@ -19,51 +20,55 @@ SWAP_SIMULATIONS = 40  # per plan: about 1-5 ms each on a 12-layer GPT-2
 
 
 def lower_floor_locally(
-    problem: Problem, starts: Sequence[tuple[tuple[Region, ...], Timeline]]
-) -> tuple[tuple[Region, ...], Timeline, int]:
+    problem: FloorSearch, starts: Sequence[tuple[tuple[Any, ...], Timeline]]
+) -> tuple[tuple[Any, ...], Timeline, int]:
     """The lowest simulated peak a descent from any of ``starts`` (the programs' floors, the seed plans) reaches,
     and the index of the start it descended from.
 
     One step tries dropping each region, then adding each of the candidates that free most at the current peak
-    event (replacing the regions they overlap), and takes the first that lowers the simulated peak. The programs add
-    gains up; where regions interact (one region's recomputation burst sits on another's gain) they can stop above a
-    plan that one more region, one fewer or a swap reaches.
+    event (replacing the regions they overlap, including the same region under another action), and takes the first
+    that lowers the simulated peak and fits the problem's other limits (the host pool). The programs add gains up;
+    where regions interact (one region's recomputation burst sits on another's gain) they can stop above a plan that
+    one more region, one fewer or a swap reaches.
     """
     simulations = 0
+    items = problem.items
 
-    def lower(regions: tuple[Region, ...], timeline: Timeline) -> tuple[tuple[Region, ...], Timeline] | None:
+    def lower(plan: tuple[Any, ...], timeline: Timeline) -> tuple[tuple[Any, ...], Timeline] | None:
         nonlocal simulations
         block = problem.block_of_event[timeline.peak_event]
         helpful = sorted(
-            (c for c in problem.scored if c.gains.get(block, 0) > 0 and c.region not in regions),
-            key=lambda c: -c.gains[block],
+            (k for k, c in enumerate(problem.scored) if c.gains.get(block, 0) > 0 and items[k] not in plan),
+            key=lambda k: -problem.scored[k].gains[block],
         )[:FLOOR_SEARCH_ADDITIONS]
-        trials = [tuple(r for r in regions if r != dropped) for dropped in regions]
-        trials += [put_in(regions, c.region) for c in helpful]
+        trials = [tuple(item for item in plan if item != dropped) for dropped in plan]
+        trials += [put_in(plan, items[k], problem.region_of) for k in helpful]
         for trial in trials:
             if simulations >= FLOOR_SEARCH_SIMULATIONS:
                 return None
             simulations += 1
             trial_timeline = problem.simulate(trial)
-            if trial_timeline.peak_bytes < timeline.peak_bytes:
+            if trial_timeline.peak_bytes < timeline.peak_bytes and problem.fits(trial_timeline, trial_timeline.peak_bytes):
                 return trial, trial_timeline
         return None
 
     order = sorted(range(len(starts)), key=lambda i: starts[i][1].peak_bytes)
     best = (*starts[order[0]], order[0])
     for index in order:
-        step: tuple[tuple[Region, ...], Timeline] | None = starts[index]
+        step: tuple[tuple[Any, ...], Timeline] | None = starts[index]
         while step is not None:
-            regions, timeline = step
-            step = lower(regions, timeline)
+            plan, timeline = step
+            step = lower(plan, timeline)
         if timeline.peak_bytes < best[1].peak_bytes:
-            best = (regions, timeline, index)
+            best = (plan, timeline, index)
     return best
 
 
-def put_in(regions: tuple[Region, ...], region: Region) -> tuple[Region, ...]:
-    """``regions`` with ``region`` in place of the ones it overlaps, in unit order."""
-    return tuple(sorted([*(r for r in regions if not r.overlaps(region)), region], key=lambda r: r.first_unit))
+def put_in(plan: tuple[Any, ...], item: Any, region_of: Callable[[Any], Region] = lambda r: r) -> tuple[Any, ...]:
+    """``plan`` with ``item`` in place of the items whose regions overlap its region, in unit order."""
+    region = region_of(item)
+    kept = [other for other in plan if not region_of(other).overlaps(region)]
+    return tuple(sorted([*kept, item], key=lambda other: region_of(other).first_unit))
 
 
 def swap_for_cheaper(
@@ -112,8 +117,8 @@ def swap_for_cheaper(
 
 
 def drop_unneeded_regions(
-    problem: Problem, regions: tuple[Region, ...], timeline: Timeline, status: PlanStatus, budget_bytes: int
-) -> tuple[tuple[Region, ...], Timeline, PlanStatus]:
+    problem: PlanSearch, regions: tuple[Any, ...], timeline: Timeline, status: PlanStatus, budget_bytes: int
+) -> tuple[tuple[Any, ...], Timeline, PlanStatus]:
     """One pass, most expensive region first: drop each region whose removal keeps the simulated peak in budget.
 
     The program charges forward memory per group of events at its worst, so it can checkpoint a region the exact
@@ -121,13 +126,14 @@ def drop_unneeded_regions(
     """
     profile = problem.trace
 
-    def forward_ms(region: Region) -> float:
+    def forward_ms(item: Any) -> float:
+        region = problem.region_of(item)
         return sum(profile.units[u].forward_ms for u in range(region.first_unit, region.last_unit + 1))
 
     kept = list(regions)
     for region in sorted(regions, key=forward_ms, reverse=True):
         trial = [r for r in kept if r != region]
         trial_timeline = problem.simulate(trial)
-        if trial_timeline.peak_bytes <= budget_bytes and trial_timeline.overhead_ms <= timeline.overhead_ms:
+        if problem.fits(trial_timeline, budget_bytes) and trial_timeline.overhead_ms <= timeline.overhead_ms:
             kept, timeline, status = trial, trial_timeline, PlanStatus.FEASIBLE
     return tuple(kept), timeline, status

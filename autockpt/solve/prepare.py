@@ -108,5 +108,5 @@ def score_candidates(
         block_gains = np.minimum.reduceat(gains_by_event[order], starts)
         (nonzero,) = np.nonzero(block_gains)
         gains = dict(zip(nonzero.tolist(), block_gains[nonzero].tolist()))
-        scored.append(ScoredCandidate(region, alone.overhead_ms, gains))
+        scored.append(ScoredCandidate(region, alone.overhead_ms, gains, alone.host_pool_bytes))
     return scored, lowest_single

@@ -11,20 +11,29 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from autockpt.errors import InfeasibleBudgetError
-from autockpt.solve.base import Problem, Program, SolveResult, SolverOptions, summarise_programs
+from autockpt.solve.base import (
+    PlanSearch,
+    Problem,
+    Program,
+    SolveResult,
+    SolverOptions,
+    region_actions,
+    summarise_programs,
+)
 from autockpt.solve.pulp_tools import solver_name
-from autockpt.types import PlanStatus, Region, SolverStats, Timeline
+from autockpt.types import PlanStatus, SolverStats, Timeline
 from autockpt.units import format_bytes
 
 RETRIES_AT_ONE_BUDGET = 2  # programs re-solved at one effective budget, each without the sets that went over
 
-Plan3 = tuple[tuple[Region, ...], Timeline, PlanStatus]  # regions, their simulated timeline, how they were found
+Plan3 = tuple[tuple[Any, ...], Timeline, PlanStatus]  # a plan's items, its simulated timeline, how it was found
 
 
 def refine(
-    problem: Problem,
+    problem: PlanSearch,
     budget_bytes: int,
     options: SolverOptions,
     program: Program,
@@ -43,7 +52,7 @@ def refine(
     search_low, search_high = -math.inf, math.inf
     # a plan this close under the budget is kept: each further program (~0.5-2 s) buys little recompute time
     close_enough_bytes = 0.01 * max(baseline.peak_bytes - profile.static_bytes, 0)
-    over_budget: list[tuple[Region, ...]] = []  # plans the program chose that simulated over the budget
+    over_budget: list[tuple[Any, ...]] = []  # plans the program chose that simulated over the budget
     last_overshoot_effective, retries_here = math.nan, 0
     for _ in range(options.refinement_rounds):
         answer = program(problem, effective, options, solver, excluded=over_budget)
@@ -54,7 +63,7 @@ def refine(
             effective = effective + 0.01 * budget_bytes if search_high == math.inf else (effective + search_high) / 2
             continue
         timeline = problem.simulate(regions)
-        if timeline.peak_bytes <= budget_bytes:
+        if problem.fits(timeline, budget_bytes):
             if best is None or timeline.overhead_ms < best[1].overhead_ms:
                 best = (regions, timeline, status)
             search_low = max(search_low, effective)
@@ -101,7 +110,7 @@ def solve_with_program(
         raise no_plan_error(budget_bytes, floor_timeline.peak_bytes)
     regions, timeline, status = best
     return SolveResult(
-        regions=regions, action=problem.action, timeline=timeline, baseline=problem.baseline,
+        region_actions=region_actions(regions, problem.action), action=problem.action, timeline=timeline, baseline=problem.baseline,
         min_feasible_bytes=min_feasible, status=status, solver=f"{name} ({solver})",
         solve_time_s=time.perf_counter() - started, stats=summarise_programs(programs),
     )
@@ -112,7 +121,7 @@ def identity_result(
 ) -> SolveResult:
     """The budget is at or above the unmodified peak: nothing to do."""
     return SolveResult(
-        regions=(), action=problem.action, timeline=problem.baseline, baseline=problem.baseline,
+        region_actions=region_actions((), problem.action), action=problem.action, timeline=problem.baseline, baseline=problem.baseline,
         min_feasible_bytes=min_feasible_bytes, status=PlanStatus.IDENTITY, solver=solver,
         solve_time_s=time.perf_counter() - started, stats=summarise_programs(list(programs)),
     )

@@ -1,0 +1,148 @@
+"""The solver chooses keep, recompute or offload per region under a host pool (issue 21, CPU): the pool lowers the
+floor, optimize keeps the budget as measured (MemTracker minus the pool's host buffer) with training equal to
+PyTorch's, the pool is never exceeded, and a budget only a pool can reach says which pool would do."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_same_step, budget_at, twin
+
+import autockpt
+from autockpt import zoo
+from autockpt.cli import UserInputError, parse_host_pool
+from autockpt.types import Action, Decision
+
+SLACK_BYTES = 1024  # as tests/test_offload_plans.py: exact on the conv net, 512 bytes high on the MLP
+
+
+def pool_planner(case: zoo.ZooCase, host_pool_gb: float | str = 1.0) -> autockpt.Planner:
+    return autockpt.Planner(
+        case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn,
+        host_pool_gb=host_pool_gb,
+    )
+
+
+@dataclasses.dataclass
+class PoolCase:
+    """The MLP planned with a 1 GB pool (one capture and trace for the tests here), its two floors, and a budget
+    between them: below what recomputing alone reaches, above what the pool reaches."""
+
+    case: zoo.ZooCase
+    reference: torch.nn.Module
+    planner: autockpt.Planner
+    with_pool: int
+    recompute_only: int
+
+    @property
+    def between(self) -> int:
+        return (self.with_pool + self.recompute_only) // 2
+
+
+@pytest.fixture(scope="module")
+def mlp() -> PoolCase:
+    case = zoo.build("mlp")
+    reference = twin(case)
+    planner = pool_planner(case)
+    with_pool = planner.plan(budget_bytes=10**15).min_feasible_bytes
+    planner.host_pool_bytes = 0
+    recompute_only = planner.plan(budget_bytes=10**15).min_feasible_bytes
+    planner.host_pool_bytes = 10**9
+    return PoolCase(case, reference, planner, with_pool, recompute_only)
+
+
+@pytest.fixture
+def pooled(mlp: PoolCase) -> Iterator[PoolCase]:
+    """The MLP's planner with its 1 GB pool back after the test (tests change ``Planner.host_pool_bytes``)."""
+    yield mlp
+    mlp.planner.host_pool_bytes = 10**9
+
+
+def test_a_pool_reaches_below_the_recompute_floor_and_keeps_the_budget(pooled: PoolCase) -> None:
+    case, planner, budget = pooled.case, pooled.planner, pooled.between
+    assert pooled.with_pool < pooled.recompute_only
+    module = planner.optimize(budget_bytes=budget)
+    plan = autockpt.get_plan(module)
+    assert Action.OFFLOAD in plan.policy.actions
+    assert Decision.OFFLOAD in {n.decision for n in plan.nodes}
+    assert plan.measured_peak_bytes is not None and plan.measured_peak_bytes <= budget
+    assert abs(plan.measured_peak_bytes - plan.predicted_peak_bytes) <= SLACK_BYTES
+    assert 0 < plan.host_pool_bytes <= planner.host_pool_bytes
+    assert module.host_pool_bytes == plan.host_pool_bytes
+    assert_same_step(module, pooled.reference, case)  # one more step on the same pool
+    stats = module.pool_stats()
+    assert stats is not None and stats.allocations == 1 and stats.steps >= 2
+    assert stats.peak_occupancy_bytes == plan.host_pool_bytes
+
+
+def test_without_a_pool_the_error_names_the_pool_that_makes_the_budget_feasible(pooled: PoolCase) -> None:
+    planner, budget = pooled.planner, pooled.between
+    planner.host_pool_bytes = 0
+    with pytest.raises(autockpt.InfeasibleBudgetError, match="host_pool_gb=") as caught:
+        planner.plan(budget_bytes=budget)
+    needed = caught.value.host_pool_bytes_needed
+    assert needed is not None and needed > 0
+    planner.host_pool_bytes = needed
+    plan = planner.plan(budget_bytes=budget)
+    assert plan.predicted_peak_bytes <= budget and plan.host_pool_bytes <= needed
+
+
+def test_the_pool_never_makes_a_plan_worse_and_its_capacity_holds(pooled: PoolCase) -> None:
+    planner = pooled.planner
+    budget = budget_at(planner.plan(budget_bytes=10**15), 0.4)
+    with_pool = planner.plan(budget_bytes=budget)
+    planner.host_pool_bytes = 0
+    recompute_only = planner.plan(budget_bytes=budget)
+    planner.host_pool_bytes = 10**9
+    assert with_pool.predicted_peak_bytes <= budget
+    assert with_pool.predicted_overhead <= recompute_only.predicted_overhead + 1e-12
+    small = max(with_pool.host_pool_bytes // 2, 1)
+    planner.host_pool_bytes = small
+    limited = planner.plan(budget_bytes=budget)
+    assert limited.host_pool_bytes <= small and limited.predicted_peak_bytes <= budget
+
+
+def test_the_plan_shows_the_pool_and_applies_from_a_file(pooled: PoolCase, tmp_path: Path) -> None:
+    case = pooled.case
+    plan = pooled.planner.plan(budget_bytes=pooled.between)
+    occupancy = plan.memory_after.host_pool_bytes
+    assert occupancy[-1] == plan.host_pool_bytes and list(occupancy) == sorted(occupancy)
+    assert "host pool" in plan.summary() and "offload" in plan.summary()
+    plan.report(tmp_path / "plan.md")
+    assert "host pool occupancy" in (tmp_path / "plan.md").read_text()
+    plan.save(tmp_path / "plan.json")
+    loaded = autockpt.load_plan(tmp_path / "plan.json")
+    assert loaded.policy == plan.policy and loaded.host_pool_bytes == plan.host_pool_bytes
+    module = autockpt.apply_plan(case.model, loaded, example_inputs=case.args, example_kwargs=case.kwargs)
+    assert module.host_pool_bytes == plan.host_pool_bytes
+    assert_same_step(module, pooled.reference, case)
+
+
+def test_host_pool_arguments_are_checked() -> None:
+    case = zoo.build("mlp")
+    for wrong in (-1, "lots", True, float("nan")):
+        with pytest.raises(ValueError, match="host_pool_gb"):
+            pool_planner(case, wrong)  # type: ignore[arg-type]
+    assert pool_planner(case, "auto").host_pool_bytes > 0
+    with pytest.raises(ValueError, match="graph capture"):
+        pool_planner(zoo.build("control_flow"))  # module-level capture: offloading cannot run there
+
+
+def test_the_cli_reads_the_host_pool() -> None:
+    assert parse_host_pool("auto") == "auto" and parse_host_pool("0") == 0
+    assert parse_host_pool("16GB") == 16.0 and parse_host_pool("1GiB") == 2**30 / 1e9
+    with pytest.raises(UserInputError, match="--host-pool"):
+        parse_host_pool("plenty")
+
+
+def test_plans_of_both_actions_keep_one_record_per_region(pooled: PoolCase) -> None:
+    """A mixed plan's nodes say each region's own action, and its prices cover every action it uses."""
+    plan = pooled.planner.plan(budget_bytes=pooled.between)
+    for node in plan.nodes:
+        if node.region is not None:
+            assert node.action is plan.policy.actions[node.region]
+    assert {p.action for p in plan.prices} == {plan.planned_action, *plan.policy.actions}

@@ -37,6 +37,7 @@ from torch import nn
 import autockpt
 from autockpt.measure import alternating_step_seconds, measure_step
 from autockpt.offload import available_host_bytes
+from autockpt.units import format_bytes
 
 # layers, width, heads, sequence, batch, vocabulary
 SIZES = {
@@ -141,7 +142,9 @@ def run_model(name: str, size: str, device: torch.device, out: Path) -> list[Row
                 name, str(device), budget_name, budget, strategy, plan is not None or measured <= budget, measured,
                 reserved, plan.predicted_peak_bytes if plan else None, plan.host_pool_bytes if plan else 0,
                 sum(a is autockpt.Action.OFFLOAD for a in actions), sum(a.recomputes for a in actions),
-                ratio[strategy], "" if plan is None else f"predicted overhead {plan.predicted_overhead:.3f}",
+                ratio[strategy],
+                f"predicted overhead {plan.predicted_overhead:.3f}" if plan is not None
+                else ("over the budget" if measured > budget else ""),
             ))
         offloading = candidates.get("autockpt_offload")
         if device.type == "cuda" and isinstance(offloading, nn.Module):
@@ -165,10 +168,10 @@ def markdown(rows: list[Row], command: str) -> str:
            else "MemTracker minus the host pool's buffer")
         + "; step time: ratio to the unmodified model, median of alternating rounds in one process.",
         "",
-        "| model | budget | strategy | measured peak GB | predicted GB | reserved GB | pool GB | offloaded / recomputed regions | step time ratio | note |",
+        "| model | budget | strategy | measured peak | predicted peak | reserved peak | host pool | offloaded / recomputed regions | step time ratio | note |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    gb = lambda value: "" if value is None else f"{value / 1e9:.4f}"
+    gb = lambda value: "" if not value else format_bytes(value)
     for r in rows:
         lines.append(
             f"| {r.model} | {r.budget_name} ({gb(r.budget_bytes)}) | {r.strategy} | {gb(r.measured_peak_bytes)} | "

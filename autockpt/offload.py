@@ -147,10 +147,21 @@ def moves(tensor: torch.Tensor, device: torch.device) -> bool:
     base = tensor._base
     if base is not None and (isinstance(base, nn.Parameter) or (base.requires_grad and base.grad_fn is None)):
         return False
+    if _is_parameter_cast(tensor):
+        return False
     try:
         return tensor.untyped_storage().nbytes() >= MIN_STORAGE_BYTES
     except (RuntimeError, NotImplementedError):  # wrappers without a storage of their own (functorch's)
         return False
+
+
+def _is_parameter_cast(tensor: torch.Tensor) -> bool:
+    """A dtype copy of a leaf (autocast's low-precision weight): kept like the parameter. Autocast caches these for
+    as long as its context lasts, so moving one frees no device memory, and the step's trace does not count them."""
+    grad_fn = tensor.grad_fn
+    if grad_fn is None or grad_fn.name() != "ToCopyBackward0":
+        return False
+    return all(fn is not None and fn.name() == "torch::autograd::AccumulateGrad" for fn, _ in grad_fn.next_functions)
 
 
 def _normalized(device: torch.device | str) -> torch.device:

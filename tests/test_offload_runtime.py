@@ -552,3 +552,13 @@ def test_offloaded_step_measures_lower() -> None:
     assert offloaded < plain
     # all but two regions' worth of moved bytes come off the peak (backward restores one region ahead)
     assert plain - offloaded >= moved * (len(regions) - 2) / len(regions)
+
+
+def test_dtype_copies_of_parameters_stay_on_the_device() -> None:
+    """Autocast's low-precision weights are cached for its whole context: moving one would free nothing (and the
+    plan's trace does not count them), so they are kept like the parameters themselves; activations still move."""
+    layer = nn.Linear(64, 64)
+    weight_copy = layer.weight.to(torch.bfloat16)  # what autocast makes of a weight (ToCopyBackward0 of a leaf)
+    activation = layer(torch.randn(32, 64)).to(torch.bfloat16)  # a cast too, but of a computed tensor
+    assert not moves(weight_copy, torch.device("cpu"))
+    assert moves(activation, torch.device("cpu"))

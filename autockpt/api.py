@@ -237,8 +237,7 @@ class Planner:
         The plan's ``status`` is ``given`` and its budget is its own predicted peak.
         """
         action = action or self.actions[0]
-        if action not in self.costs.actions:  # e.g. offload, which the solver does not choose yet: price it here
-            self.costs = calibrate(self._device, (*self.costs.actions, action))
+        self._price(action)
         ordered = region_actions(sorted(regions, key=lambda r: r.first_unit), action)
         timeline = simulate(self.trace, self.costs, ordered)
         return assemble_plan(self.context, ordered, action, timeline.peak_bytes, timeline, strategy=strategy)
@@ -362,6 +361,15 @@ class Planner:
             )
         return results, time.perf_counter() - started
 
+    def _price(self, action: Action) -> None:
+        """Calibrate ``action`` when the cost model has no price for it (offload, for a planner made without a pool).
+        The problems prepared so far stay: the prices they use are unchanged."""
+        if action in self.costs.actions:
+            return
+        self.costs = calibrate(self._device, (*self.costs.actions, action))
+        if self._context is not None:
+            self._context = dataclasses.replace(self._context, costs=self.costs)
+
     def _joint_for(self, action: Action, pool_capacity_bytes: int) -> JointProblem:
         key = (action, pool_capacity_bytes)
         if key not in self._joint:
@@ -384,8 +392,7 @@ class Planner:
         (found by planning with a pool that holds every offload candidate; nothing changes when none would)."""
         if self.graph.kind is CaptureKind.MODULE or target_bytes < self.trace.static_bytes:
             return error
-        if Action.OFFLOAD not in self.costs.actions:
-            self.costs = calibrate(self._device, (*self.costs.actions, Action.OFFLOAD))
+        self._price(Action.OFFLOAD)
         self._on_stage("solve")
         joint = unbounded_pool(self._joint_for(self.actions[0], self.host_pool_bytes))
         if joint.pool_capacity_bytes <= self.host_pool_bytes:

@@ -13,13 +13,15 @@ returns the tensor, or an alias of it without autograd history):
 
 * a leaf that requires grad, an ``nn.Parameter`` (frozen too), or a view of one (``t._base``): torch hands the pack
   hook views such as ``weight.t()`` for a Linear, not the parameter;
+* a dtype copy of such a leaf (autocast's low-precision weight, ``ToCopyBackward0`` of the leaf): autocast caches it
+  for as long as its context lasts, so moving it would free nothing;
 * anything but a plain strided ``torch.Tensor`` on the pool's device: other devices, subclasses other than
   ``nn.Parameter``, sparse, nested and quantized tensors, tensors with the negative bit;
 * a tensor whose storage is smaller than ``MIN_STORAGE_BYTES`` (1 KiB);
 * a tensor on the storage of one of the tensors passed to ``begin_step(kept=...)``: what exists before the step
   and outlives it (the rewriter passes the step's inputs and the model's buffers), which moving would not free.
 
-Everything else is moved: activations, dropout masks, autocast's cast copies of parameters, and (unless passed as
+Everything else is moved: activations (autocast's casts of them too), dropout masks, and (unless passed as
 ``kept``) buffers of 1 KiB or more that a region saves (BatchNorm's running statistics) and the batch. A moved tensor
 whose storage something else still holds (the model, a later use in forward) keeps that storage alive on the
 device as well: then the move costs copies and saves nothing.
@@ -156,8 +158,7 @@ def moves(tensor: torch.Tensor, device: torch.device) -> bool:
 
 
 def _is_parameter_cast(tensor: torch.Tensor) -> bool:
-    """A dtype copy of a leaf (autocast's low-precision weight): kept like the parameter. Autocast caches these for
-    as long as its context lasts, so moving one frees no device memory, and the step's trace does not count them."""
+    """A dtype copy of a leaf (autocast's low-precision weight), kept like the leaf (the rules above)."""
     grad_fn = tensor.grad_fn
     if grad_fn is None or grad_fn.name() != "ToCopyBackward0":
         return False

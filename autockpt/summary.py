@@ -52,9 +52,13 @@ def plan_summary(plan: PlanRecord, *, max_regions: int = 12) -> str:
     return "\n".join(lines)
 
 
+def recomputing_regions(plan: PlanRecord) -> int:
+    return sum(1 for action in plan.policy.actions if action.recomputes)
+
+
 def decisions_line(plan: PlanRecord) -> str:
     """How many units each decision covers, in how many regions."""
-    recomputing = sum(1 for a in plan.policy.actions if a.recomputes)
+    recomputing = recomputing_regions(plan)
     text = f"{len(plan.recomputed_units)} of {len(plan.nodes)} units in {recomputing} checkpointed regions"
     offloading = len(plan.policy.actions) - recomputing
     if offloading:
@@ -74,7 +78,7 @@ def pool_line(plan: PlanRecord) -> str:
 
 def overhead_breakdown(plan: PlanRecord) -> str:
     """Where the predicted overhead comes from: recomputed kernels, the checkpoint machinery, offload copies."""
-    recomputing = sum(1 for a in plan.policy.actions if a.recomputes)
+    recomputing = recomputing_regions(plan)
     saved_tensors = sum(n.saved_tensors for n in plan.nodes if n.decision is Decision.RECOMPUTE)
     copies = f" + offload copies waited for {plan.transfer_ms:.1f} ms" if plan.offloaded_bytes else ""
     return (

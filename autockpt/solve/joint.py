@@ -193,13 +193,12 @@ def solve_joint(joint: JointProblem, budget_bytes: int, options: SolverOptions |
             budget_bytes=budget_bytes, min_feasible_bytes=min_feasible,
         )
     plan, timeline, status = drop_unneeded_regions(joint, *best, budget_bytes)
-    chose_alone = alone is not None and plan == alone.region_actions
-    result = alone if chose_alone else None
+    recompute_only = alone is not None and plan == alone.region_actions
     return SolveResult(
         region_actions=tuple(sorted(plan, key=lambda ra: ra.region.first_unit)), action=joint.action,
         timeline=timeline, baseline=joint.baseline, min_feasible_bytes=min_feasible,
         floor_complete=alone.floor_complete if alone is not None else True, status=status,
-        solver=result.solver if result is not None else f"{solver} (joint keep/recompute/offload program)",
+        solver=alone.solver if recompute_only else f"{solver} (joint keep/recompute/offload program)",
         solve_time_s=time.perf_counter() - started, stats=summarise_programs(programs),
     )
 

@@ -182,7 +182,7 @@ class Planner:
         self.fingerprint = model_fingerprint(model, self.graph, self.request.args, self.request.kwargs)
         self._executable_used = False  # rewriting edits graph.executable; later rewrites capture again
         self._problems: dict[Action, Problem] = {}  # per action: scored candidates and floors, shared by every budget
-        self._joint: dict[tuple[Action, int], JointProblem] = {}  # per recompute action and pool capacity
+        self._joint: dict[int, JointProblem] = {}  # per pool capacity: every recompute action's candidates and offload
         self._context: PlanningContext | None = None
 
     @property
@@ -268,7 +268,12 @@ class Planner:
     def plans_under(self, target_bytes: int, budget_bytes: int) -> list[Plan]:
         """One plan per action with a plan predicted under ``target_bytes``, recorded as made for ``budget_bytes``."""
         results, solve_time_s = self._solve_each(target_bytes)
-        return [self._plan_of(result, budget_bytes, solve_time_s) for result in results.values()]
+        # with a pool each action's joint plan may mix both checkpoints, and two actions can reach the same plan
+        distinct = {result.region_actions: result for result in reversed(results.values())}  # the first on a tie
+        return [
+            self._plan_of(result, budget_bytes, solve_time_s)
+            for result in results.values() if distinct[result.region_actions] is result
+        ]
 
     def measured_peak_bytes(self, module: OptimizedModule) -> int:
         self._on_stage("measure")
@@ -371,13 +376,15 @@ class Planner:
             self._context = dataclasses.replace(self._context, costs=self.costs)
 
     def _joint_for(self, action: Action, pool_capacity_bytes: int) -> JointProblem:
-        key = (action, pool_capacity_bytes)
-        if key not in self._joint:
+        """The joint problem over every recompute action planned for (each region its own) and offload, with
+        ``action``'s recompute-only plan the one to beat."""
+        if pool_capacity_bytes not in self._joint:
             context = self.context
-            self._joint[key] = JointProblem(
-                self._problem_for(action, context), self._problem_for(Action.OFFLOAD, context), pool_capacity_bytes
+            self._joint[pool_capacity_bytes] = JointProblem(
+                tuple(self._problem_for(a, context) for a in self.actions), self._problem_for(Action.OFFLOAD, context),
+                pool_capacity_bytes,
             )
-        return self._joint[key]
+        return self._joint[pool_capacity_bytes].led_by(action)
 
     def _check_offload_possible(self, host_pool_gb: float | str) -> None:
         if self.graph.kind is CaptureKind.MODULE:

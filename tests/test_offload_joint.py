@@ -15,7 +15,9 @@ from conftest import assert_same_step, budget_at, twin
 import autockpt
 from autockpt import zoo
 from autockpt.cli import UserInputError, parse_host_pool
-from autockpt.types import Action, Decision
+from autockpt.policy import assemble_plan
+from autockpt.simulate import simulate
+from autockpt.types import Action, Decision, RegionAction
 
 SLACK_BYTES = 1024  # as tests/test_offload_plans.py: exact on the conv net, 512 bytes high on the MLP
 
@@ -104,6 +106,30 @@ def test_the_pool_never_makes_a_plan_worse_and_its_capacity_holds(pooled: PoolCa
     planner.host_pool_bytes = small
     limited = planner.plan(budget_bytes=budget)
     assert limited.host_pool_bytes <= small and limited.predicted_peak_bytes <= budget
+
+
+def test_both_checkpoints_and_offload_in_one_plan_run_as_predicted(pooled: PoolCase) -> None:
+    """Under "auto" the joint program gives each region its own recompute action; a plan with torch's checkpoint,
+    autockpt's and offload side by side keeps outputs and gradients, and is measured as simulated."""
+    planner, case = pooled.planner, pooled.case
+    assert set(planner.actions) == {Action.RECOMPUTE_TORCH, Action.RECOMPUTE_OWN}
+    budget = budget_at(planner.plan(budget_bytes=10**15), 0.4)
+    planner.host_pool_bytes = planner.plan(budget_bytes=budget).host_pool_bytes // 2  # too small to offload it all
+    chosen = planner.plan(budget_bytes=budget).policy.region_actions
+    recomputing = [ra.action for ra in chosen if ra.action.recomputes]
+    assert recomputing and Action.OFFLOAD in {ra.action for ra in chosen}
+    # flip one offloaded region to the checkpoint the plan does not use yet, so all three actions meet
+    other = Action.RECOMPUTE_TORCH if Action.RECOMPUTE_OWN in recomputing else Action.RECOMPUTE_OWN
+    flip = next(i for i, ra in enumerate(chosen) if ra.action is Action.OFFLOAD)
+    mixed = list(chosen)
+    mixed[flip] = RegionAction(region=chosen[flip].region, action=other)
+    timeline = simulate(planner.trace, planner.costs, mixed)
+    plan = assemble_plan(planner.context, mixed, other, budget, timeline)
+    assert set(plan.policy.actions) == {Action.RECOMPUTE_TORCH, Action.RECOMPUTE_OWN, Action.OFFLOAD}
+    module = planner.apply(plan)
+    measured = planner.measured_peak_bytes(module)
+    assert abs(measured - plan.predicted_peak_bytes) <= SLACK_BYTES
+    assert_same_step(module, pooled.reference, case)
 
 
 def test_the_plan_shows_the_pool_and_applies_from_a_file(pooled: PoolCase, tmp_path: Path) -> None:

@@ -95,7 +95,7 @@ def recompute_actions(choice: Action | str, capture: CaptureKind) -> tuple[Actio
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SolveResult:
     region_actions: tuple[RegionAction, ...]  # in unit order: each chosen region and what happens to what it saves
-    action: Action  # the recompute action planned for (the regions that recompute have it; others offload)
+    action: Action  # the recompute action planned for (with a pool, regions may recompute the other way or offload)
     timeline: Timeline
     baseline: Timeline
     min_feasible_bytes: int

@@ -1,7 +1,8 @@
 """Joint: keep, recompute or offload, per region, in one program under the device budget and the host pool.
 
-The candidates are scored alone by the simulator under each action, as for one action (``prepare.py``): the
-recompute problem's (one recompute action) and the offload problem's (``Action.OFFLOAD``), on the same event blocks.
+The candidates are scored alone by the simulator under each action, as for one action (``prepare.py``): each recompute
+problem's (one per recompute action planned for: both checkpoints under "auto", so each region gets its own) and the
+offload problem's (``Action.OFFLOAD``), on the same event blocks.
 The joint flat program gives every (region, action) a binary variable x:
 
     minimise    sum cost_ia * x_ia                          (added ms; for the floor: the peak P)
@@ -10,8 +11,8 @@ The joint flat program gives every (region, action) a binary variable x:
                 at most one chosen (region, action) covers each unit
 
 ``refine`` moves the effective budget until the simulated plan fits, peak *and* pool (``JointProblem.fits``). The
-default solver's recompute-only plan (block program, seeds, local passes: ``default.py``) is the plan to beat, so a
-pool never makes a plan worse than having none.
+default solver's recompute-only plan for the action asked for (block program, seeds, local passes: ``default.py``) is
+the plan to beat, so a pool never makes a plan worse than having none.
 """
 
 from __future__ import annotations
@@ -52,9 +53,10 @@ class JointFloor:
 
 @dataclass(slots=True)
 class JointProblem:
-    """Two prepared problems on one trace and cost model, and the host pool's capacity in bytes."""
+    """Prepared problems on one trace and cost model: one per recompute action (the first is the plan's action)
+    and the offload problem; and the host pool's capacity in bytes."""
 
-    recompute: Problem
+    recomputes: tuple[Problem, ...]
     offload: Problem
     pool_capacity_bytes: int
     scored: list[ScoredCandidate] = field(init=False)
@@ -62,17 +64,29 @@ class JointProblem:
     floors: dict[SolverOptions, JointFloor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.offload.action is not Action.OFFLOAD or not self.recompute.action.recomputes:
+        actions = [p.action for p in self.recomputes]
+        if (
+            self.offload.action is not Action.OFFLOAD or not actions or not all(a.recomputes for a in actions)
+            or len(set(actions)) != len(actions)
+        ):
             raise ValueError(
-                f"a joint problem needs a recompute problem and an offload problem, got {self.recompute.action.value} "
-                f"and {self.offload.action.value}"
+                "a joint problem needs one problem per distinct recompute action and an offload problem, got "
+                f"{[a.value for a in actions]} and {self.offload.action.value}"
             )
-        if self.recompute.block_base != self.offload.block_base or self.recompute.trace is not self.offload.trace:
+        if any(p.block_base != self.offload.block_base or p.trace is not self.offload.trace for p in self.recomputes):
             raise ValueError("the recompute and offload problems must be prepared on the same trace and segments")
         offloads = [c for c in self.offload.scored if c.pool_bytes <= self.pool_capacity_bytes]
-        self.scored = [*self.recompute.scored, *offloads]
-        self.items = [RegionAction(region=c.region, action=self.recompute.action) for c in self.recompute.scored]
+        self.scored, self.items = [], []
+        for problem in self.recomputes:
+            self.scored += problem.scored
+            self.items += [RegionAction(region=c.region, action=problem.action) for c in problem.scored]
+        self.scored += offloads
         self.items += [RegionAction(region=c.region, action=Action.OFFLOAD) for c in offloads]
+
+    @property
+    def recompute(self) -> Problem:
+        """The problem of the plan's recompute action (its recompute-only plan is the one to beat)."""
+        return self.recomputes[0]
 
     @property
     def trace(self) -> StepTrace:
@@ -92,8 +106,18 @@ class JointProblem:
 
     @property
     def action(self) -> Action:
-        """The recompute action the plan is made for (its other regions offload)."""
+        """The recompute action the plan is made for (other regions may recompute another way or offload)."""
         return self.recompute.action
+
+    def led_by(self, action: Action) -> JointProblem:
+        """The same candidates and floors with ``action``'s problem first: its recompute-only plan is the one to beat."""
+        first = next((p for p in self.recomputes if p.action is action), None)
+        if first is None:
+            raise ValueError(f"this joint problem has no {action.value!r} problem")
+        if first is self.recompute:
+            return self
+        rest = tuple(p for p in self.recomputes if p is not first)
+        return dataclasses.replace(self, recomputes=(first, *rest), floors=self.floors)  # the floor is shared
 
     def simulate(self, plan: Sequence[RegionAction]) -> Timeline:
         ordered = tuple(sorted(plan, key=lambda ra: ra.region.first_unit))
@@ -132,11 +156,11 @@ def joint_floor(joint: JointProblem, options: SolverOptions, solver: str) -> Joi
     if floor is not None:
         return floor
     answer = solve_joint_program(joint, None, options, solver)
-    recompute = joint.recompute
     plans = [tuple(answer.regions or ()), finest_offload(joint)]
-    if options in recompute.floors:  # the default solver's recompute floor, found before this one
-        plans.append(region_actions(recompute.floors[options].regions, recompute.action))
-    plans += [region_actions(seed.regions, Action.OFFLOAD) for seed in recompute.seeds]
+    for recompute in joint.recomputes:
+        if options in recompute.floors:  # the default solver's recompute floor, found before this one
+            plans.append(region_actions(recompute.floors[options].regions, recompute.action))
+    plans += [region_actions(seed.regions, Action.OFFLOAD) for seed in joint.recompute.seeds]
     starts = [(plan, joint.simulate(plan)) for plan in plans]
     starts = [(plan, timeline) for plan, timeline in starts if joint.fits(timeline, timeline.peak_bytes)]
     plan, timeline, _ = lower_floor_locally(joint, starts or [((), joint.baseline)])

@@ -470,11 +470,14 @@ def sweep(
 
 
 def _pareto_png(points: list[Any], path: Path, label: str) -> bool:
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        click.echo("matplotlib is not installed: no pareto.png (pip install matplotlib)", err=True)
+    from autockpt.report import matplotlib_import_error, plots_missing_text
+
+    missing = matplotlib_import_error()  # the same check and words as the HTML report's
+    if missing is not None:
+        click.echo(f"no pareto.png: {plots_missing_text(missing)}", err=True)
         return False
+    from matplotlib.figure import Figure
+
     feasible = [p for p in points if p.predicted_peak_bytes is not None]
     figure = Figure(figsize=(6.5, 4), layout="constrained")
     ax = figure.subplots()

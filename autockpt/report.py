@@ -4,6 +4,7 @@ library never imports it; ``Plan.report`` and the CLI do."""
 from __future__ import annotations
 
 import io
+import logging
 import os
 from html import escape as html_escape
 from pathlib import Path
@@ -12,6 +13,8 @@ from typing import Any
 from autockpt.summary import decisions_line, floor_note, module_rows, overhead_breakdown, pool_line, region_rows
 from autockpt.types import PlanRecord
 from autockpt.units import GB, format_bytes
+
+_LOG = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------------------------------------- full reports
 
@@ -25,7 +28,8 @@ _CATEGORIES = (  # (MemoryCurve field, label, colour)
 
 
 def write_report(plan: PlanRecord, path: str | os.PathLike[str], *, depth: int = 2) -> None:
-    """HTML (self-contained, plots inline as SVG) when ``path`` ends in .html/.htm, else markdown."""
+    """HTML (self-contained, plots inline as SVG) when ``path`` ends in .html/.htm, else markdown (no plots, no
+    matplotlib)."""
     target = Path(path)
     html = target.suffix.lower() in (".html", ".htm")
     target.write_text(report_html(plan, depth=depth) if html else report_markdown(plan, depth=depth))
@@ -67,6 +71,23 @@ def _solver_rows(plan: PlanRecord) -> list[tuple[str, str]]:
             ("programs solved", str(stats.programs)),
         ]
     return rows
+
+
+def matplotlib_import_error() -> str | None:
+    """Why matplotlib cannot be imported here, or None when it can. matplotlib is a dependency of autockpt, so this is
+    a broken or partial environment: the report (and a sweep) is still written, without plots, instead of failing
+    after the plan was solved."""
+    try:
+        import matplotlib.figure  # noqa: F401
+    except ImportError as error:  # also a broken install: a missing shared library, a numpy ABI mismatch
+        return str(error) or type(error).__name__
+    return None
+
+
+def plots_missing_text(reason: str) -> str:
+    """One sentence for a page or a terminal: plots are missing, why, and the fix."""
+    return (f"No plots: matplotlib could not be imported ({reason}). It is a dependency of autockpt, so this "
+            "environment is incomplete: pip install matplotlib (or reinstall autockpt) and run again.")
 
 
 def _timeline_svg(plan: PlanRecord) -> str:
@@ -124,8 +145,16 @@ def _svg(figure: Any) -> str:
 
 
 def report_html(plan: PlanRecord, *, depth: int = 2) -> str:
-    """A self-contained HTML page (no external files or scripts); plots need matplotlib (pip install matplotlib)."""
+    """A self-contained HTML page (no external files or scripts). Without an importable matplotlib the page is
+    written without plots and says why at the top and in place of each plot (and a warning is logged)."""
     e = html_escape
+    missing = matplotlib_import_error()
+    notice: list[str] = []
+    no_plot = ""
+    if missing is not None:
+        _LOG.warning("%s", plots_missing_text(missing))
+        notice = [f"<p class='missing'>{e(plots_missing_text(missing))}</p>"]
+        no_plot = "<p class='missing'>Plot left out: matplotlib could not be imported (see the note at the top).</p>"
     parts = [
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
         f"<title>autockpt plan: {e(plan.fingerprint.model_class if plan.fingerprint else 'model')}</title>",
@@ -133,11 +162,12 @@ def report_html(plan: PlanRecord, *, depth: int = 2) -> str:
         "<h1>autockpt memory plan</h1>",
         "<p class='units'>GB = 10<sup>9</sup> bytes, GiB = 2<sup>30</sup> bytes. Everything below is predicted by "
         "autockpt's simulator from one profiled step, except a measured peak, which is said.</p>",
+        *notice,
         _html_table(["", ""], _headline(plan), show_header=False, css="summary"),
         "<h2>Memory of one training step</h2>",
     ]
     if plan.memory_before is not None and plan.memory_after is not None:
-        parts.append(f"<figure>{_timeline_svg(plan)}</figure>")
+        parts.append(no_plot or f"<figure>{_timeline_svg(plan)}</figure>")
     else:
         parts.append("<p>No timeline in this plan (it was not made by autockpt's planner).</p>")
     parts.append(f"<h2>Per module (depth {depth})</h2>")
@@ -161,7 +191,7 @@ def report_html(plan: PlanRecord, *, depth: int = 2) -> str:
     parts.append(_html_table(["", ""], _solver_rows(plan), show_header=False, css="summary"))
     parts.append("<h2>Pareto curve: predicted peak vs predicted overhead</h2>")
     if plan.pareto:
-        parts.append(f"<figure>{_pareto_svg(plan)}</figure>")
+        parts.append(no_plot or f"<figure>{_pareto_svg(plan)}</figure>")
         parts.append(_html_table(["budget", "predicted peak", "predicted overhead", "regions"], _pareto_rows(plan)))
     else:
         parts.append("<p>Not computed for this plan (<code>autockpt plan --pareto N</code> or "
@@ -246,4 +276,5 @@ th { background: #f3f3f3; }
 table.summary td:first-child { font-weight: 600; background: #fafafa; }
 figure { margin: 0.5em 0; } figure svg { max-width: 100%; height: auto; }
 .units { color: #555; font-size: 0.9em; }
+.missing { background: #fff3cd; border: 1px solid #e0c36c; padding: 0.5em 0.8em; }
 """

@@ -17,6 +17,7 @@ from autockpt.errors import (
     PlanFileError,
     PlanMismatchError,
     ProfileError,
+    UnplannedStepError,
 )
 from autockpt.estimate import MemoryEstimate, estimate
 from autockpt.loss import default_loss
@@ -69,6 +70,7 @@ __all__ = [
     "RegionAction",
     "SolverOptions",
     "SolverStats",
+    "UnplannedStepError",
     "Stage",
     "apply_plan",
     "baseline_plan",

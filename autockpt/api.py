@@ -30,6 +30,7 @@ from autockpt.plan import Plan
 from autockpt.plan_io import check_fingerprint, model_fingerprint
 from autockpt.policy import PlanningContext, assemble_plan
 from autockpt.rewrite import OptimizedModule, rewrite
+from autockpt.shapes import attach_shape_variants
 from autockpt.simulate import memory_curve, simulate
 from autockpt.solve.base import Problem, SolveResult, SolverOptions, recompute_actions, region_actions
 from autockpt.solve.baselines import baseline_regions, baseline_seed_plans
@@ -57,6 +58,7 @@ def optimize(
     solver_options: SolverOptions | None = None,
     checkpoint: Action | str | None = None,
     host_pool_gb: float | str = 0,
+    strict: bool = False,
 ) -> nn.Module:
     """Return a module that trains like ``model`` with a step peak of at most the budget (GB = 10^9 bytes).
 
@@ -71,13 +73,20 @@ def optimize(
     allocated once, pinned on CUDA, sized by the plan); the program then chooses per region between keeping,
     recomputing and offloading. 0 (default): recompute only. ``"auto"``: up to half the host memory available now.
     On CPU the pool is ordinary host memory: the step's device peak is then what MemTracker counts minus the pool.
+
+    Inputs: a step whose tensors are no larger than the example's in every dimension (same rank and dtype; other
+    arguments equal; extra arguments of at most one element such as a loop's ``num_items_in_batch``) runs under the
+    plan, captured at its shapes the first time (``OptimizedModule.shape_variants()``). A larger step runs the
+    original model with a warning, over the budget; ``strict=True`` raises ``UnplannedStepError`` instead.
     """
     budget = budget_to_bytes(budget_gb, budget_bytes)
     planner = Planner(
         model, example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
         solver_options=solver_options, checkpoint=checkpoint, host_pool_gb=host_pool_gb,
     )
-    return planner.optimize(budget_bytes=budget)
+    module = planner.optimize(budget_bytes=budget)
+    module.strict = strict
+    return module
 
 
 def plan(
@@ -109,6 +118,7 @@ def apply_plan(
     *,
     example_inputs: Any = (),
     example_kwargs: Mapping[str, Any] | None = None,
+    strict: bool = False,
 ) -> nn.Module:
     """Rewrite ``model`` to run a saved plan (``autockpt.load_plan``) without profiling or solving again.
 
@@ -124,7 +134,9 @@ def apply_plan(
         graph = capture(model, request.args, request.kwargs)
         check_fingerprint(the_plan, model_fingerprint(model, graph, request.args, request.kwargs), graph.units)
         module = rewrite(graph, the_plan.policy, request.args, request.kwargs, plan=the_plan)
+    attach_shape_variants(module, graph, (request.args, request.kwargs))
     module.training = model.training
+    module.strict = strict
     return module
 
 
@@ -250,7 +262,9 @@ class Planner:
         check_fingerprint(the_plan, self.fingerprint, self.graph.units)
         self._on_stage("rewrite")
         with self._model_state():
-            module = rewrite(self._fresh_graph(), the_plan.policy, self.request.args, self.request.kwargs, plan=the_plan)
+            graph = self._fresh_graph()
+            module = rewrite(graph, the_plan.policy, self.request.args, self.request.kwargs, plan=the_plan)
+        attach_shape_variants(module, graph, (self.request.args, self.request.kwargs))
         module.training = self.model.training
         return module
 

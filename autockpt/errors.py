@@ -42,3 +42,8 @@ class PlanMismatchError(AutockptError, ValueError):
 
 class PlanFileError(AutockptError, ValueError):
     """A plan file could not be read: not JSON, not an autockpt plan, or a schema version this autockpt does not know."""
+
+
+class UnplannedStepError(AutockptError, RuntimeError):
+    """A training step could not run under the plan (inputs larger than planned, or conditions changed) and the
+    optimized module is in strict mode (``OptimizedModule.strict``), so it was not run over the budget."""

@@ -48,10 +48,13 @@ def buffer_values(model: nn.Module) -> dict[str, torch.Tensor]:
 
 @contextlib.contextmanager
 def preserved_model_state(model: nn.Module, *inputs: Any) -> Iterator[None]:
-    """Restore buffers (BatchNorm statistics, the tensor objects too), parameter gradients, train/eval flags and RNG
-    state on exit."""
+    """Restore buffers (BatchNorm statistics, the tensor objects too), parameter gradients, the gradients of input
+    tensors that require grad (an ``inputs_embeds`` the user reuses), train/eval flags and RNG state on exit."""
     buffers = BufferState(model)
-    grads = [(p, p.grad) for p in model.parameters()]
+    leaves = [leaf for leaf in pytree.tree_leaves(inputs) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+    grads = [(tensor, tensor.grad) for tensor in [*model.parameters(), *leaves] if tensor.is_leaf]
+    for tensor, _ in grads:  # backward would add into the user's gradient tensors in place: they wait aside
+        tensor.grad = None
     modes = [(m, m.training) for m in model.modules()]
     devices = cuda_devices_of(inputs, list(model.parameters()))
     with torch.random.fork_rng(devices=devices):
@@ -59,8 +62,8 @@ def preserved_model_state(model: nn.Module, *inputs: Any) -> Iterator[None]:
             yield
         finally:
             buffers.restore()
-            for param, grad in grads:
-                param.grad = grad
+            for tensor, grad in grads:
+                tensor.grad = grad
             for module, training in modes:
                 module.training = training
 

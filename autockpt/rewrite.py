@@ -18,13 +18,14 @@ import inspect
 import logging
 import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from autockpt.capture import compute_nodes
+from autockpt.errors import UnplannedStepError
 from autockpt.model_state import autocast_state, training_modes
 from autockpt.offload import HostPool, PoolStats
 from autockpt.recompute import CheckpointedRegion, run_checkpointed
@@ -33,9 +34,12 @@ from autockpt.types import Action, CaptureKind, Graph, PlanRecord, Policy, Regio
 logger = logging.getLogger(__name__)
 
 
-def rewrite(graph: Graph, policy: Policy, args: tuple, kwargs: dict, *, plan: PlanRecord) -> OptimizedModule:
+def rewrite(
+    graph: Graph, policy: Policy, args: tuple, kwargs: dict, *, plan: PlanRecord, pool: HostPool | None = None
+) -> OptimizedModule:
     """Build the module that runs ``policy``; ``plan`` (whose policy it is) is attached for ``autockpt.get_plan``.
-    Consumes ``graph.executable`` (it is edited in place)."""
+    Consumes ``graph.executable`` (it is edited in place). ``pool``: the host pool of the module this one is a shape
+    variant of (None: a new pool when the plan offloads)."""
     if plan.policy != policy:
         raise ValueError("rewrite: the attached plan must be the one whose policy is applied")
     offloads = Action.OFFLOAD in policy.actions
@@ -56,8 +60,9 @@ def rewrite(graph: Graph, policy: Policy, args: tuple, kwargs: dict, *, plan: Pl
         )
     gm = graph.executable
     assert isinstance(gm, fx.GraphModule)
-    # one pool per optimized module, allocated here once and reused by every step
-    pool = HostPool(plan.host_pool_bytes, policy.placement.stages[0].device) if offloads else None
+    # one pool per optimized module, allocated here once and reused by every step (and by its shape variants)
+    if offloads and pool is None:
+        pool = HostPool(plan.host_pool_bytes, policy.placement.stages[0].device)
     nodes = compute_nodes(gm)
     for index, region_action in enumerate(policy.region_actions):
         _outline_region(gm, nodes, region_action.region, index, region_action.action, pool)
@@ -253,6 +258,30 @@ def _autocast_text(state: tuple[tuple[str, bool, torch.dtype], ...]) -> str:
     return "on (" + ", ".join(on) + ")" if on else "off"
 
 
+class ShapeSource(Protocol):
+    """What the optimized module asks when a call's inputs differ from the example's (``shapes.ShapeVariants``)."""
+
+    def module_for(self, args: tuple, kwargs: dict) -> OptimizedModule | str:
+        """The module that runs the plan at these inputs (the asking module itself when its graph is shape-generic),
+        or why there is none."""
+
+    def variants(self) -> list[Any]: ...
+
+
+class _ForwardWithModelSignature:
+    """``OptimizedModule.forward``: the module's ``_forward``, bound, carrying the wrapped model's ``forward``
+    signature (``inspect.signature(optimized.forward)`` names the model's arguments, not ``*args, **kwargs``)."""
+
+    def __get__(self, module: OptimizedModule | None, owner: type | None = None) -> Callable[..., Any]:
+        if module is None:
+            return OptimizedModule._forward
+        bound = functools.partial(OptimizedModule._forward, module)
+        signature = module.__dict__.get("_autockpt_signature")
+        if signature is not None:
+            bound.__signature__ = signature  # type: ignore[attr-defined]
+        return bound
+
+
 class OptimizedModule(nn.Module):
     """The model, trained under a memory plan. Same parameters, buffers and state_dict keys as the original.
 
@@ -288,6 +317,12 @@ class OptimizedModule(nn.Module):
         self.__dict__["_autockpt_conditions"] = conditions  # None: the model runs live (module-level)
         self.__dict__["_autockpt_warned"] = set()  # reasons for running without the plan already logged
         self.__dict__["_autockpt_pool"] = pool  # the host pool of offloaded regions (None: nothing is offloaded)
+        self.__dict__["_autockpt_variants"] = None  # steps at other input shapes (``attach_shapes``)
+        self.__dict__["_autockpt_strict"] = False
+        try:  # presented as ``forward``'s signature: loops such as HF Trainer read it to choose the batch's columns
+            self.__dict__["_autockpt_signature"] = inspect.signature(model.forward)
+        except (TypeError, ValueError):
+            self.__dict__["_autockpt_signature"] = None
 
     @property
     def original_module(self) -> nn.Module:
@@ -319,7 +354,7 @@ class OptimizedModule(nn.Module):
         self.original_module.train(mode)
         return self
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
         model = self.original_module
         if not torch.is_grad_enabled():
             return model(*args, **kwargs)
@@ -330,32 +365,84 @@ class OptimizedModule(nn.Module):
                 "one. Call .train() to train under the plan, or use torch.no_grad() to evaluate.",
             )
             return model(*args, **kwargs)
+        if self.__dict__["_autockpt_executable"] is not None:
+            reason, details = self.__dict__["_autockpt_conditions"].changed(model)
+            if reason:
+                return self._unplanned(
+                    reason, f"{details}. The captured graph bakes in what it was planned under; plan again under the "
+                    "conditions training runs in.", args, kwargs,
+                )
         call_form: CallForm = self.__dict__["_autockpt_call_form"]
         if not call_form.matches(args, kwargs):
             arranged = call_form.arranged(args, kwargs)
             if arranged is None:
-                self._warn_once(
-                    "inputs", "autockpt: inputs differ from the example inputs the plan was made for (shapes, dtypes, "
-                    "argument values or which arguments are given); running the original model without the plan. "
-                    "Call autockpt.optimize with these inputs to plan for them.",
-                )
-                return model(*args, **kwargs)
-            args, kwargs = arranged
+                variants: ShapeSource | None = self.__dict__["_autockpt_variants"]
+                found = variants.module_for(args, kwargs) if variants is not None else (
+                    "the inputs differ from the example inputs the plan was made for (shapes, dtypes, argument values "
+                    "or which arguments are given)")
+                if isinstance(found, str):
+                    return self._unplanned("inputs", found, args, kwargs)
+                if found is not self:
+                    return found._run_planned(args, kwargs)
+            else:
+                args, kwargs = arranged
+        return self._run_planned(args, kwargs)
+
+    forward = _ForwardWithModelSignature()
+
+    def _run_planned(self, args: tuple, kwargs: dict) -> Any:
+        """One forward under the plan, inputs in the form this module's graph was captured with."""
+        model = self.original_module
         executable = self.__dict__["_autockpt_executable"]
         if executable is not None:
-            reason, details = self.__dict__["_autockpt_conditions"].changed(model)
-            if reason:
-                self._warn_once(
-                    reason, "autockpt: running the original model without the plan: %s. The captured graph bakes in "
-                    "what it was planned under; plan again under the conditions training runs in.", details,
-                )
-                return model(*args, **kwargs)
             pool: HostPool | None = self.__dict__["_autockpt_pool"]
             if pool is not None:  # what existed before the step stays: the plan moves forward-made storages only
                 pool.begin_step(kept=[*pytree.tree_leaves((args, kwargs)), *model.buffers()])
             return executable(*args, **kwargs)
         with _patched_forwards(self.__dict__["_autockpt_checkpointed"]):
             return model(*args, **kwargs)
+
+    def _unplanned(self, reason: str, message: str, args: tuple, kwargs: dict) -> Any:
+        """Run the original model without the plan (warned once per reason), or raise in strict mode."""
+        if self.strict:
+            raise UnplannedStepError(
+                f"autockpt: this training step cannot run under the plan: {message} (strict mode: set "
+                "OptimizedModule.strict = False to run such steps unplanned, over the budget)"
+            )
+        self._warn_once(
+            reason, "autockpt: running the original model without the plan, so the step's peak is not kept under "
+            "the budget: %s", message,
+        )
+        return self.original_module(*args, **kwargs)
+
+    @property
+    def strict(self) -> bool:
+        """True: a training step that cannot run under the plan raises ``UnplannedStepError`` instead of running
+        the original model with a warning."""
+        return self.__dict__["_autockpt_strict"]
+
+    @strict.setter
+    def strict(self, value: bool) -> None:
+        self.__dict__["_autockpt_strict"] = bool(value)
+
+    def attach_shapes(self, variants: ShapeSource) -> None:
+        """Let steps at other input shapes run under the plan (``shapes.ShapeVariants``; the api attaches it)."""
+        self.__dict__["_autockpt_variants"] = variants
+
+    def prepare_shapes(self, calls: Sequence[tuple[tuple, dict]]) -> None:
+        """Capture and rewrite the plan now for each ``(args, kwargs)`` (e.g. sequence buckets), instead of at the
+        first step that uses them. Raises ``UnplannedStepError`` for a call the plan cannot run."""
+        variants: ShapeSource | None = self.__dict__["_autockpt_variants"]
+        for args, kwargs in calls:
+            found = variants.module_for(tuple(args), dict(kwargs)) if variants is not None else "no shape variants"
+            if isinstance(found, str):
+                raise UnplannedStepError(f"autockpt: cannot prepare the plan for these inputs: {found}")
+
+    def shape_variants(self) -> list[Any]:
+        """The input shapes the plan was applied at besides the example's (``shapes.ShapeVariant``: shapes, seconds
+        it took), least recently used first."""
+        variants: ShapeSource | None = self.__dict__["_autockpt_variants"]
+        return variants.variants() if variants is not None else []
 
     def _warn_once(self, reason: str, message: str, *args: Any) -> None:
         """Log why the plan is not used, once per reason: training loops call forward every step."""

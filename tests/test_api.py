@@ -155,15 +155,20 @@ def test_eval_mode_and_no_grad_run_the_original(cnn_probe: autockpt.Plan, caplog
         torch.testing.assert_close(optimized(*case.args), expected)
 
 
-def test_other_input_shapes_fall_back_to_the_original_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
-    case = zoo.build("mlp")
+@pytest.mark.parametrize("name", ["mlp", "control_flow"])  # fx capture; module-level capture (shape-generic)
+def test_smaller_batches_keep_the_plan_and_larger_ones_warn(name: str, caplog: pytest.LogCaptureFixture) -> None:
+    case = zoo.build(name)
     planner = planner_for(case)
     optimized = planner.optimize(budget_bytes=budget_at(planner.plan(budget_bytes=10**15), 0.5))
-    smaller = case.args[0][:10]
+    x = case.args[0]
     with caplog.at_level(logging.WARNING, logger="autockpt"):
-        out = optimized(smaller)
-    assert out.shape == (10, 10)
-    assert "inputs differ from the example inputs" in caplog.text
+        out = optimized(x[:10])
+    assert out.shape[0] == 10 and "without the plan" not in caplog.text
+    assert len(optimized.shape_variants()) == (1 if name == "mlp" else 0)  # module-level: the same module runs it
+    larger = torch.cat([x, x])
+    with caplog.at_level(logging.WARNING, logger="autockpt"):
+        torch.testing.assert_close(optimized(larger), case.model(larger))
+    assert f"larger than the planned {tuple(x.shape)}" in caplog.text and "without the plan" in caplog.text
 
 
 def test_plan_summary_and_dataframe_agree_with_regions(cnn_probe: autockpt.Plan) -> None:

@@ -3,10 +3,14 @@ BatchNorm layers in a training model), BatchNorm statistics advancing once per s
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 from conftest import check_optimized, optimize_at
 from edge_models import ShapeBranchConvNet, frozen_batchnorm_case
 
+import autockpt
 from autockpt import zoo
 
 
@@ -36,3 +40,20 @@ def test_frozen_batchnorm_in_a_training_model_stays_frozen() -> None:
     assert [block[1].training for block in case.model.blocks] == [False] * 3 + [True] * 3
     assert int(case.model.blocks[0][1].num_batches_tracked) == 0
     assert int(case.model.blocks[3][1].num_batches_tracked) == 2  # the checked step and the measured step
+
+
+def test_planning_leaves_example_inputs_that_require_grad_as_they_were() -> None:
+    """An example input that requires grad (an ``inputs_embeds``, a pipeline stage's input) came back with the
+    profiling steps' gradients accumulated in ``.grad``; also when planning fails part-way."""
+    case = zoo.build("mlp")
+    x = case.args[0].clone().requires_grad_(True)
+    existing = torch.zeros_like(x)  # the MLP's input gradients are ~1e-9: added to 0.5 they would vanish
+    x.grad = existing.clone()  # a gradient the user's own step left there stays, unchanged
+    optimized = optimize_at(dataclasses.replace(case, args=(x,)), 0.5)  # profiled, planned, measured
+    assert x.grad is not None and torch.equal(x.grad, existing)
+    x.grad = None
+    with pytest.raises(autockpt.InfeasibleBudgetError):
+        autockpt.optimize(case.model, budget_bytes=1, example_inputs=(x,))
+    assert x.grad is None
+    autockpt.default_loss(optimized(x)).backward()  # the optimized module gives the input its gradient
+    assert x.grad is not None

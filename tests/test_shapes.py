@@ -1,0 +1,116 @@
+"""Every batch shape no larger than the example's trains under the plan and keeps the budget (issue 23, item 1);
+a larger one warns with the numbers, or raises in strict mode; the optimized module presents the model's signature."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+
+import pytest
+import torch
+from conftest import assert_same_step, budget_at, twin
+
+import autockpt
+from autockpt import zoo
+
+
+@dataclasses.dataclass
+class Optimized:
+    case: zoo.ZooCase
+    reference: torch.nn.Module
+    module: autockpt.OptimizedModule
+    budget: int
+
+
+def optimized(case: zoo.ZooCase, fraction: float) -> Optimized:
+    reference = twin(case)
+    planner = autockpt.Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
+    budget = budget_at(planner.plan(budget_bytes=10**15), fraction)
+    module = planner.optimize(budget_bytes=budget)
+    module.strict = True  # a step that would run unplanned raises instead of passing this test
+    return Optimized(case, reference, module, budget)
+
+
+def at(case: zoo.ZooCase, args: tuple, kwargs: dict) -> zoo.ZooCase:
+    return dataclasses.replace(case, args=args, kwargs=kwargs)
+
+
+@pytest.fixture(scope="module")
+def decoder() -> Optimized:
+    """A GPT-NeoX-style decoder (export capture: its graph is specialised to the sequence length) planned at 256."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=256,
+    )
+    ids = torch.randint(0, 128, (2, 256))
+    case = zoo.ZooCase(name="neox", model=GPTNeoXForCausalLM(config), args=(ids,), kwargs={"labels": ids})
+    return optimized(case, 0.5)
+
+
+def test_decoder_sequences_keep_the_plan_and_the_budget(decoder: Optimized) -> None:
+    ids = decoder.case.args[0]
+    for length in (256, 192, 128, 256):  # dynamic padding: a new length every few batches
+        short = ids[:, :length].contiguous()
+        case = at(decoder.case, (short,), {"labels": short})
+        peak = autockpt.measure_step(decoder.module, case.args, case.kwargs).peak_bytes
+        assert peak <= decoder.budget, f"sequence {length}: measured {peak} bytes, budget {decoder.budget}"
+        assert_same_step(decoder.module, decoder.reference, case)
+    shapes = [variant.description for variant in decoder.module.shape_variants()]
+    assert shapes == ["(2, 192), labels=(2, 192)", "(2, 128), labels=(2, 128)"]  # each captured once
+    assert all(variant.seconds > 0 for variant in decoder.module.shape_variants())
+
+
+def test_a_loops_scalar_argument_keeps_the_plan(decoder: Optimized) -> None:
+    """HF Trainer passes ``num_items_in_batch`` (a 0-d tensor) the example did not have: the loss must follow it."""
+    short = decoder.case.args[0][:, :160].contiguous()
+    extra = {"labels": short, "num_items_in_batch": torch.tensor(100)}
+    peak = autockpt.measure_step(decoder.module, (short,), extra).peak_bytes
+    assert peak <= decoder.budget
+    torch.testing.assert_close(decoder.module(short, **extra).loss, decoder.reference(short, **extra).loss)
+    assert "input_ids" in inspect.signature(decoder.module.forward).parameters  # as the model's: Trainer reads it
+
+
+def test_a_larger_step_warns_with_the_numbers_or_raises_when_strict(
+    decoder: Optimized, caplog: pytest.LogCaptureFixture
+) -> None:
+    longer = torch.randint(0, 128, (2, 300))
+    with pytest.raises(autockpt.UnplannedStepError, match=r"\(2, 300\), larger than the planned \(2, 256\)"):
+        decoder.module(longer, labels=longer)
+    decoder.module.strict = False
+    try:
+        with caplog.at_level(logging.WARNING, logger="autockpt.rewrite"):
+            output = decoder.module(longer, labels=longer)
+            decoder.module(longer, labels=longer)
+    finally:
+        decoder.module.strict = True
+    torch.testing.assert_close(output.loss, decoder.reference(longer, labels=longer).loss)
+    warnings = [r.getMessage() for r in caplog.records if "without the plan" in r.getMessage()]
+    assert len(warnings) == 1 and "(2, 300)" in warnings[0]  # once, with the shapes
+    with pytest.raises(autockpt.UnplannedStepError, match="float32"):
+        decoder.module(longer.float())  # another dtype is not a smaller step
+
+
+def test_shapes_can_be_prepared_before_training(decoder: Optimized) -> None:
+    short = decoder.case.args[0][:, :64].contiguous()
+    decoder.module.prepare_shapes([((short,), {"labels": short})])
+    assert "(2, 64), labels=(2, 64)" in [v.description for v in decoder.module.shape_variants()]
+    longer = torch.randint(0, 128, (2, 512))
+    with pytest.raises(autockpt.UnplannedStepError, match="larger than the planned"):
+        decoder.module.prepare_shapes([((longer,), {"labels": longer})])
+
+
+def test_conv_net_image_sizes_keep_the_plan_and_the_budget() -> None:
+    """BatchNorm conv net (fx capture): two image sizes; running statistics advance as the plain model's."""
+    run = optimized(zoo.build("cnn"), 0.4)
+    images = run.case.args[0]
+    for size in (16, 12, 16):
+        case = at(run.case, (images[..., :size, :size].contiguous(),), {})
+        peak = autockpt.measure_step(run.module, case.args, case.kwargs, case.loss_fn).peak_bytes
+        autockpt.measure_step(run.reference, case.args, case.kwargs, case.loss_fn)  # its statistics advance too
+        assert peak <= run.budget, f"image {size}: measured {peak} bytes, budget {run.budget}"
+        assert_same_step(run.module, run.reference, case)
+    assert [v.description for v in run.module.shape_variants()] == ["(8, 3, 12, 12)"]

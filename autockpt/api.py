@@ -27,6 +27,7 @@ from autockpt.measure import alternating_step_seconds, measure_step
 from autockpt.model_state import enter_training_modes, preserved_model_state
 from autockpt.offload import available_host_bytes
 from autockpt.plan import Plan
+from autockpt.plan_inputs import in_recorded_form, recorded_inputs
 from autockpt.plan_io import check_fingerprint, model_fingerprint
 from autockpt.policy import PlanningContext, assemble_plan
 from autockpt.rewrite import OptimizedModule, rewrite
@@ -122,19 +123,25 @@ def apply_plan(
 ) -> nn.Module:
     """Rewrite ``model`` to run a saved plan (``autockpt.load_plan``) without profiling or solving again.
 
-    The model is captured on the example inputs (same shapes and dtypes as when the plan was made) and its
-    fingerprint compared with the plan's: a different graph, parameter or input is refused with
-    ``PlanMismatchError`` saying what differs. Nothing is measured; ``autockpt.measure_step`` does that.
+    The model is captured on the example inputs (same shapes and dtypes as when the plan was made; positional or by
+    keyword, as the optimized module takes them) and its fingerprint compared with the plan's: a different graph,
+    parameter or input is refused with ``PlanMismatchError`` saying what differs. Without example inputs they are
+    built from the inputs the plan records (``plan_inputs.py``: random values of the recorded shapes and dtypes,
+    integers in the recorded range, on the device of the model's parameters). Nothing is measured;
+    ``autockpt.measure_step`` does that.
     """
     if not isinstance(the_plan, Plan):
         raise TypeError(f"apply_plan expects an autockpt.Plan (autockpt.load_plan(path)), got {type(the_plan).__name__}")
+    if isinstance(example_inputs, tuple) and not example_inputs and not example_kwargs:
+        example_inputs, example_kwargs = recorded_inputs(model, the_plan)
     request = _Request.check(model, example_inputs, example_kwargs, None, None)
-    with preserved_model_state(model, request.args, request.kwargs):
+    args, kwargs = in_recorded_form(model, the_plan, request.args, request.kwargs)
+    with preserved_model_state(model, args, kwargs):
         enter_training_modes(model)
-        graph = capture(model, request.args, request.kwargs)
-        check_fingerprint(the_plan, model_fingerprint(model, graph, request.args, request.kwargs), graph.units)
-        module = rewrite(graph, the_plan.policy, request.args, request.kwargs, plan=the_plan)
-    attach_shape_variants(module, graph, (request.args, request.kwargs))
+        graph = capture(model, args, kwargs)
+        check_fingerprint(the_plan, model_fingerprint(model, graph, args, kwargs), graph.units)
+        module = rewrite(graph, the_plan.policy, args, kwargs, plan=the_plan)
+    attach_shape_variants(module, graph, (args, kwargs))
     module.training = model.training
     module.strict = strict
     return module

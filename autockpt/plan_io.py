@@ -4,6 +4,8 @@ A plan file is plain JSON (never pickle) with a schema version. It carries the m
 graph (ops and module paths of every unit, in order), parameter names/shapes/dtypes and input shapes/dtypes. A plan
 made on one machine (say, the CLI on a laptop) applies on another without profiling or solving again, as long as the
 fingerprint matches; otherwise ``PlanMismatchError`` says what differs. The device is not part of the fingerprint.
+Integer and bool inputs also record the range of their values (schema version 3), so that ``plan_inputs.py`` can
+rebuild example inputs from the plan alone; the range is not part of what must match.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from autockpt.errors import PlanFileError, PlanMismatchError
 from autockpt.types import Graph, ModelFingerprint, PlanRecord, TensorSpec, Unit
 
 SCHEMA = "autockpt.plan"
-SCHEMA_VERSION = 2  # 2: a policy (per-region actions, placement) and per-action prices; 1: regions and one kind
-READABLE_VERSIONS = (1, 2)
+# 3: integer inputs' value ranges; 2: a policy (per-region actions, placement) and per-action prices; 1: regions and
+# one kind. Version 2 reads as 3 without ranges.
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 PlanT = typing.TypeVar("PlanT", bound=PlanRecord)
 _MAX_LISTED = 5  # differences listed per kind in a mismatch message
 
@@ -54,18 +58,32 @@ def graph_digest(capture_kind: str, units: Sequence[Unit]) -> str:
 
 
 def input_specs(args: tuple, kwargs: dict) -> tuple[TensorSpec, ...]:
-    """One spec per input leaf, named by its path: ``args[0]``, ``kwargs['input_ids']``."""
+    """One spec per input leaf, named by its path: ``args[0]``, ``kwargs['input_ids']``; integer and bool tensors with
+    the range of their values."""
     leaves, _ = pytree.tree_flatten_with_path((args, kwargs))
     specs = []
     for path, leaf in leaves:
         name = pytree.keystr(path)
         name = "args" + name[3:] if name.startswith("[0]") else "kwargs" + name[3:]
         if isinstance(leaf, torch.Tensor):
-            specs.append(TensorSpec(name=name, shape=tuple(leaf.shape), dtype=str(leaf.dtype)))
+            specs.append(TensorSpec(
+                name=name, shape=tuple(leaf.shape), dtype=str(leaf.dtype), value_range=_value_range(leaf),
+            ))
         else:
             text = repr(leaf)
             specs.append(TensorSpec(name=name, shape=(), dtype="python", value=text[:200]))
     return tuple(specs)
+
+
+def is_integral(dtype: torch.dtype) -> bool:
+    """Integer and bool dtypes (not quantized ones): the inputs whose values are recorded as a range."""
+    return not (dtype.is_floating_point or dtype.is_complex or str(dtype).startswith(("torch.qint", "torch.quint")))
+
+
+def _value_range(tensor: torch.Tensor) -> tuple[int, int] | None:
+    if not is_integral(tensor.dtype) or tensor.numel() == 0 or tensor.device.type == "meta":
+        return None
+    return int(tensor.min()), int(tensor.max())
 
 
 def check_fingerprint(plan: PlanRecord, actual: ModelFingerprint, units: Sequence[Unit]) -> None:
@@ -103,9 +121,9 @@ def _spec_differences(kind: str, expected: Sequence[TensorSpec], actual: Sequenc
         found.append(f"{kind}s given but not in the plan: {', '.join(extra[:_MAX_LISTED])}"
                      + (f" and {len(extra) - _MAX_LISTED} more" if len(extra) > _MAX_LISTED else ""))
     changed = [
-        f"{kind} {name}: plan {_describe(plan_specs[name])}, given {_describe(model_specs[name])}"
+        f"{kind} {name}: plan {describe_spec(plan_specs[name])}, given {describe_spec(model_specs[name])}"
         for name in plan_specs
-        if name in model_specs and plan_specs[name] != model_specs[name]
+        if name in model_specs and _must_match(plan_specs[name]) != _must_match(model_specs[name])
     ]
     found += changed[:_MAX_LISTED]
     if len(changed) > _MAX_LISTED:
@@ -113,7 +131,13 @@ def _spec_differences(kind: str, expected: Sequence[TensorSpec], actual: Sequenc
     return found
 
 
-def _describe(spec: TensorSpec) -> str:
+def _must_match(spec: TensorSpec) -> TensorSpec:
+    """The spec without its value range: inputs with other values (other token ids) fit the plan."""
+    return dataclasses.replace(spec, value_range=None)
+
+
+def describe_spec(spec: TensorSpec) -> str:
+    """``int64[4, 64]``, or ``value 'mean'`` for a non-tensor input."""
     if spec.dtype == "python":
         return f"value {spec.value}"
     return f"{spec.dtype.removeprefix('torch.')}{list(spec.shape)}"
@@ -141,7 +165,8 @@ def save_plan(plan: PlanRecord, path: str | os.PathLike[str]) -> None:
 
 def read_plan(path: str | os.PathLike[str], plan_type: type[PlanT]) -> PlanT:
     """Read a plan file written by ``save_plan`` (``Plan.save``, ``autockpt plan --out``) as ``plan_type``; files of
-    schema version 1 (regions and one checkpoint kind) are read as version 2."""
+    schema version 1 (regions and one checkpoint kind) are read as version 2, and version 2 as 3 without the value
+    ranges of integer inputs."""
     try:
         text = Path(path).read_text()
     except OSError as error:

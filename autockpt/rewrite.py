@@ -116,6 +116,13 @@ class CallForm:
 
     def arranged(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """The call's values in the example's form, or None when it passes other values (not only another way)."""
+        rearranged = self.rearranged(args, kwargs)
+        return rearranged if rearranged is not None and self.matches(*rearranged) else None
+
+    def rearranged(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """The call's values passed as the example passed its own (each argument positionally or by keyword, left-out
+        ones at their defaults), whatever the values are; None when the call passes an argument the example did not
+        (other than at its default) or leaves out one without a default."""
         if self.positional_names is None:
             return None
         values = self._named_values(args, kwargs)
@@ -129,8 +136,7 @@ class CallForm:
             if name not in self.parameters or self.parameters[name].default is inspect.Parameter.empty:
                 return None
             values[name] = self.parameters[name].default
-        rearranged = tuple(values[n] for n in self.positional_names), {n: values[n] for n in self.keyword_names}
-        return rearranged if self.matches(*rearranged) else None
+        return tuple(values[n] for n in self.positional_names), {n: values[n] for n in self.keyword_names}
 
     def _named_values(self, args: tuple, kwargs: dict) -> dict[str, Any] | None:
         """Every value the call passes, by parameter name (``**kwargs`` entries by their own names)."""

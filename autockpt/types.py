@@ -383,6 +383,10 @@ class TensorSpec:
     shape: tuple[int, ...]
     dtype: str  # e.g. "torch.float32"; for a non-tensor input, "python" and ``value`` holds its repr
     value: str = ""
+    # integer and bool inputs: the least and greatest value in the example, so that a saved plan can rebuild inputs
+    # the model accepts (token ids below the vocabulary size); not part of what a plan must match. None: a parameter,
+    # another dtype, an empty tensor, or a plan file of schema version 2 or older
+    value_range: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

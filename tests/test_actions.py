@@ -83,12 +83,12 @@ def test_regions_with_different_actions_are_predicted_to_the_byte_and_train_like
     assert [row.action for row in region_rows(plan)] == [a.action.value for a in mixed]
 
 
-def test_a_plan_file_round_trips_as_version_2(transformer_planner, tmp_path: Path) -> None:  # noqa: ANN001
+def test_a_plan_file_round_trips_with_its_policy(transformer_planner, tmp_path: Path) -> None:  # noqa: ANN001
     _, planner = transformer_planner
     plan = planner.plan(budget_bytes=budget_at(planner.plan(budget_bytes=10**15), 0.5))
     plan.save(tmp_path / "plan.json")
     document = json.loads((tmp_path / "plan.json").read_text())
-    assert document["schema_version"] == 2
+    assert document["schema_version"] == 3  # 2: the policy; 3: integer inputs' value ranges
     assert document["plan"]["policy"]["placement"]["stages"] == [
         {"first_unit": 0, "last_unit": len(planner.graph.units) - 1, "device": "cpu"}
     ]

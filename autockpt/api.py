@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import numbers
@@ -289,12 +290,7 @@ class Planner:
     def plans_under(self, target_bytes: int, budget_bytes: int) -> list[Plan]:
         """One plan per action with a plan predicted under ``target_bytes``, recorded as made for ``budget_bytes``."""
         results, solve_time_s = self._solve_each(target_bytes)
-        # with a pool each action's joint plan may mix both checkpoints, and two actions can reach the same plan
-        distinct = {result.region_actions: result for result in reversed(results.values())}  # the first on a tie
-        return [
-            self._plan_of(result, budget_bytes, solve_time_s)
-            for result in results.values() if distinct[result.region_actions] is result
-        ]
+        return [self._plan_of(result, budget_bytes, solve_time_s) for result in results.values()]
 
     def measured_peak_bytes(self, module: OptimizedModule) -> int:
         self._on_stage("measure")
@@ -358,7 +354,8 @@ class Planner:
 
     def _solve_each(self, target_bytes: int) -> tuple[dict[Action, SolveResult], float]:
         """Per action with a plan under ``target_bytes``: its cheapest plan, and the seconds all of it took
-        (preparing each action's problem the first time, floors, every action's solve). Each result's
+        (preparing each action's problem the first time, floors, every action's solve). With a host pool, one joint
+        plan (each region its own action), keyed by the action of its recompute-only rival. Each result's
         ``min_feasible_bytes`` is the lowest over all actions; raises ``InfeasibleBudgetError`` when no action has
         a plan."""
         self._on_stage("solve")
@@ -366,12 +363,14 @@ class Planner:
         context = self.context
         results: dict[Action, SolveResult] = {}
         infeasible: list[InfeasibleBudgetError] = []
-        for action in self.actions:
+        solves = (
+            [functools.partial(solve_joint, self._joint_for(self.host_pool_bytes))] if self.host_pool_bytes > 0
+            else [functools.partial(solve_prepared, self._problem_for(action, context)) for action in self.actions]
+        )
+        for solve in solves:
             try:
-                if self.host_pool_bytes > 0:
-                    results[action] = solve_joint(self._joint_for(action, self.host_pool_bytes), target_bytes, self.solver_options)
-                else:
-                    results[action] = solve_prepared(self._problem_for(action, context), target_bytes, self.solver_options)
+                result = solve(target_bytes, self.solver_options)
+                results[result.action] = result
             except InfeasibleBudgetError as error:
                 infeasible.append(error)
         if not results:
@@ -396,16 +395,15 @@ class Planner:
         if self._context is not None:
             self._context = dataclasses.replace(self._context, costs=self.costs)
 
-    def _joint_for(self, action: Action, pool_capacity_bytes: int) -> JointProblem:
-        """The joint problem over every recompute action planned for (each region its own) and offload, with
-        ``action``'s recompute-only plan the one to beat."""
+    def _joint_for(self, pool_capacity_bytes: int) -> JointProblem:
+        """The joint problem over every recompute action planned for (each region its own) and offload."""
         if pool_capacity_bytes not in self._joint:
             context = self.context
             self._joint[pool_capacity_bytes] = JointProblem(
                 tuple(self._problem_for(a, context) for a in self.actions), self._problem_for(Action.OFFLOAD, context),
                 pool_capacity_bytes,
             )
-        return self._joint[pool_capacity_bytes].led_by(action)
+        return self._joint[pool_capacity_bytes]
 
     def _check_offload_possible(self, host_pool_gb: float | str) -> None:
         if self.graph.kind is CaptureKind.MODULE:
@@ -422,7 +420,7 @@ class Planner:
             return error
         self._price(Action.OFFLOAD)
         self._on_stage("solve")
-        joint = unbounded_pool(self._joint_for(self.actions[0], self.host_pool_bytes))
+        joint = unbounded_pool(self._joint_for(self.host_pool_bytes))
         if joint.pool_capacity_bytes <= self.host_pool_bytes:
             return error
         try:

@@ -53,8 +53,8 @@ class JointFloor:
 
 @dataclass(slots=True)
 class JointProblem:
-    """Prepared problems on one trace and cost model: one per recompute action (the first is the plan's action)
-    and the offload problem; and the host pool's capacity in bytes."""
+    """Prepared problems on one trace and cost model: one per recompute action planned for and the offload problem;
+    and the host pool's capacity in bytes."""
 
     recomputes: tuple[Problem, ...]
     offload: Problem
@@ -85,7 +85,7 @@ class JointProblem:
 
     @property
     def recompute(self) -> Problem:
-        """The problem of the plan's recompute action (its recompute-only plan is the one to beat)."""
+        """The first recompute action's problem (its seeds start the floor's descent, offloaded)."""
         return self.recomputes[0]
 
     @property
@@ -106,18 +106,8 @@ class JointProblem:
 
     @property
     def action(self) -> Action:
-        """The recompute action the plan is made for (other regions may recompute another way or offload)."""
+        """The first recompute action (a plan records the action of its recompute-only rival)."""
         return self.recompute.action
-
-    def led_by(self, action: Action) -> JointProblem:
-        """The same candidates and floors with ``action``'s problem first: its recompute-only plan is the one to beat."""
-        first = next((p for p in self.recomputes if p.action is action), None)
-        if first is None:
-            raise ValueError(f"this joint problem has no {action.value!r} problem")
-        if first is self.recompute:
-            return self
-        rest = tuple(p for p in self.recomputes if p is not first)
-        return dataclasses.replace(self, recomputes=(first, *rest), floors=self.floors)  # the floor is shared
 
     def simulate(self, plan: Sequence[RegionAction]) -> Timeline:
         ordered = tuple(sorted(plan, key=lambda ra: ra.region.first_unit))
@@ -184,17 +174,23 @@ def finest_offload(joint: JointProblem) -> tuple[RegionAction, ...]:
 def solve_joint(joint: JointProblem, budget_bytes: int, options: SolverOptions | None = None) -> SolveResult:
     """The cheapest plan under ``budget_bytes`` whose regions each keep, recompute or offload within the pool.
 
-    The recompute-only plan of the default solver is found first and kept unless the joint program finds a plan that
-    fits and adds less predicted step time. ``min_feasible_bytes`` is the lower of the two floors.
+    The recompute-only plans of the default solver (one per recompute action) are found first; the cheaper is kept
+    unless the joint program finds a plan that fits and adds less predicted step time. ``min_feasible_bytes`` is the
+    lowest of the floors.
     """
     options = options or SolverOptions()
     started = time.perf_counter()
     solver = solver_name(options)
-    try:
-        alone: SolveResult | None = solve_prepared(joint.recompute, budget_bytes, options)
-        recompute_floor = alone.min_feasible_bytes
-    except InfeasibleBudgetError as error:
-        alone, recompute_floor = None, error.min_feasible_bytes
+    alones: list[SolveResult] = []  # each recompute action's plan alone (the default solver's)
+    floors: list[int] = []
+    for problem in joint.recomputes:
+        try:
+            alones.append(solve_prepared(problem, budget_bytes, options))
+            floors.append(alones[-1].min_feasible_bytes)
+        except InfeasibleBudgetError as error:
+            floors.append(error.min_feasible_bytes)
+    alone = min(alones, key=lambda r: r.timeline.overhead_ms) if alones else None  # the first action's on a tie
+    recompute_floor = min(floors)
     floor = joint_floor(joint, options, solver)
     min_feasible = min(recompute_floor, floor.timeline.peak_bytes)
     if alone is not None and alone.status is PlanStatus.IDENTITY:  # nothing to do; the floor is for budgets to come
@@ -219,9 +215,10 @@ def solve_joint(joint: JointProblem, budget_bytes: int, options: SolverOptions |
     plan, timeline, status = drop_unneeded_regions(joint, *best, budget_bytes)
     recompute_only = alone is not None and plan == alone.region_actions
     return SolveResult(
-        region_actions=tuple(sorted(plan, key=lambda ra: ra.region.first_unit)), action=joint.action,
+        region_actions=tuple(sorted(plan, key=lambda ra: ra.region.first_unit)),
+        action=alone.action if alone is not None else joint.action,
         timeline=timeline, baseline=joint.baseline, min_feasible_bytes=min_feasible,
-        floor_complete=alone.floor_complete if alone is not None else True, status=status,
+        floor_complete=all(r.floor_complete for r in alones), status=status,
         solver=alone.solver if recompute_only else f"{solver} (joint keep/recompute/offload program)",
         solve_time_s=time.perf_counter() - started, stats=summarise_programs(programs),
     )

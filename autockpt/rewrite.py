@@ -123,14 +123,12 @@ class CallForm:
         """The call's values passed as the example passed its own (each argument positionally or by keyword, left-out
         ones at their defaults), whatever the values are; None when the call passes an argument the example did not
         (other than at its default) or leaves out one without a default."""
-        if self.positional_names is None:
-            return None
-        values = self._named_values(args, kwargs)
+        values = self.named_values(args, kwargs)
         if values is None:
             return None
         wanted = set(self.positional_names) | set(self.keyword_names)
         for name, value in values.items():
-            if name not in wanted and not self._is_default(name, value):
+            if name not in wanted and not self.is_default(name, value):
                 return None  # a value the example did not pass: the graph has no input for it
         for name in wanted - values.keys():
             if name not in self.parameters or self.parameters[name].default is inspect.Parameter.empty:
@@ -138,8 +136,11 @@ class CallForm:
             values[name] = self.parameters[name].default
         return tuple(values[n] for n in self.positional_names), {n: values[n] for n in self.keyword_names}
 
-    def _named_values(self, args: tuple, kwargs: dict) -> dict[str, Any] | None:
-        """Every value the call passes, by parameter name (``**kwargs`` entries by their own names)."""
+    def named_values(self, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+        """Every value the call passes, by parameter name (``**kwargs`` entries by their own names); None when calls
+        are taken only in the example's form or this one does not bind to the signature."""
+        if self.positional_names is None:
+            return None
         try:
             bound = self.forward_signature.bind(*args, **kwargs)
         except TypeError:
@@ -155,7 +156,8 @@ class CallForm:
                 values[name] = value
         return values
 
-    def _is_default(self, name: str, value: Any) -> bool:
+    def is_default(self, name: str, value: Any) -> bool:
+        """``value`` is ``name``'s default, so passing it or leaving it out is the same call."""
         parameter = self.parameters.get(name)
         if parameter is None or parameter.default is inspect.Parameter.empty:
             return False
@@ -440,7 +442,9 @@ class OptimizedModule(nn.Module):
         first step that uses them. Raises ``UnplannedStepError`` for a call the plan cannot run."""
         variants: ShapeSource | None = self.__dict__["_autockpt_variants"]
         for args, kwargs in calls:
-            found = variants.module_for(tuple(args), dict(kwargs)) if variants is not None else "no shape variants"
+            found = variants.module_for(tuple(args), dict(kwargs)) if variants is not None else (
+                "this module was not made by autockpt.optimize, apply_plan or Planner.apply, which let it take other "
+                "shapes")
             if isinstance(found, str):
                 raise UnplannedStepError(f"autockpt: cannot prepare the plan for these inputs: {found}")
 

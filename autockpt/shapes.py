@@ -18,7 +18,6 @@ import collections
 import dataclasses
 import difflib
 import enum
-import inspect
 import logging
 import time
 from collections.abc import Sequence
@@ -67,8 +66,8 @@ def compare_inputs(call_form: CallForm, example: tuple[tuple, dict], args: tuple
     An argument the example did not pass is within when its tensors hold at most one element (a loop's
     ``num_items_in_batch``, a loss scale): it changes no activation's size.
     """
-    expected = _named(call_form, *example)
-    given = _named(call_form, args, kwargs)
+    expected = call_form.named_values(*example)
+    given = call_form.named_values(args, kwargs)
     if expected is None or given is None:
         return _compare_values("the inputs", example, (args, kwargs))
     for name, value in given.items():
@@ -78,7 +77,8 @@ def compare_inputs(call_form: CallForm, example: tuple[tuple, dict], args: tuple
                 return found
         elif any(isinstance(leaf, torch.Tensor) and leaf.numel() > 1 for leaf in pytree.tree_leaves(value)):
             return InputComparison(InputFit.OTHER, f"{name} was not in the example inputs")
-    missing = [name for name in expected if name not in given and not _defaults_to(call_form, name, expected[name])]
+    # an argument the example passed at its default may be left out
+    missing = [name for name in expected if name not in given and not call_form.is_default(name, expected[name])]
     if missing:
         return InputComparison(InputFit.OTHER, f"{', '.join(missing)} not given (the example passed them)")
     return InputComparison(InputFit.WITHIN, "")
@@ -136,19 +136,19 @@ class ShapeVariants:
         if self.shape_generic_module is not None:
             return self.shape_generic_module
         started = time.perf_counter()
+        description = describe_shapes(args, kwargs)
         try:
             with preserved_model_state(self.model, args, kwargs):
                 graph = capture(self.model, args, kwargs)
         except Exception as error:  # noqa: BLE001 - any capture failure means: no plan at these shapes
-            return f"capturing the model at {describe_shapes(args, kwargs)} failed ({type(error).__name__}: {error})"
+            return f"capturing the model at {description} failed ({type(error).__name__}: {error})"
         policy = remap_policy(self.plan.policy, self.unit_keys, [_unit_key(unit) for unit in graph.units])
         if isinstance(policy, str):
-            return f"the graph captured at {describe_shapes(args, kwargs)} {policy}"
+            return f"the graph captured at {description} {policy}"
         plan = self.plan if policy == self.plan.policy else dataclasses.replace(self.plan, policy=policy)
         module = rewrite(graph, policy, args, kwargs, plan=plan, pool=self.pool)
         module.training = self.model.training
         seconds = time.perf_counter() - started
-        description = describe_shapes(args, kwargs)
         self._variants[key] = ShapeVariant(description, module, seconds)
         logger.info(
             "autockpt: planned regions applied at new input shapes %s (captured and rewritten in %.2f s; %d shapes "
@@ -196,20 +196,6 @@ def _unit_key(unit: Unit) -> tuple[str, str]:
     return (unit.module_path, unit.op)
 
 
-def _named(call_form: CallForm, args: tuple, kwargs: dict) -> dict[str, Any] | None:
-    if call_form.positional_names is None:
-        return None
-    return call_form._named_values(args, kwargs)
-
-
-def _defaults_to(call_form: CallForm, name: str, example_value: Any) -> bool:
-    """The example passed ``name`` with its default value, so leaving it out passes the same."""
-    parameter = call_form.parameters.get(name)
-    return parameter is not None and parameter.default is not inspect.Parameter.empty and call_form._is_default(
-        name, example_value
-    )
-
-
 def _compare_values(name: str, expected: Any, given: Any) -> InputComparison:
     expected_leaves, expected_spec = pytree.tree_flatten(expected)
     given_leaves, given_spec = pytree.tree_flatten(given)
@@ -240,7 +226,6 @@ def _same_value(want: Any, got: Any) -> bool:
         return bool(want is got or want == got)
     except Exception:  # noqa: BLE001 - values without a plain equality are compared by identity only
         return False
-
 
 
 def attach_shape_variants(

@@ -109,23 +109,18 @@ def test_the_pool_never_makes_a_plan_worse_and_its_capacity_holds(pooled: PoolCa
 
 
 def test_both_checkpoints_and_offload_in_one_plan_run_as_predicted(pooled: PoolCase) -> None:
-    """Under "auto" the joint program gives each region its own recompute action; a plan with torch's checkpoint,
-    autockpt's and offload side by side keeps outputs and gradients, and is measured as simulated."""
+    """Under "auto" the joint program may give each region its own recompute action; a plan with torch's checkpoint,
+    autockpt's and offload side by side keeps outputs and gradients, and is measured as simulated. (The actions are
+    dealt to a solved plan's regions in turn: which the solver picks depends on measured times.)"""
     planner, case = pooled.planner, pooled.case
     assert set(planner.actions) == {Action.RECOMPUTE_TORCH, Action.RECOMPUTE_OWN}
-    budget = budget_at(planner.plan(budget_bytes=10**15), 0.4)
-    planner.host_pool_bytes = planner.plan(budget_bytes=budget).host_pool_bytes // 2  # too small to offload it all
-    chosen = planner.plan(budget_bytes=budget).policy.region_actions
-    recomputing = [ra.action for ra in chosen if ra.action.recomputes]
-    assert recomputing and Action.OFFLOAD in {ra.action for ra in chosen}
-    # flip one offloaded region to the checkpoint the plan does not use yet, so all three actions meet
-    other = Action.RECOMPUTE_TORCH if Action.RECOMPUTE_OWN in recomputing else Action.RECOMPUTE_OWN
-    flip = next(i for i, ra in enumerate(chosen) if ra.action is Action.OFFLOAD)
-    mixed = list(chosen)
-    mixed[flip] = RegionAction(region=chosen[flip].region, action=other)
+    regions = planner.plan(budget_bytes=budget_at(planner.plan(budget_bytes=10**15), 0.4)).regions
+    assert len(regions) >= 3
+    actions = (Action.RECOMPUTE_TORCH, Action.RECOMPUTE_OWN, Action.OFFLOAD)
+    mixed = [RegionAction(region=r, action=actions[i % 3]) for i, r in enumerate(regions)]
     timeline = simulate(planner.trace, planner.costs, mixed)
-    plan = assemble_plan(planner.context, mixed, other, budget, timeline)
-    assert set(plan.policy.actions) == {Action.RECOMPUTE_TORCH, Action.RECOMPUTE_OWN, Action.OFFLOAD}
+    plan = assemble_plan(planner.context, mixed, Action.RECOMPUTE_TORCH, timeline.peak_bytes, timeline)
+    assert set(plan.policy.actions) == set(actions)
     module = planner.apply(plan)
     measured = planner.measured_peak_bytes(module)
     assert abs(measured - plan.predicted_peak_bytes) <= SLACK_BYTES

@@ -11,8 +11,8 @@ The joint flat program gives every (region, action) a binary variable x:
                 at most one chosen (region, action) covers each unit
 
 ``refine`` moves the effective budget until the simulated plan fits, peak *and* pool (``JointProblem.fits``). The
-default solver's recompute-only plan for the action asked for (block program, seeds, local passes: ``default.py``) is
-the plan to beat, so a pool never makes a plan worse than having none.
+cheaper of the default solver's recompute-only plans, one per recompute action (block program, seeds, local passes:
+``default.py``), is the plan to beat, so a pool never makes a plan worse than having none.
 """
 
 from __future__ import annotations

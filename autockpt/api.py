@@ -23,6 +23,13 @@ from torch.utils import _pytree as pytree
 from autockpt.capture import capture
 from autockpt.costs import calibrate
 from autockpt.errors import InfeasibleBudgetError
+from autockpt.loop import (
+    OptimizerSpec,
+    check_accumulation_steps,
+    measure_optimizer_step,
+    optimizer_factory,
+    step_in_loop,
+)
 from autockpt.loss import checked_loss, default_loss
 from autockpt.measure import alternating_step_seconds, measure_step
 from autockpt.model_state import enter_training_modes, preserved_model_state
@@ -42,7 +49,7 @@ from autockpt.solve.joint import JointProblem, solve_joint, unbounded_pool
 from autockpt.solve.prepare import prepare
 from autockpt.structure import find_repeated_blocks
 from autockpt.trace import device_of, trace_step
-from autockpt.types import Action, CaptureKind, Graph, ParetoPoint, Placement, Region, describe_value
+from autockpt.types import Action, CaptureKind, Graph, ParetoPoint, Placement, Region, TrainingLoop, describe_value
 from autockpt.units import GB, format_bytes
 from autockpt.verify import verified_module
 
@@ -61,6 +68,8 @@ def optimize(
     checkpoint: Action | str | None = None,
     host_pool_gb: float | str = 0,
     strict: bool = False,
+    optimizer: OptimizerSpec | None = None,
+    gradient_accumulation_steps: int = 1,
 ) -> nn.Module:
     """Return a module that trains like ``model`` with a step peak of at most the budget (GB = 10^9 bytes).
 
@@ -80,11 +89,18 @@ def optimize(
     arguments equal; extra arguments of at most one element such as a loop's ``num_items_in_batch``) runs under the
     plan, captured at its shapes the first time (``OptimizedModule.shape_variants()``). A larger step runs the
     original model with a warning, over the budget; ``strict=True`` raises ``UnplannedStepError`` instead.
+
+    The loop: with ``optimizer`` (the optimizer over ``model``'s parameters that will train it, or a function making
+    one from a list of parameters, e.g. ``torch.optim.AdamW``) the budget covers ``optimizer.step()`` too, its states
+    alive through every step and its temporaries; the optimizer is copied to measure it, never stepped. With
+    ``gradient_accumulation_steps`` > 1 it covers micro-steps that start with the earlier ones' gradients alive
+    (also the setting for a loop that zeroes gradients in place instead of setting them to None).
     """
     budget = budget_to_bytes(budget_gb, budget_bytes)
     planner = Planner(
         model, example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
-        solver_options=solver_options, checkpoint=checkpoint, host_pool_gb=host_pool_gb,
+        solver_options=solver_options, checkpoint=checkpoint, host_pool_gb=host_pool_gb, optimizer=optimizer,
+        gradient_accumulation_steps=gradient_accumulation_steps,
     )
     module = planner.optimize(budget_bytes=budget)
     module.strict = strict
@@ -102,6 +118,8 @@ def plan(
     solver_options: SolverOptions | None = None,
     checkpoint: Action | str | None = None,
     host_pool_gb: float | str = 0,
+    optimizer: OptimizerSpec | None = None,
+    gradient_accumulation_steps: int = 1,
 ) -> Plan:
     """Like ``optimize`` but only plans (no rewrite, no verification step): returns the Plan. With the default
     checkpoint choice ("auto") it is the plan with the smaller *predicted* overhead of the recompute actions
@@ -109,7 +127,8 @@ def plan(
     budget = budget_to_bytes(budget_gb, budget_bytes)
     planner = Planner(
         model, example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
-        solver_options=solver_options, checkpoint=checkpoint, host_pool_gb=host_pool_gb,
+        solver_options=solver_options, checkpoint=checkpoint, host_pool_gb=host_pool_gb, optimizer=optimizer,
+        gradient_accumulation_steps=gradient_accumulation_steps,
     )
     return planner.plan(budget_bytes=budget)
 
@@ -172,8 +191,13 @@ class Planner:
         checkpoint: Action | str | None = None,
         host_pool_gb: float | str = 0,
         on_stage: Callable[[str], None] | None = None,
+        optimizer: OptimizerSpec | None = None,
+        gradient_accumulation_steps: int = 1,
     ) -> None:
         self.request = _Request.check(model, example_inputs, example_kwargs, loss_fn, solver_options)
+        self.gradient_accumulation_steps = check_accumulation_steps(gradient_accumulation_steps)
+        self.optimizer = optimizer  # what measure_step copies to step the loop as it runs
+        make_optimizer = optimizer_factory(model, optimizer) if optimizer is not None else None
         self.host_pool_bytes = host_pool_to_bytes(host_pool_gb)  # the most the plan's host pool may hold
         self.solver_options = self.request.solver_options or SolverOptions()
         # the checkpoint choice steers profiling and rewriting; SolverOptions(checkpoint=) is its older spelling
@@ -193,6 +217,12 @@ class Planner:
                 time_repeated_blocks_once=self._solves_by_blocks(),
                 gradient_lifetimes=Action.RECOMPUTE_OWN in self.actions,
             )
+            if make_optimizer is not None or self.gradient_accumulation_steps > 1:
+                # the step as the loop runs it: what the loop keeps alive raises every event (``loop.py``)
+                cost = measure_optimizer_step(make_optimizer, model, self._device) if make_optimizer else None
+                loop = TrainingLoop(optimizer=cost, gradient_accumulation_steps=self.gradient_accumulation_steps)
+                self.trace = step_in_loop(self.trace, loop)
+                logger.info("%s", loop.describe())
             if self.host_pool_bytes > 0:
                 self._check_offload_possible(host_pool_gb)
             offload = (Action.OFFLOAD,) if self.host_pool_bytes > 0 else ()
@@ -296,7 +326,10 @@ class Planner:
         self._on_stage("measure")
         with self._model_state():
             module.training = True  # the module follows the user's train/eval flag, restored after measuring
-            peak = measure_step(module, self.request.args, self.request.kwargs, self.request.loss).peak_bytes
+            peak = measure_step(
+                module, self.request.args, self.request.kwargs, self.request.loss, optimizer=self.optimizer,
+                gradient_accumulation_steps=self.gradient_accumulation_steps,
+            ).peak_bytes
         module.training = self.model.training
         return peak
 

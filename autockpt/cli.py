@@ -24,6 +24,7 @@ from typing import Any
 import click
 
 from autockpt.errors import AutockptError
+from autockpt.loop import named_optimizer
 from autockpt.types import Action
 from autockpt.units import format_bytes
 
@@ -325,6 +326,21 @@ def _solver_options(command: Callable[..., Any]) -> Callable[..., Any]:
     return command
 
 
+def _loop_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    options = [
+        click.option("--optimizer", type=click.Choice(["none", "adam", "adamw", "sgd"]), default="none",
+                     show_default=True,
+                     help="optimizer whose step the budget covers too: its states and its step's temporaries, "
+                          "measured (sgd: with momentum; none: forward and backward only)"),
+        click.option("--grad-accumulation", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="gradient accumulation micro-steps: above 1 the budget covers steps that start with "
+                          "gradients alive (also for loops that zero gradients in place)"),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--debug", is_flag=True, help="show tracebacks instead of one-line errors")
 @click.option("--quiet", "-q", is_flag=True, help="no progress bars")
@@ -376,11 +392,12 @@ def estimate(
               help="budgets to solve for the report's Pareto curve (0: none)")
 @click.option("--depth", type=click.IntRange(min=0), default=2, show_default=True, help="module nesting in the report")
 @_solver_options
+@_loop_options
 @click.pass_context
 def plan(
     ctx: click.Context, model: str, inputs: tuple[str, ...], inputs_ref: str | None, size: str, device: str, seed: int,
     budget: str, report_path: str | None, out_path: str | None, pareto_points: int, depth: int, solver: str,
-    time_limit: float, checkpoint: str, host_pool: str,
+    time_limit: float, checkpoint: str, host_pool: str, optimizer: str, grad_accumulation: int,
 ) -> None:
     """Plan MODEL's training step under --budget and print what was decided; nothing is rewritten.
 
@@ -395,7 +412,8 @@ def plan(
     with stage_progress(3 + pareto_points, ctx.meta["autockpt.quiet"]) as progress:
         planner = Planner(work.model, example_inputs=work.args, example_kwargs=work.kwargs, loss_fn=work.loss_fn,
                           solver_options=options, checkpoint=checkpoint, host_pool_gb=parse_host_pool(host_pool),
-                          on_stage=progress)
+                          on_stage=progress, optimizer=named_optimizer(optimizer),
+                          gradient_accumulation_steps=grad_accumulation)
         the_plan = planner.plan(budget_bytes=budget_bytes, pareto_points=pareto_points)
     click.echo(the_plan.summary())
     if out_path:
@@ -412,10 +430,12 @@ def plan(
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True,
               help="folder for sweep.csv, sweep.md and pareto.png")
 @_solver_options
+@_loop_options
 @click.pass_context
 def sweep(
     ctx: click.Context, model: str, inputs: tuple[str, ...], inputs_ref: str | None, size: str, device: str, seed: int,
-    budgets: str, out_dir: str, solver: str, time_limit: float, checkpoint: str, host_pool: str,
+    budgets: str, out_dir: str, solver: str, time_limit: float, checkpoint: str, host_pool: str, optimizer: str,
+    grad_accumulation: int,
 ) -> None:
     """Plan MODEL at several budgets (one capture and profile) and write the Pareto curve of predicted peak vs
     predicted overhead."""
@@ -432,7 +452,8 @@ def sweep(
     with stage_progress(2, quiet) as progress:
         planner = Planner(work.model, example_inputs=work.args, example_kwargs=work.kwargs, loss_fn=work.loss_fn,
                           solver_options=SolverOptions(solver=solver, time_limit_s=time_limit),
-                          checkpoint=checkpoint, host_pool_gb=parse_host_pool(host_pool), on_stage=progress)
+                          checkpoint=checkpoint, host_pool_gb=parse_host_pool(host_pool), on_stage=progress,
+                          optimizer=named_optimizer(optimizer), gradient_accumulation_steps=grad_accumulation)
     points = [
         planner.pareto([budget])[0]
         for budget in tqdm(budget_list, desc="budgets", disable=quiet or not sys.stderr.isatty(), leave=False)

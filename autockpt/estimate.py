@@ -1,8 +1,9 @@
 """Estimate: what one training step of a model holds in memory, by category and per module.
 
 Like ``accelerate estimate-memory`` but measured on a real step (capture + profile, nothing is solved), so it
-includes what accelerate omits: activations saved for backward and the temporaries of the step. Optimizer state is
-computed from the parameters (it does not exist before the first ``optimizer.step()``).
+includes what accelerate omits: activations saved for backward and the temporaries of the step. The optimizer's
+states and the peak of ``optimizer.step()`` are measured too (``loop.measure_optimizer_step``: a fresh optimizer of
+that kind stepped twice on the model's parameters, which are put back).
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ import torch
 from torch import nn
 
 from autockpt.api import Planner
+from autockpt.loop import measure_optimizer_step, named_optimizer, optimizer_factory, step_in_loop
 from autockpt.simulate import memory_curve
 from autockpt.summary import enclosing_modules
-from autockpt.types import Action, StepTrace
+from autockpt.trace import device_of
+from autockpt.types import Action, StepTrace, TrainingLoop
 from autockpt.units import format_bytes
 
 if TYPE_CHECKING:
@@ -26,15 +29,12 @@ if TYPE_CHECKING:
 
 
 class OptimizerKind(str, Enum):
-    """Optimizer whose state is added to the estimate."""
+    """Optimizer whose step is added to the estimate (``loop.NAMED_OPTIMIZERS``)."""
 
     ADAM = "adam"  # exp_avg and exp_avg_sq: 2 x trainable parameter bytes
     ADAMW = "adamw"  # same state as Adam
     SGD = "sgd"  # SGD with momentum: one buffer, 1 x trainable parameter bytes (without momentum use "none")
     NONE = "none"
-
-
-_STATE_COPIES = {OptimizerKind.ADAM: 2, OptimizerKind.ADAMW: 2, OptimizerKind.SGD: 1, OptimizerKind.NONE: 0}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,19 +58,15 @@ class MemoryEstimate:
     buffer_bytes: int
     input_bytes: int
     gradient_bytes: int  # one gradient per trainable parameter
-    optimizer_state_bytes: int
+    optimizer_state_bytes: int  # measured after two steps
     activation_bytes: int  # every tensor made in forward and saved for backward, counted once per storage
     step_peak_bytes: int  # measured peak of forward + backward (no optimizer state)
+    training_peak_bytes: int  # a training step's peak once the optimizer has states, its optimizer.step() included
     peak_activation_bytes: int  # at that peak: forward tensors still alive
     peak_gradient_bytes: int  # at that peak: gradients made so far
     peak_temporary_bytes: int  # at that peak: everything else (backward temporaries, activation gradients)
     step_ms: float
     modules: tuple[ModuleMemory, ...]
-
-    @property
-    def training_peak_bytes(self) -> int:
-        """Step peak once the optimizer has state: the forward/backward peak plus the optimizer state."""
-        return self.step_peak_bytes + self.optimizer_state_bytes
 
     def rows(self) -> list[tuple[str, int]]:
         return [
@@ -84,7 +80,7 @@ class MemoryEstimate:
             ("  at the peak: gradients so far", self.peak_gradient_bytes),
             ("  at the peak: temporaries", self.peak_temporary_bytes),
             ("forward + backward peak", self.step_peak_bytes),
-            ("training step peak (with optimizer state)", self.training_peak_bytes),
+            ("training step peak (optimizer states and step included)", self.training_peak_bytes),
         ]
 
     def to_dataframe(self) -> pd.DataFrame:
@@ -145,7 +141,12 @@ def estimate_from_planner(planner: Planner, optimizer: OptimizerKind, depth: int
     measured = planner.trace
     curve = memory_curve(measured, planner.costs, ())
     peak_event = max(range(len(curve.phases)), key=curve.total_bytes.__getitem__)
-    trainable = sum(p.numel() * p.element_size() for p in planner.model.parameters() if p.requires_grad)  # tied once
+    make = named_optimizer(optimizer.value)
+    cost = None
+    if make is not None:
+        device = device_of(planner.model, planner.request.args, planner.request.kwargs)
+        cost = measure_optimizer_step(optimizer_factory(planner.model, make), planner.model, device)
+    in_loop = step_in_loop(measured, TrainingLoop(optimizer=cost)) if cost is not None else measured
     return MemoryEstimate(
         model_class=type(planner.model).__name__,
         optimizer=optimizer,
@@ -153,9 +154,10 @@ def estimate_from_planner(planner: Planner, optimizer: OptimizerKind, depth: int
         buffer_bytes=measured.buffer_bytes,
         input_bytes=measured.input_bytes,
         gradient_bytes=measured.gradient_bytes,
-        optimizer_state_bytes=_STATE_COPIES[optimizer] * trainable,
+        optimizer_state_bytes=cost.state_bytes if cost is not None else 0,
         activation_bytes=sum(s.nbytes for s in measured.storages if s.saver_units),
         step_peak_bytes=measured.baseline_peak_bytes,
+        training_peak_bytes=in_loop.baseline_peak_bytes,
         peak_activation_bytes=curve.activation_bytes[peak_event],
         peak_gradient_bytes=curve.gradient_bytes[peak_event],
         peak_temporary_bytes=curve.temporary_bytes[peak_event],

@@ -1,7 +1,8 @@
 """Measure one real training step: the reference every prediction is checked against.
 
-Peak means the highest total of live tensor bytes on the model's device during forward + ``loss.backward()``,
-gradients ``None`` at the start, inputs allocated beforehand. On CPU it is MemTracker's peak "Total" with the module
+Peak means the highest total of live tensor bytes on the model's device during forward + ``loss.backward()``
+(+ ``optimizer.step()`` when an optimizer is given), gradients ``None`` at the start (zeros with gradient
+accumulation), inputs allocated beforehand. On CPU it is MemTracker's peak "Total" with the module
 and the inputs tracked as external; on CUDA it is ``torch.cuda.max_memory_allocated``.
 """
 
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from autockpt.loop import OptimizerSpec, check_accumulation_steps, optimizer_factory, state_tensors
 from autockpt.loss import default_loss
 from autockpt.rewrite import OptimizedModule
 from autockpt.trace import StorageTracker, device_of, step_tensors
@@ -32,6 +34,9 @@ def measure_step(
     example_inputs: tuple = (),
     example_kwargs: Mapping[str, Any] | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    *,
+    optimizer: OptimizerSpec | None = None,
+    gradient_accumulation_steps: int = 1,
 ) -> StepMeasurement:
     """Run forward + backward once (gradients are left on the parameters) and return the peak bytes.
 
@@ -42,43 +47,75 @@ def measure_step(
     A module whose plan offloads has a host pool: on CUDA it is host memory and not counted; on CPU, where the host
     is the device, MemTracker counts its buffer, and the peak returned is the step's *device* bytes without it (the
     budget's bytes; the pool is ``OptimizedModule.host_pool_bytes`` more, bounded by ``host_pool_gb``).
+
+    The step as a loop runs it: with ``optimizer`` (an optimizer over the module's parameters, or a function making
+    one, as ``autockpt.optimize`` takes it) two steps run, each forward + backward + ``optimizer.step()`` on a fresh
+    copy of the optimizer, and the peak is the higher (the first makes the states, the second has them); the
+    parameters' values are put back afterwards and the given optimizer is never stepped. With
+    ``gradient_accumulation_steps`` > 1 every measured step starts with gradients alive (zeros).
     """
     kwargs = dict(example_kwargs or {})
     loss_fn = loss_fn or default_loss
-    for param in module.parameters():
-        param.grad = None
+    accumulating = check_accumulation_steps(gradient_accumulation_steps) > 1
+    make_optimizer = optimizer_factory(module, optimizer) if optimizer is not None else None
     device = device_of(module, example_inputs, kwargs)
-    static = step_tensors(module, example_inputs, kwargs)
+    params = list(module.parameters())
+    values = [p.detach().to("cpu", copy=True) for p in params] if make_optimizer is not None else []
+    try:
+        the_optimizer = make_optimizer() if make_optimizer is not None else None
+        peaks, loss = [], 0.0
+        for _ in range(1 if the_optimizer is None else 2):
+            for param in params:
+                param.grad = torch.zeros_like(param) if accumulating and param.requires_grad else None
+            peak, loss = _one_step(module, example_inputs, kwargs, loss_fn, device, the_optimizer)
+            peaks.append(peak)
+        del the_optimizer
+    finally:
+        with torch.no_grad():
+            for param, value in zip(params, values):
+                param.copy_(value)
+    return StepMeasurement(peak_bytes=max(peaks), loss=loss, device=str(device))
+
+
+def _one_step(
+    module: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable[[Any], torch.Tensor], device: torch.device,
+    optimizer: torch.optim.Optimizer | None,
+) -> tuple[int, float]:
+    """The peak bytes and the loss of one forward + backward (+ ``optimizer.step()``), gradients as they are."""
+    static = step_tensors(module, args, kwargs)
+
+    def run() -> torch.Tensor:
+        output = module(*args, **kwargs)
+        loss = loss_fn(output)
+        loss.backward()
+        if optimizer is not None:
+            optimizer.step()  # the output is still held, as in a loop that keeps it until the next step
+        return loss
+
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        output = module(*example_inputs, **kwargs)
-        loss = loss_fn(output)
-        loss.backward()
+        loss = run()
         torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device)
-        return StepMeasurement(peak_bytes=peak, loss=float(loss.detach()), device=str(device))
+        return torch.cuda.max_memory_allocated(device), float(loss.detach())
 
     if all(p.requires_grad for p in module.parameters()):
         from torch.distributed._tools.mem_tracker import MemTracker
 
         tracker = MemTracker()
-        tracker.track_external(module, *[t for t in static if not isinstance(t, nn.Parameter)])
+        external = [t for t in static if not isinstance(t, nn.Parameter)]
+        tracker.track_external(module, *external, *([optimizer] if optimizer is not None else []))
         with tracker:
-            output = module(*example_inputs, **kwargs)
-            loss = loss_fn(output)
-            loss.backward()
+            loss = run()
         peak = tracker.get_tracker_snapshot("peak")[device]["Total"]
         if isinstance(module, OptimizedModule):
             peak -= module.host_pool_bytes
     else:
-        own = StorageTracker(device, static)
+        own = StorageTracker(device, static + (state_tensors(optimizer) if optimizer is not None else []))
         with own:
-            output = module(*example_inputs, **kwargs)
-            loss = loss_fn(output)
-            loss.backward()
+            loss = run()
         peak = max(event.peak_bytes for event in own.events)
-    return StepMeasurement(peak_bytes=int(peak), loss=float(loss.detach()), device=str(device))
+    return int(peak), float(loss.detach())
 
 
 def step_seconds(

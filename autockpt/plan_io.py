@@ -29,10 +29,11 @@ from autockpt.errors import PlanFileError, PlanMismatchError
 from autockpt.types import Graph, ModelFingerprint, PlanRecord, TensorSpec, Unit
 
 SCHEMA = "autockpt.plan"
-# 3: integer inputs' value ranges; 2: a policy (per-region actions, placement) and per-action prices; 1: regions and
-# one kind. Version 2 reads as 3 without ranges.
-SCHEMA_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+# 4: the training loop the budget covers (optimizer step, gradient accumulation); 3: integer inputs' value ranges;
+# 2: a policy (per-region actions, placement) and per-action prices; 1: regions and one kind. Versions 2 and 3 read
+# as 4 without what they lack.
+SCHEMA_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 PlanT = typing.TypeVar("PlanT", bound=PlanRecord)
 _MAX_LISTED = 5  # differences listed per kind in a mismatch message
 

@@ -115,6 +115,7 @@ def assemble_plan(
         solver_stats=result.stats if solved else None,
         memory_before=context.memory_before,
         memory_after=memory_curve(trace, context.costs, policy.region_actions),
+        loop=trace.loop,
     )
 
 

@@ -29,7 +29,9 @@ def plan_summary(plan: PlanRecord, *, max_regions: int = 12) -> str:
         f"  predicted peak         {format_bytes(plan.predicted_peak_bytes)}",
         f"  unmodified peak        {format_bytes(plan.baseline_peak_bytes)}",
         f"  smallest feasible      {format_bytes(plan.min_feasible_bytes)}{floor_note(plan)}",
-        f"  static (params, buffers, grads, inputs) {format_bytes(plan.static_bytes)}",
+        f"  static (params, buffers, grads, inputs{', optimizer states' if _has_states(plan) else ''}) "
+        f"{format_bytes(plan.static_bytes)}",
+        f"  training loop          {plan.loop.describe() if plan.loop else 'forward + backward (no optimizer step)'}",
         f"  recomputed             {decisions_line(plan)}",
         f"  predicted overhead     +{100 * plan.predicted_overhead:.1f}% of the step ({overhead_breakdown(plan)})",
         f"  time                   capture {plan.capture_time_s:.1f} s, profile {plan.profile_time_s:.1f} s, "
@@ -50,6 +52,10 @@ def plan_summary(plan: PlanRecord, *, max_regions: int = 12) -> str:
         lines.append("  nothing is recomputed: the unmodified step fits the budget")
     lines += [f"  note: {note}" for note in plan.notes]
     return "\n".join(lines)
+
+
+def _has_states(plan: PlanRecord) -> bool:
+    return plan.loop is not None and plan.loop.optimizer is not None and plan.loop.optimizer.state_bytes > 0
 
 
 def recomputing_regions(plan: PlanRecord) -> int:

@@ -168,6 +168,55 @@ class MemoryEvent:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class OptimizerStepCost:
+    """What ``optimizer.step()`` holds on the device, measured on the model's own parameter shapes (``loop.py``).
+
+    The ``*_extra_bytes`` are above the parameters and gradients at that step's peak: the states (made during the
+    first step, kept after) and the temporaries of the implementation that ran (for-loop, foreach or fused).
+    """
+
+    optimizer: str  # its class and implementation, e.g. "AdamW (foreach)"
+    state_bytes: int  # kept on the device between steps once the first step made them
+    first_step_extra_bytes: int
+    later_step_extra_bytes: int
+
+    @property
+    def step_extra_bytes(self) -> int:
+        """The larger of the first and a later step's extra bytes: what the step needs at most."""
+        return max(self.first_step_extra_bytes, self.later_step_extra_bytes)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainingLoop:
+    """The loop around forward and backward that a plan keeps its budget in (``loop.py`` raises the trace for it).
+
+    ``gradient_accumulation_steps`` > 1: every micro-step after a window's first starts with the gradients of the
+    ones before it alive (as does a loop that zeroes gradients in place instead of setting them to None).
+    """
+
+    optimizer: OptimizerStepCost | None = None  # None: no optimizer step in the budget
+    gradient_accumulation_steps: int = 1
+
+    @property
+    def gradients_at_start(self) -> bool:
+        return self.gradient_accumulation_steps > 1
+
+    def describe(self) -> str:
+        parts = []
+        if self.optimizer is not None:
+            parts.append(
+                f"optimizer.step() of {self.optimizer.optimizer} ({self.optimizer.state_bytes} bytes of states, "
+                f"{self.optimizer.step_extra_bytes} bytes above parameters and gradients at its peak)"
+            )
+        if self.gradients_at_start:
+            parts.append(
+                f"gradients alive when a step starts (gradient accumulation over {self.gradient_accumulation_steps} "
+                "micro-steps)"
+            )
+        return "the budget covers " + " and ".join(parts) if parts else "the budget covers forward and backward"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class StepTrace:
     """Output of trace: what the unmodified training step was measured to do, per unit and over time.
 
@@ -187,11 +236,18 @@ class StepTrace:
     gradient_bytes_by_event: tuple[int, ...] = ()  # per event: bytes of parameter gradients allocated so far
     # whether ``StorageLife.gradient_free_event`` was recorded (the simulation of RECOMPUTE_OWN needs it)
     gradient_lifetimes: bool = False
+    # what the training loop keeps on the device across steps (``loop.step_in_loop``): optimizer states; 0 for the
+    # bare forward + backward
+    optimizer_state_bytes: int = 0
+    loop: TrainingLoop | None = None  # the loop the events were raised for; None: the bare step, gradients None
 
     @property
     def static_bytes(self) -> int:
-        """Parameters, buffers, inputs and parameter gradients: memory no plan can remove."""
-        return self.parameter_bytes + self.buffer_bytes + self.input_bytes + self.gradient_bytes
+        """Parameters, buffers, inputs, parameter gradients and optimizer states: memory no plan can remove."""
+        return (
+            self.parameter_bytes + self.buffer_bytes + self.input_bytes + self.gradient_bytes
+            + self.optimizer_state_bytes
+        )
 
 
 # The name of the measured step before the cost model was split off it (issue 20).
@@ -484,6 +540,7 @@ class PlanRecord:
     offloaded_bytes: int = 0  # per step, moved to the host pool and back (regions whose action is OFFLOAD)
     host_pool_bytes: int = 0  # the host pool the optimized module allocates once (0: no pool)
     transfer_ms: float = 0.0  # predicted link time the step waits for: part of predicted_overhead
+    loop: TrainingLoop | None = None  # the training loop the budget covers (None: forward and backward alone)
 
     @property
     def regions(self) -> tuple[Region, ...]:

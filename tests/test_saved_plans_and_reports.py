@@ -32,7 +32,7 @@ def test_a_saved_plan_reads_back_equal(transformer_plan: autockpt.Plan, tmp_path
     loaded = autockpt.load_plan(tmp_path / "plan.json")
     assert loaded == transformer_plan
     document = json.loads((tmp_path / "plan.json").read_text())
-    assert document["schema"] == "autockpt.plan" and document["schema_version"] == 3
+    assert document["schema"] == "autockpt.plan" and document["schema_version"] == 4
 
 
 def test_a_loaded_plan_applies_without_solving_and_trains_like_pytorch(
@@ -113,12 +113,17 @@ def test_the_report_timeline_and_tables_match_the_plan(transformer_plan: autockp
 def test_estimate_breaks_the_step_down() -> None:
     case = zoo.build("cnn")
     breakdown = autockpt.estimate(case.model, example_inputs=case.args, loss_fn=case.loss_fn, optimizer="adam", depth=1)
-    parameter_bytes = sum(p.numel() * p.element_size() for p in case.model.parameters())
-    assert breakdown.parameter_bytes == parameter_bytes and breakdown.optimizer_state_bytes == 2 * parameter_bytes
+    params = list(case.model.parameters())
+    parameter_bytes = sum(p.numel() * p.element_size() for p in params)
+    # measured states: exp_avg and exp_avg_sq per parameter, and a 0-d float32 step counter each
+    assert breakdown.parameter_bytes == parameter_bytes
+    assert breakdown.optimizer_state_bytes == 2 * parameter_bytes + 4 * len(params)
     torch.manual_seed(0)
     measured = autockpt.measure_step(case.model, case.args, {}, case.loss_fn).peak_bytes
     assert breakdown.step_peak_bytes == measured
-    assert breakdown.training_peak_bytes == measured + 2 * parameter_bytes
+    torch.manual_seed(0)
+    in_loop = autockpt.measure_step(case.model, case.args, {}, case.loss_fn, optimizer=torch.optim.Adam).peak_bytes
+    assert breakdown.training_peak_bytes == in_loop > measured + 2 * parameter_bytes
     assert 0 < breakdown.peak_activation_bytes <= breakdown.activation_bytes
     frame = breakdown.to_dataframe()
     assert set(frame["kind"]) == {"total", "module"}

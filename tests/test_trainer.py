@@ -3,16 +3,21 @@
 Trainer drops the dataset columns ``forward``'s signature does not name (the optimized module presents the model's)
 and passes ``num_items_in_batch`` (a 0-d tensor the example inputs did not have): with ``strict`` on, any step that
 could not run under the plan would raise. Losses equal the unmodified model's, with gradient accumulation, and a
-checkpoint is saved through Trainer.
+checkpoint is saved through Trainer. The plan is made with the optimizer Trainer makes (its class and arguments, from
+``Trainer.get_optimizer_cls_and_kwargs``) and the accumulation steps: every micro-step and every ``optimizer.step()``
+inside Trainer is measured under the budget (MemTracker per call: it cannot follow several forwards in one context).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed._tools.mem_tracker import MemTracker
 
 import autockpt
 
@@ -32,25 +37,63 @@ def test_trainer_at_default_arguments_uses_the_plan_on_every_step(tmp_path: Path
     for row in rows:
         row["labels"] = row["input_ids"].clone()
     ids = torch.stack([row["input_ids"] for row in rows[:2]])
-    planner = autockpt.Planner(model, example_inputs=(ids,), example_kwargs={"labels": ids})
+
+    def arguments(out: Path) -> transformers.TrainingArguments:
+        return transformers.TrainingArguments(
+            output_dir=str(out), max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+            logging_steps=1, report_to="none", use_cpu=True, save_steps=2, seed=0, data_seed=0,
+        )
+
+    optimizer_class, optimizer_kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(arguments(tmp_path), model)
+    planner = autockpt.Planner(
+        model, example_inputs=(ids,), example_kwargs={"labels": ids},
+        optimizer=functools.partial(optimizer_class, **optimizer_kwargs), gradient_accumulation_steps=2,
+    )
     probe = planner.plan(budget_bytes=10**15)
     budget = int(probe.static_bytes + 0.5 * (probe.baseline_peak_bytes - probe.static_bytes))
     optimized = planner.optimize(budget_bytes=budget)
     optimized.strict = True  # a step that cannot run under the plan raises UnplannedStepError
 
-    def train(module: torch.nn.Module, out: Path) -> list[float]:
-        args = transformers.TrainingArguments(
-            output_dir=str(out), max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-            logging_steps=1, report_to="none", use_cpu=True, save_steps=2, seed=0, data_seed=0,
-        )
-        trainer = transformers.Trainer(model=module, args=args, train_dataset=rows)
-        trainer.train()
-        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    def train(module: torch.nn.Module, out: Path) -> tuple[list[float], list[int]]:
+        trainer = transformers.Trainer(model=module, args=arguments(out), train_dataset=rows)
+        peaks: list[int] = []
+        trainer.training_step = measured(trainer.training_step, module, trainer, peaks)
+        make_optimizer = trainer.create_optimizer
 
-    losses = train(optimized, tmp_path / "optimized")
-    assert losses == train(reference, tmp_path / "reference")
-    assert len(losses) == 2
+        def create_optimizer() -> torch.optim.Optimizer:
+            optimizer = make_optimizer()
+            optimizer.step = measured(optimizer.step, module, trainer, peaks)
+            return optimizer
+
+        trainer.create_optimizer = create_optimizer
+        trainer.train()
+        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry], peaks
+
+    losses, peaks = train(optimized, tmp_path / "optimized")
+    reference_losses, reference_peaks = train(reference, tmp_path / "reference")
+    assert losses == reference_losses
+    assert len(losses) == 2 and len(peaks) == 6  # 4 micro-steps, 2 optimizer steps
+    assert max(peaks) <= budget, f"inside Trainer: {peaks}, budget {budget}"
+    assert max(reference_peaks) > budget  # the unmodified model in the same loop is over
     assert [v.description for v in optimized.shape_variants()] == [
         "input_ids=(2, 64), labels=(2, 64), num_items_in_batch=()"
     ]
     assert (tmp_path / "optimized" / "checkpoint-2").is_dir()
+
+
+def measured(call: Callable[..., object], module: torch.nn.Module, trainer: transformers.Trainer,
+             peaks: list[int]) -> Callable[..., object]:
+    """``call`` with MemTracker's peak of each call appended to ``peaks`` (the module, the optimizer's states and the
+    batch tracked from before the call)."""
+
+    def run(*args: object, **kwargs: object) -> object:
+        tracker = MemTracker()
+        batch = [a for a in args if isinstance(a, dict)]
+        tracker.track_external(module, *([trainer.optimizer] if trainer.optimizer is not None else []),
+                               *[v for b in batch for v in b.values() if isinstance(v, torch.Tensor)])
+        with tracker:
+            result = call(*args, **kwargs)
+        peaks.append(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+        return result
+
+    return run

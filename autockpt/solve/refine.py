@@ -131,12 +131,21 @@ def check_reachable(problem: Problem, budget_bytes: int, min_feasible_bytes: int
     """Raise ``InfeasibleBudgetError`` when the budget is below the lowest peak found."""
     if budget_bytes >= min_feasible_bytes:
         return
+    trace = problem.trace
+    states = " + optimizer states" if trace.optimizer_state_bytes else ""
+    loop = f"; {trace.loop.describe()}" if trace.loop is not None else ""
+    # the end marker event holds optimizer.step()'s peak, which no plan changes
+    step_peak = trace.events[-1].peak_bytes if trace.loop is not None and trace.loop.optimizer is not None else 0
+    binding = (
+        " That floor is optimizer.step()'s own peak, which no plan lowers: a smaller or fused optimizer, or sharding "
+        "its states, is what would." if step_peak >= min_feasible_bytes else ""
+    )
     raise InfeasibleBudgetError(
         f"budget {format_bytes(budget_bytes)} is below the smallest peak autockpt can reach for this model and input, "
-        f"{format_bytes(min_feasible_bytes)} (static memory alone, parameters + buffers + gradients + inputs, is "
-        f"{format_bytes(problem.trace.static_bytes)}; the unmodified step peaks at "
-        f"{format_bytes(problem.baseline.peak_bytes)}). Use a budget of at least {min_feasible_bytes} bytes, or a "
-        "smaller batch or sequence.",
+        f"{format_bytes(min_feasible_bytes)} (static memory alone, parameters + buffers + gradients + inputs{states}, "
+        f"is {format_bytes(trace.static_bytes)}; the unmodified step peaks at "
+        f"{format_bytes(problem.baseline.peak_bytes)}{loop}). Use a budget of at least {min_feasible_bytes} bytes, or a "
+        f"smaller batch or sequence.{binding}",
         budget_bytes=budget_bytes,
         min_feasible_bytes=min_feasible_bytes,
     )

@@ -28,7 +28,7 @@ from autockpt.capture import compute_nodes
 from autockpt.errors import UnplannedStepError
 from autockpt.model_state import autocast_state, training_modes
 from autockpt.offload import HostPool, PoolStats
-from autockpt.recompute import CheckpointedRegion, run_checkpointed
+from autockpt.recompute import CheckpointedRegion, run_checkpointed, start_autocast_step
 from autockpt.types import Action, CaptureKind, Graph, PlanRecord, Policy, Region
 
 logger = logging.getLogger(__name__)
@@ -400,6 +400,9 @@ class OptimizedModule(nn.Module):
 
     def _run_planned(self, args: tuple, kwargs: dict) -> Any:
         """One forward under the plan, inputs in the form this module's graph was captured with."""
+        # the step runs as the traced one did: autocast's casts made afresh, not reused from an earlier step of the
+        # same context (whose gradient functions would wait for the end of backward, holding every weight gradient)
+        start_autocast_step()
         model = self.original_module
         executable = self.__dict__["_autockpt_executable"]
         if executable is not None:

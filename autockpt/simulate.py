@@ -11,7 +11,12 @@ changes, storage by storage (the rule of each action below; ``recompute.py`` run
   (``Action.RECOMPUTE_OWN``) re-runs the whole region;
 * a storage that a region reads from outside is held by the checkpoint until the region's backward is done;
 * ``Action.RECOMPUTE_OWN`` also holds the gradients of the region's outputs until the region's backward is done;
-* storages saved by units outside every region live as measured.
+  under autocast it also makes the gradients of the parameters whose cached casts the region read only when its
+  backward is done (``_late_leaf_gradients``);
+* storages saved by units outside every region live as measured;
+* storages no unit owns live as measured, whatever the plan: under autocast, the low-precision copies of parameters
+  that autocast's cache holds to the end of the step (``trace.py``), which a recomputation takes from the cache
+  instead of making them again.
 
 Everything the plan does not touch (parameter gradients, backward temporaries) stays as measured, which is what makes
 the prediction close to a real measurement. Time: the recomputed kernels as measured, plus each region's machinery at
@@ -234,6 +239,10 @@ def _predict(
                 add(copy_delta, window.first_backward_event, max(releases), storage.nbytes)
             copy_bytes_at_burst[home] += storage.nbytes
 
+    last_backward = [window.last_backward_event for window in windows]
+    for first, last, nbytes in _late_leaf_gradients(trace, region_of, last_backward, actions):
+        add(plan_delta, first, last, nbytes)
+
     event_bytes, forward_bytes, copy_bytes, pool_bytes = [], [], [], []
     running = forward_running = copy_running = pool_running = 0
     for event in trace.events:
@@ -318,6 +327,12 @@ def _predict_fast(trace: StepTrace, costs: CostModel, region_actions: Sequence[R
     copy_bytes_at_burst = np.zeros(len(facts), dtype=np.int64)
     if facts:
         _storage_deltas(arrays, region_of, facts, actions, plan_delta, copy_bytes_at_burst)
+    if Action.RECOMPUTE_OWN in actions and _storage_index(trace).unowned:  # one per cast leaf: the reference's loop
+        last_backward = [f.last_backward if f.last_backward >= 0 else None for f in facts]
+        regions_of_units = [r if r >= 0 else None for r in region_of[: arrays.num_units].tolist()]
+        for first, last, nbytes in _late_leaf_gradients(trace, regions_of_units, last_backward, actions):
+            plan_delta[first] += nbytes
+            plan_delta[last + 1] -= nbytes
     running = np.cumsum(plan_delta[:num_events])
     event_bytes = arrays.peak_bytes + running
 
@@ -509,9 +524,10 @@ def _replay_units(trace: StepTrace, arrays: _StorageArrays) -> list[_ReplayUnit]
     index = _storage_index(trace)
     for unit in range(len(trace.units)):
         event = index.forward_event_of_unit.get(unit)
-        rise = event.peak_bytes - event.start_bytes if event is not None else 0
+        kept = index.unowned_bytes_of_unit[unit]  # as ``_replay_peak``: not made again
+        rise = event.peak_bytes - event.start_bytes - kept if event is not None else 0
         pack_rise = (
-            event.pack_peak_bytes - event.start_bytes
+            event.pack_peak_bytes - event.start_bytes - kept
             if event is not None and event.pack_peak_bytes is not None
             else None
         )
@@ -617,6 +633,9 @@ class _StorageIndex:
     backward_span_of_unit: tuple[tuple[int, int] | None, ...]  # per unit: first and last backward event unpacking
     saves_own_output: frozenset[int]  # units that saved a storage they made
     forward_event_of_unit: dict[int, MemoryEvent]  # unit -> its forward event
+    # per unit: bytes of storages made in its forward event that no unit owns (autocast's cached casts)
+    unowned_bytes_of_unit: tuple[int, ...]
+    unowned: tuple[StorageLife, ...]  # those storages
 
 
 # Scoring candidates simulates hundreds of plans on one trace: index it once. StepTraces are kept alive here, so an
@@ -640,9 +659,14 @@ def _storage_index(trace: StepTrace) -> _StorageIndex:
         alive[storage.alloc_event] += storage.nbytes
         alive[free + 1] -= storage.nbytes
     made: list[list[StorageLife]] = [[] for _ in trace.units]
+    unowned_bytes = [0] * len(trace.units)
+    unowned = []
     for storage in trace.storages:
         if storage.producer_unit >= 0:
             made[storage.producer_unit].append(storage)
+        elif trace.events[storage.alloc_event].unit >= 0:  # made while a unit ran, owned by none
+            unowned_bytes[trace.events[storage.alloc_event].unit] += storage.nbytes
+            unowned.append(storage)
     spans: list[tuple[int, int] | None] = [None] * len(trace.units)
     for event in trace.events:  # a backward event belongs to the unit whose saved tensors it unpacked
         if event.phase is Phase.BACKWARD and event.unit >= 0:
@@ -655,6 +679,8 @@ def _storage_index(trace: StepTrace) -> _StorageIndex:
         forward_bytes=tuple(itertools.accumulate(alive[:num_events])),
         made_by_unit=tuple(map(tuple, made)),
         forward_event_of_unit={e.unit: e for e in trace.events if e.phase is Phase.FORWARD and e.unit >= 0},
+        unowned_bytes_of_unit=tuple(unowned_bytes),
+        unowned=tuple(unowned),
     )
     if len(_INDEX_CACHE) >= _INDEX_CACHE_SIZE:
         _INDEX_CACHE.pop(next(iter(_INDEX_CACHE)))
@@ -717,7 +743,8 @@ def _replay_peak(
     its return values until the recomputation stops, even though backward has no use for them. Temporaries are
     already gone. Under early stop the recomputation ends at the last saver's last pack, so that unit rises only as
     far as it had risen by then in the measured forward (a dropout stops once its mask exists, before the masked
-    output).
+    output). What a unit made that no unit owns (autocast's cached casts, made before its kernel) is not made
+    again: its rise leaves those bytes out.
     """
     storages = _storage_index(trace)
     last = window.last_saver_unit if early_stop else region.last_unit
@@ -727,9 +754,10 @@ def _replay_peak(
     transient_bytes: dict[int, int] = {}
     for unit in range(region.first_unit, last + 1):
         event = storages.forward_event_of_unit.get(unit)
+        kept = storages.unowned_bytes_of_unit[unit]  # in the event's bytes, not made again
         if early_stop and unit == last and event is not None and event.pack_peak_bytes is not None:
-            return max(peak, live + event.pack_peak_bytes - event.start_bytes)
-        rise = event.peak_bytes - event.start_bytes if event is not None else 0
+            return max(peak, live + event.pack_peak_bytes - event.start_bytes - kept)
+        rise = event.peak_bytes - event.start_bytes - kept if event is not None else 0
         peak = max(peak, live + rise)
         for storage in storages.made_by_unit[unit]:
             if storage.free_event is not None and storage.free_event <= storage.alloc_event:
@@ -748,6 +776,37 @@ def _replay_peak(
             live -= transient_bytes.pop(index)
             del readers_left[index]
     return peak
+
+
+def _late_leaf_gradients(
+    trace: StepTrace,
+    region_of: Sequence[int | None],
+    last_backward: Sequence[int | None],
+    actions: Sequence[Action],
+) -> list[tuple[int, int, int]]:
+    """(first event, last event, bytes added) for the leaf gradients autockpt's own checkpoint makes late
+    (``region_of``: each unit's region; ``last_backward``: each region's last backward event).
+
+    Its backward differentiates the recomputed region with ``torch.autograd.grad``. There the gradient function of
+    each cast autocast cached in forward (a float32 parameter's low-precision copy; ``trace.py`` records the event
+    the parameter's gradient was made in as the copy's ``gradient_free_event``) is older than everything the
+    recomputation recorded, and autograd runs ready nodes newest first, so those casts back to float32 all run at
+    the end of the region's backward. Until then each such parameter's low-precision gradient is held and its
+    float32 gradient, twice the bytes (autocast casts to 16-bit types), is not made yet: the step holds the copy's
+    bytes less. From the region's last backward event on it is as measured; the event the gradient was made in is
+    left as measured too (its peak may come before the float32 gradient did).
+    """
+    changes = []
+    for storage in _storage_index(trace).unowned:
+        made_at = storage.gradient_free_event
+        if made_at is None:
+            continue
+        unit = trace.events[made_at].unit  # the backward event of the unit that used the copy
+        r = region_of[unit] if unit >= 0 else None
+        last = last_backward[r] if r is not None else None
+        if r is not None and actions[r] is Action.RECOMPUTE_OWN and last is not None and made_at + 1 <= last - 1:
+            changes.append((made_at + 1, last - 1, -storage.nbytes))
+    return changes
 
 
 def _is_region_output(storage: StorageLife, region_of: list[int | None], r: int) -> bool:

@@ -6,6 +6,11 @@ and ``saved_tensors_hooks`` tell which unit saved which storage for backward and
 steps give per-unit forward milliseconds (median of repeats) and the step time; one forward under
 ``FlopCounterMode`` gives FLOPs. What each action would add on top (the checkpoint machinery) is priced apart, by
 ``costs.py``. The caller keeps the model's state (see ``autockpt.model_state``).
+
+Under autocast every step starts with autocast's cache empty (``recompute.start_autocast_step``, which the optimized
+module does too). The low-precision copies of parameters that autocast caches are recorded as storages no unit owns
+(``OUTSIDE_GRAPH_UNIT``, no readers or savers), like the parameters themselves: the cache holds them until the
+context exits, so no checkpoint frees them and no recomputation makes them again.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from autockpt.capture import ModuleUnitRecorder, compute_nodes
 from autockpt.errors import LossFunctionError, ProfileError
+from autockpt.recompute import start_autocast_step
 from autockpt.structure import find_repeated_blocks
 from autockpt.types import OUTSIDE_GRAPH_UNIT, CaptureKind, Graph, MemoryEvent, Phase, StepTrace, StorageLife, UnitCost
 
@@ -63,6 +69,7 @@ def trace_step(
         _clear_grads(params)
         loss_fn(graph.executable(*args, **kwargs)).backward()  # warm-up: allocator, lazy initialisation
         _clear_grads(params)
+        start_autocast_step()  # autocast's casts are made in the tracked step, as in the optimized module's steps
         tracked = _tracked_step(graph, args, kwargs, loss_fn, record_gradients=gradient_lifetimes)
         flops = _unit_flops(graph, args, kwargs)
         untimed = _assemble(graph, args, kwargs, tracked, flops, gradient_lifetimes=gradient_lifetimes)
@@ -98,21 +105,30 @@ def timing_units(graph: Graph, untimed: StepTrace) -> list[int]:
 # --------------------------------------------------------------------------------------------------- unit callbacks
 
 _active_unit_callback: Callable[[int], None] | None = None
+_active_inputs_callback: Callable[[int, tuple[Any, ...]], None] | None = None
 
 
-def unit_marker(index: int) -> None:
-    """Inserted before each unit of a GraphModule while profiling; reports the unit to the active callback."""
+def unit_marker(index: int, *inputs: Any) -> None:
+    """Inserted before each unit of a GraphModule while profiling; reports the unit (and, when asked for, the values
+    of its input nodes) to the active callbacks."""
     if _active_unit_callback is not None:
         _active_unit_callback(index)
+    if inputs and _active_inputs_callback is not None:
+        _active_inputs_callback(index, inputs)
 
 
 @contextlib.contextmanager
 def unit_callbacks(
-    graph: Graph, callback: Callable[[int], None], units: Collection[int] | None = None
+    graph: Graph,
+    callback: Callable[[int], None],
+    units: Collection[int] | None = None,
+    *,
+    on_inputs: Callable[[int, tuple[Any, ...]], None] | None = None,
 ) -> Iterator[None]:
     """Call ``callback(i)`` whenever unit ``i`` starts while the graph's executable runs (only the ``units`` given,
-    when given)."""
-    global _active_unit_callback
+    when given), and ``on_inputs(i, values)`` with the values of its input nodes (fx and export graphs only: a
+    module-level unit's reads are all ops, which the tracker sees)."""
+    global _active_unit_callback, _active_inputs_callback
     selected = set(units) if units is not None else None
     if graph.kind is CaptureKind.MODULE:
         on_start = callback if selected is None else lambda index: callback(index) if index in selected else None
@@ -125,14 +141,15 @@ def unit_callbacks(
     for index, node in enumerate(compute_nodes(gm)):
         if selected is not None and index not in selected:
             continue
+        inputs = tuple(node.all_input_nodes) if on_inputs is not None else ()
         with gm.graph.inserting_before(node):
-            markers.append(gm.graph.call_function(unit_marker, (index,)))
+            markers.append(gm.graph.call_function(unit_marker, (index, *inputs)))
     gm.recompile()
-    _active_unit_callback = callback
+    _active_unit_callback, _active_inputs_callback = callback, on_inputs
     try:
         yield
     finally:
-        _active_unit_callback = None
+        _active_unit_callback = _active_inputs_callback = None
         for marker in markers:
             gm.graph.erase_node(marker)
         gm.recompile()
@@ -155,6 +172,7 @@ class _StorageRecord:
     release_event_by_saver: dict[int, int] = field(default_factory=dict)
     weak: Any = None
     gradients: list[_StorageRecord] = field(default_factory=list)  # forward: storages of gradients computed for it
+    autocast_cast: Any = None  # a weak reference to the leaf this is autocast's (cacheable) low-precision copy of
 
 
 @dataclass(slots=True)
@@ -190,6 +208,13 @@ class StorageTracker(TorchDispatchMode):
                 self._known[storage] = None
                 self.live_bytes += self.allocation_bytes(storage)
         self.static_bytes = self.live_bytes
+        # the dtype autocast casts leaves to and caches on this device (None: autocast or its cache is off); read
+        # here, outside the mode: inside it autocast reads as off
+        self.cached_cast_dtype = (
+            torch.get_autocast_dtype(device.type)
+            if torch.is_autocast_enabled(device.type) and torch.is_autocast_cache_enabled()
+            else None
+        )
         if device.type == "cuda":
             self.live_bytes = max(self.live_bytes, torch.cuda.memory_allocated(device))
         self.begin_event(Phase.FORWARD, OUTSIDE_GRAPH_UNIT)
@@ -232,18 +257,35 @@ class StorageTracker(TorchDispatchMode):
                 record = self.record_of(leaf)
                 if record is not None:
                     record.mutators.add(self.unit)
+        cast = func is torch.ops.aten._to_copy.default and self._caches_cast_of(args)
         for leaf in pytree.tree_leaves(out):
             if isinstance(leaf, torch.Tensor) and leaf.device == self.device:
-                self._register(leaf, event)
+                record = self._register(leaf, event)
+                if record is not None and cast and leaf.dtype == self.cached_cast_dtype:
+                    record.autocast_cast = weakref.ref(args[0])
         return out
 
-    def _register(self, tensor: torch.Tensor, event: int) -> None:
+    def _caches_cast_of(self, args: tuple) -> bool:
+        """Whether autocast caches a cast of ``args[0]``: a float32 leaf that requires grad (a parameter), not a
+        view, while autocast and its cache are on (the conditions of ``cached_cast`` in ATen's autocast)."""
+        source = args[0] if args else None
+        return (
+            self.cached_cast_dtype is not None
+            and isinstance(source, torch.Tensor)
+            and source.dtype == torch.float32
+            and source.is_leaf
+            and source.requires_grad
+            and not source._is_view()
+        )
+
+    def _register(self, tensor: torch.Tensor, event: int) -> _StorageRecord | None:
+        """Start tracking the storage behind ``tensor`` (None: it is known already, or has none)."""
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):
-            return
+            return None
         if storage in self._known:
-            return
+            return None
         nbytes = self.allocation_bytes(storage)
         record = _StorageRecord(len(self.records), nbytes, self.phase, self.unit, event, event)
         record.weak = weakref.ref(storage, functools.partial(self._on_free, record))
@@ -252,6 +294,7 @@ class StorageTracker(TorchDispatchMode):
         self.live_bytes += nbytes
         current = self.events[-1]
         current.peak_bytes = max(current.peak_bytes, self.live_bytes)
+        return record
 
     def _on_free(self, record: _StorageRecord, _ref: Any) -> None:
         self.live_bytes -= record.nbytes
@@ -304,6 +347,7 @@ class _TrackedStep:
     saved_by_unit: dict[int, set[int]]  # unit -> indices of storages it saved
     packs_by_unit: dict[int, int]  # unit -> tensors autograd packed while it ran (parameters and repeats included)
     gradient_allocations: list[tuple[int, int]]  # (event, bytes) of each parameter gradient's storage
+    gradient_event_of_leaf: dict[int, int]  # id of a leaf (parameter, input) -> the event its gradient was made in
 
 
 def _tracked_step(
@@ -338,8 +382,18 @@ def _tracked_step(
     def on_unit(index: int) -> None:
         tracker.begin_event(Phase.FORWARD, index)
 
+    def on_inputs(index: int, inputs: tuple[Any, ...]) -> None:
+        # a unit reads its inputs even when no op does: a dropout with p=0 returns its input as it is (decomposed
+        # above the tracker, which sees no op), yet a region holding that unit holds the input for its backward
+        event = len(tracker.events) - 1
+        for leaf in pytree.tree_leaves(inputs):
+            record = tracker.record_of(leaf) if isinstance(leaf, torch.Tensor) else None
+            if record is not None:
+                record.users.add(index)
+                record.last_use_event = event
+
     with tracker, _GradientRecorder(tracker) if record_gradients else contextlib.nullcontext():
-        with unit_callbacks(graph, on_unit), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with unit_callbacks(graph, on_unit, on_inputs=on_inputs), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             output = graph.executable(*args, **kwargs)
             tracker.begin_event(Phase.FORWARD, OUTSIDE_GRAPH_UNIT)  # the loss function
             loss = loss_fn(output)
@@ -350,7 +404,13 @@ def _tracked_step(
     del output
     gradient_records = {tracker.record_of(p.grad) for p in graph.model.parameters() if p.grad is not None}
     gradient_allocations = [(r.alloc_event, r.nbytes) for r in gradient_records if r is not None]
-    return _TrackedStep(tracker, saved_by_unit, packs_by_unit, gradient_allocations)
+    leaves = [*graph.model.parameters(), *(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))]
+    gradient_event_of_leaf = {
+        id(leaf): record.alloc_event
+        for leaf in leaves
+        if leaf.grad is not None and (record := tracker.record_of(leaf.grad)) is not None
+    }
+    return _TrackedStep(tracker, saved_by_unit, packs_by_unit, gradient_allocations, gradient_event_of_leaf)
 
 
 def _last_free_event(records: list[_StorageRecord], num_events: int) -> int | None:
@@ -387,6 +447,7 @@ def timed_steps(
     with unit_callbacks(graph, on_unit, timed | stops):
         for _ in range(repeats):
             _clear_grads(params)
+            start_autocast_step()  # autocast's casts are made in every step, as in the optimized module's
             stamps.clear()
             sync()
             start = time.perf_counter()
@@ -449,8 +510,27 @@ def _assemble(
     )
     storages = []
     output_bytes = [0] * len(graph.units)
+    cached_casts: set[int] = set()
     for record in tracker.records:
         if record.phase is not Phase.FORWARD:
+            continue
+        free_event = record.free_event if record.free_event != len(events) - 1 else None
+        if record.autocast_cast is not None and free_event is None:
+            # held by autocast's cache to the context's end: like a parameter, no unit's output or saved tensor,
+            # so no plan frees or remakes it; the unit that made it keeps it in its forward event's bytes. Its
+            # gradient went when the leaf's gradient was made from it (autockpt's own checkpoint delays that)
+            cached_casts.add(record.index)
+            leaf = record.autocast_cast()
+            storages.append(
+                StorageLife(
+                    index=len(storages), nbytes=record.nbytes, producer_unit=OUTSIDE_GRAPH_UNIT,
+                    alloc_event=record.alloc_event, last_forward_use_event=record.alloc_event, free_event=None,
+                    user_units=(), saver_units=(), saver_release_events=(),
+                    gradient_free_event=(
+                        tracked.gradient_event_of_leaf.get(id(leaf)) if gradient_lifetimes and leaf is not None else None
+                    ),
+                )
+            )
             continue
         if record.producer_unit >= 0:
             output_bytes[record.producer_unit] += record.nbytes
@@ -462,7 +542,7 @@ def _assemble(
                 producer_unit=record.producer_unit,
                 alloc_event=record.alloc_event,
                 last_forward_use_event=record.last_use_event,
-                free_event=record.free_event if record.free_event != len(events) - 1 else None,
+                free_event=free_event,
                 user_units=tuple(sorted(u for u in record.users if u >= 0)),
                 saver_units=savers,
                 saver_release_events=tuple(record.release_event_by_saver[u] for u in savers),
@@ -470,14 +550,14 @@ def _assemble(
                 gradient_free_event=_last_free_event(record.gradients, len(events)),
             )
         )
-    record_bytes = {r.index: r.nbytes for r in tracker.records}
+    record_bytes = {r.index: r.nbytes for r in tracker.records if r.index not in cached_casts}
     units = tuple(
         UnitCost(
             index=u.index,
             forward_ms=0.0,
             flops=flops[u.index],
             output_bytes=output_bytes[u.index],
-            saved_bytes=sum(record_bytes[i] for i in tracked.saved_by_unit.get(u.index, ())),
+            saved_bytes=sum(record_bytes.get(i, 0) for i in tracked.saved_by_unit.get(u.index, ())),
             saved_tensors=tracked.packs_by_unit.get(u.index, 0),
         )
         for u in graph.units

@@ -12,6 +12,7 @@ from autockpt import zoo
 from autockpt.api import baseline_plan
 from autockpt.capture import capture
 from autockpt.costs import measure_action_price
+from autockpt.types import Action, Region
 
 
 def _mlp() -> tuple[nn.Module, torch.Tensor]:
@@ -136,3 +137,33 @@ def test_every_timed_step_of_a_module_level_capture_times_its_units() -> None:
     assert len(unit_ms_runs) == 3 and all(all(run[u] > 0.0 for u in modules) for run in unit_ms_runs)
     result = trace_module.trace_step(graph, case.args, case.kwargs, autockpt.default_loss)
     assert all(result.units[u].forward_ms > 0.0 for u in modules)
+
+
+class _PassThrough(nn.Module):
+    """``drop`` (a dropout with p=0) hands its input on without running an op on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        y = self.drop(h)
+        return self.c(torch.relu(self.b(x)) + y)
+
+
+def test_a_unit_that_reads_its_input_without_an_op_holds_it_in_a_checkpointed_region() -> None:
+    """The trace saw only ops, so ``drop`` did not read ``h``: a region (drop, b) holds ``h`` for its backward, yet
+    ``h`` was predicted freed at its last op (both actions, 65.5 kB under the measured peak, budget broken). Units
+    now read their fx inputs."""
+    torch.manual_seed(0)
+    model, x = _PassThrough(), torch.randn(256, 64)
+    planner = autockpt.Planner(model, example_inputs=(x,))
+    units = {unit.name: unit.index for unit in planner.graph.units}
+    region = Region(first_unit=units["drop"], last_unit=units["b"])
+    h = next(s for s in planner.trace.storages if s.producer_unit == units["a"] and s.nbytes == 256 * 64 * 4)
+    assert units["drop"] in h.user_units
+    for action in (Action.RECOMPUTE_TORCH, Action.RECOMPUTE_OWN):
+        plan = planner.plan_for_regions([region], strategy="test", action=action)
+        assert plan.predicted_peak_bytes == planner.measured_peak_bytes(planner.apply(plan)), action.value

@@ -28,7 +28,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from autockpt.trace import StorageTracker, step_tensors
+from autockpt.model_state import weights_put_back
+from autockpt.trace import StorageTracker, step_tensors, unique_storage_bytes
 from autockpt.types import OUTSIDE_GRAPH_UNIT, OptimizerStepCost, Phase, StepTrace, TrainingLoop, describe_value
 
 # What ``optimizer=`` takes: an optimizer over the model's parameters (copied, never stepped), or a function that
@@ -138,27 +139,24 @@ def measure_optimizer_step(
     """Run two steps of a fresh optimizer on ``model``'s parameters with zero gradients and measure the bytes each
     holds above the parameters and gradients; parameter values and gradients are put back afterwards."""
     params = [p for p in model.parameters() if p.requires_grad]
-    values = [p.detach().to("cpu", copy=True) for p in params]  # the steps move the weights: put back after
     grads = [p.grad for p in params]
     try:
-        for param in params:
-            param.grad = torch.zeros_like(param)
-        optimizer = make_optimizer()
-        extras = []
-        for _ in range(2):  # the first step makes the states, a later one has them
-            states_before = state_tensors(optimizer)
-            tracker = StorageTracker(device, step_tensors(model, (), {}) + states_before)
-            start = tracker.live_bytes - _device_bytes(states_before, device)
-            with tracker:
-                optimizer.step()
-            extras.append(max(event.peak_bytes for event in tracker.events) - start)
-        state_bytes = _device_bytes(state_tensors(optimizer), device)
-        description = describe_optimizer(optimizer)
-        del optimizer
+        with weights_put_back(params):  # the steps move the weights
+            for param in params:
+                param.grad = torch.zeros_like(param)
+            optimizer = make_optimizer()
+            extras = []
+            for _ in range(2):  # the first step makes the states, a later one has them
+                states_before = state_tensors(optimizer)
+                tracker = StorageTracker(device, step_tensors(model, (), {}) + states_before)
+                start = tracker.live_bytes - _device_bytes(states_before, device)
+                with tracker:
+                    optimizer.step()
+                extras.append(max(event.peak_bytes for event in tracker.events) - start)
+            state_bytes = _device_bytes(state_tensors(optimizer), device)
+            description = describe_optimizer(optimizer)
+            del optimizer
     finally:
-        with torch.no_grad():
-            for param, value in zip(params, values):
-                param.copy_(value)
         for param, grad in zip(params, grads):
             param.grad = grad
     return OptimizerStepCost(
@@ -169,8 +167,7 @@ def measure_optimizer_step(
 
 def _device_bytes(tensors: list[torch.Tensor], device: torch.device) -> int:
     """Bytes of the distinct storages of ``tensors`` that live on ``device`` (a step counter on the CPU does not)."""
-    on_device = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.device == device}
-    return sum(on_device.values())
+    return unique_storage_bytes([t for t in tensors if t.device == device])
 
 
 def step_in_loop(trace: StepTrace, loop: TrainingLoop) -> StepTrace:

@@ -8,6 +8,7 @@ and the inputs tracked as external; on CUDA it is ``torch.cuda.max_memory_alloca
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from torch import nn
 
 from autockpt.loop import OptimizerSpec, check_accumulation_steps, optimizer_factory, state_tensors
 from autockpt.loss import default_loss
+from autockpt.model_state import weights_put_back
 from autockpt.rewrite import OptimizedModule
 from autockpt.trace import StorageTracker, device_of, step_tensors
 
@@ -60,8 +62,8 @@ def measure_step(
     make_optimizer = optimizer_factory(module, optimizer) if optimizer is not None else None
     device = device_of(module, example_inputs, kwargs)
     params = list(module.parameters())
-    values = [p.detach().to("cpu", copy=True) for p in params] if make_optimizer is not None else []
-    try:
+    # the optimizer's steps move the weights: put back after
+    with weights_put_back(params) if make_optimizer is not None else contextlib.nullcontext():
         the_optimizer = make_optimizer() if make_optimizer is not None else None
         peaks, loss = [], 0.0
         for _ in range(1 if the_optimizer is None else 2):
@@ -70,10 +72,6 @@ def measure_step(
             peak, loss = _one_step(module, example_inputs, kwargs, loss_fn, device, the_optimizer)
             peaks.append(peak)
         del the_optimizer
-    finally:
-        with torch.no_grad():
-            for param, value in zip(params, values):
-                param.copy_(value)
     return StepMeasurement(peak_bytes=max(peaks), loss=loss, device=str(device))
 
 

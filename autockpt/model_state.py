@@ -89,3 +89,32 @@ def _autocast_device_types() -> tuple[str, ...]:
 def autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
     """Per device type: whether autocast is on and to which dtype."""
     return tuple((t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in _autocast_device_types())
+
+
+def start_autocast_step() -> None:
+    """Empty autocast's cache of low-precision copies of leaves (parameters), as at the first step of an autocast
+    context, when autocast and its cache are on.
+
+    Why: a copy made by an earlier step of the same context is reused, and its gradient function
+    (``ToCopyBackward0``) is then older than everything the step records. Autograd runs ready nodes newest first, so
+    every such node waited for the end of backward (measured on CPU), holding each weight's low-precision gradient
+    until then and making the float32 gradients all at the end: the peak depended on whether the training loop
+    enters autocast once or once per step. The trace measures a first step, and the optimized module starts each
+    training step as one, so both run the same whatever the loop does. Clearing costs the casts again, as a context
+    per step does; copies an autograd graph still holds stay alive.
+    """
+    if torch.is_autocast_cache_enabled() and any(enabled for _, enabled, _ in autocast_state()):
+        torch.clear_autocast_cache()
+
+
+@contextlib.contextmanager
+def weights_put_back(params: list[torch.Tensor]) -> Iterator[None]:
+    """Copy the values of ``params`` to host memory and write them back on exit: an optimizer step run to measure it
+    moves the weights."""
+    values = [p.detach().to("cpu", copy=True) for p in params]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for param, value in zip(params, values):
+                param.copy_(value)

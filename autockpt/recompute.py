@@ -28,7 +28,7 @@ stop), and the gradients of its outputs stay alive until its backward returns.
 
 Under autocast both actions re-run a region inside the step's autocast context, so its low-precision weights come
 from autocast's cache (made once per context, kept until the context exits): a recomputation makes no new copies of
-them. Every planned step starts with that cache empty (``start_autocast_step``), as the first step of a context does.
+them. Every planned step starts with that cache empty (``model_state.start_autocast_step``), as the first step of a context does.
 """
 
 from __future__ import annotations
@@ -51,22 +51,6 @@ from autockpt.types import Action
 logger = logging.getLogger(__name__)
 
 _FLAT_LEAVES = (torch.Tensor, int, float, bool, str, type(None))
-
-
-def start_autocast_step() -> None:
-    """Empty autocast's cache of low-precision copies of leaves (parameters), as at the first step of an autocast
-    context, when autocast and its cache are on.
-
-    Why: a copy made by an earlier step of the same context is reused, and its gradient function
-    (``ToCopyBackward0``) is then older than everything the step records. Autograd runs ready nodes newest first, so
-    every such node waited for the end of backward (measured on CPU), holding each weight's low-precision gradient
-    until then and making the float32 gradients all at the end: the peak depended on whether the training loop
-    enters autocast once or once per step. The trace measures a first step, and the optimized module starts each
-    training step as one, so both run the same whatever the loop does. Clearing costs the casts again, as a context
-    per step does; copies an autograd graph still holds stay alive.
-    """
-    if torch.is_autocast_cache_enabled() and any(enabled for _, enabled, _ in autocast_state()):
-        torch.clear_autocast_cache()
 
 
 def checkpointed_call(

@@ -26,9 +26,9 @@ from torch.utils import _pytree as pytree
 
 from autockpt.capture import compute_nodes
 from autockpt.errors import UnplannedStepError
-from autockpt.model_state import autocast_state, training_modes
+from autockpt.model_state import autocast_state, start_autocast_step, training_modes
 from autockpt.offload import HostPool, PoolStats
-from autockpt.recompute import CheckpointedRegion, run_checkpointed, start_autocast_step
+from autockpt.recompute import CheckpointedRegion, run_checkpointed
 from autockpt.types import Action, CaptureKind, Graph, PlanRecord, Policy, Region
 
 logger = logging.getLogger(__name__)

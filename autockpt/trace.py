@@ -7,7 +7,7 @@ steps give per-unit forward milliseconds (median of repeats) and the step time; 
 ``FlopCounterMode`` gives FLOPs. What each action would add on top (the checkpoint machinery) is priced apart, by
 ``costs.py``. The caller keeps the model's state (see ``autockpt.model_state``).
 
-Under autocast every step starts with autocast's cache empty (``recompute.start_autocast_step``, which the optimized
+Under autocast every step starts with autocast's cache empty (``model_state.start_autocast_step``, which the optimized
 module does too). The low-precision copies of parameters that autocast caches are recorded as storages no unit owns
 (``OUTSIDE_GRAPH_UNIT``, no readers or savers), like the parameters themselves: the cache holds them until the
 context exits, so no checkpoint frees them and no recomputation makes them again.
@@ -37,7 +37,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from autockpt.capture import ModuleUnitRecorder, compute_nodes
 from autockpt.errors import LossFunctionError, ProfileError
-from autockpt.recompute import start_autocast_step
+from autockpt.model_state import start_autocast_step
 from autockpt.structure import find_repeated_blocks
 from autockpt.types import OUTSIDE_GRAPH_UNIT, CaptureKind, Graph, MemoryEvent, Phase, StepTrace, StorageLife, UnitCost
 

@@ -23,7 +23,7 @@ import csv
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -201,18 +201,15 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     commit = code_commit()
     rows = [row for case in cases() if not args.models or case.name in args.models for row in run(case, commit)]
-    with open(args.out / f"{args.tag}.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(asdict(rows[0])))
-        writer.writeheader()
-        writer.writerows(asdict(r) for r in rows)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from results_readme import write_csv, write_section
+
+    write_csv(args.out / f"{args.tag}.csv", rows)
     before_csv = args.out / "before.csv"
     before = read_rows(before_csv) if args.tag != "before" and before_csv.exists() else None
     text = markdown(rows, before)
     (args.out / f"{args.tag}.md").write_text(text + "\n")
     if args.tag != "before":
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from results_readme import write_section
-
         write_section("bench_autocast", text, output=args.out)
     print(text)
 

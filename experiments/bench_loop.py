@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
 import functools
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -148,15 +147,12 @@ def main() -> None:
             row = run(build(), loop)
             print(row, flush=True)
             rows.append(row)
-    with open(args.out / "loop.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(asdict(rows[0])))
-        writer.writeheader()
-        writer.writerows(asdict(r) for r in rows)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from results_readme import write_csv, write_section
+
+    write_csv(args.out / "loop.csv", rows)
     text = markdown(rows)
     (args.out / "loop.md").write_text(text + "\n")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from results_readme import write_section
-
     write_section("bench_loop", text, output=args.out)
     print(text)
 

@@ -13,10 +13,9 @@ experiments/results/README.md is rewritten when ``--out`` lies under experiments
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -97,15 +96,12 @@ def main() -> None:
         row = run(case)
         print(row, flush=True)
         rows.append(row)
-    with open(args.out / "min_feasible.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(asdict(rows[0])))
-        writer.writeheader()
-        writer.writerows(asdict(r) for r in rows)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from results_readme import write_csv, write_section
+
+    write_csv(args.out / "min_feasible.csv", rows)
     text = markdown(rows)
     (args.out / "min_feasible.md").write_text(text + "\n")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from results_readme import write_section
-
     write_section("bench_min_feasible", text, output=args.out)
     print(text)
 

@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
 import statistics
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -196,17 +195,14 @@ def main() -> None:
     rows: list[Row] = []
     for name in args.models.split(","):
         rows += run_model(name, args.size, device, args.out)
-    with open(args.out / "bench_offload.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(asdict(rows[0])))
-        writer.writeheader()
-        writer.writerows(asdict(r) for r in rows)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from results_readme import write_csv, write_section
+
+    write_csv(args.out / "bench_offload.csv", rows)
     command = "python experiments/bench_offload.py " + " ".join(sys.argv[1:])
     text = markdown(rows, command)
     (args.out / "bench_offload.md").write_text(text + "\n")
     print(text)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from results_readme import write_section
-
     write_section(f"bench_offload_{device.type}", text, output=args.out)
 
 

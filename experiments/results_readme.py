@@ -13,8 +13,12 @@ the README alone, so trial runs do not overwrite the recorded results.
 
 from __future__ import annotations
 
+import csv
+import dataclasses
 import re
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 RESULTS_README = RESULTS_DIR / "README.md"
@@ -55,3 +59,11 @@ def write_section(name: str, markdown: str, *, readme: Path | str = RESULTS_READ
         text = text[: start + len(begin)] + f"\n\n{body}\n\n" + text[stop:]
     readme.write_text(text)
     return True
+
+
+def write_csv(path: Path | str, rows: Sequence[Any]) -> None:
+    """``rows`` (dataclass instances of one type) as CSV, one column per field, a header first."""
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=[f.name for f in dataclasses.fields(rows[0])])
+        writer.writeheader()
+        writer.writerows(dataclasses.asdict(r) for r in rows)

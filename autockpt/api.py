@@ -29,9 +29,10 @@ from autockpt.loop import (
     measure_optimizer_step,
     optimizer_factory,
     step_in_loop,
+    with_foreign_bytes,
 )
 from autockpt.loss import checked_loss, default_loss
-from autockpt.measure import alternating_step_seconds, measure_step
+from autockpt.measure import StepMeasurement, alternating_step_seconds, foreign_bytes, measure_step, owned_bytes
 from autockpt.model_state import enter_training_modes, preserved_model_state
 from autockpt.offload import available_host_bytes
 from autockpt.plan import Plan
@@ -48,7 +49,7 @@ from autockpt.solve.default import solve_prepared
 from autockpt.solve.joint import JointProblem, solve_joint, unbounded_pool
 from autockpt.solve.prepare import prepare
 from autockpt.structure import find_repeated_blocks
-from autockpt.trace import device_of, trace_step
+from autockpt.trace import device_of, step_tensors, trace_step
 from autockpt.types import Action, CaptureKind, Graph, ParetoPoint, Placement, Region, TrainingLoop, describe_value
 from autockpt.units import GB, format_bytes
 from autockpt.verify import verified_module
@@ -217,6 +218,9 @@ class Planner:
                 time_repeated_blocks_once=self._solves_by_blocks(),
                 gradient_lifetimes=Action.RECOMPUTE_OWN in self.actions,
             )
+            # what the trace counted beyond the step's own tensors (on CUDA: everything else allocated on the device)
+            owned = owned_bytes(self._device, step_tensors(model, self.request.args, self.request.kwargs))
+            self.trace = dataclasses.replace(self.trace, foreign_bytes=max(0, self.trace.events[0].start_bytes - owned))
             if make_optimizer is not None or self.gradient_accumulation_steps > 1:
                 # the step as the loop runs it: what the loop keeps alive raises every event (``loop.py``)
                 cost = measure_optimizer_step(make_optimizer, model, self._device) if make_optimizer else None
@@ -229,6 +233,8 @@ class Planner:
             self.costs = calibrate(self._device, (*self.actions, *offload))
         self.capture_time_s = captured - started
         self.profile_time_s = time.perf_counter() - captured
+        # the device as the step will find it: profiling held copies of the buffers and the user's gradients aside
+        self._follow_foreign_bytes()
         self.fingerprint = model_fingerprint(model, self.graph, self.request.args, self.request.kwargs)
         self._executable_used = False  # rewriting edits graph.executable; later rewrites capture again
         self._problems: dict[Action, Problem] = {}  # per action: scored candidates and floors, shared by every budget
@@ -288,6 +294,7 @@ class Planner:
         """
         action = action or self.actions[0]
         self._price(action)
+        self._follow_foreign_bytes()
         ordered = region_actions(sorted(regions, key=lambda r: r.first_unit), action)
         timeline = simulate(self.trace, self.costs, ordered)
         return assemble_plan(self.context, ordered, action, timeline.peak_bytes, timeline, strategy=strategy)
@@ -323,15 +330,26 @@ class Planner:
         return [self._plan_of(result, budget_bytes, solve_time_s) for result in results.values()]
 
     def measured_peak_bytes(self, module: OptimizedModule) -> int:
+        return self.measure(module).peak_bytes
+
+    def measure(self, module: OptimizedModule) -> StepMeasurement:
+        """One real step of ``module`` as the plan's loop runs it (``autockpt.measure_step``), the model's state put
+        back afterwards."""
         self._on_stage("measure")
         with self._model_state():
             module.training = True  # the module follows the user's train/eval flag, restored after measuring
-            peak = measure_step(
+            measurement = measure_step(
                 module, self.request.args, self.request.kwargs, self.request.loss, optimizer=self.optimizer,
                 gradient_accumulation_steps=self.gradient_accumulation_steps,
-            ).peak_bytes
+            )
         module.training = self.model.training
-        return peak
+        return measurement
+
+    def foreign_bytes_now(self) -> int:
+        """Bytes on the model's device now that the step does not own (``autockpt.measure.foreign_bytes``): on
+        CUDA what is allocated beyond the model's parameters, buffers, gradients and the example inputs; on CPU the
+        tensors named by ``autockpt.measure.held_beside_step``."""
+        return foreign_bytes(self._device, step_tensors(self.model, self.request.args, self.request.kwargs))
 
     def alternating_step_seconds(self, modules: Sequence[OptimizedModule]) -> list[list[float]]:
         self._on_stage("measure")
@@ -390,9 +408,10 @@ class Planner:
         (preparing each action's problem the first time, floors, every action's solve). With a host pool, one joint
         plan (each region its own action), keyed by the action of its recompute-only rival. Each result's
         ``min_feasible_bytes`` is the lowest over all actions; raises ``InfeasibleBudgetError`` when no action has
-        a plan."""
+        a plan. The device bytes the step does not own are read again first: the plan is for the device as it is."""
         self._on_stage("solve")
         started = time.perf_counter()
+        self._follow_foreign_bytes()
         context = self.context
         results: dict[Action, SolveResult] = {}
         infeasible: list[InfeasibleBudgetError] = []
@@ -418,6 +437,18 @@ class Planner:
                 result.status.value, len(result.regions), result.timeline.peak_bytes, target_bytes, result.solve_time_s,
             )
         return results, time.perf_counter() - started
+
+    def _follow_foreign_bytes(self) -> None:
+        """Move the trace to the device bytes the step does not own now (``loop.with_foreign_bytes``: every event by
+        the difference, as the loop's optimizer states raise them); the prepared problems are made again when it
+        moved."""
+        now = self.foreign_bytes_now()
+        if now != self.trace.foreign_bytes:
+            logger.info(
+                "device bytes the step does not own: %d counted by the trace, %d now; planning for %d",
+                self.trace.foreign_bytes, now, now,
+            )
+            self.trace = with_foreign_bytes(self.trace, now)
 
     def _price(self, action: Action) -> None:
         """Calibrate ``action`` when the cost model has no price for it (offload, for a planner made without a pool).

@@ -30,7 +30,15 @@ from torch.utils import _pytree as pytree
 
 from autockpt.model_state import weights_put_back
 from autockpt.trace import StorageTracker, step_tensors, unique_storage_bytes
-from autockpt.types import OUTSIDE_GRAPH_UNIT, OptimizerStepCost, Phase, StepTrace, TrainingLoop, describe_value
+from autockpt.types import (
+    OUTSIDE_GRAPH_UNIT,
+    MemoryEvent,
+    OptimizerStepCost,
+    Phase,
+    StepTrace,
+    TrainingLoop,
+    describe_value,
+)
 
 # What ``optimizer=`` takes: an optimizer over the model's parameters (copied, never stepped), or a function that
 # makes one from a list of parameters (``torch.optim.AdamW``, ``functools.partial(torch.optim.SGD, lr=0.1,
@@ -182,15 +190,10 @@ def step_in_loop(trace: StepTrace, loop: TrainingLoop) -> StepTrace:
         raise ValueError("the trace has no end marker event (backward, outside the graph): was it made by trace_step?")
     state = loop.optimizer.state_bytes if loop.optimizer is not None else 0
     made = trace.gradient_bytes_by_event or (0,) * len(trace.events)
-    events = []
-    for event in trace.events:
-        raised = state
-        if loop.gradients_at_start:
-            raised += trace.gradient_bytes - (made[event.index - 1] if event.index else 0)
-        events.append(dataclasses.replace(
-            event, start_bytes=event.start_bytes + raised, peak_bytes=event.peak_bytes + raised,
-            pack_peak_bytes=None if event.pack_peak_bytes is None else event.pack_peak_bytes + raised,
-        ))
+    events = raised_events(trace.events, [
+        state + (trace.gradient_bytes - (made[event.index - 1] if event.index else 0) if loop.gradients_at_start else 0)
+        for event in trace.events
+    ])
     if loop.optimizer is not None:
         step_peak = trace.events[-1].start_bytes + loop.optimizer.step_extra_bytes
         events[-1] = dataclasses.replace(events[-1], peak_bytes=max(events[-1].peak_bytes, step_peak))
@@ -199,3 +202,32 @@ def step_in_loop(trace: StepTrace, loop: TrainingLoop) -> StepTrace:
         trace, events=tuple(events), baseline_peak_bytes=max(e.peak_bytes for e in events),
         gradient_bytes_by_event=gradients, optimizer_state_bytes=state, loop=loop,
     )
+
+
+def with_foreign_bytes(trace: StepTrace, foreign_bytes: int) -> StepTrace:
+    """``trace`` with ``foreign_bytes`` as the device bytes the step does not own (``StepTrace.foreign_bytes``).
+
+    Those bytes (another model, a cache, tensors the user keeps) are alive through the whole step, like the
+    optimizer's states, so every event moves by the difference from what the trace counted; a solve or a prediction
+    made on the result is one for the device as it is now rather than as it was when the trace was taken.
+    """
+    if foreign_bytes < 0:
+        raise ValueError(f"foreign_bytes must be >= 0, got {foreign_bytes}")
+    moved = foreign_bytes - trace.foreign_bytes
+    if moved == 0:
+        return trace
+    events = tuple(raised_events(trace.events, [moved] * len(trace.events)))
+    return dataclasses.replace(
+        trace, events=events, baseline_peak_bytes=max(e.peak_bytes for e in events), foreign_bytes=foreign_bytes,
+    )
+
+
+def raised_events(events: tuple[MemoryEvent, ...], extra_bytes: list[int]) -> list[MemoryEvent]:
+    """``events`` with each one's start, peak and pack peak raised by its ``extra_bytes`` (lowered when negative)."""
+    return [
+        dataclasses.replace(
+            event, start_bytes=event.start_bytes + extra, peak_bytes=event.peak_bytes + extra,
+            pack_peak_bytes=None if event.pack_peak_bytes is None else event.pack_peak_bytes + extra,
+        )
+        for event, extra in zip(events, extra_bytes, strict=True)
+    ]

@@ -3,14 +3,23 @@
 Peak means the highest total of live tensor bytes on the model's device during forward + ``loss.backward()``
 (+ ``optimizer.step()`` when an optimizer is given), gradients ``None`` at the start (zeros with gradient
 accumulation), inputs allocated beforehand. On CPU it is MemTracker's peak "Total" with the module
-and the inputs tracked as external; on CUDA it is ``torch.cuda.max_memory_allocated``.
+and the inputs tracked as external; on CUDA it is ``torch.cuda.max_memory_allocated``, and beside it
+``torch.cuda.max_memory_reserved`` (what the caching allocator held from the device: allocated plus its cached,
+partly used blocks; the figure an out-of-memory error is about).
+
+The device bytes a step does not own (``foreign_bytes``): on CUDA every tensor the process holds counts against the
+device, so what is allocated beyond the step's own tensors (another model, a cache, leftovers, kernel workspaces)
+is part of every peak. The planner reads it when it solves and when it verifies, not only when it profiles. On CPU
+PyTorch keeps no such count: ``held_beside_step`` names the tensors to count (the seam tests drive the same
+mechanism through on CPU).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,9 +35,59 @@ from autockpt.trace import StorageTracker, device_of, step_tensors
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StepMeasurement:
-    peak_bytes: int
+    peak_bytes: int  # CUDA: torch.cuda.max_memory_allocated; CPU: MemTracker's peak
     loss: float
     device: str
+    # CUDA: torch.cuda.max_memory_reserved over the step (allocated plus the allocator's cached blocks); None on CPU
+    reserved_bytes: int | None = None
+    # device bytes the step did not own when it started, part of ``peak_bytes`` (``foreign_bytes``)
+    foreign_bytes: int = 0
+
+
+_held_beside_step: contextvars.ContextVar[tuple[torch.Tensor, ...]] = contextvars.ContextVar(
+    "autockpt_held_beside_step", default=()
+)
+
+
+@contextlib.contextmanager
+def held_beside_step(*tensors: torch.Tensor) -> Iterator[None]:
+    """Count ``tensors`` as device memory the step does not own while the block runs (another model, a cache).
+
+    On CUDA this changes nothing: ``torch.cuda.memory_allocated`` counts every tensor the process holds already.
+    On CPU, where PyTorch keeps no such count, it is how a program tells autockpt what lives beside the step:
+    ``foreign_bytes`` counts them, ``measure_step`` counts them in its peak (as CUDA's counter would), and a
+    ``Planner`` solving or verifying inside the block plans for them. Nested blocks add up.
+    """
+    for tensor in tensors:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"held_beside_step takes tensors, got {type(tensor).__name__}")
+    token = _held_beside_step.set(_held_beside_step.get() + tensors)
+    try:
+        yield
+    finally:
+        _held_beside_step.reset(token)
+
+
+def owned_bytes(device: torch.device, owned: Sequence[torch.Tensor]) -> int:
+    """Bytes of the distinct storages of ``owned`` as the trace counts them (on CUDA in 512-byte allocator blocks)."""
+    return StorageTracker(device, list(owned)).static_bytes
+
+
+def foreign_bytes(device: torch.device, owned: Sequence[torch.Tensor]) -> int:
+    """Bytes on ``device`` now that none of ``owned`` (the step's parameters, buffers, gradients and inputs:
+    ``trace.step_tensors``) accounts for.
+
+    CUDA: ``torch.cuda.memory_allocated`` minus ``owned`` counted as the trace counts them (the same reading the
+    trace's first event starts from). Other devices: the tensors named by ``held_beside_step`` on ``device``, less
+    any storage the step owns.
+    """
+    if device.type == "cuda":
+        seen = StorageTracker(device, list(owned))
+        return max(0, seen.live_bytes - seen.static_bytes)
+    held = [t for t in _held_beside_step.get() if t.device == device]
+    if not held:
+        return 0
+    return owned_bytes(device, [*owned, *held]) - owned_bytes(device, owned)
 
 
 def measure_step(
@@ -44,7 +103,10 @@ def measure_step(
 
     On CPU the peak is MemTracker's; MemTracker cannot track a module with frozen parameters (it hooks every
     parameter's gradient), so such modules are measured with autockpt's own tracker, which counts the same storages.
-    On CUDA it is ``torch.cuda.max_memory_allocated``: everything the process holds on the device counts.
+    On CUDA it is ``torch.cuda.max_memory_allocated``: everything the process holds on the device counts
+    (``StepMeasurement.foreign_bytes`` says how much of it the step did not own when it started), and
+    ``reserved_bytes`` is ``torch.cuda.max_memory_reserved`` beside it. On CPU tensors named by ``held_beside_step``
+    count from the start, as CUDA's counter would count them.
 
     A module whose plan offloads has a host pool: on CUDA it is host memory and not counted; on CPU, where the host
     is the device, MemTracker counts its buffer, and the peak returned is the step's *device* bytes without it (the
@@ -65,22 +127,30 @@ def measure_step(
     # the optimizer's steps move the weights: put back after
     with weights_put_back(params) if make_optimizer is not None else contextlib.nullcontext():
         the_optimizer = make_optimizer() if make_optimizer is not None else None
-        peaks, loss = [], 0.0
-        for _ in range(1 if the_optimizer is None else 2):
+        peaks, reserved, loss, foreign = [], [], 0.0, 0
+        for step in range(1 if the_optimizer is None else 2):
             for param in params:
                 param.grad = torch.zeros_like(param) if accumulating and param.requires_grad else None
-            peak, loss = _one_step(module, example_inputs, kwargs, loss_fn, device, the_optimizer)
+            if step == 0:
+                foreign = foreign_bytes(device, step_tensors(module, example_inputs, kwargs))
+            peak, reserved_peak, loss = _one_step(module, example_inputs, kwargs, loss_fn, device, the_optimizer)
             peaks.append(peak)
+            reserved.append(reserved_peak)
         del the_optimizer
-    return StepMeasurement(peak_bytes=max(peaks), loss=loss, device=str(device))
+    return StepMeasurement(
+        peak_bytes=max(peaks), loss=loss, device=str(device), foreign_bytes=foreign,
+        reserved_bytes=None if None in reserved else max(reserved),
+    )
 
 
 def _one_step(
     module: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable[[Any], torch.Tensor], device: torch.device,
     optimizer: torch.optim.Optimizer | None,
-) -> tuple[int, float]:
-    """The peak bytes and the loss of one forward + backward (+ ``optimizer.step()``), gradients as they are."""
+) -> tuple[int, int | None, float]:
+    """The peak bytes, the peak reserved bytes (CUDA; None elsewhere) and the loss of one forward + backward
+    (+ ``optimizer.step()``), gradients as they are. Tensors named by ``held_beside_step`` count from the start."""
     static = step_tensors(module, args, kwargs)
+    held = [t for t in _held_beside_step.get() if t.device == device]
 
     def run() -> torch.Tensor:
         output = module(*args, **kwargs)
@@ -95,25 +165,25 @@ def _one_step(
         torch.cuda.reset_peak_memory_stats(device)
         loss = run()
         torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device), float(loss.detach())
+        return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device), float(loss.detach())
 
     if all(p.requires_grad for p in module.parameters()):
         from torch.distributed._tools.mem_tracker import MemTracker
 
         tracker = MemTracker()
         external = [t for t in static if not isinstance(t, nn.Parameter)]
-        tracker.track_external(module, *external, *([optimizer] if optimizer is not None else []))
+        tracker.track_external(module, *external, *held, *([optimizer] if optimizer is not None else []))
         with tracker:
             loss = run()
         peak = tracker.get_tracker_snapshot("peak")[device]["Total"]
         if isinstance(module, OptimizedModule):
             peak -= module.host_pool_bytes
     else:
-        own = StorageTracker(device, static + (state_tensors(optimizer) if optimizer is not None else []))
+        own = StorageTracker(device, static + held + (state_tensors(optimizer) if optimizer is not None else []))
         with own:
             loss = run()
         peak = max(event.peak_bytes for event in own.events)
-    return int(peak), float(loss.detach())
+    return int(peak), None, float(loss.detach())
 
 
 def step_seconds(

@@ -116,6 +116,7 @@ def assemble_plan(
         memory_before=context.memory_before,
         memory_after=memory_curve(trace, context.costs, policy.region_actions),
         loop=trace.loop,
+        foreign_bytes=trace.foreign_bytes,
     )
 
 

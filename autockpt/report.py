@@ -51,6 +51,10 @@ def _headline(plan: PlanRecord) -> list[tuple[str, str]]:
         rows.append(("host pool", pool_line(plan)))
     if plan.measured_peak_bytes is not None:
         rows.append(("measured peak (one real step)", format_bytes(plan.measured_peak_bytes)))
+    if plan.measured_reserved_bytes is not None:
+        rows.append(("reserved by the CUDA caching allocator at that step", format_bytes(plan.measured_reserved_bytes)))
+    if plan.foreign_bytes:
+        rows.append(("device bytes the step does not own (counted in every prediction)", format_bytes(plan.foreign_bytes)))
     if plan.fingerprint is not None:
         rows.append(("model", plan.fingerprint.model_class))
         rows.append(("inputs", ", ".join(f"{s.name}: {s.dtype.removeprefix('torch.')}{list(s.shape)}"

@@ -32,6 +32,8 @@ def plan_summary(plan: PlanRecord, *, max_regions: int = 12) -> str:
         f"  static (params, buffers, grads, inputs{', optimizer states' if _has_states(plan) else ''}) "
         f"{format_bytes(plan.static_bytes)}",
         f"  training loop          {plan.loop.describe() if plan.loop else 'forward + backward (no optimizer step)'}",
+        *([f"  other device memory    {foreign_line(plan)}"] if plan.foreign_bytes else []),
+        *([f"  measured peak          {measured_line(plan)}"] if plan.measured_peak_bytes is not None else []),
         f"  recomputed             {decisions_line(plan)}",
         f"  predicted overhead     +{100 * plan.predicted_overhead:.1f}% of the step ({overhead_breakdown(plan)})",
         f"  time                   capture {plan.capture_time_s:.1f} s, profile {plan.profile_time_s:.1f} s, "
@@ -52,6 +54,22 @@ def plan_summary(plan: PlanRecord, *, max_regions: int = 12) -> str:
         lines.append("  nothing is recomputed: the unmodified step fits the budget")
     lines += [f"  note: {note}" for note in plan.notes]
     return "\n".join(lines)
+
+
+def foreign_line(plan: PlanRecord) -> str:
+    """The device bytes the step does not own that the plan counted."""
+    return (
+        f"{format_bytes(plan.foreign_bytes)} on the device beyond the model's parameters, buffers, gradients and "
+        "inputs when solved (other models, caches, leftovers, kernel workspaces), counted in every prediction"
+    )
+
+
+def measured_line(plan: PlanRecord) -> str:
+    """The measured peak, and beside it on CUDA what the caching allocator reserved."""
+    text = f"{format_bytes(plan.measured_peak_bytes or 0)} allocated (one real step)"
+    if plan.measured_reserved_bytes is not None:
+        text += f", {format_bytes(plan.measured_reserved_bytes)} reserved by the CUDA caching allocator"
+    return text
 
 
 def _has_states(plan: PlanRecord) -> bool:

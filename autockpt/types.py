@@ -240,6 +240,10 @@ class StepTrace:
     # bare forward + backward
     optimizer_state_bytes: int = 0
     loop: TrainingLoop | None = None  # the loop the events were raised for; None: the bare step, gradients None
+    # bytes on the device that the step does not own (other models, a cache, the user's leftover tensors, kernel
+    # workspaces), alive through the step and counted in every event: on CUDA what was allocated beyond the step's
+    # own tensors when the trace was taken, until ``loop.with_foreign_bytes`` moves it to a later reading
+    foreign_bytes: int = 0
 
     @property
     def static_bytes(self) -> int:
@@ -541,6 +545,12 @@ class PlanRecord:
     host_pool_bytes: int = 0  # the host pool the optimized module allocates once (0: no pool)
     transfer_ms: float = 0.0  # predicted link time the step waits for: part of predicted_overhead
     loop: TrainingLoop | None = None  # the training loop the budget covers (None: forward and backward alone)
+    # device bytes the step does not own, read when the plan was solved and counted in every prediction (on CUDA:
+    # allocated beyond the model's parameters, buffers, gradients and inputs; ``StepTrace.foreign_bytes``)
+    foreign_bytes: int = 0
+    # what the CUDA caching allocator reserved at the measured step's peak (``torch.cuda.max_memory_reserved``);
+    # None on CPU or when nothing was measured
+    measured_reserved_bytes: int | None = None
 
     @property
     def regions(self) -> tuple[Region, ...]:

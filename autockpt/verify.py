@@ -3,6 +3,11 @@
 ``optimize`` does not trust a prediction: it rewrites each candidate plan (one per recompute action), measures one
 real step, tightens the target by the overshoot while every measured peak is over the budget, and, when more than one
 plan keeps it, times their steps against each other (alternating rounds) and keeps the faster.
+
+A plan is made for the device bytes the step does not own as they were read when it was solved
+(``Plan.foreign_bytes``: on CUDA other models, caches, leftovers, kernel workspaces). The measured step may find a
+different figure (the planner holds copies of the buffers and the user's gradients aside while it measures); its
+peak is judged against the budget moved by that difference (``in_planned_device``), never by the planner's own copies.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from autockpt.errors import InfeasibleBudgetError
+from autockpt.measure import StepMeasurement
 from autockpt.plan import Plan
 from autockpt.rewrite import OptimizedModule
 from autockpt.types import PlanStatus
@@ -33,7 +39,7 @@ class CandidatePlans(Protocol):
 
     def apply(self, plan: Plan) -> OptimizedModule: ...
 
-    def measured_peak_bytes(self, module: OptimizedModule) -> int: ...
+    def measure(self, module: OptimizedModule) -> StepMeasurement: ...
 
     def alternating_step_seconds(self, modules: Sequence[OptimizedModule]) -> list[list[float]]: ...
 
@@ -63,8 +69,8 @@ def verified_module(planner: CandidatePlans, budget_bytes: int) -> OptimizedModu
             module = planner.apply(the_plan)
             if the_plan.status is PlanStatus.IDENTITY:
                 return module
-            peak = planner.measured_peak_bytes(module)
-            module.set_plan(dataclasses.replace(the_plan, measured_peak_bytes=peak))
+            peak, the_plan = in_planned_device(the_plan, planner.measure(module))
+            module.set_plan(the_plan)
             if peak <= budget_bytes:
                 kept.append(module)
                 continue
@@ -98,7 +104,7 @@ def measured_floor(planner: CandidatePlans, error: InfeasibleBudgetError) -> Inf
         plans = planner.plans_under(floor, floor)
     except InfeasibleBudgetError:
         return error  # the floor came from a search the plan at that target does not repeat: nothing to measure
-    peaks = [planner.measured_peak_bytes(planner.apply(the_plan)) for the_plan in plans]
+    peaks = [in_planned_device(the_plan, planner.measure(planner.apply(the_plan)))[0] for the_plan in plans]
     slack = max(peak - the_plan.predicted_peak_bytes for peak, the_plan in zip(peaks, plans))
     if slack <= 0:
         return error
@@ -110,6 +116,26 @@ def measured_floor(planner: CandidatePlans, error: InfeasibleBudgetError) -> Inf
         f"the smallest budget stated as kept is {format_bytes(stated)}, {stated} bytes.)",
         budget_bytes=error.budget_bytes, min_feasible_bytes=stated, host_pool_bytes_needed=error.host_pool_bytes_needed,
     )
+
+
+def in_planned_device(the_plan: Plan, measurement: StepMeasurement) -> tuple[int, Plan]:
+    """The measured peak as it would be with the device bytes the step does not own as the plan counted them
+    (``measurement.peak_bytes`` less what the measured step found more of), and the plan recording it with the
+    reserved bytes beside it; a note says by how much the two readings differed."""
+    moved = measurement.foreign_bytes - the_plan.foreign_bytes
+    peak = measurement.peak_bytes - moved
+    notes = the_plan.notes
+    if moved:
+        notes = (*notes, (
+            f"the measured step found {format_bytes(measurement.foreign_bytes)} on the device that it does not own, "
+            f"the plan counted {format_bytes(the_plan.foreign_bytes)}: measured peak {measurement.peak_bytes} bytes, "
+            f"{peak} bytes with the device as planned (the figure judged against the budget)"
+        ))
+        logger.info("%s", notes[-1])
+    recorded = dataclasses.replace(
+        the_plan, measured_peak_bytes=peak, measured_reserved_bytes=measurement.reserved_bytes, notes=notes,
+    )
+    return peak, recorded
 
 
 def faster(planner: CandidatePlans, modules: list[OptimizedModule]) -> OptimizedModule:

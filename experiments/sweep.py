@@ -93,6 +93,7 @@ class Point:
     module: nn.Module | None = None
     predicted_peak_bytes: int | None = None
     measured_peak_bytes: int | None = None
+    measured_reserved_bytes: int | None = None  # CUDA: torch.cuda.max_memory_reserved of the measured step; None on CPU
     peak_method: str = "memtracker"
     step_time_ratio: float | None = None
     predicted_ratio: float | None = None  # 1 + the plan's predicted overhead (autockpt's plans and the baselines)
@@ -219,8 +220,13 @@ def sweep_model(name: str, config: SweepConfig, bar: tqdm) -> tuple[list[Point],
     eager: dict[str, nn.Module] = {}
     anchor_copies: list[nn.Module] = []  # deep copies of the model the anchors made (parked while others are measured)
 
+    reserved: list[int | None] = [None]  # the last measured step's reserved bytes (CUDA)
+
     def measure(module: nn.Module) -> int:
-        peak = autockpt.measure_step(module, case.args, case.kwargs, case.loss_fn).peak_bytes
+        measurement = autockpt.measure_step(module, case.args, case.kwargs, case.loss_fn)
+        peak, reserved[0] = measurement.peak_bytes, measurement.reserved_bytes
+        if measurement.reserved_bytes is not None:
+            logger.info("%s: measured %d bytes allocated, %d reserved", name, peak, measurement.reserved_bytes)
         # the gradients it leaves are on the model's own parameters (plans share them): on CUDA a later profile or
         # verification would count them as memory the process holds
         module.zero_grad(set_to_none=True)
@@ -244,9 +250,11 @@ def sweep_model(name: str, config: SweepConfig, bar: tqdm) -> tuple[list[Point],
         if key in seen:
             twin = next(p for p in points if p.strategy == seen[key])
             point.measured_peak_bytes, point.same_as = twin.measured_peak_bytes, seen[key]
+            point.measured_reserved_bytes = twin.measured_reserved_bytes
         else:
             module = planner.apply(the_plan)
             point.measured_peak_bytes = measure(module)
+            point.measured_reserved_bytes = reserved[0]
             point.module = eager[strategy] = module
             seen[key] = strategy
         points.append(point)
@@ -258,6 +266,7 @@ def sweep_model(name: str, config: SweepConfig, bar: tqdm) -> tuple[list[Point],
                         peak_method=step_peak_method,
                         notes="the model itself, not captured (timing reference for the anchors)"))
     points[-1].module = case.model
+    points[-1].measured_reserved_bytes = reserved[0]
 
     # Hugging Face anchor, and its budget
     if "hf" in config.anchors:
@@ -290,12 +299,16 @@ def sweep_model(name: str, config: SweepConfig, bar: tqdm) -> tuple[list[Point],
                                     capture=capture, notes=f"InfeasibleBudgetError, min feasible {error.min_feasible_bytes} bytes"))
                 continue
             plan = module.plan
+            reserved[0] = plan.measured_reserved_bytes
             peak = plan.measured_peak_bytes if plan.measured_peak_bytes is not None else measure(module)
+            if plan.measured_reserved_bytes is not None:
+                logger.info("%s %s @ %s: measured %d bytes allocated, %d reserved", name, strategy, label, peak,
+                            plan.measured_reserved_bytes)
             point = Point(
                 strategy=strategy, budget_label=label, budget_bytes=budget, module=module,
                 predicted_peak_bytes=plan.predicted_peak_bytes, measured_peak_bytes=peak, regions=len(plan.regions),
                 predicted_ratio=1 + plan.predicted_overhead, solve_s=plan.solve_time_s, capture=capture,
-                peak_method=step_peak_method, checkpoint=plan.planned_action.value,
+                peak_method=step_peak_method, checkpoint=plan.planned_action.value, measured_reserved_bytes=reserved[0],
                 notes=f"{plan.status.value}; optimize {time.perf_counter() - started:.1f} s",
             )
             points.append(point)
@@ -394,6 +407,7 @@ def tidy_rows(name: str, points: list[Point], budgets: dict[str, int]) -> list[d
                 "model": name, "budget": label, "budget_bytes": budget, "strategy": point.strategy,
                 "status": point.status, "capture": point.capture, "checkpoint": point.checkpoint, "regions": point.regions,
                 "predicted_peak_bytes": point.predicted_peak_bytes, "measured_peak_bytes": measured,
+                "measured_reserved_bytes": point.measured_reserved_bytes,
                 "peak_method": point.peak_method, "step_time_ratio": point.step_time_ratio,
                 "predicted_ratio": point.predicted_ratio,
                 "solve_s": point.solve_s,
@@ -622,9 +636,10 @@ def _device_name(device: torch.device) -> str:
 def sweep_sections(table: pd.DataFrame, points: pd.DataFrame) -> list[str]:
     """The measured points, what was not measured, which budgets are kept, and the targets."""
     lines = ["", "## Measured points", ""]
-    show = points.assign(measured_MB=points.measured_peak_bytes / MB, predicted_MB=points.predicted_peak_bytes / MB)
-    columns = ["model", "point", "capture", "checkpoint", "regions", "predicted_MB", "measured_MB", "peak_method", "predicted_ratio",
-               "step_time_ratio", "solve_s"]
+    show = points.assign(measured_MB=points.measured_peak_bytes / MB, predicted_MB=points.predicted_peak_bytes / MB,
+                         reserved_MB=points.reindex(columns=["measured_reserved_bytes"]).iloc[:, 0] / MB)
+    columns = ["model", "point", "capture", "checkpoint", "regions", "predicted_MB", "measured_MB", "reserved_MB",
+               "peak_method", "predicted_ratio", "step_time_ratio", "solve_s"]
     lines.append(markdown_table(show.reindex(columns=columns)))  # reindex: CSVs written before a column lack it
     missing = table[table.status != "measured"].drop_duplicates(subset=["model", "strategy", "status", "notes"])
     if not missing.empty:

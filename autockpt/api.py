@@ -179,6 +179,11 @@ class Planner:
     progress displays. The model is left as it was after every call (weights, buffers, gradients, RNG, modes).
     ``trace`` (what was measured) and ``costs`` (the actions' prices) may be replaced before the first plan, e.g. with
     modelled times in experiments.
+
+    The budget is the device's: bytes on it that the step does not own (on CUDA everything else allocated: another
+    model, a cache, leftovers, kernel workspaces; on CPU the tensors named by ``autockpt.measure.held_beside_step``)
+    count. They are read again whenever a plan is solved (``foreign_bytes_now``), and the trace moves by the
+    difference (``trace.foreign_bytes``, ``Plan.foreign_bytes``): a plan is for the device as it is when it is made.
     """
 
     def __init__(

@@ -22,6 +22,8 @@ from autockpt.errors import (
 from autockpt.estimate import MemoryEstimate, estimate
 from autockpt.loss import default_loss
 from autockpt.measure import measure_step
+from autockpt.pipeline import PipelinePlan, load_pipeline_plan, plan_pipeline
+from autockpt.pipeline_run import pipeline_schedule
 from autockpt.plan import Plan, load_plan
 from autockpt.rewrite import OptimizedModule
 from autockpt.solve.base import SolverOptions
@@ -33,6 +35,7 @@ from autockpt.types import (
     Decision,
     MemoryCurve,
     ParetoPoint,
+    PipelineSchedule,
     Placement,
     PlanStatus,
     Policy,
@@ -58,6 +61,8 @@ __all__ = [
     "MemoryEstimate",
     "OptimizedModule",
     "ParetoPoint",
+    "PipelinePlan",
+    "PipelineSchedule",
     "Plan",
     "Placement",
     "PlanFileError",
@@ -78,10 +83,13 @@ __all__ = [
     "default_loss",
     "estimate",
     "get_plan",
+    "load_pipeline_plan",
     "load_plan",
     "max_batch_size",
     "max_batch_sizes",
     "measure_step",
     "optimize",
+    "pipeline_schedule",
     "plan",
+    "plan_pipeline",
 ]

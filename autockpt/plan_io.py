@@ -159,12 +159,13 @@ def _graph_difference(plan: PlanRecord, expected: ModelFingerprint, actual: Mode
 # ------------------------------------------------------------------------------------------------------- JSON
 
 
-def save_plan(plan: PlanRecord, path: str | os.PathLike[str]) -> None:
-    document = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "plan": _encode(plan)}
+def save_plan(plan: Any, path: str | os.PathLike[str], *, schema: str = SCHEMA) -> None:
+    """Write a plan record (or another record of plan values: a pipeline plan, ``schema`` says which) as JSON."""
+    document = {"schema": schema, "schema_version": SCHEMA_VERSION, "plan": _encode(plan)}
     Path(path).write_text(json.dumps(document, indent=1) + "\n")
 
 
-def read_plan(path: str | os.PathLike[str], plan_type: type[PlanT]) -> PlanT:
+def read_plan(path: str | os.PathLike[str], plan_type: type[PlanT], *, schema: str = SCHEMA) -> PlanT:
     """Read a plan file written by ``save_plan`` (``Plan.save``, ``autockpt plan --out``) as ``plan_type``; files of
     schema version 1 (regions and one checkpoint kind) are read as version 2, and version 2 as 3 without the value
     ranges of integer inputs."""
@@ -176,8 +177,13 @@ def read_plan(path: str | os.PathLike[str], plan_type: type[PlanT]) -> PlanT:
         document = json.loads(text)
     except json.JSONDecodeError as error:
         raise PlanFileError(f"{str(path)!r} is not JSON ({error}); give a file written by Plan.save or `autockpt plan --out`") from error
-    if not isinstance(document, dict) or document.get("schema") != SCHEMA:
-        raise PlanFileError(f"{str(path)!r} is JSON but not an autockpt plan (no \"schema\": \"{SCHEMA}\")")
+    if not isinstance(document, dict) or document.get("schema") != schema:
+        found = document.get("schema") if isinstance(document, dict) else None
+        raise PlanFileError(
+            f"{str(path)!r} is JSON but not an autockpt plan of this kind: its \"schema\" is {found!r}, expected {schema!r}"
+            + (" (a pipeline plan: autockpt.load_pipeline_plan reads it)" if found == "autockpt.pipeline_plan" else "")
+            + (" (a single-device plan: autockpt.load_plan reads it)" if found == SCHEMA else "")
+        )
     version = document.get("schema_version")
     if version not in READABLE_VERSIONS:
         raise PlanFileError(

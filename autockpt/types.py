@@ -593,3 +593,50 @@ def describe_value(value: Any) -> str:
     """Short description of a user-supplied value for error messages."""
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+class PipelineSchedule(str, Enum):
+    """The ``torch.distributed.pipelining`` schedule a pipeline plan is made for."""
+
+    ONE_F_ONE_B = "1F1B"  # Schedule1F1B: stage k of S holds up to min(S - k, microbatches) microbatches in flight
+    GPIPE = "GPipe"  # ScheduleGPipe: every stage holds every microbatch until its backward
+
+    def in_flight(self, stage: int, num_stages: int, microbatches: int) -> int:
+        """Microbatches whose activations a stage holds at once."""
+        return min(num_stages - stage, microbatches) if self is PipelineSchedule.ONE_F_ONE_B else microbatches
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineStageRecord:
+    """One stage of a pipeline plan: which units and modules, and what it is predicted to hold and take.
+
+    ``predicted_peak_bytes`` = the stage plan's predicted peak for one microbatch + (in flight - 1) x
+    ``retained_bytes`` + ``schedule_buffer_bytes``.
+    """
+
+    index: int
+    first_unit: int
+    last_unit: int
+    module_paths: tuple[str, ...]
+    parameter_names: tuple[str, ...]
+    parameter_bytes: int
+    budget_bytes: int
+    microbatches_in_flight: int
+    retained_bytes: int  # per microbatch in flight: activations its forward leaves for its backward, under the plan
+    # the schedule's own tensors: receive buffers for inputs and output gradients (one per microbatch), and on the
+    # last stage the outputs it keeps to return
+    schedule_buffer_bytes: int
+    predicted_peak_bytes: int
+    predicted_microbatch_ms: float  # forward + backward + recomputation of one microbatch
+    input_names: tuple[str, ...]  # values received from the previous stage (fx node names)
+    output_names: tuple[str, ...]  # values sent to the next stage
+    sent_bytes: int  # per microbatch, what crosses the cut after this stage (0 on the last)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SharedParameter:
+    """A parameter read by more than one stage (tied weights): each holds it, their gradients are summed."""
+
+    name: str
+    stages: tuple[int, ...]
+    nbytes: int

@@ -1,0 +1,180 @@
+"""Pipeline plans (issue 22): split, per-stage plans, and runs on torch.distributed.pipelining under gloo.
+
+PyTorch is the reference: the single-process model's loss and gradients on the same batch. Ranks are spawned with a
+timeout and destroy their process groups (``pipeline_worker.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+import random
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from pipeline_worker import build, lm_loss, run_rank
+
+import autockpt
+from autockpt.errors import InfeasibleBudgetError, PlanMismatchError
+from autockpt.pipeline_run import stage_module_for
+from autockpt.solve.split import SplitProblem, StageOption, exhaustive_split, solve_split
+
+_CONFIG = {"seed": 0, "model": {"vocab": 1024, "width": 32, "layers": 4, "tied": False}}
+_MICROBATCHES = 4
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 1024, (8, 16), generator=generator)
+    return ids, torch.randint(0, 1024, (8, 16), generator=generator)
+
+
+def _plan(config: dict, num_stages: int = 2, **kwargs) -> autockpt.PipelinePlan:
+    ids, target = _batch()
+    return autockpt.plan_pipeline(
+        build(config), num_stages, microbatches=_MICROBATCHES, example_inputs=(ids,), example_target=target,
+        loss_fn=lm_loss, **kwargs,
+    )
+
+
+def _run(config: dict, pplan: autockpt.PipelinePlan, tmp_path) -> list[dict]:
+    """Every rank's losses, gradients and measured peaks (two steps)."""
+    ids, target = _batch()
+    pplan.save(tmp_path / "plan.json")
+    torch.save({"ids": ids, "target": target}, tmp_path / "batch.pt")
+    context = mp.start_processes(
+        run_rank, args=(pplan.num_stages, config, str(tmp_path / "plan.json"), str(tmp_path), str(tmp_path / "init")),
+        nprocs=pplan.num_stages, join=False, start_method="spawn",
+    )
+    deadline = time.monotonic() + 180
+    # join returns when one process ends (False while others run) and raises when a rank failed, with its traceback
+    while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("pipeline ranks did not finish within 180 s")
+    return [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(pplan.num_stages)]
+
+
+def _reference(config: dict) -> tuple[float, dict[str, torch.Tensor]]:
+    model = build(config)
+    ids, target = _batch()
+    loss = lm_loss(model(ids), target)
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+@pytest.fixture(scope="module")
+def tight_budget() -> int:
+    """A budget about 30 % of the way from the tightest split's floor to what the plain even split needs, so
+    that recomputation and the split both matter."""
+    roomy = _plan(_CONFIG, budget_bytes=10**9, split="even-layers")
+    with pytest.raises(InfeasibleBudgetError) as refused:
+        _plan(_CONFIG, budget_bytes=100_000)
+    floor = refused.value.min_feasible_bytes
+    return int(floor + 0.3 * (max(s.predicted_peak_bytes for s in roomy.stages) - floor))
+
+
+@pytest.mark.slow
+def test_two_stages_give_the_single_process_loss_and_gradients_under_the_budget(tight_budget, tmp_path) -> None:
+    pplan = _plan(_CONFIG, budget_bytes=tight_budget)
+    assert len(pplan.stages) == 2 and pplan.cuts
+    results = _run(_CONFIG, pplan, tmp_path)
+    loss, grads = _reference(_CONFIG)
+    assert abs(sum(results[-1]["losses"]) / _MICROBATCHES - loss) < 1e-5
+    seen = set()
+    for stage, result in zip(pplan.stages, results):
+        assert result["same_objects"], "a stage module must hold the model's own Parameter objects"
+        assert set(result["grads"]) <= set(grads), "stage parameters keep the model's names"
+        for name, grad in result["grads"].items():
+            torch.testing.assert_close(grad, grads[name], rtol=1e-5, atol=1e-6)
+            seen.add(name)
+        for peak in result["peaks"]:
+            assert peak <= stage.budget_bytes, (stage.index, peak, stage.budget_bytes)
+            assert abs(peak - stage.predicted_peak_bytes) <= 0.05 * peak, (stage.index, peak, stage.predicted_peak_bytes)
+    assert seen == {n for n, p in build(_CONFIG).named_parameters()}
+
+
+@pytest.mark.slow
+def test_tied_weights_are_held_by_both_stages_and_their_gradients_summed(tmp_path) -> None:
+    config = {**_CONFIG, "model": {**_CONFIG["model"], "tied": True}}
+    pplan = _plan(config, budget_bytes=10**9)
+    assert [s.stages for s in pplan.shared_parameters] == [(0, 1)]
+    results = _run(config, pplan, tmp_path)
+    _, grads = _reference(config)
+    for result in results:
+        for name, grad in result["grads"].items():
+            torch.testing.assert_close(grad, grads[name], rtol=1e-5, atol=1e-6)
+    assert "embed.weight" in results[0]["grads"] and "head.weight" in results[1]["grads"]
+
+
+@pytest.mark.slow
+def test_the_chosen_split_keeps_a_budget_the_even_split_cannot(tight_budget) -> None:
+    with pytest.raises(InfeasibleBudgetError):
+        _plan(_CONFIG, budget_bytes=tight_budget, split="even-layers")
+    pplan = _plan(_CONFIG, budget_bytes=tight_budget)
+    assert all(s.predicted_peak_bytes <= tight_budget for s in pplan.stages)
+    assert pplan.cuts != _plan(_CONFIG, budget_bytes=10**9, split="even-layers").cuts
+
+
+@pytest.mark.slow
+def test_an_infeasible_budget_names_the_smallest_one_and_that_one_plans(tmp_path) -> None:
+    with pytest.raises(InfeasibleBudgetError) as refused:
+        _plan(_CONFIG, budget_bytes=100_000)
+    smallest = refused.value.min_feasible_bytes
+    assert "smallest budget a split keeps" in str(refused.value)
+    pplan = _plan(_CONFIG, budget_bytes=smallest)
+    assert max(s.predicted_peak_bytes for s in pplan.stages) <= smallest
+    pplan.save(tmp_path / "p.json")
+    again = autockpt.load_pipeline_plan(tmp_path / "p.json")
+    assert again == pplan
+    assert "stage 1" in again.summary()
+
+
+def test_the_split_program_finds_the_exhaustive_best() -> None:
+    rng = random.Random(0)
+    for trial in range(20):
+        num_units, num_stages = rng.randint(4, 9), rng.randint(2, 4)
+        cuts = sorted(rng.sample(range(num_units - 1), rng.randint(num_stages - 1, num_units - 1)))
+        starts, ends = [0, *(c + 1 for c in cuts)], [*cuts, num_units - 1]
+        options = [
+            StageOption(stage=s, first_unit=a, last_unit=b, microbatch_ms=rng.uniform(1, 10) * (b - a + 1))
+            for (a, b), s in itertools.product([(a, b) for a in starts for b in ends if a <= b], range(num_stages))
+            if (s == 0) == (a == 0) and (s == num_stages - 1) == (b == num_units - 1) and rng.random() < 0.8
+        ]
+        problem = SplitProblem(
+            num_units=num_units, num_stages=num_stages, microbatches=rng.randint(num_stages, 8),
+            options=tuple(options), transfer_ms={c: rng.uniform(0, 2) for c in range(num_units)},
+        )
+        best, solved = exhaustive_split(problem), solve_split(problem)
+        assert (best is None) == (solved is None), trial
+        if best is not None:
+            assert solved.predicted_step_ms == pytest.approx(best.predicted_step_ms, rel=1e-6), trial
+
+
+def test_bad_requests_say_what_to_do() -> None:
+    ids, target = _batch()
+    model = build(_CONFIG)
+    with pytest.raises(ValueError, match="at least as many microbatches as stages"):
+        autockpt.plan_pipeline(model, 4, budget_bytes=10**9, microbatches=2, example_inputs=(ids,),
+                               example_target=target, loss_fn=lm_loss)
+    with pytest.raises(ValueError, match="one budget per stage"):
+        autockpt.plan_pipeline(model, 2, budget_bytes=[10**9], example_inputs=(ids,), example_target=target,
+                               loss_fn=lm_loss)
+    with pytest.raises(ValueError, match="multiple of microbatches"):
+        autockpt.plan_pipeline(model, 2, budget_bytes=10**9, microbatches=3, example_inputs=(ids,),
+                               example_target=target, loss_fn=lm_loss)
+    with pytest.raises(TypeError, match="loss_fn must be given"):
+        autockpt.plan_pipeline(model, 2, budget_bytes=10**9, example_inputs=(ids,), example_target=target)
+
+
+@pytest.mark.slow
+def test_a_plan_for_another_model_is_refused_by_every_rank() -> None:
+    pplan = _plan(_CONFIG, budget_bytes=10**9, split=(10,))
+    other = build({**_CONFIG, "model": {**_CONFIG["model"], "layers": 3}})
+    with pytest.raises(PlanMismatchError, match="another model"):
+        stage_module_for(other, pplan, 0)
+    assert os.environ.get("WORLD_SIZE") is None  # nothing here started a process group

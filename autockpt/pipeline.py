@@ -692,7 +692,15 @@ def _infeasible(table: _StageTable, request: _PipelineRequest, link: float) -> I
     the unmodified stage keeps (``_StageTable._solve``'s first try, so a budget at the floor finds that plan); the
     answer is the least over splits of the largest floor, checked by solving the table at that budget."""
     floors = {}
-    for (first, last), stage in itertools.product(table.runs(), range(request.num_stages)):
+    given = request.split if not isinstance(request.split, str) else (
+        baseline_cuts(table, request.split) if request.split in ("even-layers", "parameter-balanced") else None
+    )
+    if given is not None:  # a given split: its own stages' floors
+        bounds = [-1, *given, table.num_units - 1]
+        runs = [((bounds[k] + 1, bounds[k + 1]), k) for k in range(request.num_stages)]
+    else:
+        runs = list(itertools.product(table.runs(), range(request.num_stages)))
+    for (first, last), stage in runs:
         if (stage == 0) != (first == 0) or (stage == request.num_stages - 1) != (last == table.num_units - 1):
             continue
         floors[(stage, first, last)] = table.floor_at(stage, first, last)
@@ -716,8 +724,8 @@ def _infeasible(table: _StageTable, request: _PipelineRequest, link: float) -> I
         )
     return InfeasibleBudgetError(
         f"no split of {type(request.model).__name__} into {request.num_stages} stages with {request.microbatches} "
-        f"microbatches ({request.schedule.value}) keeps {budgets} per device; the smallest budget a split keeps on "
-        f"every device is {format_bytes(smallest)} ({smallest} bytes). Give that budget, more stages, or more, "
+        f"microbatches ({request.schedule.value}; split: {request.split}) keeps {budgets} per device; the smallest "
+        f"budget {'a split' if given is None else 'this split'} keeps on every device is {format_bytes(smallest)} ({smallest} bytes). Give that budget, more stages, or more, "
         "smaller microbatches",
         min_feasible_bytes=smallest, budget_bytes=min(request.budgets_bytes),
     )
@@ -730,4 +738,4 @@ def _some_split_keeps(table: _StageTable, budget: int, link: float) -> bool:
         setattr(trial, name, getattr(table, name))
     trial.request = dataclasses.replace(table.request, budgets_bytes=(budget,) * table.request.num_stages)
     trial._entries = {}
-    return exhaustive_split(trial.problem(link)) is not None
+    return _choose_split(trial.problem(link), trial, trial.request.split, None) is not None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import time
 from typing import Any
 
 import torch
@@ -69,7 +70,7 @@ def run_rank(rank: int, world: int, config: dict[str, Any], plan_path: str, out_
         schedule = autockpt.pipeline_schedule(model, pplan, rank=rank, device="cpu", loss_fn=lm_loss)
         batch = torch.load(os.path.join(out_dir, "batch.pt"))
         stage_module = schedule._stage.submod
-        peaks = []
+        peaks, seconds = [], []
         losses: list[torch.Tensor] = []
         for _ in range(config.get("steps", 2)):
             for p in stage_module.parameters():
@@ -79,17 +80,30 @@ def run_rank(rank: int, world: int, config: dict[str, Any], plan_path: str, out_
             # torch.autograd.grad of PipelineStage's backward refuses; autockpt's tracker counts the same storages
             # (the parameters, and every storage made during the step: receive buffers on the first step)
             tracker = StorageTracker(torch.device("cpu"), list(stage_module.parameters()))
+            dist.barrier()
+            started = time.perf_counter()
             with tracker:
                 if rank == 0:
                     schedule.step(batch["ids"])
                 elif rank == world - 1:
-                    schedule.step(target=batch["target"], losses=losses)
+                    schedule.step(target=batch["target"], losses=losses, return_outputs=config.get("return_outputs", True))
                 else:
                     schedule.step()
+            seconds.append(time.perf_counter() - started)
             peaks.append(max(event.peak_bytes for event in tracker.events))
+        for _ in range(config.get("timed_steps", 0)):  # untracked steps, timed (the benchmark's)
+            dist.barrier()
+            started = time.perf_counter()
+            if rank == 0:
+                schedule.step(batch["ids"])
+            elif rank == world - 1:
+                schedule.step(target=batch["target"], losses=[], return_outputs=config.get("return_outputs", True))
+            else:
+                schedule.step()
+            seconds.append(time.perf_counter() - started)
         grads = {name: p.grad.clone() for name, p in stage_module.named_parameters() if p.grad is not None}
         result = {
-            "peaks": peaks, "losses": [loss.item() for loss in losses], "grads": grads,
+            "peaks": peaks, "seconds": seconds, "losses": [loss.item() for loss in losses], "grads": grads,
             "state_dict_keys": list(stage_module.state_dict()),
             "same_objects": all(
                 any(p is q for q in model.parameters()) for p in stage_module.parameters()

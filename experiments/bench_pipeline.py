@@ -26,9 +26,10 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the rank worker the tests use
-import autockpt  # noqa: E402
-from autockpt.errors import InfeasibleBudgetError  # noqa: E402
-from pipeline_worker import build, lm_loss, run_rank  # noqa: E402
+from pipeline_worker import build, lm_loss, run_rank
+
+import autockpt
+from autockpt.errors import InfeasibleBudgetError
 
 CONFIG = {"seed": 0, "model": {"vocab": 8192, "width": 64, "layers": 6, "tied": False}, "steps": 2, "timed_steps": 6,
           "return_outputs": False}

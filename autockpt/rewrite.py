@@ -5,6 +5,12 @@ fx/export captures: each region's nodes are moved into a sub-GraphModule that ru
 re-run the region with the forward's RNG state, so dropout draws the same mask. Module-level captures: the chosen
 submodules' ``forward`` is wrapped in its region's action while (and only while) the optimized module runs.
 
+Under ``torch.compile`` (``torch.compiler.is_compiling()``, decided while Dynamo traces, so nothing to choose) every
+recompute region is ``torch.utils.checkpoint(use_reentrant=False)`` around its bare body (``recompute.
+compiled_checkpoint``): Dynamo keeps it in the step's graph as one checkpoint op and AOTAutograd's partitioner
+recomputes its ops in the compiled backward, so ``torch.compile(optimized)`` compiles as few graphs as the original.
+Offloaded regions still break the graph (saved-tensor hooks); module-level captures under compile are not measured.
+
 During a recomputation (inside backward) the buffers the region touches are put back afterwards, so BatchNorm
 running statistics advance exactly once per step. The returned module mirrors the original's children, parameters
 and buffers under the same names, so ``state_dict`` keys, optimizers and checkpoints work with either module.
@@ -283,6 +289,8 @@ class _ForwardWithModelSignature:
     def __get__(self, module: OptimizedModule | None, owner: type | None = None) -> Callable[..., Any]:
         if module is None:
             return OptimizedModule._forward
+        if torch.compiler.is_compiling():  # Dynamo cannot trace setting a partial's attribute: a graph break
+            return module._forward
         bound = functools.partial(OptimizedModule._forward, module)
         signature = module.__dict__.get("_autockpt_signature")
         if signature is not None:

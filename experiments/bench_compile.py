@@ -1,0 +1,248 @@
+"""torch.compile + autockpt against torch.compile's own ``activation_memory_budget``, peaks measured under compile.
+
+    python experiments/bench_compile.py --out experiments/results/compile
+
+Per model (a 2-layer GPT-NeoX-style decoder; the zoo GPT-2 at size tiny, export capture): autockpt plans at budgets
+``--fractions`` of the way from static memory to the unmodified eager peak (``Planner.optimize``: planned, rewritten
+and verified in eager mode with MemTracker), and the optimized module is compiled with ``torch.compile`` (Inductor);
+torch.compile compiles a copy of the original with ``torch._functorch.config.activation_memory_budget`` at each of
+``--compile-budgets`` (1.0 is torch.compile's default). Every compiled step's peak is measured the same way,
+``anchors.profiler_peak_bytes``: the highest running total of the CPU allocator's events during one forward +
+backward (MemTracker does not see inside compiled code), plus parameters, buffers and inputs. The same method on the
+eager modules is in the table too (it reads higher than MemTracker: it sees kernel workspaces), so ``kept`` compares
+a compiled peak with a budget set in MemTracker's terms. Step time: the median over ``--repeats`` alternating pairs
+of t(compiled module) / t(eager original), timed right after each compile (``torch._dynamo.reset()`` before the next
+compile would drop it). For reference, autockpt's ``every_1`` baseline (one region per repeated block) compiled the
+same way. The machine is shared: ratios are within one process, never absolute times. Nothing is
+typed in by hand; the section ``bench_compile`` of experiments/results/README.md is rewritten when ``--out`` lies
+under experiments/results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import platform
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import anchors
+from bench_budget import step_time_ratio
+from results_readme import write_csv, write_section
+
+import autockpt
+from autockpt import zoo
+from autockpt.api import baseline_plan
+
+logger = logging.getLogger("bench_compile")
+MB = 10**6
+
+
+@dataclass(frozen=True, kw_only=True)
+class Row:
+    model: str
+    strategy: str  # "autockpt + compile", "every_1 + compile" (a baseline) or "compile budget"
+    setting: float  # autockpt: the budget's fraction; compile: activation_memory_budget
+    budget_bytes: int | None  # autockpt's budget (MemTracker terms); None for compile's own budget
+    eager_memtracker_peak_bytes: int | None  # autockpt: the verified eager peak
+    eager_profiler_peak_bytes: int | None  # the eager module measured like the compiled one
+    compiled_peak_bytes: int | None  # allocator events under compile
+    kept: bool | None  # compiled peak <= budget (autockpt only)
+    graphs: int | None
+    graph_breaks: int | None
+    step_time_ratio: float | None  # compiled / eager original, median of alternating pairs
+    compile_s: float | None
+    notes: str = ""
+
+
+def decoder_case() -> zoo.ZooCase:
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=256,
+    )
+    ids = torch.randint(0, 128, (2, 128))
+    return zoo.ZooCase(name="neox", model=GPTNeoXForCausalLM(config), args=(ids,), kwargs={"labels": ids})
+
+
+def build(name: str) -> zoo.ZooCase:
+    return decoder_case() if name == "neox" else zoo.build(name, "tiny")
+
+
+def compiled_with_counts(module: torch.nn.Module, case: zoo.ZooCase) -> tuple[torch.nn.Module, int, int, float]:
+    """``torch.compile(module)`` after two steps (the first compiles), its graphs, graph breaks and compile seconds."""
+    torch._dynamo.reset()
+    counters.clear()
+    loss_fn = case.loss_fn or autockpt.default_loss
+    started = time.perf_counter()
+    compiled = torch.compile(module)
+    for _ in range(2):
+        for param in module.parameters():
+            param.grad = None
+        loss_fn(compiled(*case.args, **case.kwargs)).backward()
+    seconds = time.perf_counter() - started
+    return compiled, counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()), seconds
+
+
+def bench_model(name: str, fractions: Sequence[float], compile_budgets: Sequence[float], repeats: int) -> list[Row]:
+    case = build(name)
+    loss_fn = case.loss_fn or autockpt.default_loss
+    original = case.model
+    rows: list[Row] = []
+    planner = autockpt.Planner(original, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
+    trace = planner.trace
+    for fraction in fractions:
+        budget = int(trace.static_bytes + fraction * (trace.baseline_peak_bytes - trace.static_bytes))
+        try:
+            module = planner.optimize(budget_bytes=budget)
+        except autockpt.InfeasibleBudgetError as error:
+            rows.append(Row(model=name, strategy="autockpt + compile", setting=fraction, budget_bytes=budget,
+                            eager_memtracker_peak_bytes=None, eager_profiler_peak_bytes=None, compiled_peak_bytes=None,
+                            kept=None, graphs=None, graph_breaks=None, step_time_ratio=None, compile_s=None,
+                            notes=f"infeasible in eager: floor {error.min_feasible_bytes} bytes"))
+            continue
+        plan = module.plan
+        eager_profiler = anchors.profiler_peak_bytes(module, case.args, case.kwargs, loss_fn)
+        compiled, graphs, breaks, compile_s = compiled_with_counts(module, case)
+        peak = anchors.profiler_peak_bytes(compiled, case.args, case.kwargs, loss_fn, static_from=module)
+        ratio = step_time_ratio(compiled, original, case, repeats)
+        rows.append(Row(
+            model=name, strategy="autockpt + compile", setting=fraction, budget_bytes=budget,
+            eager_memtracker_peak_bytes=plan.measured_peak_bytes, eager_profiler_peak_bytes=eager_profiler,
+            compiled_peak_bytes=peak, kept=peak <= budget, graphs=graphs, graph_breaks=breaks, step_time_ratio=ratio,
+            compile_s=compile_s, notes=f"{len(plan.regions)} regions, {plan.planned_action.value}",
+        ))
+        logger.info("%s", rows[-1])
+    # the per-layer checkpoint (autockpt's every_1 baseline: a region per repeated block), compiled the same way
+    every = planner.apply(baseline_plan(planner, "every_1"))
+    if every.plan.regions:
+        eager_profiler = anchors.profiler_peak_bytes(every, case.args, case.kwargs, loss_fn)
+        compiled, graphs, breaks, compile_s = compiled_with_counts(every, case)
+        peak = anchors.profiler_peak_bytes(compiled, case.args, case.kwargs, loss_fn, static_from=every)
+        rows.append(Row(
+            model=name, strategy="every_1 + compile", setting=1.0, budget_bytes=None, eager_memtracker_peak_bytes=None,
+            eager_profiler_peak_bytes=eager_profiler, compiled_peak_bytes=peak, kept=None, graphs=graphs,
+            graph_breaks=breaks, step_time_ratio=step_time_ratio(compiled, original, case, repeats),
+            compile_s=compile_s, notes=f"{len(every.plan.regions)} regions: one per repeated block",
+        ))
+        logger.info("%s", rows[-1])
+    torch._dynamo.reset()
+    for setting in compile_budgets:
+        original.zero_grad(set_to_none=True)
+        counters.clear()
+        result = anchors.torch_compile_budget(original, case.args, case.kwargs, case.loss_fn, fraction=setting)
+        if result.module is None:
+            rows.append(Row(model=name, strategy="compile budget", setting=setting, budget_bytes=None,
+                            eager_memtracker_peak_bytes=None, eager_profiler_peak_bytes=None, compiled_peak_bytes=None,
+                            kept=None, graphs=None, graph_breaks=None, step_time_ratio=None, compile_s=None,
+                            notes=f"not available: {result.reason}"))
+            continue
+        ratio = step_time_ratio(result.module, original, case, repeats)
+        rows.append(Row(
+            model=name, strategy="compile budget", setting=setting, budget_bytes=None,
+            eager_memtracker_peak_bytes=None, eager_profiler_peak_bytes=result.eager_profiler_peak_bytes,
+            compiled_peak_bytes=result.measured_peak_bytes, kept=None, graphs=counters["stats"]["unique_graphs"],
+            graph_breaks=sum(counters["graph_break"].values()), step_time_ratio=ratio, compile_s=result.solve_time_s,
+            notes="1.0: torch.compile's default" if setting == 1.0 else "",
+        ))
+        logger.info("%s", rows[-1])
+        torch._dynamo.reset()
+    return rows
+
+
+def dominated(rows: Sequence[Row]) -> list[tuple[Row, Row]]:
+    """(autockpt point, compile point) pairs where compile's has a strictly lower compiled peak and step time."""
+    pairs = []
+    for ours in rows:
+        if ours.strategy != "autockpt + compile" or ours.compiled_peak_bytes is None:
+            continue
+        for theirs in rows:
+            if (theirs.model == ours.model and theirs.strategy == "compile budget" and theirs.compiled_peak_bytes
+                    is not None and theirs.compiled_peak_bytes < ours.compiled_peak_bytes
+                    and theirs.step_time_ratio < ours.step_time_ratio):
+                pairs.append((ours, theirs))
+    return pairs
+
+
+def markdown(rows: Sequence[Row], command: str, wall_s: float, repeats: int) -> str:
+    def mb(value: int | None) -> str:
+        return "" if value is None else f"{value / MB:.3f}"
+
+    lines = [
+        "# torch.compile + autockpt vs torch.compile's activation_memory_budget",
+        "",
+        (f"Command: `{command}`; wall time {wall_s:.0f} s. Machine: {platform.machine()}, "
+        f"{torch.get_num_threads()} torch threads, torch {torch.__version__}, shared with other work while measuring. "
+        "Peaks in MB (10^6 bytes). Compiled peaks and `eager profiler` peaks: CPU allocator events in torch.profiler "
+        "plus parameters, buffers and inputs (MemTracker cannot see inside compiled code); `eager MemTracker`: the "
+        "peak autockpt verified its plan at. `kept`: compiled peak <= autockpt's budget (a budget in MemTracker's "
+        f"terms). Step time: compiled module / eager original, median of {repeats} alternating pairs in one process."),
+        "",
+        ("| model | strategy | setting | budget | eager MemTracker | eager profiler | compiled peak | kept | graphs "
+        "| breaks | step time ratio | compile s | notes |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ratio = "" if r.step_time_ratio is None else f"{r.step_time_ratio:.3f}"
+        compile_s = "" if r.compile_s is None else f"{r.compile_s:.0f}"
+        kept = "" if r.kept is None else ("yes" if r.kept else "no")
+        lines.append(
+            f"| {r.model} | {r.strategy} | {r.setting:.2f} | {mb(r.budget_bytes)} | {mb(r.eager_memtracker_peak_bytes)} "
+            f"| {mb(r.eager_profiler_peak_bytes)} | {mb(r.compiled_peak_bytes)} | {kept} | "
+            f"{'' if r.graphs is None else r.graphs} | {'' if r.graph_breaks is None else r.graph_breaks} | {ratio} "
+            f"| {compile_s} | {r.notes} |"
+        )
+    pairs = dominated(rows)
+    lines += ["", ("## autockpt + compile points dominated by a compile-budget point (lower compiled peak and lower "
+              "step time)"), ""]
+    if not pairs:
+        lines.append("none")
+    for ours, theirs in pairs:
+        lines.append(f"- {ours.model} autockpt @ {ours.setting:.2f} ({mb(ours.compiled_peak_bytes)} MB, "
+                     f"{ours.step_time_ratio:.3f}x) by compile budget {theirs.setting:.2f} "
+                     f"({mb(theirs.compiled_peak_bytes)} MB, {theirs.step_time_ratio:.3f}x)")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="neox,gpt2")
+    parser.add_argument("--fractions", default="0.2,0.4,0.6,0.8")
+    parser.add_argument("--compile-budgets", default="1.0,0.7,0.5,0.3,0.1")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", default="experiments/results/compile")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logger.setLevel(logging.INFO)
+    warnings.filterwarnings("ignore", module="torch._dynamo")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    rows: list[Row] = []
+    for name in args.models.split(","):
+        rows += bench_model(
+            name, [float(f) for f in args.fractions.split(",")], [float(b) for b in args.compile_budgets.split(",")],
+            args.repeats,
+        )
+        write_csv(out / "compile.csv", rows)  # partial results survive a crash
+    command = "python experiments/bench_compile.py" + (" " + " ".join(sys.argv[1:]) if argv is None and sys.argv[1:] else "")
+    text = markdown(rows, command, time.perf_counter() - started, args.repeats)
+    (out / "compile.md").write_text(text)
+    write_section("bench_compile", text, output=out)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -16,6 +16,7 @@ program (``solve/split.py``) then picks the stages. ``pipeline_run.pipeline_sche
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import logging
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+from torch.utils import _pytree as pytree
 
 from autockpt import plan_io
 from autockpt.api import Planner, budget_to_bytes
@@ -38,7 +40,7 @@ from autockpt.model_state import enter_training_modes, preserved_model_state
 from autockpt.plan import Plan
 from autockpt.simulate import memory_curve
 from autockpt.solve.base import SolverOptions
-from autockpt.solve.split import SplitProblem, StageOption, exhaustive_split, solve_split, step_ms
+from autockpt.solve.split import Split, SplitProblem, StageOption, exhaustive_split, solve_split, step_ms
 from autockpt.stage_graphs import (
     StageGraph,
     crossing,
@@ -56,6 +58,7 @@ from autockpt.types import (
     Phase,
     PipelineSchedule,
     PipelineStageRecord,
+    RegionAction,
     SharedParameter,
 )
 from autockpt.units import format_bytes
@@ -304,8 +307,6 @@ def _split_batch(args: tuple, kwargs: dict, microbatches: int, what: str) -> tup
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
-    from torch.utils import _pytree as pytree
-
     return [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
@@ -354,12 +355,26 @@ class _StageTable:
         self.backward_ratio = max(whole.step_ms / max(whole.forward_ms, 1e-9) - 1.0, 0.0)
         self._planners: dict[tuple[int, int], Planner] = {}
         self._entries: dict[tuple[int, int, int], _StageEntry | None] = {}
+        self._output_bytes: dict[int, int] = {}  # per stage planner (they live as long as the table)
 
     # the runs a stage may take: from one candidate boundary (or the start) to a later one (or the end)
     def runs(self) -> list[tuple[int, int]]:
         starts = [0, *(c + 1 for c in self.candidates)]
         ends = [*self.candidates, self.num_units - 1]
         return [(a, b) for a in starts for b in ends if a <= b]
+
+    def can_hold(self, stage: int, first: int, last: int) -> bool:
+        """Whether stage position ``stage`` may run units ``first .. last``: the first stage starts at unit 0, the last
+        ends at the last unit, and no other does either."""
+        return (stage == 0) == (first == 0) and (stage == self.request.num_stages - 1) == (last == self.num_units - 1)
+
+    def at_budget(self, budget: int) -> _StageTable:
+        """This table with every device's budget ``budget``: the same capture, crossings and stage planners, its
+        stage plans solved again."""
+        trial = copy.copy(self)
+        trial.request = dataclasses.replace(self.request, budgets_bytes=(budget,) * self.request.num_stages)
+        trial._entries = {}
+        return trial
 
     def graph_of(self, first: int, last: int, *, index: int = 0) -> StageGraph:
         return stage_graph(self.graph, first, last, index=index)
@@ -390,11 +405,13 @@ class _StageTable:
         return seeded_backward(stage_outputs=[self._crossing[name] for name in stage.output_names])
 
     def entry(self, option: StageOption) -> _StageEntry:
-        found = self._entry(option.stage, option.first_unit, option.last_unit)
+        found = self.entry_at(option.stage, option.first_unit, option.last_unit)
         assert found is not None
         return found
 
-    def _entry(self, stage: int, first: int, last: int) -> _StageEntry | None:
+    def entry_at(self, stage: int, first: int, last: int) -> _StageEntry | None:
+        """Stage position ``stage`` running units ``first .. last``: its best plan at its budget (None: none keeps
+        it), solved once."""
         key = (stage, first, last)
         if key not in self._entries:
             self._entries[key] = self._solve(stage, first, last)
@@ -410,8 +427,7 @@ class _StageTable:
         in_flight = request.schedule.in_flight(stage, request.num_stages, request.microbatches)
         buffers = self.buffer_bytes(first, last, planner)
         budget = request.budgets_bytes[stage]
-        identity = planner.plan(budget_bytes=max(planner.trace.baseline_peak_bytes, 1))
-        kept = retained_bytes(planner, identity)
+        kept = retained_bytes(planner, ())  # the unmodified stage: the most any plan keeps
         best: _StageEntry | None = None
         for _ in range(3):
             target = budget - buffers - (in_flight - 1) * kept
@@ -421,7 +437,7 @@ class _StageTable:
                 the_plan = None
             if the_plan is None:
                 break
-            kept_now = retained_bytes(planner, the_plan)
+            kept_now = retained_bytes(planner, the_plan.policy.region_actions)
             peak = max(the_plan.predicted_peak_bytes + (in_flight - 1) * kept_now + buffers, self.end_of_step_bytes(first, last, planner))
             if peak <= budget:
                 ms = self.microbatch_ms(first, last, the_plan)
@@ -451,13 +467,12 @@ class _StageTable:
         request = self.request
         planner = self.planner(first, last)
         in_flight = request.schedule.in_flight(stage, request.num_stages, request.microbatches)
-        identity = planner.plan(budget_bytes=max(planner.trace.baseline_peak_bytes, 1))
         try:
             one = planner.plan(budget_bytes=1).predicted_peak_bytes
         except InfeasibleBudgetError as error:
             one = error.min_feasible_bytes
         return max(
-            one + self.buffer_bytes(first, last, planner) + (in_flight - 1) * retained_bytes(planner, identity),
+            one + self.buffer_bytes(first, last, planner) + (in_flight - 1) * retained_bytes(planner, ()),
             self.end_of_step_bytes(first, last, planner),
         )
 
@@ -497,18 +512,20 @@ class _StageTable:
         )
 
     def output_bytes(self, planner: Planner) -> int:
-        """Bytes of the last stage's output for one microbatch (what the schedule keeps to return)."""
-        model = planner.model
-        args, kwargs = planner.request.args, planner.request.kwargs
-        with torch.no_grad(), torch.random.fork_rng():
-            return unique_storage_bytes(_tensors(model(*args, **kwargs)))
+        """Bytes of the last stage's output for one microbatch (what the schedule keeps to return); one forward per
+        stage planner, remembered: every budget tried asks again."""
+        if id(planner) not in self._output_bytes:
+            args, kwargs = planner.request.args, planner.request.kwargs
+            with torch.no_grad(), torch.random.fork_rng():
+                self._output_bytes[id(planner)] = unique_storage_bytes(_tensors(planner.model(*args, **kwargs)))
+        return self._output_bytes[id(planner)]
 
     def problem(self, link_gb_per_s: float) -> SplitProblem:
         options = []
         for (first, last), stage in itertools.product(self.runs(), range(self.request.num_stages)):
-            if (stage == 0) != (first == 0) or (stage == self.request.num_stages - 1) != (last == self.num_units - 1):
+            if not self.can_hold(stage, first, last):
                 continue
-            entry = self._entry(stage, first, last)
+            entry = self.entry_at(stage, first, last)
             if entry is not None:
                 options.append(StageOption(stage=stage, first_unit=first, last_unit=last, microbatch_ms=entry.microbatch_ms))
         transfer = {c: 2 * self.sent_bytes(c) / (link_gb_per_s * 1e6) for c in self.candidates}
@@ -541,10 +558,11 @@ class _StageTable:
         )
 
 
-def retained_bytes(planner: Planner, the_plan: Plan) -> int:
-    """Bytes a microbatch's forward leaves alive for its backward under the plan: the forward tensors alive at the
-    end of the last forward event, by the simulator (they wait there while other microbatches run)."""
-    curve = memory_curve(planner.trace, planner.costs, the_plan.policy.region_actions)
+def retained_bytes(planner: Planner, region_actions: Sequence[RegionAction]) -> int:
+    """Bytes a microbatch's forward leaves alive for its backward under these regions (none: the unmodified stage):
+    the forward tensors alive at the end of the last forward event, by the simulator (they wait there while other
+    microbatches run)."""
+    curve = memory_curve(planner.trace, planner.costs, region_actions)
     forward = [i for i, phase in enumerate(curve.phases) if phase is Phase.FORWARD]
     return curve.activation_bytes[forward[-1]] if forward else 0
 
@@ -594,13 +612,11 @@ def _choose_split(problem: SplitProblem, table: _StageTable, split: str | tuple[
         first, last = bounds[stage] + 1, bounds[stage + 1]
         match = [o for o in problem.options if (o.stage, o.first_unit, o.last_unit) == (stage, first, last)]
         if not match:
-            entry = table._entry(stage, first, last) if (first, last) in table.runs() else None
+            entry = table.entry_at(stage, first, last) if (first, last) in table.runs() else None
             if entry is None:
                 return None
             match = [StageOption(stage=stage, first_unit=first, last_unit=last, microbatch_ms=entry.microbatch_ms)]
         chosen.append(match[0])
-    from autockpt.solve.split import Split
-
     return Split(cuts=tuple(cuts), options=tuple(chosen), predicted_step_ms=step_ms(problem, chosen))
 
 
@@ -701,7 +717,7 @@ def _infeasible(table: _StageTable, request: _PipelineRequest, link: float) -> I
     else:
         runs = list(itertools.product(table.runs(), range(request.num_stages)))
     for (first, last), stage in runs:
-        if (stage == 0) != (first == 0) or (stage == request.num_stages - 1) != (last == table.num_units - 1):
+        if not table.can_hold(stage, first, last):
             continue
         floors[(stage, first, last)] = table.floor_at(stage, first, last)
     problem = SplitProblem(
@@ -732,10 +748,5 @@ def _infeasible(table: _StageTable, request: _PipelineRequest, link: float) -> I
 
 
 def _some_split_keeps(table: _StageTable, budget: int, link: float) -> bool:
-    trial = _StageTable.__new__(_StageTable)
-    for name in ("graph", "solver_options", "num_units", "values", "candidates", "_crossing", "_planners",
-                 "unit_ms", "backward_ratio"):
-        setattr(trial, name, getattr(table, name))
-    trial.request = dataclasses.replace(table.request, budgets_bytes=(budget,) * table.request.num_stages)
-    trial._entries = {}
-    return _choose_split(trial.problem(link), trial, trial.request.split, None) is not None
+    trial = table.at_budget(budget)
+    return _choose_split(trial.problem(link), trial, trial.request.split, trial.solver_options) is not None

@@ -240,13 +240,13 @@ def _keep_call_form(stage: fx.GraphModule, captured: fx.GraphModule, *, is_first
     codegen = captured.graph._codegen
     if not isinstance(codegen, _PyTreeCodeGen) or codegen.pytree_info is None:
         return
-    info = codegen.pytree_info
-    names = [n.target for n in stage.graph.nodes if n.op == "placeholder"]
-    in_spec = info.in_spec if is_first else pytree.tree_flatten((tuple(names), {}))[1]
-    out_spec = info.out_spec if is_last else None
-    stage.graph._codegen = _PyTreeCodeGen(_PyTreeInfo(names, in_spec, out_spec))
-    if not is_first and out_spec is None:
+    if not is_first and not is_last:  # fx's default code generation: flat in, flat out
         stage.graph._codegen = CodeGen()
+    else:
+        info = codegen.pytree_info
+        names = [n.target for n in stage.graph.nodes if n.op == "placeholder"]
+        in_spec = info.in_spec if is_first else pytree.tree_flatten((tuple(names), {}))[1]
+        stage.graph._codegen = _PyTreeCodeGen(_PyTreeInfo(names, in_spec, info.out_spec if is_last else None))
     stage.recompile()
 
 

@@ -80,6 +80,19 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         )
 
 
+def mlp() -> torch.nn.Module:
+    """A seeded 6-layer MLP of width 128 (the loop and device-memory tests' model)."""
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(6):
+        layers += [torch.nn.Linear(128, 128), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(128, 8))
+
+
+def loss_of(output: torch.Tensor) -> torch.Tensor:
+    return output.square().mean()
+
+
 def budget_at(plan: autockpt.Plan, fraction: float) -> int:
     """A budget ``fraction`` of the way from static bytes to the unmodified peak."""
     return int(plan.static_bytes + fraction * (plan.baseline_peak_bytes - plan.static_bytes))

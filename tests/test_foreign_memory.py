@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import loss_of, mlp
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -20,18 +21,6 @@ from autockpt.measure import StepMeasurement, foreign_bytes, held_beside_step
 from autockpt.trace import step_tensors
 from autockpt.types import StepTrace
 from autockpt.verify import in_planned_device
-
-
-def mlp() -> nn.Module:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(6):
-        layers += [nn.Linear(128, 128), nn.GELU()]
-    return nn.Sequential(*layers, nn.Linear(128, 8))
-
-
-def loss_of(output: torch.Tensor) -> torch.Tensor:
-    return output.square().mean()
 
 
 def half_way(trace: StepTrace) -> int:

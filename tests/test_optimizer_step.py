@@ -12,6 +12,7 @@ import functools
 
 import pytest
 import torch
+from conftest import loss_of, mlp
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -23,18 +24,6 @@ OPTIMIZERS = {
     "adam": functools.partial(torch.optim.Adam, lr=1e-3),
     "adamw": functools.partial(torch.optim.AdamW, lr=1e-3),
 }
-
-
-def mlp() -> nn.Module:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(6):
-        layers += [nn.Linear(128, 128), nn.GELU()]
-    return nn.Sequential(*layers, nn.Linear(128, 8))
-
-
-def loss_of(output: torch.Tensor) -> torch.Tensor:
-    return output.square().mean()
 
 
 def loop_peaks(module: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, *, micro_steps: int = 1,

@@ -118,6 +118,13 @@ class PipelinePlan:
         """Write the plan as JSON (no pickle); ``autockpt.load_pipeline_plan`` reads it back."""
         plan_io.save_plan(self, path, schema=PIPELINE_SCHEMA)
 
+    def report(self, path: str | os.PathLike[str]) -> None:
+        """Write a self-contained report: HTML when ``path`` ends in .html/.htm (one memory timeline per stage and
+        the schedule's chart), markdown otherwise."""
+        from autockpt.pipeline_report import write_pipeline_report  # the presentation layer, loaded when asked for
+
+        write_pipeline_report(self, path)
+
     def __repr__(self) -> str:
         return (
             f"PipelinePlan(strategy={self.strategy!r}, cuts={self.cuts}, schedule={self.schedule.value}, "

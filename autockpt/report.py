@@ -18,7 +18,7 @@ _LOG = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------------------------------------- full reports
 
-_CATEGORIES = (  # (MemoryCurve field, label, colour)
+MEMORY_CATEGORIES = (  # (MemoryCurve field, label, colour)
     ("parameter_bytes", "parameters, buffers, inputs", "#4c72b0"),
     ("gradient_bytes", "gradients", "#55a868"),
     ("activation_bytes", "activations (forward tensors alive)", "#dd8452"),
@@ -103,9 +103,9 @@ def _timeline_svg(plan: PlanRecord) -> str:
     for ax, (title, curve) in zip(axes, curves):
         assert curve is not None
         x = range(len(curve.phases))
-        stacks = [[value / GB for value in getattr(curve, name)] for name, _, _ in _CATEGORIES]
-        ax.stackplot(x, *stacks, labels=[label for _, label, _ in _CATEGORIES],
-                     colors=[colour for _, _, colour in _CATEGORIES], step="post", linewidth=0)
+        stacks = [[value / GB for value in getattr(curve, name)] for name, _, _ in MEMORY_CATEGORIES]
+        ax.stackplot(x, *stacks, labels=[label for _, label, _ in MEMORY_CATEGORIES],
+                     colors=[colour for _, _, colour in MEMORY_CATEGORIES], step="post", linewidth=0)
         ax.axhline(plan.budget_bytes / GB, color="black", linestyle="--", linewidth=1.2, label="budget")
         backward = next((i for i, phase in enumerate(curve.phases) if phase.value == "backward"), None)
         if backward is not None:
@@ -121,7 +121,7 @@ def _timeline_svg(plan: PlanRecord) -> str:
     axes[0].legend(loc="upper left", fontsize=8, ncols=3)
     if plan.memory_after is not None and plan.memory_after.host_pool_bytes:
         axes[1].legend(loc="upper left", fontsize=8, ncols=3)
-    return _svg(figure)
+    return figure_svg(figure)
 
 
 def _pareto_svg(plan: PlanRecord) -> str:
@@ -138,10 +138,10 @@ def _pareto_svg(plan: PlanRecord) -> str:
     ax.set_ylabel("predicted overhead, % of the step")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _svg(figure)
+    return figure_svg(figure)
 
 
-def _svg(figure: Any) -> str:
+def figure_svg(figure: Any) -> str:
     buffer = io.StringIO()
     figure.savefig(buffer, format="svg")
     text = buffer.getvalue()
@@ -162,12 +162,12 @@ def report_html(plan: PlanRecord, *, depth: int = 2) -> str:
     parts = [
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
         f"<title>autockpt plan: {e(plan.fingerprint.model_class if plan.fingerprint else 'model')}</title>",
-        f"<style>{_CSS}</style></head><body>",
+        f"<style>{REPORT_CSS}</style></head><body>",
         "<h1>autockpt memory plan</h1>",
         "<p class='units'>GB = 10<sup>9</sup> bytes, GiB = 2<sup>30</sup> bytes. Everything below is predicted by "
         "autockpt's simulator from one profiled step, except a measured peak, which is said.</p>",
         *notice,
-        _html_table(["", ""], _headline(plan), show_header=False, css="summary"),
+        html_table(["", ""], _headline(plan), show_header=False, css="summary"),
         "<h2>Memory of one training step</h2>",
     ]
     if plan.memory_before is not None and plan.memory_after is not None:
@@ -175,7 +175,7 @@ def report_html(plan: PlanRecord, *, depth: int = 2) -> str:
     else:
         parts.append("<p>No timeline in this plan (it was not made by autockpt's planner).</p>")
     parts.append(f"<h2>Per module (depth {depth})</h2>")
-    parts.append(_html_table(
+    parts.append(html_table(
         ["module", "activation bytes not kept", "recompute ms", "recomputed units"],
         [("&nbsp;" * 4 * (r.path.count(".") + 1 if r.path else 0) + e(r.path or "(model)"), format_bytes(r.saved_bytes),
           f"{r.recompute_ms:.2f}", f"{r.recomputed_units} / {r.units}") for r in module_rows(plan, depth)],
@@ -183,7 +183,7 @@ def report_html(plan: PlanRecord, *, depth: int = 2) -> str:
     ))
     parts.append(f"<h2>Decisions: {len(plan.regions)} regions</h2>")
     if plan.regions:
-        parts.append(_html_table(
+        parts.append(html_table(
             ["#", "first unit", "last unit", "units", "module", "saved bytes (unmodified)", "recompute ms", "action"],
             [(str(r.index), e(r.first), e(r.last), str(r.units), e(r.module_path or "(model)"),
               format_bytes(r.saved_bytes), f"{r.recompute_ms:.2f}", e(r.action)) for r in region_rows(plan)],
@@ -192,11 +192,11 @@ def report_html(plan: PlanRecord, *, depth: int = 2) -> str:
     else:
         parts.append("<p>Nothing is recomputed or offloaded: the unmodified step fits the budget.</p>")
     parts.append("<h2>Solver</h2>")
-    parts.append(_html_table(["", ""], _solver_rows(plan), show_header=False, css="summary"))
+    parts.append(html_table(["", ""], _solver_rows(plan), show_header=False, css="summary"))
     parts.append("<h2>Pareto curve: predicted peak vs predicted overhead</h2>")
     if plan.pareto:
         parts.append(no_plot or f"<figure>{_pareto_svg(plan)}</figure>")
-        parts.append(_html_table(["budget", "predicted peak", "predicted overhead", "regions"], _pareto_rows(plan)))
+        parts.append(html_table(["budget", "predicted peak", "predicted overhead", "regions"], _pareto_rows(plan)))
     else:
         parts.append("<p>Not computed for this plan (<code>autockpt plan --pareto N</code> or "
                      "<code>Planner.plan(..., pareto_points=N)</code>).</p>")
@@ -218,39 +218,39 @@ def _pareto_rows(plan: PlanRecord) -> list[tuple[str, ...]]:
 def report_markdown(plan: PlanRecord, *, depth: int = 2) -> str:
     """The report's tables in markdown (plots are in the HTML report)."""
     lines = ["# autockpt memory plan", "", "GB = 10^9 bytes, GiB = 2^30 bytes; figures are predicted unless said.", ""]
-    lines += _md_table(["", ""], _headline(plan))
+    lines += md_table(["", ""], _headline(plan))
     if plan.memory_after is not None:
         after = plan.memory_after
         peak_event = max(range(len(after.phases)), key=after.total_bytes.__getitem__)
         lines += ["", "## At the predicted peak", ""]
-        lines += _md_table(["category", "bytes"], [
-            (label, format_bytes(getattr(after, name)[peak_event])) for name, label, _ in _CATEGORIES
+        lines += md_table(["category", "bytes"], [
+            (label, format_bytes(getattr(after, name)[peak_event])) for name, label, _ in MEMORY_CATEGORIES
         ] + [("total", format_bytes(after.total_bytes[peak_event]))]
           + ([("host pool occupancy (host memory, not in the total)", format_bytes(after.host_pool_bytes[peak_event]))]
              if after.host_pool_bytes else []))
     lines += ["", f"## Per module (depth {depth})", ""]
-    lines += _md_table(
+    lines += md_table(
         ["module", "activation bytes not kept", "recompute ms", "recomputed units"],
         [(r.path or "(model)", format_bytes(r.saved_bytes), f"{r.recompute_ms:.2f}", f"{r.recomputed_units} / {r.units}")
          for r in module_rows(plan, depth)],
     )
     lines += ["", f"## Decisions: {len(plan.regions)} regions", ""]
-    lines += _md_table(
+    lines += md_table(
         ["#", "first unit", "last unit", "units", "module", "saved bytes (unmodified)", "recompute ms", "action"],
         [(str(r.index), r.first, r.last, str(r.units), r.module_path or "(model)", format_bytes(r.saved_bytes),
           f"{r.recompute_ms:.2f}", r.action) for r in region_rows(plan)],
     )
     lines += ["", "## Solver", ""]
-    lines += _md_table(["", ""], _solver_rows(plan))
+    lines += md_table(["", ""], _solver_rows(plan))
     if plan.pareto:
         lines += ["", "## Pareto curve", ""]
-        lines += _md_table(["budget", "predicted peak", "predicted overhead", "regions"], _pareto_rows(plan))
+        lines += md_table(["budget", "predicted peak", "predicted overhead", "regions"], _pareto_rows(plan))
     if plan.notes:
         lines += ["", "## Notes", ""] + [f"- {note}" for note in plan.notes]
     return "\n".join(lines) + "\n"
 
 
-def _md_table(header: list[str], rows: list[tuple[str, ...]]) -> list[str]:
+def md_table(header: list[str], rows: list[tuple[str, ...]]) -> list[str]:
     def cell(text: str) -> str:
         return text.replace("|", "\\|")
 
@@ -259,7 +259,7 @@ def _md_table(header: list[str], rows: list[tuple[str, ...]]) -> list[str]:
     return lines
 
 
-def _html_table(
+def html_table(
     columns: list[str], rows: list[tuple[str, ...]], *, show_header: bool = True, css: str = "", escape: bool = True
 ) -> str:
     """A table; cells are escaped unless ``escape`` is False (the caller escaped them and added markup)."""
@@ -269,7 +269,7 @@ def _html_table(
     return f"<table class='{css}'>{head}{body}</table>"
 
 
-_CSS = """
+REPORT_CSS = """
 body { font-family: system-ui, -apple-system, 'Segoe UI', sans-serif; margin: 2em auto; max-width: 1100px;
        color: #222; line-height: 1.4; padding: 0 1em; }
 h1 { font-size: 1.6em; } h2 { font-size: 1.2em; margin-top: 1.8em; border-bottom: 1px solid #ddd; }

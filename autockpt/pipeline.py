@@ -346,13 +346,21 @@ class _StageTable:
         assert isinstance(graph.executable, fx.GraphModule)
         self.values = values
         boundaries = block_boundaries(graph)
-        legal = [p for p in boundaries if not cut_problem(graph.executable, values, p)]
-        self.candidates = tuple(_spread(legal, max_candidates))
-        if len(self.candidates) < request.num_stages - 1:
+        self.legal_cuts = tuple(p for p in boundaries if not cut_problem(graph.executable, values, p))
+        if len(self.legal_cuts) < request.num_stages - 1:
             raise ValueError(
-                f"{type(request.model).__name__} has {len(legal)} places to cut between its blocks where only tensors "
-                f"cross ({len(boundaries)} block boundaries); {request.num_stages} stages need {request.num_stages - 1}"
+                f"{type(request.model).__name__} has {len(self.legal_cuts)} places to cut between its blocks where "
+                f"only tensors cross ({len(boundaries)} block boundaries); {request.num_stages} stages need "
+                f"{request.num_stages - 1}"
             )
+        # the split given by name or by cuts, over every legal cut (None: the program or the exhaustive search
+        # chooses among the candidates)
+        self.given_cuts: tuple[int, ...] | None = None
+        if isinstance(request.split, tuple):
+            self.given_cuts = _checked_cuts(request.split, graph, values, self.legal_cuts)
+        elif request.split in ("even-layers", "parameter-balanced"):
+            self.given_cuts = baseline_cuts(self, request.split)
+        self.candidates = tuple(sorted({*_spread(list(self.legal_cuts), max_candidates), *(self.given_cuts or ())}))
         self._crossing = crossing_tensors(graph, args, kwargs, self.candidates)
         # stage times come from one trace of the whole step: timings of tiny stages traced one by one are noisy,
         # and every split must be compared on the same numbers
@@ -385,6 +393,9 @@ class _StageTable:
 
     def graph_of(self, first: int, last: int, *, index: int = 0) -> StageGraph:
         return stage_graph(self.graph, first, last, index=index)
+
+    def trains_parameters(self, first: int, last: int) -> bool:
+        return any(p.requires_grad for p in self.graph_of(first, last).module.parameters())
 
     def planner(self, first: int, last: int) -> Planner:
         key = (first, last)
@@ -430,6 +441,11 @@ class _StageTable:
         so the budget left for one microbatch is found by a short fixed point, starting from what the unmodified
         stage keeps (the most any plan keeps: the first answer always fits)."""
         request = self.request
+        if not self.trains_parameters(first, last):
+            # nothing to train there (e.g. only the position encodings before the first layer): torch's pipelining
+            # could run it, but it holds a device for no parameters; the Planner has no training step to plan
+            logger.debug("no stage runs units %d..%d alone: they train no parameter", first, last)
+            return None
         planner = self.planner(first, last)
         in_flight = request.schedule.in_flight(stage, request.num_stages, request.microbatches)
         buffers = self.buffer_bytes(first, last, planner)
@@ -468,10 +484,13 @@ class _StageTable:
         )
         return forward * (1 + self.backward_ratio) + recomputed + the_plan.machinery_ms
 
-    def floor_at(self, stage: int, first: int, last: int) -> int:
+    def floor_at(self, stage: int, first: int, last: int) -> int | None:
         """The least budget this stage position keeps: its plan's smallest one-microbatch peak, its buffers and the
-        other microbatches in flight at what the unmodified stage keeps."""
+        other microbatches in flight at what the unmodified stage keeps (None: units that train nothing are no
+        stage, as in ``_solve``)."""
         request = self.request
+        if not self.trains_parameters(first, last):
+            return None
         planner = self.planner(first, last)
         in_flight = request.schedule.in_flight(stage, request.num_stages, request.microbatches)
         try:
@@ -528,8 +547,10 @@ class _StageTable:
         return self._output_bytes[id(planner)]
 
     def problem(self, link_gb_per_s: float) -> SplitProblem:
+        """Every stage a split may use (a given split: its own stages only, each planned once) with its time."""
         options = []
-        for (first, last), stage in itertools.product(self.runs(), range(self.request.num_stages)):
+        runs = self.runs() if self.given_cuts is None else _pieces(list(self.given_cuts), self.num_units)
+        for (first, last), stage in itertools.product(runs, range(self.request.num_stages)):
             if not self.can_hold(stage, first, last):
                 continue
             entry = self.entry_at(stage, first, last)
@@ -612,44 +633,66 @@ def _choose_split(problem: SplitProblem, table: _StageTable, split: str | tuple[
         return solve_split(problem, options)
     if split == "exhaustive":
         return exhaustive_split(problem)
-    cuts = split if not isinstance(split, str) else baseline_cuts(table, split)
+    cuts = table.given_cuts  # among the candidates: the problem offers each of its stages unless no plan keeps it
+    assert cuts is not None
     bounds = [-1, *cuts, table.num_units - 1]
     chosen = []
     for stage in range(table.request.num_stages):
         first, last = bounds[stage] + 1, bounds[stage + 1]
         match = [o for o in problem.options if (o.stage, o.first_unit, o.last_unit) == (stage, first, last)]
         if not match:
-            entry = table.entry_at(stage, first, last) if (first, last) in table.runs() else None
-            if entry is None:
-                return None
-            match = [StageOption(stage=stage, first_unit=first, last_unit=last, microbatch_ms=entry.microbatch_ms)]
+            return None
         chosen.append(match[0])
     return Split(cuts=tuple(cuts), options=tuple(chosen), predicted_step_ms=step_ms(problem, chosen))
 
 
 def baseline_cuts(table: _StageTable, strategy: str) -> tuple[int, ...]:
-    """The cuts of a baseline split over the candidate cuts: as many blocks per stage ("even-layers", torchtitan's
-    default), or as many parameter bytes per stage ("parameter-balanced", DeepSpeed's default)."""
+    """The cuts of a baseline split over every legal cut: as many layers per stage ("even-layers", torchtitan's
+    default: what precedes the first layer stays with it, what follows the last with it), or as many parameter
+    bytes per stage ("parameter-balanced", DeepSpeed's default)."""
     num_stages = table.request.num_stages
-    candidates = list(table.candidates)
+    legal = list(table.legal_cuts)
+    pieces = _pieces(legal, table.num_units)
     if strategy == "even-layers":
-        weights = [1.0] * (len(candidates) + 1)
+        blocks = unit_blocks(table.graph)
+        weights = [float(len({blocks[u].path for u in range(a, b + 1) if blocks[u].is_layer})) for a, b in pieces]
+        if not any(weights):  # no stack of layers: every piece between blocks counts as one
+            weights = [1.0] * len(pieces)
     else:
-        weights = [float(_parameter_bytes(table, first, last)) for first, last in _pieces(candidates, table.num_units)]
+        weights = [float(_parameter_bytes(table, first, last)) for first, last in pieces]
     total = sum(weights)
     cuts, running = [], 0.0
     for index, weight in enumerate(weights[:-1]):
         running += weight
         if len(cuts) < num_stages - 1 and running >= total * (len(cuts) + 1) / num_stages - 1e-9:
-            cuts.append(candidates[index])
-    while len(cuts) < num_stages - 1:  # too few pieces reached a share: take the last candidates left
-        cuts.append(next(c for c in reversed(candidates) if c not in cuts))
+            cuts.append(legal[index])
+    while len(cuts) < num_stages - 1:  # too few pieces reached a share: take the last cuts left
+        cuts.append(next(c for c in reversed(legal) if c not in cuts))
         cuts.sort()
     return tuple(cuts)
 
 
-def _pieces(candidates: list[int], num_units: int) -> list[tuple[int, int]]:
-    bounds = [-1, *candidates, num_units - 1]
+def _checked_cuts(cuts: tuple[int, ...], graph: Graph, values: dict, legal: tuple[int, ...]) -> tuple[int, ...]:
+    """Cuts the user gave: ascending, inside the graph, and where only tensors cross (else a ValueError that says
+    why and where the model can be cut)."""
+    num_units = len(graph.units)
+    if list(cuts) != sorted(set(cuts)) or cuts[0] < 0 or cuts[-1] >= num_units - 1:
+        raise ValueError(
+            f"split cuts must be ascending unit indices from 0 to {num_units - 2} (cut after that unit), got "
+            f"{list(cuts)}; the model's block boundaries where it can be cut: {list(legal)}"
+        )
+    assert isinstance(graph.executable, fx.GraphModule)
+    for cut in cuts:
+        if problem := cut_problem(graph.executable, values, cut):
+            raise ValueError(
+                f"the model cannot be cut after unit {cut}: {problem} (torch.distributed.pipelining sends only "
+                f"tensors between stages); block boundaries where it can be cut: {list(legal)}"
+            )
+    return cuts
+
+
+def _pieces(cuts: list[int], num_units: int) -> list[tuple[int, int]]:
+    bounds = [-1, *cuts, num_units - 1]
     return [(a + 1, b) for a, b in zip(bounds, bounds[1:])]
 
 
@@ -658,29 +701,34 @@ def _parameter_bytes(table: _StageTable, first: int, last: int) -> int:
     return sum(p.nbytes for p in {id(p): p for p in stage.module.parameters()}.values())
 
 
-def block_boundaries(graph: Graph) -> list[int]:
-    """Unit boundaries between blocks: where the innermost enclosing block changes. A block is a child of the root
-    module or of a ``ModuleList``/``Sequential`` (transformer layers, a UNet's down blocks); glue ops at the root are
-    their own block. Cut after unit p = between units p and p+1."""
+@dataclass(frozen=True, slots=True)
+class _Block:
+    path: str  # module path of the block a unit runs in ("" for glue ops at the root)
+    is_layer: bool  # one of a stack's layers (a child of a ModuleList/Sequential), not a top-level module
+
+
+def unit_blocks(graph: Graph) -> list[_Block]:
+    """The block each unit runs in: the outermost child of a ``ModuleList``/``Sequential`` on its module path (a
+    transformer layer, a ResNet stage's block, a UNet's down block: the MLP ``Sequential`` inside a layer is part of
+    the layer), else the top-level module it runs in; glue ops at the root are their own block."""
     model = graph.model
-    blocks = {name for name, _ in model.named_children()}
-    for name, module in model.named_modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)):
-            blocks.update(f"{name}.{child}" if name else child for child, _ in module.named_children())
+    containers = {name for name, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential))}
 
-    def block_of(path: str) -> str:
+    def block_of(path: str) -> _Block:
         parts = path.split(".") if path else []
-        for depth in range(len(parts), 0, -1):
-            if ".".join(parts[:depth]) in blocks and not _is_container(model, ".".join(parts[:depth])):
-                return ".".join(parts[:depth])
-        return ""
+        for depth in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:depth])
+            if ".".join(parts[: depth - 1]) in containers and prefix not in containers:
+                return _Block(prefix, True)
+        return _Block(parts[0] if parts else "", False)
 
-    keys = [block_of(unit.module_path) for unit in graph.units]
+    return [block_of(unit.module_path) for unit in graph.units]
+
+
+def block_boundaries(graph: Graph) -> list[int]:
+    """Unit boundaries between blocks (``unit_blocks``). Cut after unit p = between units p and p+1."""
+    keys = [block.path for block in unit_blocks(graph)]
     return [p for p in range(len(keys) - 1) if keys[p] != keys[p + 1]]
-
-
-def _is_container(model: nn.Module, path: str) -> bool:
-    return isinstance(model.get_submodule(path), (nn.ModuleList, nn.Sequential))
 
 
 def _spread(points: list[int], limit: int) -> list[int]:
@@ -715,18 +763,15 @@ def _infeasible(table: _StageTable, request: _PipelineRequest, link: float) -> I
     the unmodified stage keeps (``_StageTable._solve``'s first try, so a budget at the floor finds that plan); the
     answer is the least over splits of the largest floor, checked by solving the table at that budget."""
     floors = {}
-    given = request.split if not isinstance(request.split, str) else (
-        baseline_cuts(table, request.split) if request.split in ("even-layers", "parameter-balanced") else None
-    )
+    given = table.given_cuts
     if given is not None:  # a given split: its own stages' floors
         bounds = [-1, *given, table.num_units - 1]
         runs = [((bounds[k] + 1, bounds[k + 1]), k) for k in range(request.num_stages)]
     else:
         runs = list(itertools.product(table.runs(), range(request.num_stages)))
     for (first, last), stage in runs:
-        if not table.can_hold(stage, first, last):
-            continue
-        floors[(stage, first, last)] = table.floor_at(stage, first, last)
+        if table.can_hold(stage, first, last) and (floor := table.floor_at(stage, first, last)) is not None:
+            floors[(stage, first, last)] = floor
     problem = SplitProblem(
         num_units=table.num_units, num_stages=request.num_stages, microbatches=request.microbatches,
         # the "time" of an option is its floor: the split minimising the largest floor, by the same enumerator

@@ -22,7 +22,7 @@ from autockpt.errors import (
 from autockpt.estimate import MemoryEstimate, estimate
 from autockpt.loss import default_loss
 from autockpt.measure import measure_step
-from autockpt.pipeline import PipelinePlan, load_pipeline_plan, plan_pipeline
+from autockpt.pipeline import PipelinePlan, compare_pipeline_splits, load_pipeline_plan, plan_pipeline
 from autockpt.pipeline_run import pipeline_schedule
 from autockpt.plan import Plan, load_plan
 from autockpt.rewrite import OptimizedModule
@@ -63,8 +63,8 @@ __all__ = [
     "ParetoPoint",
     "PipelinePlan",
     "PipelineSchedule",
-    "Plan",
     "Placement",
+    "Plan",
     "PlanFileError",
     "PlanMismatchError",
     "PlanStatus",
@@ -75,11 +75,12 @@ __all__ = [
     "RegionAction",
     "SolverOptions",
     "SolverStats",
-    "UnplannedStepError",
     "Stage",
+    "UnplannedStepError",
     "apply_plan",
     "baseline_plan",
     "baseline_regions",
+    "compare_pipeline_splits",
     "default_loss",
     "estimate",
     "get_plan",

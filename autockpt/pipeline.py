@@ -21,6 +21,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -167,14 +168,51 @@ def plan_pipeline(
     are split into microbatches. ``loss_fn(output, target)`` is the loss of one microbatch, as
     ``torch.distributed.pipelining`` calls it (gradients are averaged over microbatches). ``split``: "autockpt"
     (the split program), "exhaustive" (every split over the candidate cuts), "even-layers", "parameter-balanced", or
-    the units to cut after. Raises ``InfeasibleBudgetError`` with the smallest per-device budget that a split keeps
-    when none keeps the given one.
+    the units to cut after. ``max_cut_candidates``: block boundaries the program and the exhaustive search choose
+    from (spread over the model; given and baseline cuts are added). ``link_gb_per_s``: what sending activations
+    between stages is priced at (default: the device's copy bandwidth). Raises ``InfeasibleBudgetError`` with the
+    smallest per-device budget that a split keeps when none keeps the given one.
     """
+    (result,) = compare_pipeline_splits(
+        model, num_stages, budget_gb, splits=(split,), budget_bytes=budget_bytes, microbatches=microbatches,
+        schedule=schedule, example_inputs=example_inputs, example_kwargs=example_kwargs, example_target=example_target,
+        loss_fn=loss_fn, return_outputs=return_outputs, max_cut_candidates=max_cut_candidates,
+        link_gb_per_s=link_gb_per_s, solver_options=solver_options,
+    ).values()
+    if isinstance(result, InfeasibleBudgetError):
+        raise result
+    return result
+
+
+def compare_pipeline_splits(
+    model: nn.Module,
+    num_stages: int = 2,
+    budget_gb: float | Sequence[float] | None = None,
+    *,
+    splits: Sequence[str | Sequence[int]] = SPLIT_STRATEGIES,
+    budget_bytes: int | Sequence[int] | None = None,
+    microbatches: int = 4,
+    schedule: PipelineSchedule | str = PipelineSchedule.ONE_F_ONE_B,
+    example_inputs: Any = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    example_target: Any = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    return_outputs: bool = True,
+    max_cut_candidates: int = 16,
+    link_gb_per_s: float | None = None,
+    solver_options: SolverOptions | None = None,
+) -> dict[str, PipelinePlan | InfeasibleBudgetError]:
+    """``plan_pipeline`` for several splits on one profile of the step (one capture, one timing, one planner per
+    candidate stage), so that their predictions share one cost model: by split name ("autockpt", "exhaustive",
+    "even-layers", "parameter-balanced", or the cuts written as "after 12, 40"), the plan or the
+    ``InfeasibleBudgetError`` that says the smallest budget that split keeps. ``plan_time_s`` of each plan counts
+    from the start of this call."""
     started = time.perf_counter()
     request = _PipelineRequest.check(
         model, num_stages, budget_gb, budget_bytes, microbatches, schedule, example_inputs, example_kwargs,
-        example_target, loss_fn, split, return_outputs,
+        example_target, loss_fn, splits, return_outputs,
     )
+    results: dict[str, PipelinePlan | InfeasibleBudgetError] = {}
     with preserved_model_state(model, request.microbatch_args, request.microbatch_kwargs):
         enter_training_modes(model)
         graph = capture(model, request.microbatch_args, request.microbatch_kwargs)
@@ -185,22 +223,28 @@ def plan_pipeline(
             )
         table = _StageTable(request, graph, max_cut_candidates, solver_options)
         link = link_gb_per_s if link_gb_per_s is not None else _device_copy_gb_per_s(model)
-        problem = table.problem(link)
-        chosen = _choose_split(problem, table, request.split, solver_options)
-        if chosen is None:
-            raise _infeasible(table, request, link)
-        stages = [table.record(option) for option in chosen.options]
-        stage_plans = tuple(table.entry(option).plan for option in chosen.options)
-        graphs = [table.graph_of(option.first_unit, option.last_unit, index=option.stage) for option in chosen.options]
         fingerprint = plan_io.model_fingerprint(model, graph, request.microbatch_args, request.microbatch_kwargs)
-    return PipelinePlan(
-        num_stages=request.num_stages, microbatches=request.microbatches, schedule=request.schedule,
-        return_outputs=return_outputs, cuts=chosen.cuts, stages=tuple(stages), stage_plans=stage_plans,
-        shared_parameters=shared_parameters(graphs), predicted_step_ms=chosen.predicted_step_ms,
-        link_gb_per_s=link, strategy=request.split if isinstance(request.split, str) else "given",
-        capture=graph.kind, fingerprint=fingerprint, candidate_cuts=table.candidates,
-        plan_time_s=time.perf_counter() - started, notes=graph.notes,
-    )
+        for split in request.splits:
+            chosen = _choose_split(table, split, link, solver_options)
+            if chosen is None:
+                results[split_name(split)] = _infeasible(table, request, link, split)
+                continue
+            graphs = [table.graph_of(o.first_unit, o.last_unit, index=o.stage) for o in chosen.options]
+            results[split_name(split)] = PipelinePlan(
+                num_stages=request.num_stages, microbatches=request.microbatches, schedule=request.schedule,
+                return_outputs=request.return_outputs, cuts=chosen.cuts,
+                stages=tuple(table.record(option) for option in chosen.options),
+                stage_plans=tuple(table.entry(option).plan for option in chosen.options),
+                shared_parameters=shared_parameters(graphs), predicted_step_ms=chosen.predicted_step_ms,
+                link_gb_per_s=link, strategy=split if isinstance(split, str) else "given",
+                capture=graph.kind, fingerprint=fingerprint, candidate_cuts=table.candidates,
+                plan_time_s=time.perf_counter() - started, notes=graph.notes,
+            )
+    return results
+
+
+def split_name(split: str | tuple[int, ...]) -> str:
+    return split if isinstance(split, str) else "after " + ", ".join(map(str, split))
 
 
 # ------------------------------------------------------------------------------------------------ the request
@@ -217,7 +261,7 @@ class _PipelineRequest:
     microbatch_kwargs: dict
     microbatch_target: Any
     loss_fn: Callable[[Any, Any], torch.Tensor]
-    split: str | tuple[int, ...]
+    splits: tuple[str | tuple[int, ...], ...]
     return_outputs: bool
     batch_input_bytes: int  # the whole batch's tensors (stage 0 holds them) and target (the last stage)
     batch_target_bytes: int
@@ -225,7 +269,7 @@ class _PipelineRequest:
     @staticmethod
     def check(
         model: Any, num_stages: Any, budget_gb: Any, budget_bytes: Any, microbatches: Any, schedule: Any,
-        example_inputs: Any, example_kwargs: Any, example_target: Any, loss_fn: Any, split: Any, return_outputs: bool,
+        example_inputs: Any, example_kwargs: Any, example_target: Any, loss_fn: Any, splits: Any, return_outputs: bool,
     ) -> _PipelineRequest:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -250,13 +294,20 @@ class _PipelineRequest:
                 "torch.distributed.pipelining calls it"
             )
         budgets = _budgets(budget_gb, budget_bytes, num_stages)
-        if isinstance(split, str):
-            if split not in SPLIT_STRATEGIES:
-                raise ValueError(f"split must be one of {SPLIT_STRATEGIES} or the units to cut after, got {split!r}")
-        else:
-            split = tuple(int(u) for u in split)
-            if len(split) != num_stages - 1:
-                raise ValueError(f"a given split needs {num_stages - 1} cuts for {num_stages} stages, got {list(split)}")
+        checked_splits = []
+        for split in splits:
+            if isinstance(split, str):
+                if split not in SPLIT_STRATEGIES:
+                    raise ValueError(
+                        f"split must be one of {SPLIT_STRATEGIES} or the units to cut after, got {split!r}"
+                    )
+            else:
+                split = tuple(int(u) for u in split)
+                if len(split) != num_stages - 1:
+                    raise ValueError(
+                        f"a given split needs {num_stages - 1} cuts for {num_stages} stages, got {list(split)}"
+                    )
+            checked_splits.append(split)
         args, kwargs = _as_call(example_inputs, example_kwargs)
         arg_chunks, kwarg_chunks = _split_batch(args, kwargs, microbatches, "example inputs")
         target_chunks = (
@@ -266,7 +317,7 @@ class _PipelineRequest:
         return _PipelineRequest(
             model=model, num_stages=num_stages, budgets_bytes=budgets, microbatches=microbatches,
             schedule=schedule, microbatch_args=arg_chunks[0], microbatch_kwargs=kwarg_chunks[0],
-            microbatch_target=target_chunks[0], loss_fn=loss_fn, split=split, return_outputs=bool(return_outputs),
+            microbatch_target=target_chunks[0], loss_fn=loss_fn, splits=tuple(checked_splits), return_outputs=bool(return_outputs),
             batch_input_bytes=unique_storage_bytes(_tensors((args, kwargs))),
             batch_target_bytes=unique_storage_bytes(_tensors(example_target)),
         )
@@ -353,21 +404,23 @@ class _StageTable:
                 f"only tensors cross ({len(boundaries)} block boundaries); {request.num_stages} stages need "
                 f"{request.num_stages - 1}"
             )
-        # the split given by name or by cuts, over every legal cut (None: the program or the exhaustive search
-        # chooses among the candidates)
-        self.given_cuts: tuple[int, ...] | None = None
-        if isinstance(request.split, tuple):
-            self.given_cuts = _checked_cuts(request.split, graph, values, self.legal_cuts)
-        elif request.split in ("even-layers", "parameter-balanced"):
-            self.given_cuts = baseline_cuts(self, request.split)
-        self.candidates = tuple(sorted({*_spread(list(self.legal_cuts), max_candidates), *(self.given_cuts or ())}))
+        # the splits given by name or by cuts, over every legal cut (the program and the exhaustive search choose
+        # among the candidates, which include these)
+        self.given_cuts: dict[str | tuple[int, ...], tuple[int, ...]] = {
+            split: _checked_cuts(split, graph, values, self.legal_cuts) if isinstance(split, tuple)
+            else baseline_cuts(self, split)
+            for split in request.splits if split not in ("autockpt", "exhaustive")
+        }
+        given = {cut for cuts in self.given_cuts.values() for cut in cuts}
+        self.candidates = tuple(sorted({*_spread(list(self.legal_cuts), max_candidates), *given}))
         self._crossing = crossing_tensors(graph, args, kwargs, self.candidates)
         # stage times come from one trace of the whole step: timings of tiny stages traced one by one are noisy,
         # and every split must be compared on the same numbers
         target, loss_fn = request.microbatch_target, request.loss_fn
-        whole = trace_step(graph, args, kwargs, checked_loss(lambda output: loss_fn(output, target)))
-        self.unit_ms = [u.forward_ms for u in whole.units]
-        self.backward_ratio = max(whole.step_ms / max(whole.forward_ms, 1e-9) - 1.0, 0.0)
+        # (the median of three: one trace on a busy machine gave the same split 13 ms and 3763 ms)
+        traces = [trace_step(graph, args, kwargs, checked_loss(lambda output: loss_fn(output, target))) for _ in range(3)]
+        self.unit_ms = [statistics.median(t.units[u].forward_ms for t in traces) for u in range(self.num_units)]
+        self.backward_ratio = max(statistics.median(t.step_ms / max(t.forward_ms, 1e-9) for t in traces) - 1.0, 0.0)
         self._planners: dict[tuple[int, int], Planner] = {}
         self._entries: dict[tuple[int, int, int], _StageEntry | None] = {}
         self._output_bytes: dict[int, int] = {}  # per stage planner (they live as long as the table)
@@ -504,9 +557,11 @@ class _StageTable:
 
     def buffer_bytes(self, first: int, last: int, planner: Planner) -> int:
         """The schedule's tensors on this stage beside one microbatch's step: receive buffers for the inputs of every
-        microbatch (the stage's own trace counts one as its input), receive buffers for the gradients of what it
-        sends, the rest of the batch on stage 0, the target and (when returned) the outputs of every other
-        microbatch on the last stage."""
+        microbatch (the stage's own trace counts one as its input), the gradients of its inputs from the previous
+        microbatch's backward (1F1B keeps them referenced in its list of sends until the next send: measured +16 384 B
+        on a GPT-2-style last stage without them), receive buffers for the gradients of what it sends, the rest of
+        the batch on stage 0, the target and (when returned) the outputs of every other microbatch on the last
+        stage."""
         request = self.request
         m = request.microbatches
         stage = self.graph_of(first, last)
@@ -515,6 +570,10 @@ class _StageTable:
             total += request.batch_input_bytes - planner.trace.input_bytes
         else:
             total += (m - 1) * planner.trace.input_bytes
+            total += sum(
+                self._crossing[name].untyped_storage().nbytes() for name in stage.input_names
+                if self._crossing[name].requires_grad
+            )
         if last < self.num_units - 1:
             total += m * sum(
                 self._crossing[name].untyped_storage().nbytes() for name in stage.output_names
@@ -546,10 +605,10 @@ class _StageTable:
                 self._output_bytes[id(planner)] = unique_storage_bytes(_tensors(planner.model(*args, **kwargs)))
         return self._output_bytes[id(planner)]
 
-    def problem(self, link_gb_per_s: float) -> SplitProblem:
-        """Every stage a split may use (a given split: its own stages only, each planned once) with its time."""
+    def problem(self, link_gb_per_s: float, cuts: tuple[int, ...] | None = None) -> SplitProblem:
+        """Every stage a split may use, with its time (given cuts: their own stages only)."""
         options = []
-        runs = self.runs() if self.given_cuts is None else _pieces(list(self.given_cuts), self.num_units)
+        runs = self.runs() if cuts is None else _pieces(list(cuts), self.num_units)
         for (first, last), stage in itertools.product(runs, range(self.request.num_stages)):
             if not self.can_hold(stage, first, last):
                 continue
@@ -628,13 +687,15 @@ def seeded_backward(stage_outputs: Sequence[torch.Tensor]) -> Callable[[Any], to
 # ------------------------------------------------------------------------------------------------ choosing
 
 
-def _choose_split(problem: SplitProblem, table: _StageTable, split: str | tuple[int, ...], options: SolverOptions | None):
+def _choose_split(
+    table: _StageTable, split: str | tuple[int, ...], link: float, options: SolverOptions | None
+) -> Split | None:
     if split == "autockpt":
-        return solve_split(problem, options)
+        return solve_split(table.problem(link), options)
     if split == "exhaustive":
-        return exhaustive_split(problem)
-    cuts = table.given_cuts  # among the candidates: the problem offers each of its stages unless no plan keeps it
-    assert cuts is not None
+        return exhaustive_split(table.problem(link))
+    cuts = table.given_cuts[split]  # among the candidates: each of its stages is offered unless no plan keeps it
+    problem = table.problem(link, cuts)
     bounds = [-1, *cuts, table.num_units - 1]
     chosen = []
     for stage in range(table.request.num_stages):
@@ -757,13 +818,15 @@ def _device_copy_gb_per_s(model: nn.Module) -> float:
     return source.nbytes / min(timings) / 1e9
 
 
-def _infeasible(table: _StageTable, request: _PipelineRequest, link: float) -> InfeasibleBudgetError:
+def _infeasible(
+    table: _StageTable, request: _PipelineRequest, link: float, split: str | tuple[int, ...]
+) -> InfeasibleBudgetError:
     """No split keeps every budget: the smallest uniform per-device budget a split keeps. Each stage position's
     floor is its plan's smallest one-microbatch peak plus its buffers plus the other microbatches in flight at what
     the unmodified stage keeps (``_StageTable._solve``'s first try, so a budget at the floor finds that plan); the
     answer is the least over splits of the largest floor, checked by solving the table at that budget."""
     floors = {}
-    given = table.given_cuts
+    given = table.given_cuts.get(split)
     if given is not None:  # a given split: its own stages' floors
         bounds = [-1, *given, table.num_units - 1]
         runs = [((bounds[k] + 1, bounds[k + 1]), k) for k in range(request.num_stages)]
@@ -781,7 +844,7 @@ def _infeasible(table: _StageTable, request: _PipelineRequest, link: float) -> I
     best = exhaustive_split(problem)
     smallest = int(max(o.microbatch_ms for o in best.options)) if best is not None else None
     for _ in range(8):  # the floor is checked by planning at it; rounding in the solver may need a little more
-        if smallest is None or _some_split_keeps(table, smallest, link):
+        if smallest is None or _some_split_keeps(table, smallest, link, split):
             break
         smallest = int(smallest * 1.01) + 1
     budgets = ", ".join(format_bytes(b) for b in sorted(set(request.budgets_bytes)))
@@ -792,13 +855,13 @@ def _infeasible(table: _StageTable, request: _PipelineRequest, link: float) -> I
         )
     return InfeasibleBudgetError(
         f"no split of {type(request.model).__name__} into {request.num_stages} stages with {request.microbatches} "
-        f"microbatches ({request.schedule.value}; split: {request.split}) keeps {budgets} per device; the smallest "
+        f"microbatches ({request.schedule.value}; split: {split_name(split)}) keeps {budgets} per device; the smallest "
         f"budget {'a split' if given is None else 'this split'} keeps on every device is {format_bytes(smallest)} ({smallest} bytes). Give that budget, more stages, or more, "
         "smaller microbatches",
         min_feasible_bytes=smallest, budget_bytes=min(request.budgets_bytes),
     )
 
 
-def _some_split_keeps(table: _StageTable, budget: int, link: float) -> bool:
+def _some_split_keeps(table: _StageTable, budget: int, link: float, split: str | tuple[int, ...]) -> bool:
     trial = table.at_budget(budget)
-    return _choose_split(trial.problem(link), trial, trial.request.split, trial.solver_options) is not None
+    return _choose_split(trial, split, link, trial.solver_options) is not None

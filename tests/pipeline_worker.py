@@ -247,3 +247,41 @@ def run_rank(rank: int, world: int, config: dict[str, Any], plan_path: str, out_
             pickle.dump(result, handle)
     finally:
         dist.destroy_process_group()
+
+
+def time_alternating(rank: int, world: int, config: dict[str, Any], plan_paths: list[str], out_dir: str,
+                     init_file: str) -> None:
+    """Step time of several pipeline plans of one model, compared in one process group: every rank builds a
+    schedule per plan, runs two untimed steps of each, then ``config["rounds"]`` rounds that step each plan once in
+    turn (the slower rank's time is the step's). Alternating spreads the machine's drift over all plans."""
+    import autockpt
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        model = build(config)
+        batch = torch.load(os.path.join(out_dir, "batch.pt"))
+        schedules = [
+            autockpt.pipeline_schedule(model, autockpt.load_pipeline_plan(path), rank=rank, device="cpu",
+                                       loss_fn=lm_loss)
+            for path in plan_paths
+        ]
+        seconds: list[list[float]] = [[] for _ in schedules]
+        for round_index in range(2 + config["rounds"]):
+            for index, schedule in enumerate(schedules):
+                for p in model.parameters():
+                    p.grad = None
+                dist.barrier()
+                started = time.perf_counter()
+                _step(schedule, rank, world, batch, config, [])
+                elapsed = torch.tensor([time.perf_counter() - started])
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                if round_index >= 2:
+                    seconds[index].append(elapsed.item())
+        if rank == 0:
+            with open(os.path.join(out_dir, "alternating.pkl"), "wb") as handle:
+                pickle.dump(seconds, handle)
+    finally:
+        dist.destroy_process_group()

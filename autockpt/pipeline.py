@@ -424,6 +424,7 @@ class _StageTable:
         self._planners: dict[tuple[int, int], Planner] = {}
         self._entries: dict[tuple[int, int, int], _StageEntry | None] = {}
         self._output_bytes: dict[int, int] = {}  # per stage planner (they live as long as the table)
+        self._floors: dict[tuple[int, int, int], int | None] = {}  # per stage position and units
 
     # the runs a stage may take: from one candidate boundary (or the start) to a later one (or the end)
     def runs(self) -> list[tuple[int, int]]:
@@ -541,6 +542,12 @@ class _StageTable:
         """The least budget this stage position keeps: its plan's smallest one-microbatch peak, its buffers and the
         other microbatches in flight at what the unmodified stage keeps (None: units that train nothing are no
         stage, as in ``_solve``)."""
+        key = (stage, first, last)
+        if key not in self._floors:  # no budget enters it: trial tables share it (``at_budget``)
+            self._floors[key] = self._floor(stage, first, last)
+        return self._floors[key]
+
+    def _floor(self, stage: int, first: int, last: int) -> int | None:
         request = self.request
         if not self.trains_parameters(first, last):
             return None

@@ -8,12 +8,10 @@ which imports this module when asked for a report: no import circle.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape as html_escape
-from pathlib import Path
 from typing import Protocol
 
 from autockpt.report import (
@@ -21,15 +19,13 @@ from autockpt.report import (
     REPORT_CSS,
     figure_svg,
     html_table,
-    matplotlib_import_error,
     md_table,
-    plots_missing_text,
+    plot_notices,
+    write_page,
 )
 from autockpt.summary import decisions_line, recomputing_regions
 from autockpt.types import ModelFingerprint, Phase, PipelineSchedule, PipelineStageRecord, PlanRecord, SharedParameter
 from autockpt.units import format_bytes
-
-_LOG = logging.getLogger(__name__)
 
 _OTHERS_COLOUR = "#937860"  # what the other microbatches in flight keep
 _BUFFERS_COLOUR = "#da8bc3"  # the schedule's buffers
@@ -71,9 +67,7 @@ class PipelinePlanFields(Protocol):
 def write_pipeline_report(pplan: PipelinePlanFields, path: str | os.PathLike[str]) -> None:
     """HTML (self-contained, plots inline as SVG) when ``path`` ends in .html/.htm, else markdown (no plots, no
     matplotlib)."""
-    target = Path(path)
-    html = target.suffix.lower() in (".html", ".htm")
-    target.write_text(pipeline_report_html(pplan) if html else pipeline_report_markdown(pplan))
+    write_page(path, lambda: pipeline_report_html(pplan), lambda: pipeline_report_markdown(pplan))
 
 
 # ------------------------------------------------------------------------------------------------ what is drawn
@@ -382,13 +376,7 @@ def pipeline_report_html(pplan: PipelinePlanFields) -> str:
     """A self-contained HTML page (no external files or scripts). Without an importable matplotlib the page is
     written without plots and says why at the top and in place of each plot (and a warning is logged)."""
     e = html_escape
-    missing = matplotlib_import_error()
-    notice: list[str] = []
-    no_plot = ""
-    if missing is not None:
-        _LOG.warning("%s", plots_missing_text(missing))
-        notice = [f"<p class='missing'>{e(plots_missing_text(missing))}</p>"]
-        no_plot = "<p class='missing'>Plot left out: matplotlib could not be imported (see the note at the top).</p>"
+    notice, no_plot = plot_notices()
     boxes = schedule_boxes(pplan)
     end = max((box.end_ms for box in boxes), default=0.0)
     parts = [

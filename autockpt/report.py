@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+from collections.abc import Callable
 from html import escape as html_escape
 from pathlib import Path
 from typing import Any
@@ -30,9 +31,13 @@ MEMORY_CATEGORIES = (  # (MemoryCurve field, label, colour)
 def write_report(plan: PlanRecord, path: str | os.PathLike[str], *, depth: int = 2) -> None:
     """HTML (self-contained, plots inline as SVG) when ``path`` ends in .html/.htm, else markdown (no plots, no
     matplotlib)."""
+    write_page(path, lambda: report_html(plan, depth=depth), lambda: report_markdown(plan, depth=depth))
+
+
+def write_page(path: str | os.PathLike[str], html: Callable[[], str], markdown: Callable[[], str]) -> None:
+    """Write ``html()`` when ``path`` ends in .html/.htm, else ``markdown()``."""
     target = Path(path)
-    html = target.suffix.lower() in (".html", ".htm")
-    target.write_text(report_html(plan, depth=depth) if html else report_markdown(plan, depth=depth))
+    target.write_text(html() if target.suffix.lower() in (".html", ".htm") else markdown())
 
 
 def _headline(plan: PlanRecord) -> list[tuple[str, str]]:
@@ -94,6 +99,19 @@ def plots_missing_text(reason: str) -> str:
             "environment is incomplete: pip install matplotlib (or reinstall autockpt) and run again.")
 
 
+def plot_notices() -> tuple[list[str], str]:
+    """For an HTML page: the note at its top and the text in place of each plot when matplotlib cannot be imported
+    (a warning is logged), else nothing."""
+    missing = matplotlib_import_error()
+    if missing is None:
+        return [], ""
+    _LOG.warning("%s", plots_missing_text(missing))
+    return (
+        [f"<p class='missing'>{html_escape(plots_missing_text(missing))}</p>"],
+        "<p class='missing'>Plot left out: matplotlib could not be imported (see the note at the top).</p>",
+    )
+
+
 def _timeline_svg(plan: PlanRecord) -> str:
     from matplotlib.figure import Figure
 
@@ -152,13 +170,7 @@ def report_html(plan: PlanRecord, *, depth: int = 2) -> str:
     """A self-contained HTML page (no external files or scripts). Without an importable matplotlib the page is
     written without plots and says why at the top and in place of each plot (and a warning is logged)."""
     e = html_escape
-    missing = matplotlib_import_error()
-    notice: list[str] = []
-    no_plot = ""
-    if missing is not None:
-        _LOG.warning("%s", plots_missing_text(missing))
-        notice = [f"<p class='missing'>{e(plots_missing_text(missing))}</p>"]
-        no_plot = "<p class='missing'>Plot left out: matplotlib could not be imported (see the note at the top).</p>"
+    notice, no_plot = plot_notices()
     parts = [
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
         f"<title>autockpt plan: {e(plan.fingerprint.model_class if plan.fingerprint else 'model')}</title>",

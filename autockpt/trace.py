@@ -190,8 +190,9 @@ _CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator hands out multiples of thi
 class StorageTracker(TorchDispatchMode):
     """Live bytes of every storage ops create on ``device``, split into events (windows of the step).
 
-    On CUDA, sizes are rounded up to allocator blocks and device memory that no tracked tensor explains (cuBLAS
-    workspaces, other tensors the process holds) is counted from the start, so the figures are comparable with
+    On CUDA, sizes are rounded up to allocator blocks, device memory that no tracked tensor explains (cuBLAS
+    workspaces, other tensors the process holds) is counted from the start, and every op's own high-water mark (read
+    from the allocator's peak around it) raises its event's peak, so the figures are comparable with
     ``torch.cuda.max_memory_allocated``.
     """
 
@@ -244,8 +245,17 @@ class StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        on_cuda = self.device.type == "cuda"
+        if on_cuda:
+            allocated_before = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
         out = func(*args, **kwargs)
         event = len(self.events) - 1
+        if on_cuda:
+            # the op's own high-water mark: its outputs and the buffers its kernels allocate and free inside it
+            # (attention and cuBLAS workspaces, a loss's temporaries), which no storage the step sees explains
+            rise = torch.cuda.max_memory_allocated(self.device) - allocated_before
+            self.events[event].peak_bytes = max(self.events[event].peak_bytes, self.live_bytes + rise)
         if self.phase is Phase.FORWARD:
             for leaf in pytree.tree_leaves((args, kwargs)):
                 if isinstance(leaf, torch.Tensor):

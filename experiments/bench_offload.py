@@ -165,7 +165,9 @@ def markdown(rows: list[Row], command: str) -> str:
         f"Made by `{command}` (GB = 10^9 bytes). Peak: "
         + ("`max_memory_allocated` (reserved beside it)" if rows and rows[0].device.startswith("cuda")
            else "MemTracker minus the host pool's buffer")
-        + "; step time: ratio to the unmodified model, median of alternating rounds in one process.",
+        + "; step time: ratio to the unmodified model, median of alternating rounds in one process. "
+        + f"Machine: torch {torch.__version__}"
+        + (f", {torch.cuda.get_device_name()}." if rows and rows[0].device.startswith("cuda") else ", CPU."),
         "",
         "| model | budget | strategy | measured peak | predicted peak | reserved peak | host pool | offloaded / recomputed regions | step time ratio | note |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -192,18 +194,19 @@ def main() -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA device here")
     args.out.mkdir(parents=True, exist_ok=True)
-    rows: list[Row] = []
-    for name in args.models.split(","):
-        rows += run_model(name, args.size, device, args.out)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from results_readme import write_csv, write_section
 
-    write_csv(args.out / "bench_offload.csv", rows)
     command = "python experiments/bench_offload.py " + " ".join(sys.argv[1:])
-    text = markdown(rows, command)
-    (args.out / "bench_offload.md").write_text(text + "\n")
+    rows: list[Row] = []
+    for name in args.models.split(","):
+        rows += run_model(name, args.size, device, args.out)
+        # written after every model: a run stopped part-way (a device lease's time limit) keeps what it measured
+        write_csv(args.out / "bench_offload.csv", rows)
+        text = markdown(rows, command)
+        (args.out / "bench_offload.md").write_text(text + "\n")
+        write_section(f"bench_offload_{device.type}", text, output=args.out)
     print(text)
-    write_section(f"bench_offload_{device.type}", text, output=args.out)
 
 
 if __name__ == "__main__":

@@ -150,3 +150,43 @@ def test_a_saved_plan_keeps_its_loop(tmp_path: object) -> None:
     loaded = autockpt.load_plan(tmp_path / "plan.json")  # type: ignore[operator]
     assert loaded.loop == plan.loop and loaded.loop is not None and loaded.loop.gradient_accumulation_steps == 4
     assert "optimizer.step() of AdamW" in loaded.summary() and "over 4 micro-steps" in loaded.summary()
+
+
+CUDA_OPTIMIZERS = {
+    "adamw_foreach": functools.partial(torch.optim.AdamW, lr=1e-3, foreach=True),
+    "adamw_fused": functools.partial(torch.optim.AdamW, lr=1e-3, fused=True),
+    "sgd_momentum_foreach": functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9, foreach=True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", sorted(CUDA_OPTIMIZERS))
+def test_the_cuda_optimizer_step_is_inside_the_budget(name: str) -> None:
+    """On CUDA the step's implementations differ (foreach keeps a temporary per parameter group, fused none): the
+    budget holds for forward + backward + ``optimizer.step()``, by ``max_memory_allocated``, on the first step (states
+    made) and a later one."""
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(1024, 1024), nn.GELU())],
+                          nn.Linear(1024, 16)).to(device)
+    x = torch.randn(2048, 1024, device=device)
+    optimizer = CUDA_OPTIMIZERS[name](model.parameters())
+    # half way from the floor to the unmodified peak: the step's own temporaries (foreach's) put the floor of so small a
+    # model high, and half way from static memory would be below it
+    with pytest.raises(autockpt.InfeasibleBudgetError) as floor:
+        autockpt.plan(model, budget_bytes=1, example_inputs=(x,), loss_fn=loss_of, optimizer=optimizer)
+    unmodified = autockpt.plan(model, budget_bytes=10**15, example_inputs=(x,), loss_fn=loss_of, optimizer=optimizer)
+    budget = (floor.value.min_feasible_bytes + unmodified.baseline_peak_bytes) // 2
+    optimized = autockpt.optimize(model, budget_bytes=budget, example_inputs=(x,), loss_fn=loss_of, optimizer=optimizer)
+    peaks = []
+    for _ in range(2):
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        loss_of(optimized(x)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(device)
+        peaks.append(torch.cuda.max_memory_allocated(device))
+    # everything the process holds on the device counts in max_memory_allocated: only this test's tensors are there
+    assert max(peaks) <= budget, f"first and later steps measured {peaks}, budget {budget}"

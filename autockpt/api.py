@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from autockpt.capture import capture
+from autockpt.compiled import compiled_module
 from autockpt.costs import calibrate
 from autockpt.errors import InfeasibleBudgetError
 from autockpt.loop import (
@@ -32,7 +33,14 @@ from autockpt.loop import (
     with_foreign_bytes,
 )
 from autockpt.loss import checked_loss, default_loss
-from autockpt.measure import StepMeasurement, alternating_step_seconds, foreign_bytes, measure_step, owned_bytes
+from autockpt.measure import (
+    StepMeasurement,
+    alternating_step_seconds,
+    foreign_bytes,
+    measure_compiled_step,
+    measure_step,
+    owned_bytes,
+)
 from autockpt.model_state import enter_training_modes, preserved_model_state
 from autockpt.offload import available_host_bytes
 from autockpt.plan import Plan
@@ -71,6 +79,7 @@ def optimize(
     strict: bool = False,
     optimizer: OptimizerSpec | None = None,
     gradient_accumulation_steps: int = 1,
+    compiled: bool | Mapping[str, Any] = False,
 ) -> nn.Module:
     """Return a module that trains like ``model`` with a step peak of at most the budget (GB = 10^9 bytes).
 
@@ -96,13 +105,29 @@ def optimize(
     alive through every step and its temporaries; the optimizer is copied to measure it, never stepped. With
     ``gradient_accumulation_steps`` > 1 it covers micro-steps that start with the earlier ones' gradients alive
     (also the setting for a loop that zeroes gradients in place instead of setting them to None).
+
+    ``compiled=True`` (or a dict of ``torch.compile`` keyword arguments): return ``torch.compile`` of the optimized
+    module, with the budget kept by the *compiled* step (the partitioner re-decides what is saved, so the eager plan's
+    peak does not carry over): the compiled step is measured (``torch.cuda.max_memory_allocated``; on CPU the
+    allocator's events in ``torch.profiler``, which count more than MemTracker) and planned tighter while it is over.
+    ``autockpt.get_plan(result._orig_mod)`` is the plan. Not with a host pool.
     """
     budget = budget_to_bytes(budget_gb, budget_bytes)
+    if compiled is not False and host_pool_to_bytes(host_pool_gb) > 0:
+        raise ValueError(
+            f"compiled={compiled!r} with host_pool_gb={host_pool_gb!r}: offloading is not measured under torch.compile; "
+            "give host_pool_gb=0 to compile, or compiled=False to offload"
+        )
     planner = Planner(
         model, example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
         solver_options=solver_options, checkpoint=checkpoint, host_pool_gb=host_pool_gb, optimizer=optimizer,
         gradient_accumulation_steps=gradient_accumulation_steps,
     )
+    if compiled is not False:
+        options = compiled if isinstance(compiled, Mapping) else {}
+        result = compiled_module(planner, budget, options)
+        result._orig_mod.strict = strict
+        return result
     module = planner.optimize(budget_bytes=budget)
     module.strict = strict
     return module
@@ -346,6 +371,21 @@ class Planner:
             measurement = measure_step(
                 module, self.request.args, self.request.kwargs, self.request.loss, optimizer=self.optimizer,
                 gradient_accumulation_steps=self.gradient_accumulation_steps,
+            )
+        module.training = self.model.training
+        return measurement
+
+    def measure_compiled(self, compiled: nn.Module, module: OptimizedModule) -> StepMeasurement:
+        """One step of ``compiled`` (``torch.compile`` of ``module``) as it runs compiled, after a first step that
+        compiles it (``autockpt.measure.measure_compiled_step``), the model's state put back afterwards."""
+        self._on_stage("measure")
+        with self._model_state():
+            module.training = True
+            for param in self.model.parameters():
+                param.grad = None
+            self.request.loss(compiled(*self.request.args, **self.request.kwargs)).backward()  # compiles
+            measurement = measure_compiled_step(
+                compiled, self.request.args, self.request.kwargs, self.request.loss, static_from=module
             )
         module.training = self.model.training
         return measurement

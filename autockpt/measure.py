@@ -186,6 +186,57 @@ def _one_step(
     return int(peak), None, float(loss.detach())
 
 
+def measure_compiled_step(
+    module: nn.Module,
+    example_inputs: tuple = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    *,
+    static_from: nn.Module | None = None,
+) -> StepMeasurement:
+    """One forward + backward of a module that runs compiled code (``torch.compile``), gradients ``None`` at the start
+    and left on the parameters, measured where MemTracker cannot see: inside compiled code no module hook or
+    dispatch mode runs, but every buffer still comes from the allocator.
+
+    On CUDA the peak is ``torch.cuda.max_memory_allocated``, as ``measure_step``'s. On CPU it is the highest running
+    total of the CPU allocator's events in ``torch.profiler`` during the step, plus the static tensors (parameters,
+    buffers, inputs: blocks that existed before the profiler started are not in its events). It counts every buffer
+    an op allocates and frees inside itself, which MemTracker's storage accounting does not see, so on an eager module
+    it reads higher than ``measure_step``. ``static_from``: the module whose parameters and buffers are the step's
+    (default ``module``). Run the module once before, so that compiling is not measured.
+    """
+    kwargs = dict(example_kwargs or {})
+    loss_fn = loss_fn or default_loss
+    device = device_of(static_from or module, example_inputs, kwargs)
+    for param in module.parameters():
+        param.grad = None
+    static = step_tensors(static_from or module, example_inputs, kwargs)
+    if device.type == "cuda":
+        foreign = foreign_bytes(device, static)
+        peak, reserved, loss = _one_step(module, example_inputs, kwargs, loss_fn, device, None)
+        return StepMeasurement(peak_bytes=peak, loss=loss, device=str(device), reserved_bytes=reserved,
+                               foreign_bytes=foreign)
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss = loss_fn(module(*example_inputs, **kwargs))
+        loss.backward()
+    changes: list[tuple[int, int]] = []
+    pending = list(prof.profiler.kineto_results.experimental_event_tree())
+    while pending:
+        node = pending.pop()
+        if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == "cpu":
+            changes.append((node.start_time_ns, node.typed[1].alloc_size))  # a free is a negative size
+        pending.extend(node.children)
+    running = peak = 0
+    for _, nbytes in sorted(changes):
+        running += nbytes
+        peak = max(peak, running)
+    static_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in static}.values())
+    return StepMeasurement(peak_bytes=peak + static_bytes, loss=float(loss.detach()), device=str(device))
+
+
 def step_seconds(
     module: nn.Module, example_inputs: tuple, example_kwargs: Mapping[str, Any], loss_fn: Callable[[Any], torch.Tensor]
 ) -> float:

@@ -367,39 +367,12 @@ def profiler_peak_bytes(
     *,
     static_from: nn.Module | None = None,
 ) -> int:
-    """Peak of one step from the CPU allocator's events in ``torch.profiler``, plus parameters, buffers and inputs.
+    """Peak of one step from the CPU allocator's events in ``torch.profiler``, plus parameters, buffers and inputs
+    (``autockpt.measure.measure_compiled_step``): works on compiled code, where MemTracker sees nothing."""
+    from autockpt.measure import measure_compiled_step
 
-    Works on compiled code (every kernel output goes through the c10 allocator). Blocks that existed before the
-    profiler started are not in its events; the step starts with gradients ``None``, so those are only the static
-    tensors, which are added once.
-    """
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    from autockpt.trace import step_tensors
-
-    for param in module.parameters():
-        param.grad = None
-    with _quiet("torch.profiler"), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        loss_fn(module(*args, **dict(kwargs))).backward()
-    changes: list[tuple[int, int]] = []
-
-    def walk(nodes: Any) -> None:
-        for node in nodes:
-            if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == "cpu":
-                changes.append((node.start_time_ns, node.typed[1].alloc_size))
-            walk(node.children)
-
-    walk(prof.profiler.kineto_results.experimental_event_tree())
-    running = peak = 0
-    for _, nbytes in sorted(changes):
-        running += nbytes
-        peak = max(peak, running)
-    static: dict[int, int] = {}
-    for tensor in step_tensors(static_from or module, args, dict(kwargs)):
-        storage = tensor.untyped_storage()
-        static[storage.data_ptr()] = storage.nbytes()
-    return peak + sum(static.values())
+    with _quiet("torch.profiler"):
+        return measure_compiled_step(module, args, kwargs, loss_fn, static_from=static_from).peak_bytes
 
 
 def _first_line(error: BaseException, limit: int = 160) -> str:

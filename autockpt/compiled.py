@@ -1,0 +1,119 @@
+"""Compiled verification: the optimized module under ``torch.compile``, kept under the budget as the compiled step runs.
+
+``torch.compile(optimized)`` keeps every planned region (one checkpoint higher-order op each), but the partitioner
+re-decides what is saved between them and Inductor fuses away or adds buffers, so the compiled step's peak is not the
+eager step's: on CPU a 2-layer GPT-NeoX-style decoder planned and verified at 1.86 MB peaked at 2.48 MB compiled, and
+a GPT-2 planned at 4.77 MB at 3.68 MB. This stage compiles the verified module, measures one compiled step where
+MemTracker cannot see (``measure.measure_compiled_step``: the allocator's own count), plans again for a target lowered
+by the overshoot while it is over the budget (down to the eager floor), and for one raised by the headroom while it
+leaves some and the looser plan recomputes less.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from autockpt.errors import InfeasibleBudgetError
+from autockpt.measure import StepMeasurement
+from autockpt.rewrite import OptimizedModule
+from autockpt.units import format_bytes
+
+logger = logging.getLogger(__name__)
+
+COMPILE_ATTEMPTS = 4  # plans compiled while the compiled step is over the budget (the last one at the eager floor)
+LOOSEN_ATTEMPTS = 2  # plans compiled for a looser target while the kept one leaves headroom
+
+
+class CompilingPlanner(Protocol):
+    """What compiled verification needs from a planner (``api.Planner`` implements it)."""
+
+    def optimize(self, budget_gb: float | None = None, *, budget_bytes: int | None = None) -> OptimizedModule: ...
+
+    def measure_compiled(self, compiled: nn.Module, module: OptimizedModule) -> StepMeasurement: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class _Compiled:
+    target_bytes: int  # the eager budget the plan was made and verified for
+    module: OptimizedModule
+    compiled: nn.Module
+    peak_bytes: int  # the compiled step's, by the allocator
+
+
+def compiled_module(
+    planner: CompilingPlanner, budget_bytes: int, compile_options: Mapping[str, Any] | None = None
+) -> nn.Module:
+    """``torch.compile`` of a module optimized so that its *compiled* step measured at most ``budget_bytes``;
+    ``InfeasibleBudgetError`` (with the lowest compiled peak measured) when no plan down to the eager floor gets there.
+
+    The compiled peak is not the eager one either way: over the budget, the eager target is lowered by the overshoot
+    (down to the eager floor); well under it (the partitioner and Inductor saved less than eager mode keeps), the
+    target is raised by the headroom, and the looser plan is kept if its compiled step still fits and it predicts less
+    recomputation (fewer regions run twice: faster)."""
+    options = dict(compile_options or {})
+    readings: list[str] = []
+
+    def attempt(target: int) -> _Compiled:
+        module = planner.optimize(budget_bytes=target)
+        compiled = torch.compile(module, **options)
+        peak = planner.measure_compiled(compiled, module).peak_bytes
+        readings.append(f"planned for {target}, compiled {peak}")
+        logger.info("plan for %d bytes: compiled step %d bytes (budget %d)", target, peak, budget_bytes)
+        return _Compiled(target, module, compiled, peak)
+
+    kept = _tightened(attempt, budget_bytes, readings)
+    for _ in range(LOOSEN_ATTEMPTS):
+        looser_target = kept.target_bytes + budget_bytes - kept.peak_bytes
+        if looser_target <= kept.target_bytes or not kept.module.plan.regions:
+            break
+        looser = attempt(looser_target)
+        if looser.peak_bytes > budget_bytes or (
+            looser.module.plan.predicted_overhead >= kept.module.plan.predicted_overhead
+        ):
+            break
+        kept = looser
+    plan = kept.module.plan
+    kept.module.set_plan(dataclasses.replace(plan, notes=(*plan.notes, (
+        f"compiled with torch.compile({', '.join(f'{k}={v!r}' for k, v in options.items())}): the compiled step "
+        f"measured {format_bytes(kept.peak_bytes)} by the allocator's count, budget {format_bytes(budget_bytes)}; "
+        f"planned for {format_bytes(kept.target_bytes)} in eager terms (compiled plans tried: {'; '.join(readings)})"
+    ))))
+    return kept.compiled
+
+
+def _tightened(attempt: Callable[[int], _Compiled], budget_bytes: int, readings: list[str]) -> _Compiled:
+    """The first plan, tightened by the compiled overshoot down to the eager floor, whose compiled step keeps the
+    budget."""
+    target = budget_bytes
+    lowest: int | None = None
+    for _ in range(COMPILE_ATTEMPTS):
+        try:
+            tried = attempt(target)
+        except InfeasibleBudgetError:
+            if lowest is None:
+                raise
+            raise _not_kept(budget_bytes, readings, lowest, "no tighter plan exists") from None
+        lowest = tried.peak_bytes if lowest is None else min(lowest, tried.peak_bytes)
+        if tried.peak_bytes <= budget_bytes:
+            return tried
+        floor = tried.module.plan.min_feasible_bytes
+        if target <= floor:
+            raise _not_kept(budget_bytes, readings, lowest, "the eager floor's plan was tried")
+        target = max(target - (tried.peak_bytes - budget_bytes) - max(1, budget_bytes // 1000), floor)
+    raise _not_kept(budget_bytes, readings, lowest, f"after {COMPILE_ATTEMPTS} plans")
+
+
+def _not_kept(budget_bytes: int, readings: list[str], lowest: int | None, why: str) -> InfeasibleBudgetError:
+    return InfeasibleBudgetError(
+        f"the budget {format_bytes(budget_bytes)} was not kept by the compiled step ({why}; bytes: "
+        f"{'; '.join(readings)}). Use a budget of at least {lowest} bytes (the lowest compiled peak measured), a "
+        "smaller batch, or optimize without compiling.",
+        budget_bytes=budget_bytes,
+        min_feasible_bytes=lowest,
+    )

@@ -110,9 +110,21 @@ def optimize(
     module, with the budget kept by the *compiled* step (the partitioner re-decides what is saved, so the eager plan's
     peak does not carry over): the compiled step is measured (``torch.cuda.max_memory_allocated``; on CPU the
     allocator's events in ``torch.profiler``, which count more than MemTracker) and planned tighter while it is over.
-    ``autockpt.get_plan(result._orig_mod)`` is the plan. Not with a host pool.
+    ``autockpt.get_plan(result)`` is the plan. Not with a host pool, an optimizer or gradient accumulation.
     """
     budget = budget_to_bytes(budget_gb, budget_bytes)
+    if not isinstance(compiled, (bool, Mapping)):
+        raise TypeError(
+            f"compiled={compiled!r}: give True, False, or a dict of torch.compile keyword arguments "
+            "(e.g. compiled={'mode': 'max-autotune'})"
+        )
+    if compiled is not False and (optimizer is not None or gradient_accumulation_steps != 1):
+        raise ValueError(
+            f"compiled={compiled!r} with optimizer={optimizer!r}, gradient_accumulation_steps="
+            f"{gradient_accumulation_steps}: the compiled step is measured without the optimizer step and with "
+            "gradients None, so it could not keep a budget that covers them; give compiled=False to plan the whole "
+            "loop, or leave out the optimizer to compile"
+        )
     if compiled is not False and host_pool_to_bytes(host_pool_gb) > 0:
         raise ValueError(
             f"compiled={compiled!r} with host_pool_gb={host_pool_gb!r}: offloading is not measured under torch.compile; "
@@ -589,7 +601,8 @@ def pareto_budgets(the_plan: Plan, points: int) -> list[int]:
 
 
 def get_plan(module: nn.Module) -> Plan:
-    """The Plan behind a module returned by ``autockpt.optimize``."""
+    """The Plan behind a module returned by ``autockpt.optimize`` (also when ``torch.compile`` wraps it)."""
+    module = getattr(module, "_orig_mod", module)  # torch.compile's wrapper: the module it compiled
     if not isinstance(module, OptimizedModule):
         raise TypeError(
             f"get_plan expects a module returned by autockpt.optimize, got {type(module).__name__}. "

@@ -23,6 +23,7 @@ from autockpt.errors import InfeasibleBudgetError
 from autockpt.measure import StepMeasurement
 from autockpt.rewrite import OptimizedModule
 from autockpt.units import format_bytes
+from autockpt.verify import in_planned_device
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,8 @@ def compiled_module(
     def attempt(target: int) -> _Compiled:
         module = planner.optimize(budget_bytes=target)
         compiled = torch.compile(module, **options)
-        peak = planner.measure_compiled(compiled, module).peak_bytes
+        # judged with the device as the plan counted it (not the planner's copies held aside while measuring)
+        peak, _ = in_planned_device(module.plan, planner.measure_compiled(compiled, module))
         readings.append(f"planned for {target}, compiled {peak}")
         logger.info("plan for %d bytes: compiled step %d bytes (budget %d)", target, peak, budget_bytes)
         return _Compiled(target, module, compiled, peak)
@@ -72,7 +74,10 @@ def compiled_module(
         looser_target = kept.target_bytes + budget_bytes - kept.peak_bytes
         if looser_target <= kept.target_bytes or not kept.module.plan.regions:
             break
-        looser = attempt(looser_target)
+        try:
+            looser = attempt(looser_target)
+        except InfeasibleBudgetError:
+            break  # eager verification refused the looser target: the kept plan stands
         if looser.peak_bytes > budget_bytes or (
             looser.module.plan.predicted_overhead >= kept.module.plan.predicted_overhead
         ):
@@ -92,21 +97,25 @@ def _tightened(attempt: Callable[[int], _Compiled], budget_bytes: int, readings:
     budget."""
     target = budget_bytes
     lowest: int | None = None
-    for _ in range(COMPILE_ATTEMPTS):
+    for attempt_index in range(COMPILE_ATTEMPTS):
         try:
             tried = attempt(target)
-        except InfeasibleBudgetError:
+        except InfeasibleBudgetError as error:
             if lowest is None:
                 raise
-            raise _not_kept(budget_bytes, readings, lowest, "no tighter plan exists") from None
+            raise _not_kept(budget_bytes, readings, lowest, f"the eager plan for {target} bytes failed: {error}") from error
         lowest = tried.peak_bytes if lowest is None else min(lowest, tried.peak_bytes)
         if tried.peak_bytes <= budget_bytes:
             return tried
         floor = tried.module.plan.min_feasible_bytes
         if target <= floor:
             raise _not_kept(budget_bytes, readings, lowest, "the eager floor's plan was tried")
-        target = max(target - (tried.peak_bytes - budget_bytes) - max(1, budget_bytes // 1000), floor)
-    raise _not_kept(budget_bytes, readings, lowest, f"after {COMPILE_ATTEMPTS} plans")
+        if attempt_index == COMPILE_ATTEMPTS - 2:
+            target = floor  # the last attempt is the eager floor's own plan
+        else:
+            target = max(target - (tried.peak_bytes - budget_bytes) - max(1, budget_bytes // 1000), floor)
+        del tried  # its compiled graphs hold memory the next attempt's measurement would count
+    raise _not_kept(budget_bytes, readings, lowest, f"after {COMPILE_ATTEMPTS} plans, the eager floor's the last")
 
 
 def _not_kept(budget_bytes: int, readings: list[str], lowest: int | None, why: str) -> InfeasibleBudgetError:

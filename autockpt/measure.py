@@ -230,7 +230,7 @@ def measure_compiled_step(
             changes.append((node.start_time_ns, node.typed[1].alloc_size))  # a free is a negative size
         pending.extend(node.children)
     running = peak = 0
-    for _, nbytes in sorted(changes):
+    for _, nbytes in sorted(changes, key=lambda change: (change[0], -change[1])):  # a tie: allocation first
         running += nbytes
         peak = max(peak, running)
     static_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in static}.values())

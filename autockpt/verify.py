@@ -27,7 +27,7 @@ from autockpt.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
-VERIFY_ATTEMPTS = 3
+VERIFY_ATTEMPTS = 4  # the last one is the floor's own plan
 
 
 class CandidatePlans(Protocol):

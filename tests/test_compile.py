@@ -167,9 +167,21 @@ def test_optimize_compiled_keeps_the_budget_as_the_compiled_step_runs() -> None:
     compiled = autockpt.optimize(case.model, budget_bytes=budget, example_inputs=case.args, example_kwargs=case.kwargs,
                                  compiled={"backend": backend})
     assert all(param.grad is None for param in case.model.parameters()), "planning left gradients on the model"
-    the_plan = autockpt.get_plan(compiled._orig_mod)
-    assert any("compiled with torch.compile" in note for note in the_plan.notes)
+    the_plan = autockpt.get_plan(compiled)
+    (note,) = [note for note in the_plan.notes if "compiled with torch.compile" in note]
+    assert note.count(", compiled ") >= 2, f"the test means to tighten at least once: {note}"
     peak = profiler_peak_bytes(compiled, case.args, case.kwargs, loss_fn)
     assert peak <= budget, f"compiled step {peak} bytes, budget {budget}"
     # the reference behind Dynamo alone (backend "eager"), so that both name their parameters "_orig_mod.*"
     assert_same_step(compiled, torch.compile(reference, backend="eager"), case)
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [({"compiled": "max-autotune"}, TypeError), ({"compiled": True, "optimizer": torch.optim.SGD}, ValueError),
+     ({"compiled": True, "gradient_accumulation_steps": 2}, ValueError), ({"compiled": True, "host_pool_gb": 1}, ValueError)],
+)
+def test_optimize_compiled_refuses_what_it_cannot_measure(options: dict[str, Any], error: type[Exception]) -> None:
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(error, match="compiled="):
+        autockpt.optimize(model, budget_bytes=10**6, example_inputs=(torch.randn(2, 4),), **options)

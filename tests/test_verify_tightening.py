@@ -71,8 +71,9 @@ def test_when_every_tightening_reads_over_the_floor_plan_is_tried() -> None:
 def test_a_budget_no_plan_keeps_states_the_lowest_measured_peak() -> None:
     planner, floor, unmodified = planner_and_floor()
     budget = (floor + unmodified) // 2
-    reads_high = ReadsHigh(planner, lambda plan: budget)  # every reading over the budget
+    # every reading over the budget, the floor's plan (tried last) the highest: the lowest reading is not the last
+    reads_high = ReadsHigh(planner, lambda plan: budget + (budget if plan.predicted_peak_bytes <= floor else 0))
     with pytest.raises(autockpt.InfeasibleBudgetError) as error:
         verified_module(reads_high, budget)
+    assert len(reads_high.readings) >= 2 and reads_high.readings[-1] != min(reads_high.readings)
     assert error.value.min_feasible_bytes == min(reads_high.readings)
-    assert len(reads_high.readings) >= 2

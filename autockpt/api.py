@@ -110,20 +110,14 @@ def optimize(
     module, with the budget kept by the *compiled* step (the partitioner re-decides what is saved, so the eager plan's
     peak does not carry over): the compiled step is measured (``torch.cuda.max_memory_allocated``; on CPU the
     allocator's events in ``torch.profiler``, which count more than MemTracker) and planned tighter while it is over.
-    ``autockpt.get_plan(result)`` is the plan. Not with a host pool, an optimizer or gradient accumulation.
+    ``autockpt.get_plan(result)`` is the plan. The optimizer and gradient accumulation are measured as in eager mode
+    (the optimizer step itself runs uncompiled). Not with a host pool.
     """
     budget = budget_to_bytes(budget_gb, budget_bytes)
     if not isinstance(compiled, (bool, Mapping)):
         raise TypeError(
             f"compiled={compiled!r}: give True, False, or a dict of torch.compile keyword arguments "
             "(e.g. compiled={'mode': 'max-autotune'})"
-        )
-    if compiled is not False and (optimizer is not None or gradient_accumulation_steps != 1):
-        raise ValueError(
-            f"compiled={compiled!r} with optimizer={optimizer!r}, gradient_accumulation_steps="
-            f"{gradient_accumulation_steps}: the compiled step is measured without the optimizer step and with "
-            "gradients None, so it could not keep a budget that covers them; give compiled=False to plan the whole "
-            "loop, or leave out the optimizer to compile"
         )
     if compiled is not False and host_pool_to_bytes(host_pool_gb) > 0:
         raise ValueError(
@@ -397,7 +391,8 @@ class Planner:
                 param.grad = None
             self.request.loss(compiled(*self.request.args, **self.request.kwargs)).backward()  # compiles
             measurement = measure_compiled_step(
-                compiled, self.request.args, self.request.kwargs, self.request.loss, static_from=module
+                compiled, self.request.args, self.request.kwargs, self.request.loss, static_from=module,
+                optimizer=self.optimizer, gradient_accumulation_steps=self.gradient_accumulation_steps,
             )
         module.training = self.model.training
         return measurement

@@ -193,35 +193,68 @@ def measure_compiled_step(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     *,
     static_from: nn.Module | None = None,
+    optimizer: OptimizerSpec | None = None,
+    gradient_accumulation_steps: int = 1,
 ) -> StepMeasurement:
-    """One forward + backward of a module that runs compiled code (``torch.compile``), gradients ``None`` at the start
-    and left on the parameters, measured where MemTracker cannot see: inside compiled code no module hook or
-    dispatch mode runs, but every buffer still comes from the allocator.
+    """``measure_step`` for a module that runs compiled code (``torch.compile``), where MemTracker cannot see: inside
+    compiled code no module hook or dispatch mode runs, but every buffer still comes from the allocator. The same
+    step (gradients ``None`` at the start, zeros with accumulation; with ``optimizer`` two steps on a fresh copy of it,
+    the weights put back) and the same CUDA reading, ``torch.cuda.max_memory_allocated``.
 
-    On CUDA the peak is ``torch.cuda.max_memory_allocated``, as ``measure_step``'s. On CPU it is the highest running
-    total of the CPU allocator's events in ``torch.profiler`` during the step, plus the static tensors (parameters,
-    buffers, inputs: blocks that existed before the profiler started are not in its events). It counts every buffer
-    an op allocates and frees inside itself, which MemTracker's storage accounting does not see, so on an eager module
-    it reads higher than ``measure_step``. ``static_from``: the module whose parameters and buffers are the step's
-    (default ``module``). Run the module once before, so that compiling is not measured.
+    On CPU the peak is the highest running total of the CPU allocator's events in ``torch.profiler`` during the step,
+    plus what existed before it (parameters, buffers, inputs, gradients when accumulating, optimizer states on the
+    second step, tensors named by ``held_beside_step``: the profiler has no events for blocks allocated before it
+    started). It sees buffers an op allocates and frees inside itself, which MemTracker's storage accounting does
+    not; on the eager decoders of experiments/bench_compile.py it nonetheless read 1-6 % below MemTracker (not
+    investigated). ``static_from``: the module whose parameters and buffers are the step's (default ``module``; give
+    the compiled module's original). Run the module once before, so that compiling is not measured.
     """
     kwargs = dict(example_kwargs or {})
     loss_fn = loss_fn or default_loss
-    device = device_of(static_from or module, example_inputs, kwargs)
-    for param in module.parameters():
-        param.grad = None
-    static = step_tensors(static_from or module, example_inputs, kwargs)
-    if device.type == "cuda":
-        foreign = foreign_bytes(device, static)
-        peak, reserved, loss = _one_step(module, example_inputs, kwargs, loss_fn, device, None)
-        return StepMeasurement(peak_bytes=peak, loss=loss, device=str(device), reserved_bytes=reserved,
-                               foreign_bytes=foreign)
+    owner = static_from or module
+    device = device_of(owner, example_inputs, kwargs)
+    accumulating = check_accumulation_steps(gradient_accumulation_steps) > 1
+    make_optimizer = optimizer_factory(owner, optimizer) if optimizer is not None else None
+    params = list(owner.parameters())
+    held = [t for t in _held_beside_step.get() if t.device == device]
+    with weights_put_back(params) if make_optimizer is not None else contextlib.nullcontext():
+        the_optimizer = make_optimizer() if make_optimizer is not None else None
+        peaks, reserved, loss, foreign = [], [], 0.0, 0
+        for step in range(1 if the_optimizer is None else 2):
+            for param in params:
+                param.grad = torch.zeros_like(param) if accumulating and param.requires_grad else None
+            static = step_tensors(owner, example_inputs, kwargs)
+            if step == 0:
+                foreign = foreign_bytes(device, static)
+            if device.type == "cuda":
+                peak, reserved_peak, loss = _one_step(module, example_inputs, kwargs, loss_fn, device, the_optimizer)
+            else:
+                existing = static + held + (state_tensors(the_optimizer) if the_optimizer is not None else [])
+                peak, loss = _allocator_event_step(module, example_inputs, kwargs, loss_fn, the_optimizer, existing)
+                reserved_peak = None
+            peaks.append(peak)
+            reserved.append(reserved_peak)
+        del the_optimizer
+    return StepMeasurement(
+        peak_bytes=max(peaks), loss=loss, device=str(device), foreign_bytes=foreign,
+        reserved_bytes=None if None in reserved else max(reserved),
+    )
+
+
+def _allocator_event_step(
+    module: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable[[Any], torch.Tensor],
+    optimizer: torch.optim.Optimizer | None, existing: list[torch.Tensor],
+) -> tuple[int, float]:
+    """CPU: the peak of one forward + backward (+ ``optimizer.step()``) from the allocator's events in
+    ``torch.profiler``, plus the bytes of ``existing`` (allocated before the profiler started), and the loss."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        loss = loss_fn(module(*example_inputs, **kwargs))
+        loss = loss_fn(module(*args, **kwargs))
         loss.backward()
+        if optimizer is not None:
+            optimizer.step()
     changes: list[tuple[int, int]] = []
     pending = list(prof.profiler.kineto_results.experimental_event_tree())
     while pending:
@@ -233,8 +266,8 @@ def measure_compiled_step(
     for _, nbytes in sorted(changes, key=lambda change: (change[0], -change[1])):  # a tie: allocation first
         running += nbytes
         peak = max(peak, running)
-    static_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in static}.values())
-    return StepMeasurement(peak_bytes=peak + static_bytes, loss=float(loss.detach()), device=str(device))
+    existing_bytes = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in existing}
+    return peak + sum(existing_bytes.values()), float(loss.detach())
 
 
 def step_seconds(

@@ -23,7 +23,7 @@ from autockpt.errors import InfeasibleBudgetError
 from autockpt.measure import StepMeasurement
 from autockpt.rewrite import OptimizedModule
 from autockpt.units import format_bytes
-from autockpt.verify import in_planned_device
+from autockpt.verify import in_planned_device, tightened_target
 
 logger = logging.getLogger(__name__)
 
@@ -110,10 +110,9 @@ def _tightened(attempt: Callable[[int], _Compiled], budget_bytes: int, readings:
         floor = tried.module.plan.min_feasible_bytes
         if target <= floor:
             raise _not_kept(budget_bytes, readings, lowest, "the eager floor's plan was tried")
-        if attempt_index == COMPILE_ATTEMPTS - 2:
-            target = floor  # the last attempt is the eager floor's own plan
-        else:
-            target = max(target - (tried.peak_bytes - budget_bytes) - max(1, budget_bytes // 1000), floor)
+        target = tightened_target(
+            target, tried.peak_bytes - budget_bytes, budget_bytes, floor, last_next=attempt_index == COMPILE_ATTEMPTS - 2
+        )
         del tried  # its compiled graphs hold memory the next attempt's measurement would count
     raise _not_kept(budget_bytes, readings, lowest, f"after {COMPILE_ATTEMPTS} plans, the eager floor's the last")
 

@@ -120,10 +120,28 @@ def measure_step(
     """
     kwargs = dict(example_kwargs or {})
     loss_fn = loss_fn or default_loss
-    accumulating = check_accumulation_steps(gradient_accumulation_steps) > 1
-    make_optimizer = optimizer_factory(module, optimizer) if optimizer is not None else None
     device = device_of(module, example_inputs, kwargs)
-    params = list(module.parameters())
+    return _measured_loop(
+        module, example_inputs, kwargs, optimizer, gradient_accumulation_steps,
+        lambda the_optimizer: _one_step(module, example_inputs, kwargs, loss_fn, device, the_optimizer),
+    )
+
+
+def _measured_loop(
+    owner: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    optimizer: OptimizerSpec | None,
+    gradient_accumulation_steps: int,
+    one_step: Callable[[torch.optim.Optimizer | None], tuple[int, int | None, float]],
+) -> StepMeasurement:
+    """The step as a loop runs it, each step measured by ``one_step`` (peak, reserved peak or None, loss): one step,
+    or two on a fresh copy of ``optimizer`` (states made, then alive) with ``owner``'s weights put back after; every
+    step starts with gradients None, zeros when accumulating."""
+    accumulating = check_accumulation_steps(gradient_accumulation_steps) > 1
+    make_optimizer = optimizer_factory(owner, optimizer) if optimizer is not None else None
+    device = device_of(owner, args, kwargs)
+    params = list(owner.parameters())
     # the optimizer's steps move the weights: put back after
     with weights_put_back(params) if make_optimizer is not None else contextlib.nullcontext():
         the_optimizer = make_optimizer() if make_optimizer is not None else None
@@ -132,8 +150,8 @@ def measure_step(
             for param in params:
                 param.grad = torch.zeros_like(param) if accumulating and param.requires_grad else None
             if step == 0:
-                foreign = foreign_bytes(device, step_tensors(module, example_inputs, kwargs))
-            peak, reserved_peak, loss = _one_step(module, example_inputs, kwargs, loss_fn, device, the_optimizer)
+                foreign = foreign_bytes(device, step_tensors(owner, args, kwargs))
+            peak, reserved_peak, loss = one_step(the_optimizer)
             peaks.append(peak)
             reserved.append(reserved_peak)
         del the_optimizer
@@ -141,7 +159,6 @@ def measure_step(
         peak_bytes=max(peaks), loss=loss, device=str(device), foreign_bytes=foreign,
         reserved_bytes=None if None in reserved else max(reserved),
     )
-
 
 def _one_step(
     module: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable[[Any], torch.Tensor], device: torch.device,
@@ -213,33 +230,17 @@ def measure_compiled_step(
     loss_fn = loss_fn or default_loss
     owner = static_from or module
     device = device_of(owner, example_inputs, kwargs)
-    accumulating = check_accumulation_steps(gradient_accumulation_steps) > 1
-    make_optimizer = optimizer_factory(owner, optimizer) if optimizer is not None else None
-    params = list(owner.parameters())
     held = [t for t in _held_beside_step.get() if t.device == device]
-    with weights_put_back(params) if make_optimizer is not None else contextlib.nullcontext():
-        the_optimizer = make_optimizer() if make_optimizer is not None else None
-        peaks, reserved, loss, foreign = [], [], 0.0, 0
-        for step in range(1 if the_optimizer is None else 2):
-            for param in params:
-                param.grad = torch.zeros_like(param) if accumulating and param.requires_grad else None
-            static = step_tensors(owner, example_inputs, kwargs)
-            if step == 0:
-                foreign = foreign_bytes(device, static)
-            if device.type == "cuda":
-                peak, reserved_peak, loss = _one_step(module, example_inputs, kwargs, loss_fn, device, the_optimizer)
-            else:
-                existing = static + held + (state_tensors(the_optimizer) if the_optimizer is not None else [])
-                peak, loss = _allocator_event_step(module, example_inputs, kwargs, loss_fn, the_optimizer, existing)
-                reserved_peak = None
-            peaks.append(peak)
-            reserved.append(reserved_peak)
-        del the_optimizer
-    return StepMeasurement(
-        peak_bytes=max(peaks), loss=loss, device=str(device), foreign_bytes=foreign,
-        reserved_bytes=None if None in reserved else max(reserved),
-    )
 
+    def one_step(the_optimizer: torch.optim.Optimizer | None) -> tuple[int, int | None, float]:
+        if device.type == "cuda":
+            return _one_step(module, example_inputs, kwargs, loss_fn, device, the_optimizer)
+        existing = step_tensors(owner, example_inputs, kwargs) + held
+        existing += state_tensors(the_optimizer) if the_optimizer is not None else []
+        peak, loss = _allocator_event_step(module, example_inputs, kwargs, loss_fn, the_optimizer, existing)
+        return peak, None, loss
+
+    return _measured_loop(owner, example_inputs, kwargs, optimizer, gradient_accumulation_steps, one_step)
 
 def _allocator_event_step(
     module: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable[[Any], torch.Tensor],

@@ -86,13 +86,7 @@ def verified_module(planner: CandidatePlans, budget_bytes: int) -> OptimizedModu
         if target <= floor:
             break  # the floor's own plan is over: no tighter plan exists
         logger.info("no plan kept the budget %d when measured; tightening", budget_bytes)
-        if attempt == VERIFY_ATTEMPTS - 2:
-            # the last attempt is the floor's own plan: a step measured over by more than the tightenings so far
-            # (the CUDA allocator's rounding in a cache warm from other work) must not end in "infeasible" while a
-            # tighter plan that keeps the budget exists
-            target = floor
-        else:
-            target = max(target - overshoot - max(1, budget_bytes // 1000), floor)
+        target = tightened_target(target, overshoot, budget_bytes, floor, last_next=attempt == VERIFY_ATTEMPTS - 2)
     raise InfeasibleBudgetError(
         f"the budget {format_bytes(budget_bytes)} was not kept when measured after {len(tightenings)} plans "
         f"(bytes: {'; '.join(tightenings)}). Use a budget of at least {lowest_peak} bytes (the lowest measured peak) "
@@ -100,6 +94,16 @@ def verified_module(planner: CandidatePlans, budget_bytes: int) -> OptimizedModu
         budget_bytes=budget_bytes,
         min_feasible_bytes=lowest_peak if lowest_peak is not None else peak,
     )
+
+
+def tightened_target(target: int, overshoot: int, budget_bytes: int, floor: int, *, last_next: bool) -> int:
+    """The next target after a measured overshoot: lower by it (and 0.1 % of the budget), never below the floor; the
+    floor itself when the next attempt is the last, so that a step measured over by more than the tightenings so far
+    (the CUDA allocator's rounding in a cache warm from other work, a compiled step) does not end in "infeasible"
+    while a tighter plan that keeps the budget exists."""
+    if last_next:
+        return floor
+    return max(target - overshoot - max(1, budget_bytes // 1000), floor)
 
 
 def measured_floor(planner: CandidatePlans, error: InfeasibleBudgetError) -> InfeasibleBudgetError:

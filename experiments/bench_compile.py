@@ -54,17 +54,18 @@ MB = 10**6
 @dataclass(frozen=True, kw_only=True)
 class Row:
     model: str
-    strategy: str  # "autockpt + compile", "every_1 + compile" (a baseline) or "compile budget"
+    strategy: str  # "autockpt + compile", "autockpt compiled=True", "every_1 + compile" (a baseline), "compile budget"
+    # the measurements below are None where the point was not measured (refused, infeasible, not available)
     setting: float  # autockpt: the budget's fraction; compile: activation_memory_budget
     budget_bytes: int | None  # autockpt's budget (MemTracker terms); None for compile's own budget
-    eager_memtracker_peak_bytes: int | None  # autockpt: the verified eager peak
-    eager_profiler_peak_bytes: int | None  # the eager module measured like the compiled one
-    compiled_peak_bytes: int | None  # allocator events under compile
-    kept: bool | None  # compiled peak <= budget (autockpt only)
-    graphs: int | None
-    graph_breaks: int | None
-    step_time_ratio: float | None  # compiled / eager original, median of alternating pairs
-    compile_s: float | None
+    eager_memtracker_peak_bytes: int | None = None  # autockpt: the verified eager peak
+    eager_profiler_peak_bytes: int | None = None  # the eager module measured like the compiled one
+    compiled_peak_bytes: int | None = None  # allocator events under compile
+    kept: bool | None = None  # compiled peak <= budget (autockpt only)
+    graphs: int | None = None
+    graph_breaks: int | None = None
+    step_time_ratio: float | None = None  # compiled / eager original, median of alternating pairs
+    compile_s: float | None = None
     notes: str = ""
 
 
@@ -112,8 +113,6 @@ def bench_model(name: str, fractions: Sequence[float], compile_budgets: Sequence
             module = planner.optimize(budget_bytes=budget)
         except autockpt.InfeasibleBudgetError as error:
             rows.append(Row(model=name, strategy="autockpt + compile", setting=fraction, budget_bytes=budget,
-                            eager_memtracker_peak_bytes=None, eager_profiler_peak_bytes=None, compiled_peak_bytes=None,
-                            kept=None, graphs=None, graph_breaks=None, step_time_ratio=None, compile_s=None,
                             notes=f"infeasible in eager: floor {error.min_feasible_bytes} bytes"))
             continue
         plan = module.plan
@@ -138,9 +137,7 @@ def bench_model(name: str, fractions: Sequence[float], compile_budgets: Sequence
             compiled = compiled_module(planner, budget)
         except autockpt.InfeasibleBudgetError as error:
             rows.append(Row(model=name, strategy="autockpt compiled=True", setting=fraction, budget_bytes=budget,
-                            eager_memtracker_peak_bytes=None, eager_profiler_peak_bytes=None, compiled_peak_bytes=None,
-                            kept=None, graphs=None, graph_breaks=None, step_time_ratio=None, compile_s=None,
-                            notes=f"refused: lowest compiled peak {error.min_feasible_bytes} bytes"))
+                            notes=f"refused: smallest budget stated {error.min_feasible_bytes} bytes"))
             continue
         seconds = time.perf_counter() - started  # every plan compiled and measured on the way
         module = compiled._orig_mod
@@ -176,8 +173,6 @@ def bench_model(name: str, fractions: Sequence[float], compile_budgets: Sequence
         result = anchors.torch_compile_budget(original, case.args, case.kwargs, case.loss_fn, fraction=setting)
         if result.module is None:
             rows.append(Row(model=name, strategy="compile budget", setting=setting, budget_bytes=None,
-                            eager_memtracker_peak_bytes=None, eager_profiler_peak_bytes=None, compiled_peak_bytes=None,
-                            kept=None, graphs=None, graph_breaks=None, step_time_ratio=None, compile_s=None,
                             notes=f"not available: {result.reason}"))
             continue
         ratio = step_time_ratio(result.module, original, case, repeats)

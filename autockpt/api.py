@@ -403,7 +403,7 @@ class Planner:
         tensors named by ``autockpt.measure.held_beside_step``."""
         return foreign_bytes(self._device, step_tensors(self.model, self.request.args, self.request.kwargs))
 
-    def alternating_step_seconds(self, modules: Sequence[OptimizedModule]) -> list[list[float]]:
+    def alternating_step_seconds(self, modules: Sequence[nn.Module]) -> list[list[float]]:
         self._on_stage("measure")
         with self._model_state():
             return alternating_step_seconds(modules, self.request.args, self.request.kwargs, self.request.loss)

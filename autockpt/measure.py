@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -283,6 +284,12 @@ def step_seconds(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - started
+
+
+def relative_step_times(seconds: Sequence[Sequence[float]]) -> list[float]:
+    """Per module of ``alternating_step_seconds``'s answer, the median over rounds of its step time over the first
+    module's in the same round (drift in the machine's speed cancels within a round)."""
+    return [statistics.median(t / first for t, first in zip(times, seconds[0])) for times in seconds]
 
 
 def alternating_step_seconds(

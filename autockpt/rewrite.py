@@ -23,6 +23,7 @@ import functools
 import inspect
 import logging
 import operator
+import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -282,6 +283,16 @@ class ShapeSource(Protocol):
     def variants(self) -> list[Any]: ...
 
 
+def _own_forward() -> Callable[..., Any]:
+    """``OptimizedModule._forward`` with a code object of its own, for one module. Dynamo keeps compiled graphs per
+    code object, at most ``torch._dynamo.config.recompile_limit`` (8) of them, and one optimized module's graph never
+    passes another's guards (each has its own graph class): with the code object shared, the ninth optimized module
+    compiled in a process ran eager, with a warning only (``optimize(..., compiled=True)`` compiles up to six)."""
+    shared = OptimizedModule._forward
+    return types.FunctionType(shared.__code__.replace(), shared.__globals__, shared.__name__, shared.__defaults__,
+                              shared.__closure__)
+
+
 class _ForwardWithModelSignature:
     """``OptimizedModule.forward``: the module's ``_forward``, bound, carrying the wrapped model's ``forward``
     signature (``inspect.signature(optimized.forward)`` names the model's arguments, not ``*args, **kwargs``)."""
@@ -289,13 +300,20 @@ class _ForwardWithModelSignature:
     def __get__(self, module: OptimizedModule | None, owner: type | None = None) -> Callable[..., Any]:
         if module is None:
             return OptimizedModule._forward
+        own_forward = module.__dict__["_autockpt_forward"]
         if torch.compiler.is_compiling():  # Dynamo cannot trace setting a partial's attribute: a graph break
-            return module._forward
-        bound = functools.partial(OptimizedModule._forward, module)
+            return types.MethodType(own_forward, module)
+        bound = functools.partial(own_forward, module)
         signature = module.__dict__.get("_autockpt_signature")
         if signature is not None:
             bound.__signature__ = signature  # type: ignore[attr-defined]
         return bound
+
+
+# Dynamo would compile ``__get__`` as a frame of its own (it is called from ``nn.Module.__call__``, which Dynamo does not
+# trace) and guard it on the module's own ``_forward``: past ``recompile_limit`` optimized modules it warned on every
+# new one. It only picks a function, so Dynamo skips that frame (still tracing through it inside a compiled caller).
+torch._dynamo.eval_frame.skip_code(_ForwardWithModelSignature.__get__.__code__)
 
 
 class OptimizedModule(nn.Module):
@@ -335,10 +353,20 @@ class OptimizedModule(nn.Module):
         self.__dict__["_autockpt_pool"] = pool  # the host pool of offloaded regions (None: nothing is offloaded)
         self.__dict__["_autockpt_variants"] = None  # steps at other input shapes (``attach_shapes``)
         self.__dict__["_autockpt_strict"] = False
+        self.__dict__["_autockpt_forward"] = _own_forward()
         try:  # presented as ``forward``'s signature: loops such as HF Trainer read it to choose the batch's columns
             self.__dict__["_autockpt_signature"] = inspect.signature(model.forward)
         except (TypeError, ValueError):
             self.__dict__["_autockpt_signature"] = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_autockpt_forward"]  # a function made per module: not picklable by name; made again on load
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__["_autockpt_forward"] = _own_forward()
 
     @property
     def original_module(self) -> nn.Module:

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import statistics
 from collections.abc import Sequence
 from typing import Protocol
 
 from autockpt.errors import InfeasibleBudgetError
-from autockpt.measure import StepMeasurement
+from autockpt.measure import StepMeasurement, relative_step_times
 from autockpt.plan import Plan
 from autockpt.rewrite import OptimizedModule
 from autockpt.types import PlanStatus
@@ -154,8 +153,7 @@ def faster(planner: CandidatePlans, modules: list[OptimizedModule]) -> Optimized
     """The module whose training step is fastest, timed in alternating rounds (median of per-round times); the
     choice and the measured ratios go into its plan's notes."""
     seconds = planner.alternating_step_seconds(modules)
-    # per module: the median over rounds of its step time over the first module's in the same round
-    ratios = [statistics.median(t / first for t, first in zip(times, seconds[0])) for times in seconds]
+    ratios = relative_step_times(seconds)
     fastest = min(range(len(modules)), key=ratios.__getitem__)
     chosen = modules[fastest]
     others = ", ".join(

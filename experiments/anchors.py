@@ -20,6 +20,11 @@
   way (``eager_profiler_peak_bytes``) to compare like with like. On CUDA the caching allocator sees every
   allocation, compiled or not, so the peak is ``torch.cuda.max_memory_allocated`` as for every other strategy.
 
+Each anchor runs on a copy of the model while the model itself stays where it is: on CUDA, where
+``max_memory_allocated`` counts everything the process holds, the model's parameters would be counted in the copy's
+peak (46.5 MB on the H100 sweep's GPT-2, before this was noticed), so a CUDA peak here is the copy's own step: the
+measured peak less ``StepMeasurement.foreign_bytes``, the bytes allocated when the step started that it does not own.
+
 Every function returns an ``AnchorResult``; an anchor that cannot run says why (``status`` unavailable, ``reason``)
 instead of raising, so a sweep can put a "not available: reason" row in its table.
 """
@@ -41,7 +46,7 @@ import torch
 from torch import nn
 
 from autockpt.loss import default_loss
-from autockpt.measure import measure_step
+from autockpt.measure import StepMeasurement, measure_step
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +111,7 @@ def hf_gradient_checkpointing(
         return AnchorResult(strategy=strategy, status=AnchorStatus.UNAVAILABLE, reason=str(error).splitlines()[0])
     twin.train()
     solve_s = time.perf_counter() - started
-    peak = measure_step(twin, args, dict(kwargs), loss_fn).peak_bytes
+    peak = own_step_peak(measure_step(twin, args, dict(kwargs), loss_fn))
     return AnchorResult(
         strategy=strategy, status=AnchorStatus.MEASURED, module=twin, measured_peak_bytes=peak, solve_time_s=solve_s,
         peak_method=step_peak_method(twin), notes=(how,),
@@ -157,7 +162,7 @@ def torch_sac_milp(
     twin.train()
     wrapped, notes = _apply_sac(twin, decisions, sac_estimator)
     try:
-        peak = measure_step(twin, args, kwargs, loss_fn).peak_bytes
+        peak = own_step_peak(measure_step(twin, args, kwargs, loss_fn))
         _step(twin, args, kwargs, loss_fn)  # a second step: SAC's cache checks fire in backward
     except RuntimeError as error:
         return AnchorResult(
@@ -321,26 +326,23 @@ def torch_compile_budget(
     """``torch.compile`` of a copy of ``model`` with ``activation_memory_budget = fraction``; peak by the profiler
     on CPU, by ``torch.cuda.max_memory_allocated`` on CUDA.
 
-    ``torch._dynamo.reset()`` is called first (a compiled graph of the same class would otherwise be reused whatever
-    the budget), so time the returned module before compiling anything else.
+    The copy is compiled by a backend of its own (Inductor with the budget set while it partitions): Dynamo keeps a
+    compiled graph for the backend that made it, so copies compiled at other budgets (same class, same code) do not
+    reuse each other's graphs, and all of them stay compiled side by side (to be timed in one round robin).
     """
     strategy = "torch_compile_budget"
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"activation_memory_budget is a fraction in [0, 1], got {fraction!r}")
-    import torch._functorch.config as functorch_config
-
     twin = copy.deepcopy(model)
     twin.train()
     loss_fn = loss_fn or default_loss
     kwargs = dict(kwargs)
     on_cuda = step_peak_method(model) is PeakMethod.CUDA_ALLOCATOR
     eager_peak = None if on_cuda else profiler_peak_bytes(model, args, kwargs, loss_fn)
-    torch._dynamo.reset()
     started = time.perf_counter()
     try:
-        with functorch_config.patch(activation_memory_budget=fraction):
-            compiled = torch.compile(twin)
-            _step(compiled, args, kwargs, loss_fn)  # compiles forward and backward under this budget
+        compiled = torch.compile(twin, backend=_inductor_at_memory_budget(fraction))
+        _step(compiled, args, kwargs, loss_fn)  # compiles forward (partitioned under the budget) and backward
     except Exception as error:
         return AnchorResult(
             strategy=strategy, status=AnchorStatus.UNAVAILABLE,
@@ -349,7 +351,7 @@ def torch_compile_budget(
     compile_s = time.perf_counter() - started
     _step(compiled, args, kwargs, loss_fn)  # a second step: nothing left to compile
     if on_cuda:
-        peak, method = measure_step(compiled, args, kwargs, loss_fn).peak_bytes, PeakMethod.CUDA_ALLOCATOR
+        peak, method = own_step_peak(measure_step(compiled, args, kwargs, loss_fn)), PeakMethod.CUDA_ALLOCATOR
     else:
         peak, method = profiler_peak_bytes(compiled, args, kwargs, loss_fn, static_from=twin), PeakMethod.PROFILER
     return AnchorResult(
@@ -357,6 +359,26 @@ def torch_compile_budget(
         peak_method=method, solve_time_s=compile_s, eager_profiler_peak_bytes=eager_peak,
         notes=(f"activation_memory_budget={fraction:.3f}; compile {compile_s:.0f} s",),
     )
+
+
+def own_step_peak(measurement: StepMeasurement) -> int:
+    """The peak of the measured step's own tensors: on CUDA less what was allocated before it that it does not own
+    (the original model beside the anchor's copy); on CPU MemTracker counts the step's own already."""
+    return measurement.peak_bytes - measurement.foreign_bytes
+
+
+def _inductor_at_memory_budget(fraction: float) -> Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]:
+    """A Dynamo backend: Inductor, with ``activation_memory_budget`` set while AOTAutograd partitions each graph (the
+    partition is decided when the forward compiles). A new backend object per call: Dynamo guards each compiled graph
+    on the backend that made it."""
+    import torch._functorch.config as functorch_config
+    from torch._inductor.compile_fx import compile_fx
+
+    def inductor_at_budget(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        with functorch_config.patch(activation_memory_budget=fraction):
+            return compile_fx(graph, example_inputs)
+
+    return inductor_at_budget
 
 
 def profiler_peak_bytes(

@@ -190,3 +190,37 @@ def test_optimize_compiled_refuses_what_it_cannot_measure(options: dict[str, Any
     model = torch.nn.Linear(4, 4)
     with pytest.raises(error, match="compiled="):
         autockpt.optimize(model, budget_bytes=10**6, example_inputs=(torch.randn(2, 4),), **options)
+
+
+def test_every_optimized_module_compiles_past_dynamos_recompile_limit() -> None:
+    """Dynamo keeps at most ``recompile_limit`` graphs per code object, and one optimized module's graph never passes
+    another's guards: with one ``forward`` code object shared by every optimized module, the ninth compiled in a
+    process ran eager (a warning only), so ``optimize(..., compiled=True)``, which compiles up to six, measured eager
+    steps as compiled ones after a sweep or two. Each module compiles its own graph, however many came before."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[layer for _ in range(4) for layer in (torch.nn.Linear(32, 32), torch.nn.GELU())])
+    x = torch.randn(64, 32)
+    planner = autockpt.Planner(model, example_inputs=(x,), loss_fn=lambda y: y.square().mean())
+    plan = planner.plan(budget_bytes=budget_at(planner.plan(budget_bytes=10**15), 0.5))
+    count = GraphCount("eager")
+    modules = []  # kept alive, as a sweep's would be
+    for index in range(torch._dynamo.config.recompile_limit + 2):
+        modules.append(torch.compile(planner.apply(plan), backend=count))
+        modules[-1](x).square().mean().backward()
+        assert count.graphs == index + 1, f"optimized module {index + 1} was not compiled ({count.graphs} graphs)"
+    assert count.checkpoints == len(modules) * len(plan.regions)
+
+
+def test_an_optimized_module_survives_deepcopy_and_pickle() -> None:
+    """Each optimized module carries a ``forward`` function of its own (not picklable by name): copies make theirs."""
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+    optimized = autockpt.optimize(model, budget_bytes=10**9, example_inputs=(x,))
+    for copied in (copy.deepcopy(optimized), pickle.loads(pickle.dumps(optimized))):
+        assert torch.equal(copied(x), optimized(x))
+        assert copied.__dict__["_autockpt_forward"] is not optimized.__dict__["_autockpt_forward"]

@@ -109,8 +109,9 @@ def optimize(
     ``compiled=True`` (or a dict of ``torch.compile`` keyword arguments): return ``torch.compile`` of the optimized
     module, with the budget kept by the *compiled* step (the partitioner re-decides what is saved, so the eager plan's
     peak does not carry over): the compiled step is measured (``torch.cuda.max_memory_allocated``; on CPU the
-    allocator's events in ``torch.profiler``, which count more than MemTracker) and planned tighter while it is over.
-    ``autockpt.get_plan(result)`` is the plan. The optimizer and gradient accumulation are measured as in eager mode
+    allocator's events in ``torch.profiler``, which count more than MemTracker) and planned tighter while it is over;
+    of the plans whose compiled step fits, the fastest compiled step is kept (timed against each other;
+    ``autockpt.compiled``). ``autockpt.get_plan(result)`` is the plan. The optimizer and gradient accumulation are measured as in eager mode
     (the optimizer step itself runs uncompiled). Not with a host pool.
     """
     budget = budget_to_bytes(budget_gb, budget_bytes)
@@ -334,6 +335,16 @@ class Planner:
         ordered = region_actions(sorted(regions, key=lambda r: r.first_unit), action)
         timeline = simulate(self.trace, self.costs, ordered)
         return assemble_plan(self.context, ordered, action, timeline.peak_bytes, timeline, strategy=strategy)
+
+    def structural_plan(self, strategy: str) -> Plan | None:
+        """``baseline_plan(self, strategy)`` when the graph has what it needs (repeated blocks for ``every_k``) and it
+        checkpoints something, else None."""
+        try:
+            the_plan = baseline_plan(self, strategy)
+        except ValueError as unavailable:
+            logger.info("no %s plan: %s", strategy, unavailable)
+            return None
+        return the_plan if the_plan.regions else None
 
     def apply(self, the_plan: Plan) -> OptimizedModule:
         """Rewrite the model to run ``the_plan`` (made by this planner, or loaded from a file); nothing is measured.

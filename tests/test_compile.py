@@ -224,3 +224,29 @@ def test_an_optimized_module_survives_deepcopy_and_pickle() -> None:
     for copied in (copy.deepcopy(optimized), pickle.loads(pickle.dumps(optimized))):
         assert torch.equal(copied(x), optimized(x))
         assert copied.__dict__["_autockpt_forward"] is not optimized.__dict__["_autockpt_forward"]
+
+
+@needs_transformers
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_optimize_compiled_keeps_the_budget_on_cuda() -> None:
+    """On CUDA the compiled step's peak is ``max_memory_allocated``, everything the process holds counted: the budget
+    holds on the first compiled step after ``optimize`` returns and on a later one."""
+    device = torch.device("cuda")
+    torch._dynamo.reset()
+    case = neox_case(layers=4)
+    model = case.model.to(device)
+    args = tuple(arg.to(device) for arg in case.args)
+    kwargs = {key: value.to(device) for key, value in case.kwargs.items()}
+    budget = budget_at(autockpt.plan(model, budget_bytes=10**15, example_inputs=args, example_kwargs=kwargs), 0.5)
+    compiled = autockpt.optimize(model, budget_bytes=budget, example_inputs=args, example_kwargs=kwargs,
+                                 compiled=True)
+    peaks = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        autockpt.default_loss(compiled(*args, **kwargs)).backward()
+        torch.cuda.synchronize(device)
+        peaks.append(torch.cuda.max_memory_allocated(device))
+    assert max(peaks) <= budget, f"compiled steps measured {peaks}, budget {budget}"

@@ -415,9 +415,20 @@ class Planner:
         return foreign_bytes(self._device, step_tensors(self.model, self.request.args, self.request.kwargs))
 
     def alternating_step_seconds(self, modules: Sequence[nn.Module]) -> list[list[float]]:
+        """Each module's training step timed in alternating rounds (``autockpt.measure.alternating_step_seconds``),
+        in train mode whatever mode the model is in (an optimized module in eval mode runs the original model), the
+        model's state and each module's mode put back afterwards."""
         self._on_stage("measure")
+        optimized = [getattr(module, "_orig_mod", module) for module in modules]  # torch.compile's wrapper: its module
+        modes = [module.training for module in optimized]
         with self._model_state():
-            return alternating_step_seconds(modules, self.request.args, self.request.kwargs, self.request.loss)
+            for module in optimized:
+                module.training = True  # an OptimizedModule's own flag: its submodules are the model's
+            try:
+                return alternating_step_seconds(modules, self.request.args, self.request.kwargs, self.request.loss)
+            finally:
+                for module, mode in zip(optimized, modes):
+                    module.training = mode
 
     # ------------------------------------------------------------------------------------------- internals
 

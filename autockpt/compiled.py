@@ -34,9 +34,11 @@ LOOSEN_ATTEMPTS = 2  # plans compiled for a looser target while the loosest kept
 # peak does not follow the eager one: on CPU a 2-layer GPT-NeoX's eager floor plan compiled to 2.48 MB, its
 # one-region-per-layer plan to 2.02 MB
 STRUCTURAL_PLANS = ("every_1", "every_2")
-# step times closer than this to the fastest candidate's count as tied (alternating rounds on a shared CPU resolve a
-# few per cent; compiled GPT-2 plans of 0 to 7 regions timed within 3 % of each other there)
+# step times closer than this to the fastest candidate's count as tied: alternating rounds on a shared CPU do not
+# resolve a few per cent (timed in one round robin, compiled GPT-2 plans of 0 to 7 regions ran at 0.70x to 0.76x of
+# the eager step, in no order of their regions)
 TIED_WITHIN = 0.02
+MIN_HEADROOM = 0.005  # a looser plan is compiled only for at least this share of the budget left unused
 
 
 class CompilingPlanner(Protocol):
@@ -87,9 +89,13 @@ class _CompiledAttempts:
         logger.info("%s: compiled step %d bytes (budget %d)", planned_for, peak, self.budget_bytes)
         return _Compiled(planned_for, target, module, compiled, peak)
 
-    def refusal(self, why: str) -> InfeasibleBudgetError:
+    def refusal(self, why: str, *, at_least: int | None = None) -> InfeasibleBudgetError:
+        """The budget refused, stating the lowest compiled peak measured (no lower than ``at_least``: the eager
+        floor, when the budget was under it)."""
         self.why = why
         lowest = min(self.peaks, default=None)
+        if lowest is not None and at_least is not None:
+            lowest = max(lowest, at_least)
         return InfeasibleBudgetError(
             f"the budget {format_bytes(self.budget_bytes)} was not kept by the compiled step ({why}; bytes: "
             f"{'; '.join(self.readings)}). Use a budget of at least {lowest} bytes (the lowest compiled peak "
@@ -114,21 +120,26 @@ def compiled_module(
     recomputation's cost does not carry over (Inductor fuses what a region recomputes)."""
     options = dict(compile_options or {})
     attempts = _CompiledAttempts(planner, budget_bytes, options)
-    try:
-        first = _tightened(attempts)
-    except InfeasibleBudgetError as refusal:
+    first, refusal = _tightened(attempts)
+    if first is None:
+        # outside the refusal's except block: its traceback would keep the last plan tried, compiled, alive while the
+        # structural plans are measured
         eager_refused = not attempts.peaks  # the budget is under the eager floor: nothing was compiled
         first = _structural(attempts)
         if first is None:
-            if eager_refused:
-                raise
-            raise attempts.refusal(f"{attempts.why}, then the structural plans where the graph has them") from refusal
+            if eager_refused and not attempts.peaks:
+                raise refusal
+            raise attempts.refusal(
+                f"{attempts.why or refusal}, then the structural plans where the graph has them",
+                at_least=refusal.min_feasible_bytes if eager_refused else None,
+            )
     candidates = [first]
     for _ in range(LOOSEN_ATTEMPTS):
         loosest = candidates[-1]
-        looser_target = loosest.target_bytes + budget_bytes - loosest.peak_bytes
-        if looser_target <= loosest.target_bytes or not loosest.module.plan.regions:
-            break  # no headroom, or nothing left to stop recomputing
+        headroom = budget_bytes - loosest.peak_bytes
+        if headroom < budget_bytes * MIN_HEADROOM or not loosest.module.plan.regions:
+            break  # too little headroom to change the plan, or nothing left to stop recomputing
+        looser_target = loosest.target_bytes + headroom
         try:
             looser = attempts.for_target(looser_target)
         except InfeasibleBudgetError:
@@ -190,9 +201,9 @@ def _tighter(attempts: _CompiledAttempts, first: _Compiled) -> _Compiled | None:
     return tighter
 
 
-def _tightened(attempts: _CompiledAttempts) -> _Compiled:
+def _tightened(attempts: _CompiledAttempts) -> tuple[_Compiled, None] | tuple[None, InfeasibleBudgetError]:
     """The first plan, tightened by the compiled overshoot down to the eager floor, whose compiled step keeps the
-    budget."""
+    budget; or, when none does, the refusal (the eager planner's own when the budget is under the eager floor)."""
     budget_bytes = attempts.budget_bytes
     target = budget_bytes
     for attempt_index in range(COMPILE_ATTEMPTS):
@@ -200,18 +211,18 @@ def _tightened(attempts: _CompiledAttempts) -> _Compiled:
             tried = attempts.for_target(target)
         except InfeasibleBudgetError as error:
             if not attempts.peaks:
-                raise
-            raise attempts.refusal(f"the eager plan for {target} bytes failed: {error}") from error
+                return None, error
+            return None, attempts.refusal(f"the eager plan for {target} bytes failed: {error}")
         if tried.peak_bytes <= budget_bytes:
-            return tried
+            return tried, None
         floor = tried.module.plan.min_feasible_bytes
         if target <= floor:
-            raise attempts.refusal("the eager floor's plan was tried")
+            return None, attempts.refusal("the eager floor's plan was tried")
         target = tightened_target(
             target, tried.peak_bytes - budget_bytes, budget_bytes, floor, last_next=attempt_index == COMPILE_ATTEMPTS - 2
         )
         del tried  # its compiled graphs hold memory the next attempt's measurement would count
-    raise attempts.refusal(f"after {COMPILE_ATTEMPTS} plans, the eager floor's the last")
+    return None, attempts.refusal(f"after {COMPILE_ATTEMPTS} plans, the eager floor's the last")
 
 
 def _structural(attempts: _CompiledAttempts) -> _Compiled | None:

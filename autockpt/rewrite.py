@@ -287,7 +287,7 @@ def _own_forward() -> Callable[..., Any]:
     """``OptimizedModule._forward`` with a code object of its own, for one module. Dynamo keeps compiled graphs per
     code object, at most ``torch._dynamo.config.recompile_limit`` (8) of them, and one optimized module's graph never
     passes another's guards (each has its own graph class): with the code object shared, the ninth optimized module
-    compiled in a process ran eager, with a warning only (``optimize(..., compiled=True)`` compiles up to six)."""
+    compiled in a process ran eager, with a warning only (``optimize(..., compiled=True)`` compiles up to eight)."""
     shared = OptimizedModule._forward
     return types.FunctionType(shared.__code__.replace(), shared.__globals__, shared.__name__, shared.__defaults__,
                               shared.__closure__)
@@ -301,8 +301,8 @@ class _ForwardWithModelSignature:
         if module is None:
             return OptimizedModule._forward
         own_forward = module.__dict__["_autockpt_forward"]
-        if torch.compiler.is_compiling():  # Dynamo cannot trace setting a partial's attribute: a graph break
-            return types.MethodType(own_forward, module)
+        if torch.compiler.is_compiling():  # Dynamo traces neither setting a partial's attribute nor MethodType()
+            return own_forward.__get__(module, type(module))
         bound = functools.partial(own_forward, module)
         signature = module.__dict__.get("_autockpt_signature")
         if signature is not None:
@@ -360,8 +360,8 @@ class OptimizedModule(nn.Module):
             self.__dict__["_autockpt_signature"] = None
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        del state["_autockpt_forward"]  # a function made per module: not picklable by name; made again on load
+        state = super().__getstate__()  # nn.Module's: without a compiled call (``Module.compile()``)
+        state.pop("_autockpt_forward", None)  # a function made per module: not picklable by name; made again on load
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -224,6 +224,29 @@ def test_an_optimized_module_survives_deepcopy_and_pickle() -> None:
     for copied in (copy.deepcopy(optimized), pickle.loads(pickle.dumps(optimized))):
         assert torch.equal(copied(x), optimized(x))
         assert copied.__dict__["_autockpt_forward"] is not optimized.__dict__["_autockpt_forward"]
+    # after Module.compile() too (nn.Module's own state leaves the compiled call out), each copy runs its own weights
+    optimized.compile(backend="eager")
+    for copied in (copy.deepcopy(optimized), pickle.loads(pickle.dumps(optimized))):
+        with torch.no_grad():
+            for param in copied.parameters():
+                param.zero_()
+        assert not torch.equal(copied(x), optimized(x))
+
+
+def test_an_optimized_module_inside_a_compiled_model_is_one_graph() -> None:
+    """The optimized module as a submodule of what the user compiles, ``fullgraph=True``: Dynamo traces through its
+    ``forward`` (no graph break at picking the module's own function)."""
+    torch.manual_seed(0)
+    inner = torch.nn.Sequential(*[layer for _ in range(3) for layer in (torch.nn.Linear(16, 16), torch.nn.GELU())])
+    x = torch.randn(256, 16)
+    planner = autockpt.Planner(inner, example_inputs=(x,), loss_fn=lambda y: y.square().mean())
+    optimized = planner.apply(planner.plan(budget_bytes=budget_at(planner.plan(budget_bytes=10**15), 0.7)))
+    assert optimized.plan.regions, "the test needs a plan that checkpoints something"
+    outer = torch.nn.Sequential(torch.nn.Linear(16, 16), optimized)
+    torch._dynamo.reset()
+    count = GraphCount("eager")
+    torch.compile(outer, backend=count, fullgraph=True)(x).square().mean().backward()
+    assert count.graphs == 1 and count.checkpoints == len(optimized.plan.regions)
 
 
 @needs_transformers

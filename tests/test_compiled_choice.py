@@ -116,3 +116,31 @@ def test_of_compiled_plans_equally_fast_the_lowest_peak_is_kept() -> None:
     assert scripted.timed and scripted.timed[0] >= 2, "the test needs at least two plans that fit"
     # the plan half way down to the eager floor is the tightest: its eager peak, and its scripted compiled one, lowest
     assert kept.plan.budget_bytes < budget
+
+
+def test_a_budget_under_the_eager_floor_states_the_structural_plans_compiled_peaks() -> None:
+    """Under the eager floor no eager plan is made; the structural plans are compiled, and when none fits the refusal
+    states the lowest of their compiled peaks (not the eager floor, which would be refused again)."""
+    planner, floor, _ = mlp_planner()
+    budget = floor - 1000
+    scripted = ScriptedCompile(planner, lambda plan, eager: floor + 500)
+    with pytest.raises(autockpt.InfeasibleBudgetError) as refusal:
+        compiled_module(scripted, budget, {"backend": "eager"})
+    assert "every_1" in scripted.compiled
+    assert refusal.value.min_feasible_bytes == floor + 500
+    assert "structural plans" in str(refusal.value)
+
+
+def test_candidates_are_timed_in_train_mode_when_the_model_is_in_eval_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An optimized module in eval mode runs the original model: timing candidates so would compare nothing."""
+    planner, floor, unmodified = mlp_planner()
+    planner.model.eval()
+    module = planner.apply(planner.plan(budget_bytes=(floor + unmodified) // 2))
+    assert not module.training
+    planned_runs = []
+    run_planned = OptimizedModule._run_planned
+    monkeypatch.setattr(OptimizedModule, "_run_planned",
+                        lambda self, args, kwargs: planned_runs.append(1) or run_planned(self, args, kwargs))
+    planner.alternating_step_seconds([module, torch.compile(module, backend="eager")])
+    assert len(planned_runs) >= 10, f"{len(planned_runs)} steps ran the plan"
+    assert not module.training and not planner.model.training

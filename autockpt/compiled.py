@@ -12,6 +12,7 @@ fit; of the plans that fit, the one whose compiled step is fastest, timed agains
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -133,26 +134,11 @@ def compiled_module(
                 f"{attempts.why or refusal}, then the structural plans where the graph has them",
                 at_least=refusal.min_feasible_bytes if eager_refused else None,
             )
-    candidates = [first]
-    for _ in range(LOOSEN_ATTEMPTS):
-        loosest = candidates[-1]
-        headroom = budget_bytes - loosest.peak_bytes
-        if headroom < budget_bytes * MIN_HEADROOM or not loosest.module.plan.regions:
-            break  # too little headroom to change the plan, or nothing left to stop recomputing
-        looser_target = loosest.target_bytes + headroom
-        try:
-            looser = attempts.for_target(looser_target)
-        except InfeasibleBudgetError:
-            break  # eager verification refused the looser target
-        if looser.peak_bytes > budget_bytes:
-            break
-        if looser.module.plan.policy == loosest.module.plan.policy:
-            break  # the same plan: nothing new to time
-        candidates.append(looser)
     tighter = _tighter(attempts, first)
-    if tighter is not None:
-        candidates.insert(0, tighter)
+    candidates = [*([tighter] if tighter is not None else []), first, *_looser(attempts, first)]
     kept, timing = _fastest(planner, candidates)
+    del candidates, first, tighter
+    gc.collect()  # the plans not kept are reference cycles: free their compiled graphs (CUDA graph pools, constants) now
     plan = kept.module.plan
     kept.module.set_plan(dataclasses.replace(plan, notes=(*plan.notes, (
         f"compiled with torch.compile({', '.join(f'{k}={v!r}' for k, v in options.items())}): the compiled step "
@@ -160,6 +146,25 @@ def compiled_module(
         f"{kept.planned_for} (compiled plans tried: {'; '.join(attempts.readings)}){timing}"
     ))))
     return kept.compiled
+
+
+def _looser(attempts: _CompiledAttempts, first: _Compiled) -> list[_Compiled]:
+    """Plans for targets raised by the headroom the last one left, while their compiled steps fit."""
+    found: list[_Compiled] = []
+    loosest = first
+    for _ in range(LOOSEN_ATTEMPTS):
+        headroom = attempts.budget_bytes - loosest.peak_bytes
+        if headroom < attempts.budget_bytes * MIN_HEADROOM or not loosest.module.plan.regions:
+            break  # too little headroom to change the plan, or nothing left to stop recomputing
+        try:
+            looser = attempts.for_target(loosest.target_bytes + headroom)
+        except InfeasibleBudgetError:
+            break  # eager verification refused the looser target
+        if looser.peak_bytes > attempts.budget_bytes or looser.module.plan.policy == loosest.module.plan.policy:
+            break  # over the budget, or the same plan: nothing new to time
+        found.append(looser)
+        loosest = looser
+    return found
 
 
 def _fastest(planner: CompilingPlanner, candidates: list[_Compiled]) -> tuple[_Compiled, str]:

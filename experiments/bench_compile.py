@@ -93,9 +93,10 @@ def build(name: str, size: str) -> zoo.ZooCase:
     return decoder_case() if name == "neox" else zoo.build(name, size)
 
 
-def compiled_with_counts(module: torch.nn.Module, case: zoo.ZooCase) -> tuple[torch.nn.Module, int, int, float]:
-    """``torch.compile(module)`` after two steps (the first compiles), its graphs, graph breaks and compile seconds.
-    No ``torch._dynamo.reset()``: every module compiled here stays compiled, to be timed with the others."""
+def compiled_point(module: torch.nn.Module, case: zoo.ZooCase) -> tuple[torch.nn.Module, int, int, float, int]:
+    """``torch.compile(module)`` after two steps (the first compiles): the compiled module, its graphs, graph breaks,
+    compile seconds and compiled peak. No ``torch._dynamo.reset()``: every module compiled here stays compiled, to be
+    timed with the others."""
     counters.clear()
     loss_fn = case.loss_fn or autockpt.default_loss
     started = time.perf_counter()
@@ -105,7 +106,9 @@ def compiled_with_counts(module: torch.nn.Module, case: zoo.ZooCase) -> tuple[to
             param.grad = None
         loss_fn(compiled(*case.args, **case.kwargs)).backward()
     seconds = time.perf_counter() - started
-    return compiled, counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()), seconds
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    peak = anchors.profiler_peak_bytes(compiled, case.args, case.kwargs, loss_fn, static_from=module)
+    return compiled, graphs, breaks, seconds, peak
 
 
 def bench_model(name: str, size: str, device: torch.device, fractions: Sequence[float],
@@ -118,8 +121,12 @@ def bench_model(name: str, size: str, device: torch.device, fractions: Sequence[
     torch._dynamo.reset()
     planner = autockpt.Planner(original, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
     trace = planner.trace
+
+    def budget_at(fraction: float) -> int:
+        return int(trace.static_bytes + fraction * (trace.baseline_peak_bytes - trace.static_bytes))
+
     for fraction in fractions:
-        budget = int(trace.static_bytes + fraction * (trace.baseline_peak_bytes - trace.static_bytes))
+        budget = budget_at(fraction)
         try:
             module = planner.optimize(budget_bytes=budget)
         except autockpt.InfeasibleBudgetError as error:
@@ -128,8 +135,7 @@ def bench_model(name: str, size: str, device: torch.device, fractions: Sequence[
             continue
         plan = module.plan
         eager_profiler = anchors.profiler_peak_bytes(module, case.args, case.kwargs, loss_fn)
-        compiled, graphs, breaks, compile_s = compiled_with_counts(module, case)
-        peak = anchors.profiler_peak_bytes(compiled, case.args, case.kwargs, loss_fn, static_from=module)
+        compiled, graphs, breaks, compile_s, peak = compiled_point(module, case)
         timed[len(rows)] = compiled
         rows.append(Row(
             model=name, strategy="autockpt + compile", setting=fraction, budget_bytes=budget,
@@ -141,7 +147,7 @@ def bench_model(name: str, size: str, device: torch.device, fractions: Sequence[
     # optimize(..., compiled=True): planned again, tighter, while the compiled step measures over the budget; of the
     # plans that fit, the fastest compiled one
     for fraction in fractions:
-        budget = int(trace.static_bytes + fraction * (trace.baseline_peak_bytes - trace.static_bytes))
+        budget = budget_at(fraction)
         started = time.perf_counter()
         try:
             chosen = compiled_module(planner, budget)
@@ -153,9 +159,7 @@ def bench_model(name: str, size: str, device: torch.device, fractions: Sequence[
         the_plan = chosen._orig_mod.plan
         (choice,) = [note for note in the_plan.notes if "compiled with torch.compile" in note]
         # its plan applied afresh and compiled on its own: graphs and breaks are the kept plan's, not every plan tried's
-        module = planner.apply(the_plan)
-        compiled, graphs, breaks, _ = compiled_with_counts(module, case)
-        peak = anchors.profiler_peak_bytes(compiled, case.args, case.kwargs, loss_fn, static_from=module)
+        compiled, graphs, breaks, _, peak = compiled_point(planner.apply(the_plan), case)
         timed[len(rows)] = compiled
         rows.append(Row(
             model=name, strategy="autockpt compiled=True", setting=fraction, budget_bytes=budget,
@@ -171,8 +175,7 @@ def bench_model(name: str, size: str, device: torch.device, fractions: Sequence[
     every = planner.apply(baseline_plan(planner, "every_1"))
     if every.plan.regions:
         eager_profiler = anchors.profiler_peak_bytes(every, case.args, case.kwargs, loss_fn)
-        compiled, graphs, breaks, compile_s = compiled_with_counts(every, case)
-        peak = anchors.profiler_peak_bytes(compiled, case.args, case.kwargs, loss_fn, static_from=every)
+        compiled, graphs, breaks, compile_s, peak = compiled_point(every, case)
         timed[len(rows)] = compiled
         rows.append(Row(
             model=name, strategy="every_1 + compile", setting=1.0, budget_bytes=None, eager_memtracker_peak_bytes=None,

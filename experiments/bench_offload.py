@@ -38,6 +38,11 @@ from autockpt.measure import alternating_step_seconds, measure_step
 from autockpt.offload import available_host_bytes
 from autockpt.units import format_bytes
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from anchors import own_step_peak
+from results_readme import write_csv, write_section
+
 # layers, width, heads, sequence, batch, vocabulary
 SIZES = {
     "real": {"gpt2-medium": (24, 1024, 16, 1024, 8, 50257), "llama": (16, 2048, 16, 1024, 4, 32000)},
@@ -97,9 +102,8 @@ class Row:
 def peak_of(module: nn.Module, ids: torch.Tensor) -> tuple[int, int | None]:
     """The step's own peak: on CUDA ``max_memory_allocated`` counts the other modules' parameters on the device too
     (HF's copy beside the model: 1.42 GB at GPT-2-medium's size), so the bytes the step found allocated and does not
-    own (``foreign_bytes``) are taken off."""
-    measurement = measure_step(module, (ids,), {"labels": ids})
-    measured = measurement.peak_bytes - measurement.foreign_bytes
+    own (``foreign_bytes``) are taken off (``anchors.own_step_peak``)."""
+    measured = own_step_peak(measure_step(module, (ids,), {"labels": ids}))
     reserved = torch.cuda.max_memory_reserved(ids.device) if ids.device.type == "cuda" else None
     return measured, reserved
 
@@ -201,9 +205,6 @@ def main() -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA device here")
     args.out.mkdir(parents=True, exist_ok=True)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from results_readme import write_csv, write_section
-
     command = "python experiments/bench_offload.py " + " ".join(sys.argv[1:])
     rows: list[Row] = []
     for name in args.models.split(","):

@@ -7,8 +7,8 @@ Budgets are in GB = 10^9 bytes (``budget_gb``) or bytes (``budget_bytes``).
 
 from __future__ import annotations
 
-from autockpt.api import Planner, apply_plan, baseline_plan, get_plan, optimize, plan
-from autockpt.batch_size import BatchSizeResult, ExampleBatch, max_batch_size, max_batch_sizes
+from autockpt.planning.api import Planner, apply_plan, baseline_plan, get_plan, optimize, plan
+from autockpt.planning.batch_size import BatchSizeResult, ExampleBatch, max_batch_size, max_batch_sizes
 from autockpt.errors import (
     AutockptError,
     CaptureError,
@@ -19,15 +19,15 @@ from autockpt.errors import (
     ProfileError,
     UnplannedStepError,
 )
-from autockpt.estimate import MemoryEstimate, estimate
-from autockpt.loss import default_loss
-from autockpt.measure import measure_step
-from autockpt.pipeline import PipelinePlan, compare_pipeline_splits, load_pipeline_plan, plan_pipeline
-from autockpt.pipeline_run import pipeline_schedule
-from autockpt.plan import Plan, load_plan
-from autockpt.rewrite import OptimizedModule
-from autockpt.solve.base import SolverOptions
-from autockpt.solve.baselines import BASELINE_STRATEGIES, baseline_regions
+from autockpt.planning.estimate import MemoryEstimate, estimate
+from autockpt.measure.loss import default_loss
+from autockpt.measure.step import measure_step
+from autockpt.pipeline.plan import PipelinePlan, compare_pipeline_splits, load_pipeline_plan, plan_pipeline
+from autockpt.pipeline.run import pipeline_schedule
+from autockpt.records.plan import Plan, load_plan
+from autockpt.runtime.rewrite import OptimizedModule
+from autockpt.core.solve.base import SolverOptions
+from autockpt.core.solve.baselines import BASELINE_STRATEGIES, baseline_regions
 from autockpt.types import (
     Action,
     CaptureKind,

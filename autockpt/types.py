@@ -230,7 +230,7 @@ class StepTrace:
     buffer_bytes: int
     input_bytes: int
     gradient_bytes: int  # bytes of the parameter gradients one step creates
-    baseline_peak_bytes: int  # measured peak of the unmodified step (same definition as autockpt.measure)
+    baseline_peak_bytes: int  # measured peak of the unmodified step (same definition as autockpt.measure.step)
     forward_ms: float
     step_ms: float  # forward + backward, median of repeats
     gradient_bytes_by_event: tuple[int, ...] = ()  # per event: bytes of parameter gradients allocated so far

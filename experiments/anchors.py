@@ -45,8 +45,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from autockpt.loss import default_loss
-from autockpt.measure import StepMeasurement, measure_step
+from autockpt.measure.loss import default_loss
+from autockpt.measure.step import StepMeasurement, measure_step
 
 logger = logging.getLogger(__name__)
 
@@ -390,8 +390,8 @@ def profiler_peak_bytes(
     static_from: nn.Module | None = None,
 ) -> int:
     """Peak of one step from the CPU allocator's events in ``torch.profiler``, plus parameters, buffers and inputs
-    (``autockpt.measure.measure_compiled_step``): works on compiled code, where MemTracker sees nothing."""
-    from autockpt.measure import measure_compiled_step
+    (``autockpt.measure.step.measure_compiled_step``): works on compiled code, where MemTracker sees nothing."""
+    from autockpt.measure.step import measure_compiled_step
 
     with _quiet("torch.profiler"):
         return measure_compiled_step(module, args, kwargs, loss_fn, static_from=static_from).peak_bytes

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 import autockpt
-from autockpt import zoo
+from autockpt.present import zoo
 
 FRACTIONS = (0.3, 0.5, 0.7)  # of the way from the floor to the unmodified peak; 1.0: the identity plan
 

@@ -21,7 +21,8 @@ import pandas as pd
 import torch
 
 import autockpt
-from autockpt import measure, zoo
+from autockpt.measure import step as measure
+from autockpt.present import zoo
 
 DEFAULT_MODELS = ("mlp", "cnn", "transformer", "control_flow", "gpt2", "vit", "unet")
 

@@ -25,8 +25,8 @@ import anchors  # noqa: E402
 from sweep import ExampleBatch, markdown_table, round_robin_ratios  # noqa: E402
 
 import autockpt  # noqa: E402
-from autockpt import zoo  # noqa: E402
-from autockpt.api import Planner, baseline_plan  # noqa: E402
+from autockpt.present import zoo# noqa: E402
+from autockpt.planning.api import Planner, baseline_plan  # noqa: E402
 from autockpt.types import Action  # noqa: E402
 
 

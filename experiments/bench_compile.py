@@ -7,7 +7,7 @@ Per model (a 2-layer GPT-NeoX-style decoder; the zoo GPT-2 at size tiny, export 
 and verified in eager mode with MemTracker), and the optimized module is compiled with ``torch.compile`` (Inductor);
 torch.compile compiles a copy of the original with ``torch._functorch.config.activation_memory_budget`` at each of
 ``--compile-budgets`` (1.0 is torch.compile's default). ``autockpt compiled=True`` rows: what
-``autockpt.optimize(..., compiled=True)`` does (``autockpt.compiled.compiled_module`` on the same planner): the
+``autockpt.optimize(..., compiled=True)`` does (``autockpt.planning.compiled.compiled_module`` on the same planner): the
 compiled step is measured and planned again, tighter, while it is over the budget. Every compiled step's peak is measured the same way,
 ``anchors.profiler_peak_bytes``: the highest running total of the CPU allocator's events during one forward +
 backward (MemTracker does not see inside compiled code), plus parameters, buffers and inputs. The same method on the
@@ -48,10 +48,10 @@ import sweep
 from results_readme import write_csv, write_section
 
 import autockpt
-from autockpt import zoo
-from autockpt.api import baseline_plan
-from autockpt.compiled import compiled_module
-from autockpt.measure import alternating_step_seconds
+from autockpt.present import zoo
+from autockpt.planning.api import baseline_plan
+from autockpt.planning.compiled import compiled_module
+from autockpt.measure.step import alternating_step_seconds
 
 logger = logging.getLogger("bench_compile")
 MB = 10**6

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_readme import write_section
 
 import autockpt
-from autockpt import zoo
+from autockpt.present import zoo
 
 MB = 10**6
 

@@ -30,7 +30,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import autockpt
-from autockpt import zoo
+from autockpt.present import zoo
 
 LOOPS: dict[str, tuple[Callable[..., torch.optim.Optimizer], int]] = {
     "SGD momentum": (functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9), 1),
@@ -72,7 +72,7 @@ def decoder_case() -> zoo.ZooCase:
 def loop_peaks(module: torch.nn.Module, optimizer: torch.optim.Optimizer, case: zoo.ZooCase, micro_steps: int,
                steps: int = 2) -> list[int]:
     """Per optimizer step, the highest MemTracker peak of its micro-steps (the last one includes ``step()``)."""
-    loss_fn = case.loss_fn or autockpt.loss.default_loss
+    loss_fn = case.loss_fn or autockpt.measure.loss.default_loss
     tensors = [t for t in [*case.args, *case.kwargs.values()] if isinstance(t, torch.Tensor)]
     peaks = []
     for _ in range(steps):

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 import autockpt
-from autockpt import zoo
+from autockpt.present import zoo
 
 
 @dataclass(frozen=True)

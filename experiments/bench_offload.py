@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 import autockpt
-from autockpt.measure import alternating_step_seconds, measure_step
-from autockpt.offload import available_host_bytes
+from autockpt.measure.step import alternating_step_seconds, measure_step
+from autockpt.runtime.offload import available_host_bytes
 from autockpt.units import format_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

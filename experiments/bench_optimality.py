@@ -2,7 +2,7 @@
 
 For random small DAG programs (tests/random_graphs.py) and a few small real graphs, at budgets a fraction of the way
 from the production solver's memory floor to the unmodified peak, the production plan (``Planner.plan``) is compared
-with ``autockpt.solve.exact.exact_regions`` (every set of checkpoint regions, cheapest first) on the same profile.
+with ``autockpt.core.solve.exact.exact_regions`` (every set of checkpoint regions, cheapest first) on the same profile.
 Both are scored by the simulator, so the ratio production_ms / exact_ms measures the solver alone.
 
 Random graphs whose peak no region plan can lower (floor == unmodified peak) give nothing to compare; they are
@@ -35,11 +35,11 @@ from torch import nn
 from tqdm import tqdm
 
 import autockpt
-from autockpt import zoo
-from autockpt.costs import free_machinery
+from autockpt.present import zoo
+from autockpt.measure.costs import free_machinery
 from autockpt.errors import InfeasibleBudgetError
-from autockpt.solve.base import Scorer
-from autockpt.solve.exact import exact_regions, min_peak_bytes
+from autockpt.core.solve.base import Scorer
+from autockpt.core.solve.exact import exact_regions, min_peak_bytes
 from autockpt.types import Action, StepTrace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

@@ -164,10 +164,10 @@ def _repeated_blocks(planner) -> dict:
     problem is prepared again here from the same trace, prices and candidates (once per model, after the timed solve;
     only the counts are kept)."""
     if id(planner) not in _BLOCK_COUNTS:
-        from autockpt.solve.baselines import baseline_seed_plans
-        from autockpt.solve.candidates import candidate_regions
-        from autockpt.solve.prepare import prepare
-        from autockpt.structure import find_repeated_blocks
+        from autockpt.core.solve.baselines import baseline_seed_plans
+        from autockpt.core.solve.candidates import candidate_regions
+        from autockpt.core.solve.prepare import prepare
+        from autockpt.core.structure import find_repeated_blocks
         from autockpt.types import CaptureKind
 
         graph, trace = planner.graph, planner.trace
@@ -191,10 +191,10 @@ _FLAT_PROBLEMS: dict = {}
 
 def _flat_program(planner, budget: int, recompute_ms: float) -> dict:
     """The same budget solved by one flat program over all units, on the same trace: what the blocks save."""
-    from autockpt.solve.baselines import baseline_seed_plans
-    from autockpt.solve.candidates import candidate_regions
-    from autockpt.solve.default import solve_prepared
-    from autockpt.solve.prepare import prepare
+    from autockpt.core.solve.baselines import baseline_seed_plans
+    from autockpt.core.solve.candidates import candidate_regions
+    from autockpt.core.solve.default import solve_prepared
+    from autockpt.core.solve.prepare import prepare
 
     if not _repeated_blocks(planner)["block_instances"]:
         return {}

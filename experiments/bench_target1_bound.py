@@ -31,15 +31,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sweep import markdown_table  # noqa: E402
 
-from autockpt import zoo  # noqa: E402
-from autockpt.api import Planner, baseline_plan  # noqa: E402
-from autockpt.costs import free_machinery  # noqa: E402
-from autockpt.solve.base import SolveResult  # noqa: E402
-from autockpt.solve.baselines import baseline_seed_plans  # noqa: E402
-from autockpt.solve.candidates import candidate_regions  # noqa: E402
-from autockpt.solve.default import solve_prepared  # noqa: E402
-from autockpt.solve.prepare import prepare  # noqa: E402
-from autockpt.structure import find_repeated_blocks  # noqa: E402
+from autockpt.present import zoo# noqa: E402
+from autockpt.planning.api import Planner, baseline_plan  # noqa: E402
+from autockpt.measure.costs import free_machinery  # noqa: E402
+from autockpt.core.solve.base import SolveResult  # noqa: E402
+from autockpt.core.solve.baselines import baseline_seed_plans  # noqa: E402
+from autockpt.core.solve.candidates import candidate_regions  # noqa: E402
+from autockpt.core.solve.default import solve_prepared  # noqa: E402
+from autockpt.core.solve.prepare import prepare  # noqa: E402
+from autockpt.core.structure import find_repeated_blocks  # noqa: E402
 from autockpt.types import Action  # noqa: E402
 
 KINDS = (Action.RECOMPUTE_TORCH, Action.RECOMPUTE_OWN)

@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autockpt
-from autockpt import zoo
+from autockpt.present import zoo
 
 _COMPUTE_OPS = ("call_function", "call_method", "call_module")
 

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 import autockpt
-from autockpt import zoo
+from autockpt.present import zoo
 
 CHROMIUM_FLAGS = (
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",

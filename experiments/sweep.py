@@ -3,7 +3,7 @@
 Strategies: autockpt (``Planner.optimize`` at each budget: plan, rewrite, measured verification) with its default
 checkpoint choice ("auto": plans for torch's non-reentrant checkpoint and for autockpt's own, and keeps the faster
 when both keep the budget), and the same with one checkpoint only: ``autockpt_torch`` and ``autockpt_function``; the
-baseline policies of ``autockpt.solve.baselines`` (one point per model, whatever the budget; ``feasible`` says
+baseline policies of ``autockpt.core.solve.baselines`` (one point per model, whatever the budget; ``feasible`` says
 whether it keeps each budget), and the external anchors of ``experiments/anchors.py`` (Hugging Face gradient
 checkpointing, PyTorch's SAC MILP, torch.compile with an activation memory budget), each run for real or reported as
 not available with the reason.
@@ -56,13 +56,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import anchors  # noqa: E402
 from bench_budget import step_time_ratio  # noqa: E402
 import autockpt  # noqa: E402
-from autockpt import zoo  # noqa: E402
-from autockpt.api import Planner, baseline_plan  # noqa: E402
-from autockpt.measure import alternating_step_seconds  # noqa: E402
-from autockpt.solve.base import AUTO_CHECKPOINT  # noqa: E402
+from autockpt.present import zoo# noqa: E402
+from autockpt.planning.api import Planner, baseline_plan  # noqa: E402
+from autockpt.measure.step import alternating_step_seconds  # noqa: E402
+from autockpt.core.solve.base import AUTO_CHECKPOINT  # noqa: E402
 from autockpt.types import Action  # noqa: E402
-from autockpt.batch_size import ExampleBatch, TrialOutcome, max_batch_sizes  # noqa: E402
-from autockpt.solve.baselines import BASELINE_STRATEGIES, baseline_regions  # noqa: E402
+from autockpt.planning.batch_size import ExampleBatch, TrialOutcome, max_batch_sizes  # noqa: E402
+from autockpt.core.solve.baselines import BASELINE_STRATEGIES, baseline_regions  # noqa: E402
 
 logger = logging.getLogger("sweep")
 
@@ -171,7 +171,7 @@ def _batch_of(case: zoo.ZooCase) -> int:
 
 def round_robin_ratios(modules: dict[str, nn.Module], reference: str, batch: ExampleBatch, repeats: int) -> dict[str, float]:
     """Median over rounds of t(module) / t(reference) in the same round; every module runs once per round, in a
-    rotating order, after a warm-up round (``autockpt.measure.alternating_step_seconds``)."""
+    rotating order, after a warm-up round (``autockpt.measure.step.alternating_step_seconds``)."""
     names = list(modules)
     seconds = alternating_step_seconds(
         [modules[name] for name in names], batch.args, dict(batch.kwargs), batch.loss_fn or autockpt.default_loss,

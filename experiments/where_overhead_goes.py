@@ -27,9 +27,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import autockpt  # noqa: E402
-from autockpt import zoo  # noqa: E402
-from autockpt.loss import default_loss  # noqa: E402
-from autockpt.measure import alternating_step_seconds  # noqa: E402
+from autockpt.present import zoo# noqa: E402
+from autockpt.measure.loss import default_loss  # noqa: E402
+from autockpt.measure.step import alternating_step_seconds  # noqa: E402
 
 
 def self_cpu_ms_per_step(module: torch.nn.Module, case: zoo.ZooCase, steps: int) -> dict[str, tuple[float, float]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from autockpt import zoo
+from autockpt.present import zoo
 
 
 class Chain(nn.Module):

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import autockpt
-from autockpt.solve.base import Scorer
+from autockpt.core.solve.base import Scorer
 from autockpt.types import Action, ActionPrice, CostModel, StepTrace
 
 UNARY = ("relu", "gelu", "tanh", "sigmoid", "softmax")

@@ -11,10 +11,10 @@ import pytest
 from conftest import assert_same_step, budget_at, twin
 
 import autockpt
-from autockpt import zoo
-from autockpt.measure import measure_step
-from autockpt.simulate import simulate
-from autockpt.summary import region_rows
+from autockpt.present import zoo
+from autockpt.measure.step import measure_step
+from autockpt.core.simulate import simulate
+from autockpt.records.summary import region_rows
 from autockpt.types import Action, CheckpointKind, Placement, Policy, Region, RegionAction, Stage
 
 V1_PLAN = Path(__file__).parent / "data" / "plan_v1_transformer_tiny.json"  # written by the release before issue 20

@@ -12,7 +12,7 @@ from conftest import budget_at, planner_for, probe, run_step, twin
 from torch import nn
 
 import autockpt
-from autockpt import zoo
+from autockpt.present import zoo
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 import autockpt
-from autockpt.simulate import _predict, simulate
-from autockpt.solve.candidates import candidate_regions
+from autockpt.core.simulate import _predict, simulate
+from autockpt.core.solve.candidates import candidate_regions
 from autockpt.types import OUTSIDE_GRAPH_UNIT, Action, Region, RegionAction
 
 transformers = pytest.importorskip("transformers")

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import autockpt
-from autockpt.batch_size import ExampleBatch, TrialOutcome, max_batch_size, max_batch_sizes
+from autockpt.planning.batch_size import ExampleBatch, TrialOutcome, max_batch_size, max_batch_sizes
 
 
 def _model() -> nn.Module:

@@ -13,10 +13,10 @@ from edge_models import Chain, ShapeBranchConvNet
 from torch import fx, nn
 
 import autockpt
-from autockpt import zoo
-from autockpt.capture import capture
-from autockpt.loss import default_loss
-from autockpt.trace import trace_step
+from autockpt.present import zoo
+from autockpt.measure.capture import capture
+from autockpt.measure.loss import default_loss
+from autockpt.measure.trace import trace_step
 from autockpt.types import CaptureKind
 
 # ------------------------------------------------------------------------------------------ the three paths

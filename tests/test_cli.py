@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 import autockpt
-from autockpt.cli import main, parse_budget, parse_input_spec
+from autockpt.present.cli import main, parse_budget, parse_input_spec
 
 MLP = ["cli_models:small_mlp", "--input", "float32[128,64]"]
 

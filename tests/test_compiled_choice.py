@@ -1,4 +1,4 @@
-"""Which plan ``optimize(..., compiled=True)`` keeps (``autockpt.compiled.compiled_module``): when the compiled step
+"""Which plan ``optimize(..., compiled=True)`` keeps (``autockpt.planning.compiled.compiled_module``): when the compiled step
 leaves headroom, every plan whose compiled step fits is a candidate, and the fastest by measured step time is kept
 (of steps tied within a few per cent, the lowest peak); when none fits down to the eager floor, the structural plans
 are compiled before the budget is refused.
@@ -20,10 +20,10 @@ from conftest import loss_of, mlp
 from torch import nn
 
 import autockpt
-from autockpt.compiled import compiled_module
-from autockpt.measure import StepMeasurement
-from autockpt.plan import Plan
-from autockpt.rewrite import OptimizedModule
+from autockpt.planning.compiled import compiled_module
+from autockpt.measure.step import StepMeasurement
+from autockpt.records.plan import Plan
+from autockpt.runtime.rewrite import OptimizedModule
 
 
 @dataclasses.dataclass

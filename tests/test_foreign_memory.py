@@ -1,7 +1,7 @@
 """Device memory the step does not own (issue 23, item 7): read when solving and verifying, not only when profiling.
 
 On CUDA every tensor the process holds counts against the device (``torch.cuda.memory_allocated``); on CPU the same
-mechanism is driven through ``autockpt.measure.held_beside_step``, which names the tensors to count. A plan made
+mechanism is driven through ``autockpt.measure.step.held_beside_step``, which names the tensors to count. A plan made
 while X bytes of other tensors were alive and solved or verified while Y are alive predicts and keeps its budget.
 """
 
@@ -16,11 +16,11 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import autockpt
-from autockpt.loop import with_foreign_bytes
-from autockpt.measure import StepMeasurement, foreign_bytes, held_beside_step
-from autockpt.trace import step_tensors
+from autockpt.measure.loop import with_foreign_bytes
+from autockpt.measure.step import StepMeasurement, foreign_bytes, held_beside_step
+from autockpt.measure.trace import step_tensors
 from autockpt.types import StepTrace
-from autockpt.verify import in_planned_device
+from autockpt.planning.verify import in_planned_device
 
 
 def half_way(trace: StepTrace) -> int:

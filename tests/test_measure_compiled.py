@@ -1,11 +1,11 @@
-"""``autockpt.measure.measure_compiled_step``: the allocator's count of one step, for code MemTracker cannot see into."""
+"""``autockpt.measure.step.measure_compiled_step``: the allocator's count of one step, for code MemTracker cannot see into."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from autockpt.measure import measure_compiled_step, measure_step
+from autockpt.measure.step import measure_compiled_step, measure_step
 
 
 def test_gradients_count_once() -> None:

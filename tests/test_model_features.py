@@ -11,7 +11,7 @@ from edge_models import Chain, WritesIntoAnEarlierTensor
 from torch import nn
 
 import autockpt
-from autockpt import zoo
+from autockpt.present import zoo
 
 
 def test_partly_frozen_model() -> None:

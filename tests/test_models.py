@@ -9,7 +9,7 @@ import torch
 from conftest import assert_same_step, budget_at, needs_transformers, planner_for, twin, zoo_params
 
 import autockpt
-from autockpt import zoo
+from autockpt.present import zoo
 
 MODELS = zoo_params("mlp", "cnn", "transformer", "control_flow", "gpt2", "vit", "unet")
 EXPECTED_CAPTURE = {

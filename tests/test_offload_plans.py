@@ -11,8 +11,8 @@ import pytest
 from conftest import assert_same_step, budget_at, planner_for, twin, zoo_params
 
 import autockpt
-from autockpt import zoo
-from autockpt.offload import slot_bytes
+from autockpt.present import zoo
+from autockpt.runtime.offload import slot_bytes
 from autockpt.types import Action, Decision
 
 # MemTracker and the simulator agree to the byte on the BatchNorm conv net, GPT-2 and Llama (offloaded regions bypass

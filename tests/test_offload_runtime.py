@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from autockpt.offload import (
+from autockpt.runtime.offload import (
     MIN_STORAGE_BYTES,
     SLOT_ALIGNMENT_BYTES,
     HostPool,

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import autockpt
-from autockpt.loop import measure_optimizer_step, optimizer_factory
+from autockpt.measure.loop import measure_optimizer_step, optimizer_factory
 
 OPTIMIZERS = {
     "sgd_momentum": functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9),

@@ -19,8 +19,8 @@ from pipeline_worker import build, lm_loss, run_rank
 
 import autockpt
 from autockpt.errors import InfeasibleBudgetError, PlanMismatchError
-from autockpt.pipeline_run import stage_module_for
-from autockpt.solve.split import SplitProblem, StageOption, exhaustive_split, solve_split
+from autockpt.pipeline.run import stage_module_for
+from autockpt.core.solve.split import SplitProblem, StageOption, exhaustive_split, solve_split
 from autockpt.types import PipelineStageRecord
 
 _CONFIG = {"seed": 0, "model": {"vocab": 1024, "width": 32, "layers": 4, "tied": False}}

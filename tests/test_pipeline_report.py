@@ -15,7 +15,7 @@ import torch
 from pipeline_worker import build, lm_loss
 
 import autockpt
-from autockpt.pipeline_report import schedule_boxes, schedule_order, stage_memory
+from autockpt.present.pipeline_report import schedule_boxes, schedule_order, stage_memory
 from autockpt.types import PipelineSchedule, SharedParameter
 from autockpt.units import format_bytes
 

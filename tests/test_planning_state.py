@@ -11,7 +11,7 @@ from conftest import check_optimized, optimize_at
 from edge_models import ShapeBranchConvNet, frozen_batchnorm_case
 
 import autockpt
-from autockpt import zoo
+from autockpt.present import zoo
 
 
 def test_optimizing_an_eval_mode_model_keeps_its_mode() -> None:

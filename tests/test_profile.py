@@ -7,11 +7,11 @@ import torch
 from torch import nn
 
 import autockpt
-from autockpt import trace as trace_module
-from autockpt import zoo
-from autockpt.api import baseline_plan
-from autockpt.capture import capture
-from autockpt.costs import measure_action_price
+from autockpt.measure import trace as trace_module
+from autockpt.present import zoo
+from autockpt.planning.api import baseline_plan
+from autockpt.measure.capture import capture
+from autockpt.measure.costs import measure_action_price
 from autockpt.types import Action, Region
 
 
@@ -103,7 +103,7 @@ def test_repeated_blocks_are_timed_at_one_instance_and_the_others_reuse_its_time
         shared = trace_module.trace_step(graph, (x,), {}, lambda out: out.sum())
     each = trace_module.trace_step(graph, (x,), {}, lambda out: out.sum(), time_repeated_blocks_once=False)
 
-    families = autockpt.structure.find_repeated_blocks(graph, shared).families
+    families = autockpt.core.structure.find_repeated_blocks(graph, shared).families
     assert len(families) == 1 and len(families[0].instances) == 6
     instances = families[0].instances
     timed_instance = instances[3]

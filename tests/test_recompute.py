@@ -12,9 +12,9 @@ from conftest import assert_same_step, budget_at, planner_for, twin, zoo_params
 from torch import nn
 
 import autockpt
-from autockpt import zoo
-from autockpt.api import baseline_plan
-from autockpt.recompute import checkpointed_call
+from autockpt.present import zoo
+from autockpt.planning.api import baseline_plan
+from autockpt.runtime.recompute import checkpointed_call
 from autockpt.types import CaptureKind, CheckpointKind
 
 FUNCTION = autockpt.SolverOptions(checkpoint="recompute_function")
@@ -217,8 +217,8 @@ def test_a_module_reading_a_tensor_it_was_not_given_still_gets_its_gradient(
     module(x).sum().backward()
     want = scale.grad.clone()
     scale.grad = None
-    monkeypatch.setattr("autockpt.recompute._warned_foreign", False)
-    with caplog.at_level(logging.WARNING, logger="autockpt.recompute"):
+    monkeypatch.setattr("autockpt.runtime.recompute._warned_foreign", False)
+    with caplog.at_level(logging.WARNING, logger="autockpt.runtime.recompute"):
         out = checkpointed_call(module.forward, (x,), {}, list(module.parameters()), [], closed=False)
         out.sum().backward()
     torch.testing.assert_close(scale.grad, want)

@@ -12,8 +12,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import autockpt
-from autockpt import zoo
-from autockpt.simulate import region_windows
+from autockpt.present import zoo
+from autockpt.core.simulate import region_windows
 
 
 def test_recomputed_flops_are_exactly_the_planned_units() -> None:
@@ -70,7 +70,7 @@ def test_changes_after_planning_run_the_original_model(change, reason: str, capl
     optimized = optimize_at(case, 0.5)
     change(optimized)
     change(reference)
-    with caplog.at_level("WARNING", logger="autockpt.rewrite"):
+    with caplog.at_level("WARNING", logger="autockpt.runtime.rewrite"):
         assert_same_step(optimized, reference, case)
     assert "running the original model without the plan" in caplog.text and reason in caplog.text
 
@@ -83,7 +83,7 @@ def test_a_model_converted_after_planning_runs_the_original_model(caplog: pytest
     optimized = optimize_at(case, 0.5)
     optimized.double()
     reference.double()
-    with caplog.at_level("WARNING", logger="autockpt.rewrite"):
+    with caplog.at_level("WARNING", logger="autockpt.runtime.rewrite"):
         actual, actual_grads = run_step(optimized, case)
     expected, expected_grads = run_step(reference, case)
     torch.testing.assert_close(actual.logits, expected.logits)
@@ -96,7 +96,7 @@ def test_a_step_under_another_autocast_state_runs_the_original_model(caplog: pyt
     case = frozen_batchnorm_case()
     reference = twin(case)
     optimized = optimize_at(case, 0.5)
-    with torch.autocast("cpu", dtype=torch.bfloat16), caplog.at_level("WARNING", logger="autockpt.rewrite"):
+    with torch.autocast("cpu", dtype=torch.bfloat16), caplog.at_level("WARNING", logger="autockpt.runtime.rewrite"):
         assert_same_step(optimized, reference, case)
     assert "autocast is on (cpu bfloat16), planned off" in caplog.text
 

@@ -14,8 +14,8 @@ import torch
 from conftest import assert_same_step, budget_at, needs_transformers, twin
 
 import autockpt
-from autockpt import zoo
-from autockpt.summary import module_rows, region_rows
+from autockpt.present import zoo
+from autockpt.records.summary import module_rows, region_rows
 from autockpt.units import format_bytes
 
 
@@ -41,8 +41,8 @@ def test_a_loaded_plan_applies_without_solving_and_trains_like_pytorch(
     transformer_plan.save(tmp_path / "plan.json")
     case = zoo.build("transformer")  # a fresh model, as on another machine
     reference = twin(case)
-    monkeypatch.setattr("autockpt.api.solve_prepared", lambda *a, **k: pytest.fail("apply_plan must not solve"))
-    monkeypatch.setattr("autockpt.api.trace_step", lambda *a, **k: pytest.fail("apply_plan must not profile"))
+    monkeypatch.setattr("autockpt.planning.api.solve_prepared", lambda *a, **k: pytest.fail("apply_plan must not solve"))
+    monkeypatch.setattr("autockpt.planning.api.trace_step", lambda *a, **k: pytest.fail("apply_plan must not profile"))
     module = autockpt.apply_plan(case.model, autockpt.load_plan(tmp_path / "plan.json"), example_inputs=case.args)
     assert autockpt.get_plan(module).regions == transformer_plan.regions
     torch.manual_seed(0)

@@ -12,8 +12,8 @@ import torch
 from conftest import assert_same_step, needs_transformers, twin
 
 import autockpt
-from autockpt import zoo
-from autockpt.plan_inputs import recorded_inputs
+from autockpt.present import zoo
+from autockpt.records.plan_inputs import recorded_inputs
 from autockpt.types import ModelFingerprint, TensorSpec
 
 Planned = tuple[zoo.ZooCase, autockpt.Plan]  # a zoo case and a plan made for it

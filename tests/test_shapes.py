@@ -12,7 +12,7 @@ import torch
 from conftest import assert_same_step, budget_at, twin
 
 import autockpt
-from autockpt import zoo
+from autockpt.present import zoo
 
 
 @dataclasses.dataclass
@@ -82,7 +82,7 @@ def test_a_larger_step_warns_with_the_numbers_or_raises_when_strict(
         decoder.module(longer, labels=longer)
     decoder.module.strict = False
     try:
-        with caplog.at_level(logging.WARNING, logger="autockpt.rewrite"):
+        with caplog.at_level(logging.WARNING, logger="autockpt.runtime.rewrite"):
             output = decoder.module(longer, labels=longer)
             decoder.module(longer, labels=longer)
     finally:

@@ -14,13 +14,13 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import autockpt
-from autockpt import zoo
-from autockpt.capture import capture
-from autockpt.loss import default_loss
-from autockpt.simulate import _predict, region_windows, simulate
-from autockpt.solve.base import region_actions
-from autockpt.solve.candidates import candidate_regions
-from autockpt.trace import trace_step
+from autockpt.present import zoo
+from autockpt.measure.capture import capture
+from autockpt.measure.loss import default_loss
+from autockpt.core.simulate import _predict, region_windows, simulate
+from autockpt.core.solve.base import region_actions
+from autockpt.core.solve.candidates import candidate_regions
+from autockpt.measure.trace import trace_step
 from autockpt.types import (
     Action,
     ActionPrice,

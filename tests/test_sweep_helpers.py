@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from autockpt import zoo
+from autockpt.present import zoo
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "experiments"))
 import sweep  # noqa: E402

@@ -1,4 +1,4 @@
-"""Verification's tightening (``autockpt.verify.verified_module``) when measured steps read higher than predicted.
+"""Verification's tightening (``autockpt.planning.verify.verified_module``) when measured steps read higher than predicted.
 
 A CUDA allocator whose cache is warm from other work can count more than the step's tensors (blocks handed out whole):
 an H100 sweep saw ViT plans measure over their budget on every tightening, and ``optimize`` then called the budget
@@ -16,10 +16,10 @@ import torch
 from conftest import loss_of, mlp
 
 import autockpt
-from autockpt.measure import StepMeasurement
-from autockpt.plan import Plan
-from autockpt.rewrite import OptimizedModule
-from autockpt.verify import verified_module
+from autockpt.measure.step import StepMeasurement
+from autockpt.records.plan import Plan
+from autockpt.runtime.rewrite import OptimizedModule
+from autockpt.planning.verify import verified_module
 
 
 @dataclasses.dataclass

@@ -8,16 +8,16 @@ from conftest import assert_same_step, needs_transformers, twin
 from torch import nn
 
 import autockpt
-from autockpt import zoo
-from autockpt.api import baseline_plan
-from autockpt.solve.baselines import (
+from autockpt.present import zoo
+from autockpt.planning.api import baseline_plan
+from autockpt.core.solve.baselines import (
     BASELINE_STRATEGIES,
     BaselinePolicy,
     baseline_regions,
     find_blocks,
     parse_strategy,
 )
-from autockpt.solve.candidates import is_unsafe, mutation_hazards
+from autockpt.core.solve.candidates import is_unsafe, mutation_hazards
 from autockpt.types import PlanStatus
 
 

@@ -7,14 +7,14 @@ import pytest
 from conftest import assert_same_step, needs_transformers, twin
 
 import autockpt
-from autockpt import zoo
-from autockpt.solve.base import Scorer, SolverOptions
-from autockpt.solve.baselines import baseline_seed_plans
-from autockpt.solve.blocks import build_block_program, prepare_blocks, solve_block_chain
-from autockpt.solve.candidates import candidate_regions
-from autockpt.solve.default import solve_prepared
-from autockpt.solve.prepare import prepare
-from autockpt.structure import find_repeated_blocks
+from autockpt.present import zoo
+from autockpt.core.solve.base import Scorer, SolverOptions
+from autockpt.core.solve.baselines import baseline_seed_plans
+from autockpt.core.solve.blocks import build_block_program, prepare_blocks, solve_block_chain
+from autockpt.core.solve.candidates import candidate_regions
+from autockpt.core.solve.default import solve_prepared
+from autockpt.core.solve.prepare import prepare
+from autockpt.core.structure import find_repeated_blocks
 from autockpt.types import Action
 
 pytestmark = needs_transformers  # the repeated blocks here are Hugging Face layers

@@ -1,4 +1,4 @@
-"""Candidate regions (``autockpt.solve.candidates``), what every solver chooses among: none whose input a later op
+"""Candidate regions (``autockpt.core.solve.candidates``), what every solver chooses among: none whose input a later op
 writes in place, and the hazard that rule avoids is real."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from conftest import rewritten, with_regions
 from edge_models import WritesIntoAnEarlierTensor
 
 import autockpt
-from autockpt.capture import capture
-from autockpt.solve.candidates import candidate_regions
-from autockpt.trace import trace_step
+from autockpt.measure.capture import capture
+from autockpt.core.solve.candidates import candidate_regions
+from autockpt.measure.trace import trace_step
 from autockpt.types import Region
 
 

@@ -9,21 +9,21 @@ from conftest import FREE_MACHINERY
 from random_graphs import modelled_costs, random_model
 
 import autockpt
-import autockpt.zoo
-from autockpt.capture import capture
+import autockpt.present.zoo
+from autockpt.measure.capture import capture
 from autockpt.errors import InfeasibleBudgetError
-from autockpt.loss import default_loss
-from autockpt.solve.base import Problem, Solver, SolveResult, SolverOptions
-from autockpt.solve.baselines import BaselineSolver, baseline_seed_plans
-from autockpt.solve.blocks import BlockSolver
-from autockpt.solve.candidates import candidate_regions
-from autockpt.solve.default import DefaultSolver
-from autockpt.solve.exact import ExactSolver
-from autockpt.solve.greedy import GreedySolver
-from autockpt.solve.milp import MilpSolver
-from autockpt.solve.prepare import prepare
-from autockpt.structure import find_repeated_blocks
-from autockpt.trace import trace_step
+from autockpt.measure.loss import default_loss
+from autockpt.core.solve.base import Problem, Solver, SolveResult, SolverOptions
+from autockpt.core.solve.baselines import BaselineSolver, baseline_seed_plans
+from autockpt.core.solve.blocks import BlockSolver
+from autockpt.core.solve.candidates import candidate_regions
+from autockpt.core.solve.default import DefaultSolver
+from autockpt.core.solve.exact import ExactSolver
+from autockpt.core.solve.greedy import GreedySolver
+from autockpt.core.solve.milp import MilpSolver
+from autockpt.core.solve.prepare import prepare
+from autockpt.core.structure import find_repeated_blocks
+from autockpt.measure.trace import trace_step
 from autockpt.types import Action, PlanStatus
 
 
@@ -76,7 +76,7 @@ def test_a_budget_at_the_unmodified_peak_is_the_identity_plan_for_every_solver()
 
 
 def test_the_block_solver_keeps_the_contract_on_repeated_layers() -> None:
-    case = autockpt.zoo.build("transformer", "tiny")
+    case = autockpt.present.zoo.build("transformer", "tiny")
     planner = autockpt.Planner(case.model, example_inputs=case.args, loss_fn=case.loss_fn, checkpoint="torch_non_reentrant")
     trace = planner.trace
     problem = prepare(

@@ -1,4 +1,4 @@
-"""The exact solver (``autockpt.solve.exact``, enumeration over small graphs): checked against plain brute force,
+"""The exact solver (``autockpt.core.solve.exact``, enumeration over small graphs): checked against plain brute force,
 the in-place hazards it must skip, and the graph size it refuses. It is the oracle the production solver is judged
 by (test_optimality.py)."""
 
@@ -14,10 +14,10 @@ from conftest import torch_scorer
 from random_graphs import modelled_costs, modelled_planner
 
 import autockpt
-from autockpt import zoo
+from autockpt.present import zoo
 from autockpt.errors import InfeasibleBudgetError
-from autockpt.solve.candidates import is_unsafe, mutation_hazards
-from autockpt.solve.exact import exact_regions, min_peak_bytes, removable_bytes, usable_regions
+from autockpt.core.solve.candidates import is_unsafe, mutation_hazards
+from autockpt.core.solve.exact import exact_regions, min_peak_bytes, removable_bytes, usable_regions
 from autockpt.types import Region, StepTrace
 
 

@@ -1,4 +1,4 @@
-"""The greedy fallback (``autockpt.solve.greedy.greedy_regions``): used when the MILP finds nothing in time; it adds
+"""The greedy fallback (``autockpt.core.solve.greedy.greedy_regions``): used when the MILP finds nothing in time; it adds
 candidates cheapest per byte freed while each lowers the simulated peak, and stops once the budget is met."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import pytest
 from random_graphs import modelled_planner, scorer_of
 
 import autockpt
-from autockpt import zoo
-from autockpt.solve.candidates import candidate_regions
-from autockpt.solve.exact import min_peak_bytes
-from autockpt.solve.greedy import greedy_regions
-from autockpt.solve.prepare import prepare
+from autockpt.present import zoo
+from autockpt.core.solve.candidates import candidate_regions
+from autockpt.core.solve.exact import min_peak_bytes
+from autockpt.core.solve.greedy import greedy_regions
+from autockpt.core.solve.prepare import prepare
 
 
 @pytest.mark.parametrize("seed", [0, 5, 9])
@@ -37,8 +37,8 @@ def test_greedy_regions_lower_the_peak_and_stop_once_the_budget_is_met(seed: int
 
 
 def test_without_any_solution_in_time_a_greedy_plan_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
-    from autockpt.solve import default, prepare
-    from autockpt.solve.base import ProgramAnswer
+    from autockpt.core.solve import default, prepare
+    from autockpt.core.solve.base import ProgramAnswer
     from autockpt.types import PlanStatus, SolverStats
 
     case = zoo.build("mlp")
@@ -51,7 +51,7 @@ def test_without_any_solution_in_time_a_greedy_plan_is_used(monkeypatch: pytest.
 
     monkeypatch.setattr(default, "solve_flat_program", timed_out)
     monkeypatch.setattr(default, "solve_block_program", timed_out)
-    monkeypatch.setattr(autockpt.api, "baseline_seed_plans", lambda graph, profile: [])  # no seed floor either
+    monkeypatch.setattr(autockpt.planning.api, "baseline_seed_plans", lambda graph, profile: [])  # no seed floor either
     score = prepare.score_candidates
     monkeypatch.setattr(prepare, "score_candidates", lambda *args: (score(*args)[0], None))  # nor the best single region
     plan = planner.plan(budget_bytes=budget)

@@ -1,4 +1,4 @@
-"""The MILP (``autockpt.solve.milp``, in the default solver; CBC and HiGHS through PuLP): the exhaustive optimum on
+"""The MILP (``autockpt.core.solve.milp``, in the default solver; CBC and HiGHS through PuLP): the exhaustive optimum on
 a small chain, and the baseline seed plans it falls back on. (Against the exact solver on random graphs: test_optimality.py.)"""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from conftest import FREE_MACHINERY, torch_scorer
 from torch import nn
 
 import autockpt
-from autockpt import zoo
-from autockpt.capture import capture
-from autockpt.solve.base import SolveResult, SolverOptions
-from autockpt.solve.candidates import candidate_regions
-from autockpt.solve.default import solve_prepared
-from autockpt.solve.prepare import prepare
-from autockpt.trace import trace_step
+from autockpt.present import zoo
+from autockpt.measure.capture import capture
+from autockpt.core.solve.base import SolveResult, SolverOptions
+from autockpt.core.solve.candidates import candidate_regions
+from autockpt.core.solve.default import solve_prepared
+from autockpt.core.solve.prepare import prepare
+from autockpt.measure.trace import trace_step
 from autockpt.types import Action, Region, StepTrace
 
 
@@ -87,10 +87,10 @@ def test_ilp_finds_the_exhaustive_optimum_on_a_small_chain(solver: str) -> None:
 
 def test_a_cheaper_baseline_plan_is_returned_when_the_program_misses_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """Seeds: whatever the program answers, the plan is never worse than a baseline policy under the same budget."""
-    from autockpt.api import baseline_plan
-    from autockpt.solve import default
-    from autockpt.solve.base import ProgramAnswer
-    from autockpt.solve.baselines import BASELINE_STRATEGIES
+    from autockpt.planning.api import baseline_plan
+    from autockpt.core.solve import default
+    from autockpt.core.solve.base import ProgramAnswer
+    from autockpt.core.solve.baselines import BASELINE_STRATEGIES
     from autockpt.types import PlanStatus, SolverStats
 
     case = zoo.build("transformer")

@@ -1,6 +1,6 @@
 """Optimality: the production plan's recompute time is within 1 % of the exact optimum over checkpoint-region plans.
 
-The exact optimum comes from ``autockpt.solve.exact`` (enumeration, small graphs only), itself checked against plain
+The exact optimum comes from ``autockpt.core.solve.exact`` (enumeration, small graphs only), itself checked against plain
 brute force in test_exact.py. Forward times come from a fixed cost model (``modelled_costs``): measured times of
 microsecond ops on a shared CPU are noise, and would make which plan is cheapest change from run to run.
 """
@@ -12,8 +12,8 @@ from random_graphs import TORCH_CHECKPOINT, modelled_costs, modelled_machinery, 
 
 import autockpt
 from autockpt.errors import InfeasibleBudgetError
-from autockpt.solve.base import ProgramAnswer
-from autockpt.solve.exact import exact_regions, min_peak_bytes, usable_regions
+from autockpt.core.solve.base import ProgramAnswer
+from autockpt.core.solve.exact import exact_regions, min_peak_bytes, usable_regions
 from autockpt.types import PlanStatus, Region, SolverStats
 
 TOLERANCE = 0.01  # the issue's target: production within 1 % of the exact optimum
@@ -88,7 +88,7 @@ def test_the_swap_pass_replaces_an_expensive_region_the_program_chose(
 ) -> None:
     """A program that answers the most expensive single region that fits: trying cheaper candidates in its place
     brings the plan down to the exact optimum at that budget."""
-    from autockpt.solve import default
+    from autockpt.core.solve import default
 
     planner = modelled_planner.__wrapped__(seed)  # a planner of its own: its problems are prepared with the patch
     profile, scorer = planner.trace, scorer_of(planner)

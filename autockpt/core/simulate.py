@@ -1,0 +1,813 @@
+"""Simulate: (StepTrace, CostModel, regions with actions) -> Timeline. Scores any plan, the baselines' too; knows
+nothing about how the plan was found.
+
+The prediction starts from the *measured* timeline of the unmodified step and applies what each region's action
+changes, storage by storage (the rule of each action below; ``recompute.py`` runs them):
+
+* a storage produced inside a region and saved only by units of that region is freed after its last forward use;
+  when backward first reaches the region, the region is re-run and a fresh copy lives until the saver that used it
+  last has run its backward. ``torch.utils.checkpoint(use_reentrant=False)`` stops re-running at the pack of the
+  region's last saved tensor (early stop, ``Action.RECOMPUTE_TORCH``); autockpt's own checkpoint
+  (``Action.RECOMPUTE_OWN``) re-runs the whole region;
+* a storage that a region reads from outside is held by the checkpoint until the region's backward is done;
+* ``Action.RECOMPUTE_OWN`` also holds the gradients of the region's outputs until the region's backward is done;
+  under autocast it also makes the gradients of the parameters whose cached casts the region read only when its
+  backward is done (``_late_leaf_gradients``);
+* storages saved by units outside every region live as measured;
+* storages no unit owns live as measured, whatever the plan: under autocast, the low-precision copies of parameters
+  that autocast's cache holds to the end of the step (``trace.py``), which a recomputation takes from the cache
+  instead of making them again.
+
+Everything the plan does not touch (parameter gradients, backward temporaries) stays as measured, which is what makes
+the prediction close to a real measurement. Time: the recomputed kernels as measured, plus each region's machinery at
+its action's price (``CostModel``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from autockpt.core.offload_model import MovedStorage, offload_transfers, slot_bytes
+from autockpt.types import (
+    Action,
+    CostModel,
+    MemoryCurve,
+    MemoryEvent,
+    Phase,
+    Region,
+    RegionAction,
+    StepTrace,
+    StorageLife,
+    Timeline,
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RegionWindow:
+    """Where a region's recomputation happens on the measured timeline, and how far it runs."""
+
+    first_backward_event: int | None  # the unpack that triggers recomputation; None: nothing saved inside
+    last_backward_event: int | None  # the checkpoint frame (and the region's inputs) is released here
+    last_saver_unit: int | None  # the last unit that saves anything (parameters included) for backward
+    last_recomputed_unit: int | None  # the last unit whose kernels run again; None: nothing is re-run
+
+
+def region_windows(trace: StepTrace, region_actions: Sequence[RegionAction]) -> list[RegionWindow]:
+    """Where each region is recomputed (the first backward event that unpacks what one of its units saved), and how
+    far the recomputation runs.
+
+    Under torch's non-reentrant checkpoint it stops as soon as the region's last saved tensor is packed again (early
+    stop). Autograd packs an op's saved *inputs* before running its kernel, so when the last saver saves only tensors
+    made before it (a matmul saving its operands) its kernel is skipped; when it saves its own output it runs.
+    autockpt's own checkpoint runs the whole region: backward starts from the outputs' gradient functions.
+    """
+    index = _storage_index(trace)
+    windows = []
+    for region_action in region_actions:
+        region, early_stop = region_action.region, _stops_early(region_action.action)
+        # units that saved anything (their saved tensors are unpacked in backward) -> first and last such event
+        spans = {
+            u: index.backward_span_of_unit[u]
+            for u in range(region.first_unit, region.last_unit + 1)
+            if index.backward_span_of_unit[u] is not None
+        }
+        last_saver = max(spans, default=None)
+        recomputed = None
+        if last_saver is not None and not early_stop:
+            recomputed = region.last_unit
+        elif last_saver is not None:
+            recomputed = last_saver if last_saver in index.saves_own_output else last_saver - 1
+            recomputed = recomputed if recomputed >= region.first_unit else None
+        windows.append(
+            RegionWindow(
+                first_backward_event=min((first for first, _ in spans.values()), default=None),
+                last_backward_event=max((last for _, last in spans.values()), default=None),
+                last_saver_unit=last_saver,
+                last_recomputed_unit=recomputed,
+            )
+        )
+    return windows
+
+
+def _stops_early(action: Action) -> bool:
+    """Whether the region's recomputation stops at its last saved tensor (torch's non-reentrant checkpoint)."""
+    return action is Action.RECOMPUTE_TORCH
+
+
+def unit_regions(num_units: int, regions: Sequence[Region]) -> list[int | None]:
+    """Region index of every unit (None when not checkpointed); raises on overlapping regions."""
+    region_of: list[int | None] = [None] * num_units
+    for r, region in enumerate(regions):
+        if region.last_unit >= num_units:
+            raise ValueError(f"region {region} reaches past the last unit ({num_units - 1})")
+        for unit in range(region.first_unit, region.last_unit + 1):
+            if region_of[unit] is not None:
+                raise ValueError(f"regions overlap at unit {unit}: {regions[region_of[unit]]} and {region}")
+            region_of[unit] = r
+    return region_of
+
+
+def machinery_ms(trace: StepTrace, costs: CostModel, region_actions: Sequence[RegionAction]) -> float:
+    """What the regions' actions add to a step besides the recomputed kernels: per region, its action's fixed price
+    plus its price per tensor the region's units save (calibrated on the device, ``costs.py``)."""
+    total = 0.0
+    for region_action in region_actions:
+        region, price = region_action.region, costs.price(region_action.action)
+        saved_tensors = sum(trace.units[u].saved_tensors for u in range(region.first_unit, region.last_unit + 1))
+        total += price.region_ms + saved_tensors * price.saved_tensor_ms
+    return total
+
+
+def simulate(trace: StepTrace, costs: CostModel, region_actions: Sequence[RegionAction]) -> Timeline:
+    """Predict the memory and added time of one training step when each region runs under its action.
+
+    The solvers simulate thousands of plans per planner, so this is the vectorised twin of ``_predict``: the same
+    rules, applied to every storage at once with numpy, and what depends on one region and its action alone (its
+    window, replay peak, re-run units) cached per trace. ``_predict`` stays the reference (and makes the memory
+    curves); tests/test_simulate.py checks that both give the same timeline, field by field.
+    """
+    if any(ra.action is Action.OFFLOAD for ra in region_actions):
+        return _predict(trace, costs, region_actions, detailed=False).timeline  # the fast twin has no offload rules
+    return _predict_fast(trace, costs, region_actions)
+
+
+def memory_curve(trace: StepTrace, costs: CostModel, region_actions: Sequence[RegionAction]) -> MemoryCurve:
+    """The predicted step of ``simulate`` per event, stacked by category (for reports); sums to its event bytes.
+
+    Categories are assigned in a fixed order, each capped by what is left of the event's predicted bytes:
+    parameters/buffers/inputs, gradients, recomputed copies, forward tensors, then the rest as temporaries.
+    """
+    prediction = _predict(trace, costs, region_actions, detailed=True)
+    static = trace.parameter_bytes + trace.buffer_bytes + trace.input_bytes
+    gradients = trace.gradient_bytes_by_event or (0,) * len(trace.events)
+    columns: list[list[int]] = [[], [], [], [], []]
+    for event, total in enumerate(prediction.timeline.event_bytes):
+        left = total
+        parts = (static, gradients[event], prediction.copy_bytes[event], prediction.forward_bytes[event])
+        for column, value in zip(columns, parts):
+            taken = max(0, min(value, left))
+            column.append(taken)
+            left -= taken
+        columns[4].append(left)
+    return MemoryCurve(
+        phases=tuple(e.phase for e in trace.events),
+        parameter_bytes=tuple(columns[0]),
+        gradient_bytes=tuple(columns[1]),
+        recomputed_bytes=tuple(columns[2]),
+        activation_bytes=tuple(columns[3]),
+        temporary_bytes=tuple(columns[4]),
+        host_pool_bytes=tuple(prediction.pool_bytes) if prediction.timeline.host_pool_bytes else (),
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Prediction:
+    timeline: Timeline
+    forward_bytes: list[int]  # per event: bytes of forward-made storages alive under the plan
+    copy_bytes: list[int]  # per event: recomputed copies alive, plus the replay burst where it sets the peak
+    pool_bytes: list[int]  # per event: host pool slots taken so far this step (offload; not device memory)
+
+
+def _predict(
+    trace: StepTrace, costs: CostModel, region_actions: Sequence[RegionAction], *, detailed: bool
+) -> _Prediction:
+    """``detailed``: also split the bytes into forward storages and recomputed copies (for memory curves)."""
+    num_events = len(trace.events)
+    regions = [ra.region for ra in region_actions]
+    actions = [ra.action for ra in region_actions]
+    _check_gradient_lifetimes(trace, actions)
+    region_of = unit_regions(len(trace.units), regions)
+    windows = region_windows(trace, region_actions)
+    index = _storage_index(trace)
+    transfers = offload_transfers(trace, costs, region_actions, region_of, windows)
+    copy_bytes_at_burst = [0] * len(regions)
+    plan_delta = [0] * (num_events + 1)  # what the plan changes, on top of the measured timeline (difference array)
+    forward_delta = [0] * (num_events + 1)  # detailed: the plan's changes to the original forward storages
+    copy_delta = [0] * (num_events + 1)  # detailed: recomputed copies
+    pool_delta = [0] * (num_events + 1)  # detailed: host pool slots (kept until the step ends)
+
+    def add(delta: list[int], first: int, last: int, nbytes: int) -> None:
+        if first <= last:
+            delta[first] += nbytes
+            delta[last + 1] -= nbytes
+
+    # only storages that a region's unit makes, reads or saves can change
+    touched = sorted({s for region in regions for u in range(region.first_unit, region.last_unit + 1)
+                      for s in index.storages_of_unit[u]})
+    for position in touched:
+        storage = trace.storages[position]
+        base_free = storage.free_event if storage.free_event is not None else num_events - 1
+        moved = transfers.moves.get(position, ())
+        plan_free = _plan_free_event(storage, region_of, windows, base_free, transfers.regions, moved)
+        if plan_free != base_free:
+            first, last, nbytes = (plan_free + 1, base_free, -storage.nbytes) if plan_free < base_free else (
+                base_free + 1, plan_free, storage.nbytes)
+            add(plan_delta, first, last, nbytes)
+            if detailed:
+                add(forward_delta, first, last, nbytes)
+        for copy in moved:  # each copy brought back from the pool, until its last saver has unpacked it
+            add(plan_delta, copy.fetch_event, copy.last_release_event, storage.nbytes)
+            if detailed:
+                add(copy_delta, copy.fetch_event, copy.last_release_event, storage.nbytes)
+                add(pool_delta, copy.pack_event, num_events - 1, slot_bytes(storage.nbytes))
+        home = _region(region_of, storage.producer_unit)
+        if home is None or home in transfers.regions:
+            continue
+        releases = [
+            e for u, e in zip(storage.saver_units, storage.saver_release_events) if _region(region_of, u) == home
+        ]
+        window = windows[home]
+        gradient_free = storage.gradient_free_event
+        if (
+            actions[home] is Action.RECOMPUTE_OWN  # it holds the gradients of the region's outputs
+            and window.first_backward_event is not None
+            and gradient_free is not None
+            and _is_region_output(storage, region_of, home)
+        ):
+            # the checkpoint holds the gradients of the region's outputs until the region's backward is done (in
+            # the measured step they were gone after ``gradient_free_event``)
+            add(plan_delta, max(gradient_free + 1, window.first_backward_event), window.last_backward_event,
+                storage.nbytes)
+        if releases and window.first_backward_event is not None:
+            add(plan_delta, window.first_backward_event, max(releases), storage.nbytes)
+            if detailed:
+                add(copy_delta, window.first_backward_event, max(releases), storage.nbytes)
+            copy_bytes_at_burst[home] += storage.nbytes
+
+    last_backward = [window.last_backward_event for window in windows]
+    for first, last, nbytes in _late_leaf_gradients(trace, region_of, last_backward, actions):
+        add(plan_delta, first, last, nbytes)
+
+    event_bytes, forward_bytes, copy_bytes, pool_bytes = [], [], [], []
+    running = forward_running = copy_running = pool_running = 0
+    for event in trace.events:
+        running += plan_delta[event.index]
+        event_bytes.append(event.peak_bytes + running)
+        if detailed:
+            forward_running += forward_delta[event.index]
+            copy_running += copy_delta[event.index]
+            forward_bytes.append(index.forward_bytes[event.index] + forward_running)
+            copy_bytes.append(copy_running)
+            pool_running += pool_delta[event.index]
+            pool_bytes.append(pool_running)
+
+    burst_bytes = []
+    recompute_ms = 0.0
+    rerun_units: list[int] = []
+    for r, (region, window) in enumerate(zip(regions, windows)):
+        if window.first_backward_event is None or r in transfers.regions:  # an offloaded region re-runs nothing
+            burst_bytes.append(0)
+            continue
+        c = window.first_backward_event
+        offset = sum(plan_delta[: c + 1])
+        before_recompute = trace.events[c].start_bytes + offset - copy_bytes_at_burst[r]
+        replay = _replay_peak(trace, region, window, region_of, r, early_stop=_stops_early(actions[r]))
+        if window.last_recomputed_unit is not None:
+            rerun = range(region.first_unit, window.last_recomputed_unit + 1)
+            recompute_ms += sum(trace.units[u].forward_ms for u in rerun)
+            rerun_units += rerun
+        burst = before_recompute + replay
+        burst_bytes.append(burst)
+        if burst > event_bytes[c]:
+            if detailed:
+                copy_bytes[c] += burst - event_bytes[c]
+            event_bytes[c] = burst
+
+    peak_event = max(range(num_events), key=event_bytes.__getitem__)
+    machinery = machinery_ms(trace, costs, region_actions)
+    timeline = Timeline(
+        event_bytes=tuple(event_bytes),
+        burst_bytes=tuple(burst_bytes),
+        peak_bytes=event_bytes[peak_event],
+        peak_event=peak_event,
+        recompute_ms=recompute_ms,
+        rerun_units=tuple(rerun_units),
+        overhead_ms=recompute_ms + machinery + transfers.exposed_ms,
+        machinery_ms=machinery,
+        transfer_ms=transfers.exposed_ms,
+        offloaded_bytes=transfers.moved_bytes,
+        host_pool_bytes=transfers.pool_bytes,
+    )
+    return _Prediction(timeline=timeline, forward_bytes=forward_bytes, copy_bytes=copy_bytes, pool_bytes=pool_bytes)
+
+
+def _check_gradient_lifetimes(trace: StepTrace, actions: Sequence[Action]) -> None:
+    if Action.RECOMPUTE_OWN in actions and not trace.gradient_lifetimes:
+        raise ValueError(
+            f"this trace cannot score {Action.RECOMPUTE_OWN.value!r}: it has no gradient lifetimes (the action holds "
+            "output gradients); trace the step with gradient_lifetimes=True"
+        )
+
+
+def _predict_fast(trace: StepTrace, costs: CostModel, region_actions: Sequence[RegionAction]) -> Timeline:
+    """``_predict(trace, costs, region_actions, detailed=False).timeline``, vectorised over storages."""
+    arrays = _storage_arrays(trace)
+    num_events = arrays.num_events
+    if num_events == 0:  # nothing to vectorise; the reference says what is wrong
+        return _predict(trace, costs, region_actions, detailed=False).timeline
+    actions = [ra.action for ra in region_actions]
+    _check_gradient_lifetimes(trace, actions)
+    regions = [ra.region for ra in region_actions]
+    ordered = sorted(regions, key=lambda region: region.first_unit)
+    if ordered and (
+        max(region.last_unit for region in ordered) >= arrays.num_units
+        or any(after.first_unit <= before.last_unit for before, after in itertools.pairwise(ordered))
+    ):
+        unit_regions(arrays.num_units, regions)  # raises the reference's error (past the last unit, or overlap)
+    region_of = np.full(arrays.num_units + 1, -1, dtype=np.int64)  # the extra last entry: unit -1, outside the graph
+    for r, region in enumerate(regions):
+        region_of[region.first_unit : region.last_unit + 1] = r
+    facts = [_region_facts(trace, arrays, ra.region, ra.action) for ra in region_actions]
+    plan_delta = np.zeros(num_events + 1, dtype=np.int64)
+    copy_bytes_at_burst = np.zeros(len(facts), dtype=np.int64)
+    if facts:
+        _storage_deltas(arrays, region_of, facts, actions, plan_delta, copy_bytes_at_burst)
+    if Action.RECOMPUTE_OWN in actions and _storage_index(trace).unowned:  # one per cast leaf: the reference's loop
+        last_backward = [f.last_backward if f.last_backward >= 0 else None for f in facts]
+        regions_of_units = [r if r >= 0 else None for r in region_of[: arrays.num_units].tolist()]
+        for first, last, nbytes in _late_leaf_gradients(trace, regions_of_units, last_backward, actions):
+            plan_delta[first] += nbytes
+            plan_delta[last + 1] -= nbytes
+    running = np.cumsum(plan_delta[:num_events])
+    event_bytes = arrays.peak_bytes + running
+
+    burst_bytes = []
+    recompute_ms = 0.0
+    rerun_units: list[int] = []
+    for r, fact in enumerate(facts):
+        c = fact.first_backward
+        if c < 0:
+            burst_bytes.append(0)
+            continue
+        before_recompute = int(arrays.start_bytes[c]) + int(running[c]) - int(copy_bytes_at_burst[r])
+        if fact.rerun_units:
+            recompute_ms += fact.recompute_ms  # each region's sum, added in region order, as ``_predict`` adds them
+            rerun_units += fact.rerun_units
+        burst = before_recompute + fact.replay_bytes
+        burst_bytes.append(burst)
+        event_bytes[c] = max(event_bytes[c], burst)
+
+    peak_event = int(event_bytes.argmax())  # the first of equal peaks, as max() over the events
+    machinery = 0.0  # as ``machinery_ms``, region by region
+    prices: dict[Action, tuple[float, float]] = {}
+    for action, fact in zip(actions, facts):
+        price = prices.get(action)
+        if price is None:
+            found = costs.price(action)
+            price = prices[action] = (found.region_ms, found.saved_tensor_ms)
+        machinery += price[0] + fact.saved_tensors * price[1]
+    return Timeline(
+        event_bytes=tuple(event_bytes.tolist()),
+        burst_bytes=tuple(burst_bytes),
+        peak_bytes=int(event_bytes[peak_event]),
+        peak_event=peak_event,
+        recompute_ms=recompute_ms,
+        rerun_units=tuple(rerun_units),
+        overhead_ms=recompute_ms + machinery,
+        machinery_ms=machinery,
+    )
+
+
+def _storage_deltas(
+    arrays: _StorageArrays,
+    region_of: np.ndarray,
+    facts: list[_RegionFacts],
+    actions: list[Action],
+    plan_delta: np.ndarray,
+    copy_bytes_at_burst: np.ndarray,
+) -> None:
+    """What the plan changes in every storage's life, as ``_predict``'s loop over touched storages does, added into
+    the difference array ``plan_delta``; and per region, the bytes of the copies its recomputation makes."""
+    none = -1  # an event index or region that does not exist; every real one is >= 0, so it also acts as -infinity
+    a = arrays
+    first_backward = np.array([f.first_backward for f in facts], dtype=np.int64)
+    last_backward = np.array([f.last_backward for f in facts], dtype=np.int64)
+    home = region_of[a.producer]
+    # regions (not the storage's home) that read it hold it until their backward is done (``_plan_free_event``)
+    user_region = region_of[a.user_unit]
+    user_home = home[a.user_owner]
+    read_elsewhere = user_region != user_home
+    held = np.where((user_region >= 0) & read_elsewhere, last_backward[user_region], none)
+    held_max = np.full(a.num_storages, none, dtype=np.int64)
+    np.maximum.at(held_max, a.user_owner, held)
+    saver_region = region_of[a.saver_unit]
+    saved_in_home_entry = (saver_region >= 0) & (saver_region == home[a.saver_owner])
+    saved_in_home = np.zeros(a.num_storages, dtype=bool)
+    saved_in_home[a.saver_owner[saved_in_home_entry]] = True
+    # autograd keeps a storage for each saver that is not checkpointed
+    kept_for = np.full(a.num_storages, none, dtype=np.int64)
+    np.maximum.at(kept_for, a.saver_owner, np.where(saver_region < 0, a.saver_release, none))
+    plan_free = np.where(
+        saved_in_home,
+        np.maximum(np.maximum(a.last_forward_use, held_max), kept_for),
+        np.maximum(a.base_free, held_max),
+    )
+    plan_free[a.never_freed] = a.base_free[a.never_freed]
+    earlier, later = plan_free < a.base_free, plan_free > a.base_free
+    np.subtract.at(plan_delta, plan_free[earlier] + 1, a.nbytes[earlier])
+    np.add.at(plan_delta, a.base_free[earlier] + 1, a.nbytes[earlier])
+    np.add.at(plan_delta, a.base_free[later] + 1, a.nbytes[later])
+    np.subtract.at(plan_delta, plan_free[later] + 1, a.nbytes[later])
+
+    at_home = home >= 0
+    home_first = np.where(at_home, first_backward[home], none)
+    if Action.RECOMPUTE_OWN in actions:
+        # the checkpoint holds the gradients of the region's outputs until the region's backward is done (only the
+        # regions under autockpt's own checkpoint)
+        holds_gradients = np.array([action is Action.RECOMPUTE_OWN for action in actions], dtype=bool)
+        home_last = np.where(at_home, last_backward[home], none)
+        read_outside = np.zeros(a.num_storages, dtype=bool)
+        read_outside[a.user_owner[read_elsewhere]] = True
+        output = a.never_freed | read_outside
+        start = np.maximum(a.gradient_free + 1, home_first)
+        holds = (
+            at_home & holds_gradients[home] & (home_first >= 0) & (a.gradient_free >= 0) & output & (start <= home_last)
+        )
+        np.add.at(plan_delta, start[holds], a.nbytes[holds])
+        np.subtract.at(plan_delta, home_last[holds] + 1, a.nbytes[holds])
+    # a fresh copy from the recomputation lives until the last saver of the home region has unpacked it
+    copy_until = np.full(a.num_storages, none, dtype=np.int64)
+    np.maximum.at(copy_until, a.saver_owner, np.where(saved_in_home_entry, a.saver_release, none))
+    copied = saved_in_home & (home_first >= 0)
+    np.add.at(copy_bytes_at_burst, home[copied], a.nbytes[copied])
+    lives = copied & (home_first <= copy_until)
+    np.add.at(plan_delta, home_first[lives], a.nbytes[lives])
+    np.subtract.at(plan_delta, copy_until[lives] + 1, a.nbytes[lives])
+
+
+@dataclass(frozen=True, slots=True)
+class _RegionFacts:
+    """What depends on one region and its action alone (not on the rest of the plan)."""
+
+    first_backward: int  # the window's events, -1 for None
+    last_backward: int
+    replay_bytes: int  # ``_replay_peak``: its membership tests only ask whether a unit is in this region
+    rerun_units: list[int]
+    recompute_ms: float  # summed over ``rerun_units`` in order with ``sum``, as ``_predict`` sums it
+    saved_tensors: int
+
+
+@dataclass(frozen=True, slots=True)
+class _StorageArrays:
+    """The trace's storages as flat arrays (ragged unit lists as one entry per (storage, unit), with its owner)."""
+
+    num_units: int
+    num_events: int
+    num_storages: int
+    peak_bytes: np.ndarray  # per event
+    start_bytes: np.ndarray  # per event
+    nbytes: np.ndarray  # per storage, from here on
+    producer: np.ndarray  # units as indices into ``region_of``: num_units (its extra entry) for -1, outside the graph
+    base_free: np.ndarray  # the measured free event (the last event when never freed)
+    never_freed: np.ndarray
+    last_forward_use: np.ndarray
+    gradient_free: np.ndarray  # -1: not recorded
+    user_owner: np.ndarray  # per (storage, user unit) entry: the storage
+    user_unit: np.ndarray
+    saver_owner: np.ndarray  # per (storage, saver unit) entry: the storage
+    saver_unit: np.ndarray
+    saver_release: np.ndarray  # the saver's last backward event unpacking the storage
+    forward_ms: list[float]  # per unit
+    saved_tensors_before: list[int]  # per unit and one past the last: tensors the units before it save
+    # per (region, action) simulated on this trace: what they alone fix (bounded: cleared when full)
+    region_facts: dict[tuple[Region, Action], _RegionFacts] = field(default_factory=dict)
+    replay_units: list[_ReplayUnit] = field(default_factory=list)  # ``_replay_units``, made on first use
+
+
+_REGION_FACTS_SIZE = 1 << 16
+# per unit: the rise of its forward event to its peak and to its last pack, and the storages it made that outlive it
+_ReplayUnit = tuple[int, int | None, tuple[tuple[int, int, int, tuple[int, ...]], ...]]
+
+
+def _replay_peak_alone(
+    trace: StepTrace, arrays: _StorageArrays, region: Region, window: RegionWindow, *, early_stop: bool
+) -> int:
+    """``_replay_peak`` of ``region``: its rules only ask whether a unit is in this region, so the rest of the plan
+    does not matter. The same steps, on what ``_replay_units`` keeps per unit: a transient leaves at its last reader
+    (where ``_replay_peak``'s scan finds it), and "read outside the region" compares the first and last reader."""
+    first, last_unit = region.first_unit, region.last_unit
+    last = window.last_saver_unit if early_stop else last_unit
+    assert last is not None  # a region with a first backward event has a last saver
+    replay_units = _replay_units(trace, arrays)
+    live = 0
+    peak = 0
+    leaving: dict[int, int] = {}  # unit -> bytes of transients it is the last reader of
+    for unit in range(first, last + 1):
+        rise, pack_rise, made = replay_units[unit]
+        if early_stop and unit == last and pack_rise is not None:
+            return max(peak, live + pack_rise)
+        peak = max(peak, live + rise)
+        for nbytes, first_user, last_user, savers in made:
+            if first_user < first or last_user > last_unit or any(first <= s <= last_unit for s in savers):
+                live += nbytes  # read outside the region (a unit outside, or the loss), or saved in it
+            elif last_user > unit:
+                live += nbytes  # read by a later unit of the region: until that unit ran
+                leaving[last_user] = leaving.get(last_user, 0) + nbytes
+        peak = max(peak, live)
+        live -= leaving.pop(unit, 0)
+    return peak
+
+
+_NO_USER = (1 << 62, -1)  # (first, last) reader of a storage no unit reads: neither outside a region nor later
+
+
+def _replay_units(trace: StepTrace, arrays: _StorageArrays) -> list[_ReplayUnit]:
+    """Per unit, for ``_replay_peak_alone``: its forward event's rise (to its peak, and to its last pack: None if
+    nothing was packed), and the storages it made that outlive it: bytes, first and last reader, savers."""
+    if arrays.replay_units:
+        return arrays.replay_units
+    index = _storage_index(trace)
+    for unit in range(len(trace.units)):
+        event = index.forward_event_of_unit.get(unit)
+        kept = index.unowned_bytes_of_unit[unit]  # as ``_replay_peak``: not made again
+        rise = event.peak_bytes - event.start_bytes - kept if event is not None else 0
+        pack_rise = (
+            event.pack_peak_bytes - event.start_bytes - kept
+            if event is not None and event.pack_peak_bytes is not None
+            else None
+        )
+        made = tuple(
+            (
+                storage.nbytes,
+                *((min(storage.user_units), max(storage.user_units)) if storage.user_units else _NO_USER),
+                storage.saver_units,
+            )
+            for storage in index.made_by_unit[unit]
+            if not (storage.free_event is not None and storage.free_event <= storage.alloc_event)
+        )
+        arrays.replay_units.append((rise, pack_rise, made))
+    return arrays.replay_units
+
+
+def _region_facts(trace: StepTrace, arrays: _StorageArrays, region: Region, action: Action) -> _RegionFacts:
+    key = (region, action)
+    facts = arrays.region_facts.get(key)
+    if facts is not None:
+        return facts
+    (window,) = region_windows(trace, (RegionAction(region=region, action=action),))
+    rerun: list[int] = []
+    recompute_ms = 0.0
+    replay = 0
+    if window.first_backward_event is not None:
+        replay = _replay_peak_alone(trace, arrays, region, window, early_stop=_stops_early(action))
+        if window.last_recomputed_unit is not None:
+            rerun = list(range(region.first_unit, window.last_recomputed_unit + 1))
+            recompute_ms = sum(arrays.forward_ms[region.first_unit : window.last_recomputed_unit + 1])
+    facts = _RegionFacts(
+        first_backward=-1 if window.first_backward_event is None else window.first_backward_event,
+        last_backward=-1 if window.last_backward_event is None else window.last_backward_event,
+        replay_bytes=replay,
+        rerun_units=rerun,
+        recompute_ms=recompute_ms,
+        saved_tensors=arrays.saved_tensors_before[region.last_unit + 1] - arrays.saved_tensors_before[region.first_unit],
+    )
+    if len(arrays.region_facts) >= _REGION_FACTS_SIZE:
+        arrays.region_facts.clear()
+    arrays.region_facts[key] = facts
+    return facts
+
+
+# one entry per trace, kept alive with it (as _INDEX_CACHE: an id is never reused while its entry exists)
+_ARRAYS_CACHE: dict[int, tuple[StepTrace, _StorageArrays]] = {}
+
+
+def _storage_arrays(trace: StepTrace) -> _StorageArrays:
+    cached = _ARRAYS_CACHE.get(id(trace))
+    if cached is not None and cached[0] is trace:
+        return cached[1]
+    num_events = len(trace.events)
+    storages = trace.storages
+
+    def units(values: Sequence[int]) -> np.ndarray:  # unit -1 (outside the graph) -> region_of's extra last entry
+        array = np.array(values, dtype=np.int64)
+        array[array < 0] = len(trace.units)
+        return array
+
+    # one entry per (storage, unit); savers zipped with their release events, as ``_predict`` zips them
+    users = [(s, u) for s, storage in enumerate(storages) for u in storage.user_units]
+    savers = [
+        (s, u, e)
+        for s, storage in enumerate(storages)
+        for u, e in zip(storage.saver_units, storage.saver_release_events)
+    ]
+    arrays = _StorageArrays(
+        num_units=len(trace.units),
+        num_events=num_events,
+        num_storages=len(storages),
+        peak_bytes=np.array([e.peak_bytes for e in trace.events], dtype=np.int64),
+        start_bytes=np.array([e.start_bytes for e in trace.events], dtype=np.int64),
+        nbytes=np.array([s.nbytes for s in storages], dtype=np.int64),
+        producer=units([s.producer_unit for s in storages]),
+        base_free=np.array(
+            [num_events - 1 if s.free_event is None else s.free_event for s in storages], dtype=np.int64
+        ),
+        never_freed=np.array([s.free_event is None for s in storages], dtype=bool),
+        last_forward_use=np.array([s.last_forward_use_event for s in storages], dtype=np.int64),
+        gradient_free=np.array(
+            [-1 if s.gradient_free_event is None else s.gradient_free_event for s in storages], dtype=np.int64
+        ),
+        user_owner=np.array([s for s, _ in users], dtype=np.int64),
+        user_unit=units([u for _, u in users]),
+        saver_owner=np.array([s for s, _, _ in savers], dtype=np.int64),
+        saver_unit=units([u for _, u, _ in savers]),
+        saver_release=np.array([e for _, _, e in savers], dtype=np.int64),
+        forward_ms=[unit.forward_ms for unit in trace.units],
+        saved_tensors_before=[0, *itertools.accumulate(unit.saved_tensors for unit in trace.units)],
+    )
+    if len(_ARRAYS_CACHE) >= _INDEX_CACHE_SIZE:
+        _ARRAYS_CACHE.pop(next(iter(_ARRAYS_CACHE)))
+    _ARRAYS_CACHE[id(trace)] = (trace, arrays)
+    return arrays
+
+
+@dataclass(frozen=True, slots=True)
+class _StorageIndex:
+    storages_of_unit: tuple[tuple[int, ...], ...]  # per unit: storages it makes, reads or saves
+    forward_bytes: tuple[int, ...]  # per event: bytes of forward-made storages alive in the measured step
+    made_by_unit: tuple[tuple[StorageLife, ...], ...]  # per unit: the storages it made
+    backward_span_of_unit: tuple[tuple[int, int] | None, ...]  # per unit: first and last backward event unpacking
+    saves_own_output: frozenset[int]  # units that saved a storage they made
+    forward_event_of_unit: dict[int, MemoryEvent]  # unit -> its forward event
+    # per unit: bytes of storages made in its forward event that no unit owns (autocast's cached casts)
+    unowned_bytes_of_unit: tuple[int, ...]
+    unowned: tuple[StorageLife, ...]  # those storages
+
+
+# Scoring candidates simulates hundreds of plans on one trace: index it once. StepTraces are kept alive here, so an
+# id is never reused while its entry exists; a few entries are enough (one planner at a time, tests).
+_INDEX_CACHE: dict[int, tuple[StepTrace, _StorageIndex]] = {}
+_INDEX_CACHE_SIZE = 4
+
+
+def _storage_index(trace: StepTrace) -> _StorageIndex:
+    cached = _INDEX_CACHE.get(id(trace))
+    if cached is not None and cached[0] is trace:
+        return cached[1]
+    num_events = len(trace.events)
+    related: list[set[int]] = [set() for _ in trace.units]
+    alive = [0] * (num_events + 1)
+    for position, storage in enumerate(trace.storages):
+        for unit in {storage.producer_unit, *storage.user_units, *storage.saver_units}:
+            if unit >= 0:
+                related[unit].add(position)
+        free = storage.free_event if storage.free_event is not None else num_events - 1
+        alive[storage.alloc_event] += storage.nbytes
+        alive[free + 1] -= storage.nbytes
+    made: list[list[StorageLife]] = [[] for _ in trace.units]
+    unowned_bytes = [0] * len(trace.units)
+    unowned = []
+    for storage in trace.storages:
+        if storage.producer_unit >= 0:
+            made[storage.producer_unit].append(storage)
+        elif trace.events[storage.alloc_event].unit >= 0:  # made while a unit ran, owned by none
+            unowned_bytes[trace.events[storage.alloc_event].unit] += storage.nbytes
+            unowned.append(storage)
+    spans: list[tuple[int, int] | None] = [None] * len(trace.units)
+    for event in trace.events:  # a backward event belongs to the unit whose saved tensors it unpacked
+        if event.phase is Phase.BACKWARD and event.unit >= 0:
+            span = spans[event.unit]
+            spans[event.unit] = (event.index, event.index) if span is None else (span[0], event.index)
+    index = _StorageIndex(
+        backward_span_of_unit=tuple(spans),
+        saves_own_output=frozenset(u for s in trace.storages for u in s.saver_units if u == s.producer_unit),
+        storages_of_unit=tuple(tuple(sorted(s)) for s in related),
+        forward_bytes=tuple(itertools.accumulate(alive[:num_events])),
+        made_by_unit=tuple(map(tuple, made)),
+        forward_event_of_unit={e.unit: e for e in trace.events if e.phase is Phase.FORWARD and e.unit >= 0},
+        unowned_bytes_of_unit=tuple(unowned_bytes),
+        unowned=tuple(unowned),
+    )
+    if len(_INDEX_CACHE) >= _INDEX_CACHE_SIZE:
+        _INDEX_CACHE.pop(next(iter(_INDEX_CACHE)))
+    _INDEX_CACHE[id(trace)] = (trace, index)
+    return index
+
+
+def _region(region_of: list[int | None], unit: int) -> int | None:
+    """Region of a unit; work outside the graph (unit -1: the loss, autograd's start) is in none."""
+    return region_of[unit] if unit >= 0 else None
+
+
+def _plan_free_event(
+    storage: StorageLife,
+    region_of: list[int | None],
+    windows: list[RegionWindow],
+    base_free: int,
+    offloaded: frozenset[int] = frozenset(),
+    moved: tuple[MovedStorage, ...] = (),
+) -> int:
+    """Event after which the original storage is gone under the plan.
+
+    Three things change a storage's life: recomputing the region that made and saved it (autograd no longer holds it
+    for those savers), a recomputed region that reads it (the checkpoint holds it until the region's backward is
+    done), and moving it to the host pool (``moved``: autograd holds a handle instead, for the savers in
+    ``offloaded`` regions; on a device whose copies run beside compute, the pool holds it while in flight). Anything
+    else, Python references included, stays as measured.
+    """
+    if storage.free_event is None:
+        return base_free
+    home = _region(region_of, storage.producer_unit)
+    home = None if home in offloaded else home  # an offloaded region holds nothing of its own
+    held_by_regions = [
+        windows[r].last_backward_event
+        for r in {_region(region_of, user) for user in storage.user_units}
+        if r is not None and r != home and r not in offloaded and windows[r].last_backward_event is not None
+    ]
+    saved_in_home = home is not None and any(_region(region_of, s) == home for s in storage.saver_units)
+    if not saved_in_home and not moved:
+        return max([base_free, *held_by_regions])
+    holds = [storage.last_forward_use_event, *held_by_regions]
+    for saver, release in zip(storage.saver_units, storage.saver_release_events):
+        saver_region = _region(region_of, saver)
+        # autograd keeps it for a unit in no region, and for one in an offloaded region that did not move it
+        if saver_region is None or (saver_region in offloaded and not moved):
+            holds.append(release)
+    holds += [copy.in_flight_until_event for copy in moved]
+    return max(holds)
+
+
+def _replay_peak(
+    trace: StepTrace, region: Region, window: RegionWindow, region_of: list[int | None], r: int, *, early_stop: bool
+) -> int:
+    """Peak bytes the recomputation of ``region`` adds on top of memory at its start.
+
+    While unit ``u`` re-runs, memory rises by what it rose during ``u``'s measured forward (its outputs plus the
+    temporaries it frees before returning). After it, only the outputs the recomputation still needs stay: tensors a
+    unit of the region saved (kept for backward), tensors a later unit of the region reads (until that unit ran), and
+    the region's own outputs (tensors a unit outside the region reads): the region runs as one function that holds
+    its return values until the recomputation stops, even though backward has no use for them. Temporaries are
+    already gone. Under early stop the recomputation ends at the last saver's last pack, so that unit rises only as
+    far as it had risen by then in the measured forward (a dropout stops once its mask exists, before the masked
+    output). What a unit made that no unit owns (autocast's cached casts, made before its kernel) is not made
+    again: its rise leaves those bytes out.
+    """
+    storages = _storage_index(trace)
+    last = window.last_saver_unit if early_stop else region.last_unit
+    live = 0
+    peak = 0
+    readers_left: dict[int, int] = {}  # storage index -> last unit of the region that reads it
+    transient_bytes: dict[int, int] = {}
+    for unit in range(region.first_unit, last + 1):
+        event = storages.forward_event_of_unit.get(unit)
+        kept = storages.unowned_bytes_of_unit[unit]  # in the event's bytes, not made again
+        if early_stop and unit == last and event is not None and event.pack_peak_bytes is not None:
+            return max(peak, live + event.pack_peak_bytes - event.start_bytes - kept)
+        rise = event.peak_bytes - event.start_bytes - kept if event is not None else 0
+        peak = max(peak, live + rise)
+        for storage in storages.made_by_unit[unit]:
+            if storage.free_event is not None and storage.free_event <= storage.alloc_event:
+                continue  # a temporary of the unit itself: inside ``rise``
+            saved_in_region = any(_region(region_of, s) == r for s in storage.saver_units)
+            if saved_in_region or any(_region(region_of, u) != r for u in storage.user_units):
+                live += storage.nbytes
+                continue
+            later_readers = [u for u in storage.user_units if _region(region_of, u) == r and u > unit]
+            if later_readers:
+                live += storage.nbytes
+                readers_left[storage.index] = max(later_readers)
+                transient_bytes[storage.index] = storage.nbytes
+        peak = max(peak, live)
+        for index in [i for i, last_reader in readers_left.items() if last_reader <= unit]:
+            live -= transient_bytes.pop(index)
+            del readers_left[index]
+    return peak
+
+
+def _late_leaf_gradients(
+    trace: StepTrace,
+    region_of: Sequence[int | None],
+    last_backward: Sequence[int | None],
+    actions: Sequence[Action],
+) -> list[tuple[int, int, int]]:
+    """(first event, last event, bytes added) for the leaf gradients autockpt's own checkpoint makes late
+    (``region_of``: each unit's region; ``last_backward``: each region's last backward event).
+
+    Its backward differentiates the recomputed region with ``torch.autograd.grad``. There the gradient function of
+    each cast autocast cached in forward (a float32 parameter's low-precision copy; ``trace.py`` records the event
+    the parameter's gradient was made in as the copy's ``gradient_free_event``) is older than everything the
+    recomputation recorded, and autograd runs ready nodes newest first, so those casts back to float32 all run at
+    the end of the region's backward. Until then each such parameter's low-precision gradient is held and its
+    float32 gradient, twice the bytes (autocast casts to 16-bit types), is not made yet: the step holds the copy's
+    bytes less. From the region's last backward event on it is as measured; the event the gradient was made in is
+    left as measured too (its peak may come before the float32 gradient did).
+    """
+    changes = []
+    for storage in _storage_index(trace).unowned:
+        made_at = storage.gradient_free_event
+        if made_at is None:
+            continue
+        unit = trace.events[made_at].unit  # the backward event of the unit that used the copy
+        r = region_of[unit] if unit >= 0 else None
+        last = last_backward[r] if r is not None else None
+        if r is not None and actions[r] is Action.RECOMPUTE_OWN and last is not None and made_at + 1 <= last - 1:
+            changes.append((made_at + 1, last - 1, -storage.nbytes))
+    return changes
+
+
+def _is_region_output(storage: StorageLife, region_of: list[int | None], r: int) -> bool:
+    """Made in region ``r`` and read after it: by a unit outside it, by the loss, or as part of the model output."""
+    return storage.free_event is None or any(_region(region_of, u) != r for u in storage.user_units)

@@ -1,0 +1,160 @@
+"""Refine: move the budget handed to a program until the simulated peak of its answer sits just under the user's.
+
+The programs add the gains of disjoint regions up and charge forward memory per group of events at its worst, so
+their answer at the user's budget can simulate over it (regions interact) or well under it (the program was too
+cautious). ``refine`` bisects on the program's effective budget, rules out sets that simulated over the budget (the
+MILPs can; the block chain answers the same at the same budget), and keeps the cheapest plan that fits.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from autockpt.errors import InfeasibleBudgetError
+from autockpt.core.solve.base import (
+    PlanSearch,
+    Problem,
+    Program,
+    SolveResult,
+    SolverOptions,
+    region_actions,
+    summarise_programs,
+)
+from autockpt.core.solve.pulp_tools import solver_name
+from autockpt.types import PlanStatus, SolverStats, Timeline
+from autockpt.units import format_bytes
+
+RETRIES_AT_ONE_BUDGET = 2  # programs re-solved at one effective budget, each without the sets that went over
+
+Plan3 = tuple[tuple[Any, ...], Timeline, PlanStatus]  # a plan's items, its simulated timeline, how it was found
+
+
+def refine(
+    problem: PlanSearch,
+    budget_bytes: int,
+    options: SolverOptions,
+    program: Program,
+    solver: str,
+    programs: list[SolverStats],
+    *,
+    best: Plan3 | None,
+    rules_out_sets: bool,
+) -> Plan3 | None:
+    """The cheapest plan found under ``budget_bytes`` (``best`` if none is cheaper), after at most
+    ``options.refinement_rounds`` programs; each program's statistics are appended to ``programs``."""
+    baseline, profile = problem.baseline, problem.trace
+    # Bisection on the budget handed to the program: below search_low the program's plans were (or would be) too
+    # tight or fit, above search_high the simulated peak went over the user's budget.
+    effective = float(budget_bytes)
+    search_low, search_high = -math.inf, math.inf
+    # a plan this close under the budget is kept: each further program (~0.5-2 s) buys little recompute time
+    close_enough_bytes = 0.01 * max(baseline.peak_bytes - profile.static_bytes, 0)
+    over_budget: list[tuple[Any, ...]] = []  # plans the program chose that simulated over the budget
+    last_overshoot_effective, retries_here = math.nan, 0
+    for _ in range(options.refinement_rounds):
+        answer = program(problem, effective, options, solver, excluded=over_budget)
+        programs.append(answer.stats)
+        regions, status = answer.regions, answer.status
+        if regions is None:  # the program is infeasible: it over-estimates memory, give it more room
+            search_low = max(search_low, effective)
+            effective = effective + 0.01 * budget_bytes if search_high == math.inf else (effective + search_high) / 2
+            continue
+        timeline = problem.simulate(regions)
+        if problem.fits(timeline, budget_bytes):
+            if best is None or timeline.overhead_ms < best[1].overhead_ms:
+                best = (regions, timeline, status)
+            search_low = max(search_low, effective)
+            slack = budget_bytes - timeline.peak_bytes
+            if slack <= close_enough_bytes:
+                break
+            effective = effective + slack if search_high == math.inf else (effective + search_high) / 2
+        else:
+            # the program adds gains up, but regions interact: rule this set out and try the same effective budget
+            # again (the next-cheapest set may well fit) before tightening it
+            over_budget.append(regions)
+            retries_here = 0 if effective != last_overshoot_effective else retries_here + 1
+            last_overshoot_effective = effective
+            if retries_here < RETRIES_AT_ONE_BUDGET and rules_out_sets:
+                continue
+            search_high = min(search_high, effective)
+            overshoot = timeline.peak_bytes - budget_bytes
+            effective = (
+                effective - overshoot - 0.001 * budget_bytes if search_low == -math.inf else (effective + search_low) / 2
+            )
+        if search_high - search_low < 0.001 * budget_bytes:
+            break
+    return best
+
+
+def solve_with_program(
+    problem: Problem, budget_bytes: int, options: SolverOptions, program: Program, *, name: str
+) -> SolveResult:
+    """One program alone: its floor (``budget`` None), then ``refine`` at ``budget_bytes``."""
+    started = time.perf_counter()
+    solver = solver_name(options)
+    programs: list[SolverStats] = []
+    floor_answer = program(problem, None, options, solver)
+    programs.append(floor_answer.stats)
+    floor_regions = floor_answer.regions or ()
+    floor_timeline = problem.simulate(floor_regions)
+    min_feasible = min(floor_timeline.peak_bytes, problem.baseline.peak_bytes)
+    if budget_bytes >= problem.baseline.peak_bytes:
+        return identity_result(problem, min_feasible, f"{name} ({solver})", started, programs)
+    check_reachable(problem, budget_bytes, min_feasible)
+    best = (floor_regions, floor_timeline, PlanStatus.FEASIBLE) if floor_timeline.peak_bytes <= budget_bytes else None
+    best = refine(problem, budget_bytes, options, program, solver, programs, best=best, rules_out_sets=True)
+    if best is None:
+        raise no_plan_error(budget_bytes, floor_timeline.peak_bytes)
+    regions, timeline, status = best
+    return SolveResult(
+        region_actions=region_actions(regions, problem.action), action=problem.action, timeline=timeline, baseline=problem.baseline,
+        min_feasible_bytes=min_feasible, status=status, solver=f"{name} ({solver})",
+        solve_time_s=time.perf_counter() - started, stats=summarise_programs(programs),
+    )
+
+
+def identity_result(
+    problem: Problem, min_feasible_bytes: int, solver: str, started: float, programs: Sequence[SolverStats]
+) -> SolveResult:
+    """The budget is at or above the unmodified peak: nothing to do."""
+    return SolveResult(
+        region_actions=region_actions((), problem.action), action=problem.action, timeline=problem.baseline, baseline=problem.baseline,
+        min_feasible_bytes=min_feasible_bytes, status=PlanStatus.IDENTITY, solver=solver,
+        solve_time_s=time.perf_counter() - started, stats=summarise_programs(list(programs)),
+    )
+
+
+def check_reachable(problem: Problem, budget_bytes: int, min_feasible_bytes: int) -> None:
+    """Raise ``InfeasibleBudgetError`` when the budget is below the lowest peak found."""
+    if budget_bytes >= min_feasible_bytes:
+        return
+    trace = problem.trace
+    states = " + optimizer states" if trace.optimizer_state_bytes else ""
+    loop = f"; {trace.loop.describe()}" if trace.loop is not None else ""
+    # the end marker event holds optimizer.step()'s peak, which no plan changes
+    step_peak = trace.events[-1].peak_bytes if trace.loop is not None and trace.loop.optimizer is not None else 0
+    binding = (
+        " That floor is optimizer.step()'s own peak, which no plan lowers: a smaller or fused optimizer, or sharding "
+        "its states, is what would." if step_peak >= min_feasible_bytes else ""
+    )
+    raise InfeasibleBudgetError(
+        f"budget {format_bytes(budget_bytes)} is below the smallest peak autockpt can reach for this model and input, "
+        f"{format_bytes(min_feasible_bytes)} (static memory alone, parameters + buffers + gradients + inputs{states}, "
+        f"is {format_bytes(trace.static_bytes)}; the unmodified step peaks at "
+        f"{format_bytes(problem.baseline.peak_bytes)}{loop}). Use a budget of at least {min_feasible_bytes} bytes, or a "
+        f"smaller batch or sequence.{binding}",
+        budget_bytes=budget_bytes,
+        min_feasible_bytes=min_feasible_bytes,
+    )
+
+
+def no_plan_error(budget_bytes: int, floor_peak_bytes: int) -> InfeasibleBudgetError:
+    return InfeasibleBudgetError(
+        f"no plan found under the budget {format_bytes(budget_bytes)}; the smallest simulated peak found is "
+        f"{format_bytes(floor_peak_bytes)}. Raise the budget to at least {floor_peak_bytes} bytes.",
+        budget_bytes=budget_bytes,
+        min_feasible_bytes=floor_peak_bytes,
+    )

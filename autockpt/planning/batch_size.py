@@ -1,0 +1,266 @@
+"""The largest batch whose optimized training step, measured, stays under a memory budget.
+
+    result = autockpt.max_batch_size(lambda: MyModel(), lambda n: ExampleBatch(args=(torch.randn(n, 512),)),
+                                     budget_gb=2.0)
+    result.batch_size, result.plan, result.measured_peak_bytes
+
+For each batch size tried, the model is captured and profiled on inputs of that size and the strategy's plan is
+applied and measured for real (``autockpt.measure_step``); a batch counts as fitting only when the measured peak is
+at most the budget. The search doubles the batch until it no longer fits, then bisects, assuming that a batch that
+does not fit is not followed by a larger one that does (the measured peak grows with the batch).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import nn
+
+from autockpt.planning.api import Planner, baseline_plan, budget_to_bytes
+from autockpt.errors import InfeasibleBudgetError
+from autockpt.measure.step import measure_step
+from autockpt.records.plan import Plan
+from autockpt.core.solve.base import SolverOptions
+from autockpt.core.solve.baselines import parse_strategy
+from autockpt.types import describe_value
+
+logger = logging.getLogger(__name__)
+
+AUTOCKPT = "autockpt"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExampleBatch:
+    """What ``input_factory(batch_size)`` returns: the model's positional and keyword inputs, and the loss."""
+
+    args: tuple = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    loss_fn: Callable[[Any], torch.Tensor] | None = None  # None: autockpt.default_loss
+
+
+class TrialOutcome(str, Enum):
+    FITS = "fits"  # measured peak at most the budget
+    OVER_BUDGET = "over_budget"  # the plan ran but measured above the budget
+    INFEASIBLE = "infeasible"  # no plan was found (InfeasibleBudgetError), or static memory alone is over
+    FAILED = "failed"  # the step could not run (e.g. out of memory); ``detail`` says why
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BatchTrial:
+    batch_size: int
+    strategy: str
+    outcome: TrialOutcome
+    measured_peak_bytes: int | None
+    seconds: float
+    detail: str = ""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BatchSizeResult:
+    """The largest batch found to fit (0: not even ``start``), its plan and measured peak, and every trial."""
+
+    strategy: str
+    budget_bytes: int
+    batch_size: int
+    plan: Plan | None  # the plan at ``batch_size`` (None when nothing fits)
+    measured_peak_bytes: int | None
+    first_over_batch: int | None  # smallest batch tried that did not fit (None: the search hit ``limit``)
+    trials: tuple[BatchTrial, ...]
+
+    @property
+    def exact(self) -> bool:
+        """True when the next batch up was tried and did not fit (the answer is the true maximum)."""
+        return self.first_over_batch is not None and self.first_over_batch == self.batch_size + 1
+
+
+def max_batch_size(
+    model_factory: Callable[[], nn.Module],
+    input_factory: Callable[[int], ExampleBatch | tuple],
+    *,
+    budget_gb: float | None = None,
+    budget_bytes: int | None = None,
+    strategy: str = AUTOCKPT,
+    start: int = 1,
+    limit: int = 1 << 16,
+    precision: int = 1,
+    solver_options: SolverOptions | None = None,
+) -> BatchSizeResult:
+    """The largest batch size whose step under ``strategy`` measures at most the budget (GB = 10^9 bytes).
+
+    ``strategy`` is "autockpt" (``Planner.optimize``: plan, rewrite, measure, tighten) or a baseline policy name
+    (``autockpt.core.solve.baselines``: "none", "every_1", "sqrt_n", ...), whose plan is applied and measured.
+    ``model_factory()`` is called once; ``input_factory(n)`` returns an ``ExampleBatch`` (or a tuple of positional
+    inputs) of batch size ``n``. The search stops when the largest fitting and the smallest non-fitting batch are at
+    most ``precision`` apart (1: exact).
+    """
+    return max_batch_sizes(
+        model_factory, input_factory, budget_gb=budget_gb, budget_bytes=budget_bytes, strategies=(strategy,),
+        start=start, limit=limit, precision=precision, solver_options=solver_options,
+    )[strategy]
+
+
+def max_batch_sizes(
+    model_factory: Callable[[], nn.Module],
+    input_factory: Callable[[int], ExampleBatch | tuple],
+    *,
+    budget_gb: float | None = None,
+    budget_bytes: int | None = None,
+    strategies: Iterable[str] = (AUTOCKPT,),
+    start: int = 1,
+    limit: int = 1 << 16,
+    precision: int = 1,
+    solver_options: SolverOptions | None = None,
+    on_trial: Callable[[BatchTrial], None] | None = None,
+) -> dict[str, BatchSizeResult]:
+    """``max_batch_size`` for several strategies, sharing one capture and profile per batch size tried."""
+    budget = budget_to_bytes(budget_gb, budget_bytes)
+    strategies = tuple(strategies)
+    if not strategies:
+        raise ValueError("give at least one strategy, e.g. strategies=('autockpt', 'every_1')")
+    for name in strategies:
+        if name != AUTOCKPT:
+            parse_strategy(name)  # raises with the list of known strategies
+    for name, value in (("start", start), ("limit", limit), ("precision", precision)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {describe_value(value)}")
+    if start > limit:
+        raise ValueError(f"start ({start}) is larger than limit ({limit})")
+    model = model_factory()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model_factory() must return an nn.Module, got {type(model).__name__}")
+    searcher = _Searcher(model, input_factory, budget, solver_options, on_trial)
+    return {name: searcher.search(name, start, limit, precision) for name in strategies}
+
+
+class _Searcher:
+    """Runs trials, keeping one Planner per batch size for all strategies."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        input_factory: Callable[[int], ExampleBatch | tuple],
+        budget: int,
+        solver_options: SolverOptions | None,
+        on_trial: Callable[[BatchTrial], None] | None,
+    ) -> None:
+        self.model = model
+        self.input_factory = input_factory
+        self.budget = budget
+        self.solver_options = solver_options
+        self.on_trial = on_trial or (lambda trial: None)
+        self.planners: dict[int, tuple[Planner | None, ExampleBatch, str]] = {}
+
+    def search(self, strategy: str, start: int, limit: int, precision: int) -> BatchSizeResult:
+        trials: list[BatchTrial] = []
+        best: tuple[int, Plan | None, int | None] = (0, None, None)
+        low, high = 0, None  # largest fitting, smallest not fitting
+        size = start
+        while size <= limit:  # doubling
+            trial, the_plan = self.trial(size, strategy)
+            trials.append(trial)
+            if trial.outcome is not TrialOutcome.FITS:
+                high = size
+                break
+            low, best = size, (size, the_plan, trial.measured_peak_bytes)
+            if size == limit:
+                break
+            size = min(size * 2, limit)
+        if low == 0:  # not even ``start`` fits: bisect below it is not asked for
+            return BatchSizeResult(
+                strategy=strategy, budget_bytes=self.budget, batch_size=0, plan=None, measured_peak_bytes=None,
+                first_over_batch=start, trials=tuple(trials),
+            )
+        while high is not None and high - low > precision:
+            middle = (low + high) // 2
+            trial, the_plan = self.trial(middle, strategy)
+            trials.append(trial)
+            if trial.outcome is TrialOutcome.FITS:
+                low, best = middle, (middle, the_plan, trial.measured_peak_bytes)
+            else:
+                high = middle
+        return BatchSizeResult(
+            strategy=strategy, budget_bytes=self.budget, batch_size=best[0], plan=best[1],
+            measured_peak_bytes=best[2], first_over_batch=high, trials=tuple(trials),
+        )
+
+    def trial(self, size: int, strategy: str) -> tuple[BatchTrial, Plan | None]:
+        started = time.perf_counter()
+        planner, batch, error = self._planner(size)
+        if planner is None:
+            return self._record(size, strategy, TrialOutcome.FAILED, None, started, error), None
+        if planner.trace.static_bytes > self.budget:
+            detail = f"static bytes {planner.trace.static_bytes} alone are over the budget"
+            return self._record(size, strategy, TrialOutcome.INFEASIBLE, None, started, detail), None
+        try:
+            if strategy == AUTOCKPT:
+                try:
+                    module = planner.optimize(budget_bytes=self.budget)
+                except InfeasibleBudgetError as infeasible:
+                    return self._record(size, strategy, TrialOutcome.INFEASIBLE, None, started, str(infeasible)[:200]), None
+                the_plan = module.plan
+                peak = the_plan.measured_peak_bytes
+                if peak is None:  # identity plan: optimize does not measure it
+                    peak = measure_step(module, batch.args, dict(batch.kwargs), batch.loss_fn).peak_bytes
+            else:
+                try:
+                    the_plan = baseline_plan(planner, strategy)
+                except ValueError as unavailable:
+                    return self._record(size, strategy, TrialOutcome.INFEASIBLE, None, started, str(unavailable)), None
+                module = planner.apply(the_plan)
+                peak = measure_step(module, batch.args, dict(batch.kwargs), batch.loss_fn).peak_bytes
+        except (RuntimeError, MemoryError) as failure:  # out of memory and the like
+            return self._record(size, strategy, TrialOutcome.FAILED, None, started, f"{type(failure).__name__}: {failure}"[:200]), None
+        finally:
+            for param in self.model.parameters():
+                param.grad = None
+        outcome = TrialOutcome.FITS if peak <= self.budget else TrialOutcome.OVER_BUDGET
+        return self._record(size, strategy, outcome, peak, started, ""), the_plan
+
+    def _planner(self, size: int) -> tuple[Planner | None, ExampleBatch, str]:
+        if size not in self.planners:
+            batch = _as_batch(self.input_factory(size), size)
+            try:
+                planner = Planner(
+                    self.model, example_inputs=batch.args, example_kwargs=dict(batch.kwargs), loss_fn=batch.loss_fn,
+                    solver_options=self.solver_options,
+                )
+                self.planners[size] = (planner, batch, "")
+            except (RuntimeError, MemoryError) as failure:
+                self.planners[size] = (None, batch, f"capture/profile failed: {type(failure).__name__}: {failure}"[:200])
+            # keep memory bounded: planners of sizes far from the frontier are not needed again
+            if len(self.planners) > 6:
+                oldest = next(iter(self.planners))
+                if oldest != size:
+                    del self.planners[oldest]
+        return self.planners[size]
+
+    def _record(
+        self, size: int, strategy: str, outcome: TrialOutcome, peak: int | None, started: float, detail: str
+    ) -> BatchTrial:
+        trial = BatchTrial(
+            batch_size=size, strategy=strategy, outcome=outcome, measured_peak_bytes=peak,
+            seconds=time.perf_counter() - started, detail=detail,
+        )
+        logger.info("batch %d, %s: %s (peak %s bytes, budget %d)", size, strategy, outcome.value, peak, self.budget)
+        self.on_trial(trial)
+        return trial
+
+
+def _as_batch(value: ExampleBatch | tuple, size: int) -> ExampleBatch:
+    if isinstance(value, ExampleBatch):
+        return value
+    if isinstance(value, torch.Tensor):
+        return ExampleBatch(args=(value,))
+    if isinstance(value, tuple):
+        return ExampleBatch(args=value)
+    raise TypeError(
+        f"input_factory({size}) must return an autockpt.ExampleBatch(args=..., kwargs=..., loss_fn=...) or a tuple of "
+        f"positional inputs, got {type(value).__name__}"
+    )
+

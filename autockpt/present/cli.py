@@ -1,0 +1,525 @@
+"""The ``autockpt`` command line: estimate, plan, sweep, demo. Built on click; progress bars with tqdm.
+
+    autockpt estimate gpt2 --optimizer adam --depth 2
+    autockpt plan mypkg.models:make_model --input "x=float32[8,3,224,224]" --budget 8GB --report plan.html --out plan.json
+    autockpt sweep gpt2 --budgets 40MB,50MB,60MB --out results/
+
+User mistakes (unknown module, malformed input spec, bad budget, infeasible budget, ...) print one line saying what
+to do and exit with status 1 (2 for click's own usage errors); ``--debug`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import os
+import re
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+
+from autockpt.errors import AutockptError
+from autockpt.measure.loop import named_optimizer
+from autockpt.types import Action
+from autockpt.units import format_bytes
+
+# --------------------------------------------------------------------------------------------- parsing values
+
+
+class UserInputError(AutockptError, ValueError):
+    """A command-line value autockpt cannot use; the message says what to give instead."""
+
+
+_DECIMAL = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_BINARY = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_BUDGET = re.compile(r"^\s*(?P<number>(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?)\s*(?P<unit>[a-zA-Z]*)\s*$")
+
+
+def parse_budget(text: str) -> int:
+    """'8GB' (10^9), '7.5GiB' (2^30), '500MB', '1e9' or '123456789' (bytes) -> bytes."""
+    match = _BUDGET.match(text)
+    unit = match.group("unit").lower() if match else ""
+    scale = _DECIMAL.get(unit) or _BINARY.get(unit)
+    if match is None or scale is None:
+        raise UserInputError(
+            f"budget {text!r} not understood: give a number and a unit, e.g. 8GB (GB = 10^9 bytes), 7.5GiB "
+            "(GiB = 2^30 bytes), 500MB, or a plain number of bytes"
+        )
+    value = float(match.group("number")) * scale
+    if value < 1:
+        raise UserInputError(f"budget {text!r} is less than one byte; give a positive budget such as 8GB")
+    return int(round(value))
+
+
+def parse_host_pool(text: str) -> float | str:
+    """'0' (no pool), 'auto' (half the host memory available), or a size like '--budget' -> ``host_pool_gb``."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    if text.strip() in ("0", "0GB", "0.0"):
+        return 0
+    try:
+        return parse_budget(text) / 1e9
+    except UserInputError:
+        raise UserInputError(
+            f"--host-pool {text!r} not understood: give 0 (no offloading), auto (up to half the host memory available), "
+            "or a size such as 16GB (GB = 10^9 bytes) or 8GiB"
+        ) from None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InputSpec:
+    """One example input described on the command line: ``name=dtype[d0,d1,...]:fill``."""
+
+    name: str | None  # None: a positional argument
+    dtype: str
+    shape: tuple[int, ...]
+    fill: str  # randn | rand | zeros | ones | high=N (integers uniform in [0, N))
+
+
+_DTYPES = {
+    "float32": "float32", "float": "float32", "fp32": "float32", "float16": "float16", "half": "float16",
+    "fp16": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16", "float64": "float64", "double": "float64",
+    "int64": "int64", "long": "int64", "int32": "int32", "int": "int32", "int16": "int16", "int8": "int8",
+    "uint8": "uint8", "bool": "bool",
+}
+_SPEC = re.compile(r"^(?:(?P<name>[A-Za-z_]\w*)=)?(?P<dtype>\w+)\[(?P<shape>[\d,\s]*)\](?::(?P<fill>[\w=.]+))?$")
+_SPEC_HELP = (
+    "write it as name=dtype[d0,d1,...] (a keyword argument) or dtype[d0,...] (positional), optionally followed by "
+    ":randn, :rand, :zeros, :ones or :high=N (integers in [0, N)); e.g. input_ids=int64[4,512]:high=50257 or "
+    "x=float32[8,3,224,224]"
+)
+
+
+def parse_input_spec(text: str) -> InputSpec:
+    match = _SPEC.match(text.strip())
+    if match is None:
+        raise UserInputError(f"input spec {text!r} not understood: {_SPEC_HELP}")
+    dtype = _DTYPES.get(match.group("dtype").lower())
+    if dtype is None:
+        raise UserInputError(
+            f"input spec {text!r}: unknown dtype {match.group('dtype')!r}; use one of {', '.join(sorted(set(_DTYPES.values())))}"
+        )
+    dims = [d.strip() for d in match.group("shape").split(",") if d.strip()]
+    shape = tuple(int(d) for d in dims)
+    if any(d <= 0 for d in shape):
+        raise UserInputError(f"input spec {text!r}: every dimension must be a positive integer, got {list(shape)}")
+    floating = dtype.startswith(("float", "bfloat"))
+    fill = match.group("fill") or ("randn" if floating else "high=2")
+    if fill.startswith("high="):
+        high = fill.removeprefix("high=")
+        if floating or not high.isdigit() or int(high) < 1:
+            raise UserInputError(f"input spec {text!r}: ':high=N' takes a positive integer N and an integer dtype")
+    elif fill not in ("randn", "rand", "zeros", "ones") or (fill in ("randn", "rand") and not floating):
+        raise UserInputError(f"input spec {text!r}: fill {fill!r} does not fit dtype {dtype}; {_SPEC_HELP}")
+    return InputSpec(name=match.group("name"), dtype=dtype, shape=shape, fill=fill)
+
+
+def make_tensor(spec: InputSpec, device: str) -> Any:
+    import torch
+
+    dtype = getattr(torch, spec.dtype)
+    if spec.fill == "randn":
+        return torch.randn(spec.shape, dtype=dtype, device=device)
+    if spec.fill == "rand":
+        return torch.rand(spec.shape, dtype=dtype, device=device)
+    if spec.fill in ("zeros", "ones"):
+        return getattr(torch, spec.fill)(spec.shape, dtype=dtype, device=device)
+    high = int(spec.fill.removeprefix("high="))
+    return torch.randint(0, high, spec.shape, device=device).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------- loading models
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What a command plans for: a model, its example inputs and its loss."""
+
+    label: str
+    model: Any
+    args: tuple
+    kwargs: dict
+    loss_fn: Callable[[Any], Any] | None
+
+
+def resolve_reference(reference: str, what: str) -> Callable[..., Any]:
+    """'package.module:attribute' -> the attribute (the current directory is importable, as with ``python -m``)."""
+    module_name, _, attribute = reference.partition(":")
+    if not module_name or not attribute:
+        raise UserInputError(f"{what} {reference!r} must look like package.module:function")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise UserInputError(
+            f"cannot import {module_name!r} (from {what} {reference!r}): {error}. Check the spelling, and run from the "
+            "directory that contains the package or install it"
+        ) from error
+    found = module
+    for part in attribute.split("."):
+        if not hasattr(found, part):
+            raise UserInputError(f"{module_name!r} has no attribute {attribute!r} (from {what} {reference!r})")
+        found = getattr(found, part)
+    if not callable(found):
+        raise UserInputError(f"{reference!r} is a {type(found).__name__}, not a function: {what} must name a callable")
+    return found
+
+
+def load_workload(
+    model_ref: str, size: str, input_texts: tuple[str, ...], inputs_ref: str | None, device: str, seed: int
+) -> Workload:
+    import torch
+    from torch import nn
+
+    from autockpt.present import zoo
+
+    torch.manual_seed(seed)
+    loss_fn = None
+    if model_ref in zoo.BUILDERS:
+        case = zoo.build(model_ref, size, seed=seed)
+        model, args, kwargs, loss_fn = case.model, case.args, dict(case.kwargs), case.loss_fn
+        label = f"{model_ref} ({size})"
+    elif ":" in model_ref:
+        factory = resolve_reference(model_ref, "MODEL")
+        model = _call_user(factory, f"the model factory {model_ref!r}")
+        if not isinstance(model, nn.Module):
+            raise UserInputError(f"the model factory {model_ref!r} returned a {type(model).__name__}, not a torch.nn.Module")
+        args, kwargs, label = (), {}, model_ref
+    else:
+        raise UserInputError(
+            f"MODEL {model_ref!r} is neither a built-in example ({', '.join(sorted(zoo.BUILDERS))}) nor a "
+            "package.module:factory reference to a function that returns an nn.Module"
+        )
+    if input_texts and inputs_ref:
+        raise UserInputError("give --input specs or --inputs package.module:function, not both")
+    if input_texts:
+        specs = [parse_input_spec(text) for text in input_texts]
+        args = tuple(make_tensor(s, device) for s in specs if s.name is None)
+        kwargs = {s.name: make_tensor(s, device) for s in specs if s.name is not None}
+    elif inputs_ref:
+        made = _call_user(resolve_reference(inputs_ref, "--inputs"), f"the input function {inputs_ref!r}")
+        args, kwargs = _split_inputs(made, inputs_ref)
+    elif model_ref not in zoo.BUILDERS:
+        raise UserInputError(
+            f"no example inputs for {model_ref!r}: give --input SPEC (e.g. --input 'x=float32[8,3,224,224]') or "
+            "--inputs package.module:make_inputs"
+        )
+    model = model.to(device)
+    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+    kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    return Workload(label=label, model=model, args=args, kwargs=kwargs, loss_fn=loss_fn)
+
+
+def _call_user(function: Callable[[], Any], what: str) -> Any:
+    try:
+        return function()
+    except Exception as error:  # the user's code: report it as one line, the traceback with --debug
+        raise UserInputError(f"{what} raised {type(error).__name__}: {error}") from error
+
+
+def _split_inputs(made: Any, reference: str) -> tuple[tuple, dict]:
+    import torch
+
+    if isinstance(made, torch.Tensor):
+        return (made,), {}
+    if isinstance(made, dict):
+        return (), dict(made)
+    if isinstance(made, (tuple, list)):
+        return tuple(made), {}
+    raise UserInputError(
+        f"the input function {reference!r} returned a {type(made).__name__}; return a tensor, a tuple of positional "
+        "arguments, or a dict of keyword arguments"
+    )
+
+
+# ------------------------------------------------------------------------------------------------------ progress
+
+
+class StageProgress:
+    """A progress bar over pipeline stages (capture, profile, solve, ...); silent when quiet or not a terminal."""
+
+    def __init__(self, total: int, quiet: bool) -> None:
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=total, disable=quiet or not sys.stderr.isatty(), unit="stage", leave=False, ncols=100,
+                         bar_format="{desc:<10} {bar} {n_fmt}/{total_fmt} [{elapsed}]")
+        self._started = False
+
+    def __call__(self, stage: str) -> None:
+        if self._started:
+            self._bar.update(1)
+        self._started = True
+        self._bar.set_description_str(stage)
+
+    def close(self) -> None:
+        if self._started:
+            self._bar.update(1)
+        self._bar.close()
+
+
+@contextmanager
+def stage_progress(total: int, quiet: bool) -> Iterator[StageProgress]:
+    progress = StageProgress(total, quiet)
+    try:
+        yield progress
+    finally:
+        progress.close()
+
+
+# ------------------------------------------------------------------------------------------------------ commands
+
+
+class _Group(click.Group):
+    """Turns autockpt's own errors and the user's mistakes into one line and exit status 1 (tracebacks with --debug)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (AutockptError, ValueError, TypeError, ImportError, OSError) as error:
+            if ctx.meta.get("autockpt.debug"):
+                raise
+            message = str(error).splitlines()
+            click.echo(f"error: {' '.join(line.strip() for line in message)}", err=True)
+            click.echo("(run with --debug for the traceback)", err=True)
+            ctx.exit(1)
+
+
+def _model_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    options = [
+        click.argument("model"),
+        click.option("--input", "inputs", multiple=True, metavar="SPEC",
+                     help="example input, e.g. 'input_ids=int64[4,512]:high=50257' or 'float32[8,3,224,224]' (repeat)"),
+        click.option("--inputs", "inputs_ref", metavar="MODULE:FUNCTION",
+                     help="function returning the example inputs: a tensor, a tuple (positional) or a dict (keywords)"),
+        click.option("--size", type=click.Choice(["tiny", "small", "bench"]), default="small", show_default=True,
+                     help="size of a built-in example model"),
+        click.option("--device", default="cpu", show_default=True, help="device to run the model on: cpu, cuda, cuda:1"),
+        click.option("--seed", type=int, default=0, show_default=True, help="seed for weights and random inputs"),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _solver_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    options = [
+        click.option("--solver", type=click.Choice(["auto", "cbc", "highs"]), default="auto", show_default=True,
+                     help="MILP solver (auto: HiGHS when highspy is installed, else CBC)"),
+        click.option("--time-limit", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
+                     help="seconds per MILP; the best plan found so far is used when it runs out"),
+        click.option("--checkpoint", type=click.Choice(["auto", *(action.value for action in Action if action.recomputes)]),
+                     default="auto", show_default=True,
+                     help="recompute action the plan is made for (autockpt.Action; auto: plan for both, keep the "
+                          "smaller predicted overhead; module-level captures stay on torch_non_reentrant)"),
+        click.option("--host-pool", default="0", show_default=True,
+                     help="host memory the plan may offload saved tensors into (one pinned buffer on CUDA): 0 (recompute "
+                          "only), auto (up to half the host memory available), or a size such as 16GB"),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _loop_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    options = [
+        click.option("--optimizer", type=click.Choice(["none", "adam", "adamw", "sgd"]), default="none",
+                     show_default=True,
+                     help="optimizer whose step the budget covers too: its states and its step's temporaries, "
+                          "measured (sgd: with momentum; none: forward and backward only)"),
+        click.option("--grad-accumulation", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="gradient accumulation micro-steps: above 1 the budget covers steps that start with "
+                          "gradients alive (also for loops that zero gradients in place)"),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--debug", is_flag=True, help="show tracebacks instead of one-line errors")
+@click.option("--quiet", "-q", is_flag=True, help="no progress bars")
+@click.version_option(package_name="autockpt")
+@click.pass_context
+def main(ctx: click.Context, debug: bool, quiet: bool) -> None:
+    """Fit a PyTorch training step into a memory budget: estimate, plan, sweep (GB = 10^9 bytes, GiB = 2^30 bytes)."""
+    ctx.meta["autockpt.debug"] = debug
+    ctx.meta["autockpt.quiet"] = quiet
+
+
+@main.command()
+@_model_options
+@click.option("--optimizer", type=click.Choice(["adam", "adamw", "sgd", "none"]), default="adam", show_default=True,
+              help="optimizer whose state to count (sgd: with momentum)")
+@click.option("--depth", type=click.IntRange(min=0), default=2, show_default=True, help="module nesting in the table")
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), help="also write the breakdown as CSV")
+@click.pass_context
+def estimate(
+    ctx: click.Context, model: str, inputs: tuple[str, ...], inputs_ref: str | None, size: str, device: str, seed: int,
+    optimizer: str, depth: int, csv_path: str | None,
+) -> None:
+    """Memory of one training step of MODEL: parameters, gradients, optimizer state, activations, temporaries.
+
+    MODEL is a built-in example (gpt2, bert, t5, llama, vit, unet, mlp, cnn, transformer, control_flow) or
+    package.module:factory, a function returning an nn.Module.
+    """
+    from autockpt.planning.api import Planner
+    from autockpt.planning.estimate import OptimizerKind, estimate_from_planner
+
+    work = load_workload(model, size, inputs, inputs_ref, device, seed)
+    with stage_progress(2, ctx.meta["autockpt.quiet"]) as progress:
+        planner = Planner(work.model, example_inputs=work.args, example_kwargs=work.kwargs, loss_fn=work.loss_fn,
+                          on_stage=progress)
+    breakdown = estimate_from_planner(planner, OptimizerKind(optimizer), depth)
+    click.echo(breakdown.table())
+    if csv_path:
+        breakdown.to_dataframe().to_csv(csv_path, index=False)
+        click.echo(f"\nwrote {csv_path}")
+
+
+@main.command()
+@_model_options
+@click.option("--budget", required=True, help="peak memory budget: 8GB (10^9 bytes), 7.5GiB (2^30 bytes), 500MB, bytes")
+@click.option("--report", "report_path", type=click.Path(dir_okay=False),
+              help="write a report: HTML (self-contained, with plots) for .html, markdown otherwise")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False), help="save the plan as JSON (autockpt.load_plan)")
+@click.option("--pareto", "pareto_points", type=click.IntRange(min=0), default=6, show_default=True,
+              help="budgets to solve for the report's Pareto curve (0: none)")
+@click.option("--depth", type=click.IntRange(min=0), default=2, show_default=True, help="module nesting in the report")
+@_solver_options
+@_loop_options
+@click.pass_context
+def plan(
+    ctx: click.Context, model: str, inputs: tuple[str, ...], inputs_ref: str | None, size: str, device: str, seed: int,
+    budget: str, report_path: str | None, out_path: str | None, pareto_points: int, depth: int, solver: str,
+    time_limit: float, checkpoint: str, host_pool: str, optimizer: str, grad_accumulation: int,
+) -> None:
+    """Plan MODEL's training step under --budget and print what was decided; nothing is rewritten.
+
+    Apply the saved plan on the training machine with autockpt.apply_plan(model, autockpt.load_plan(path), ...).
+    """
+    from autockpt.core.solve.base import SolverOptions
+    from autockpt.planning.api import Planner
+
+    budget_bytes = parse_budget(budget)
+    work = load_workload(model, size, inputs, inputs_ref, device, seed)
+    options = SolverOptions(solver=solver, time_limit_s=time_limit)
+    with stage_progress(3 + pareto_points, ctx.meta["autockpt.quiet"]) as progress:
+        planner = Planner(work.model, example_inputs=work.args, example_kwargs=work.kwargs, loss_fn=work.loss_fn,
+                          solver_options=options, checkpoint=checkpoint, host_pool_gb=parse_host_pool(host_pool),
+                          on_stage=progress, optimizer=named_optimizer(optimizer),
+                          gradient_accumulation_steps=grad_accumulation)
+        the_plan = planner.plan(budget_bytes=budget_bytes, pareto_points=pareto_points)
+    click.echo(the_plan.summary())
+    if out_path:
+        the_plan.save(out_path)
+        click.echo(f"\nwrote the plan to {out_path}")
+    if report_path:
+        the_plan.report(report_path, depth=depth)
+        click.echo(f"wrote the report to {report_path}")
+
+
+@main.command()
+@_model_options
+@click.option("--budgets", required=True, help="comma-separated budgets, e.g. 2GB,4GB,6GB or 500MB,1GiB")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True,
+              help="folder for sweep.csv, sweep.md and pareto.png")
+@_solver_options
+@_loop_options
+@click.pass_context
+def sweep(
+    ctx: click.Context, model: str, inputs: tuple[str, ...], inputs_ref: str | None, size: str, device: str, seed: int,
+    budgets: str, out_dir: str, solver: str, time_limit: float, checkpoint: str, host_pool: str, optimizer: str,
+    grad_accumulation: int,
+) -> None:
+    """Plan MODEL at several budgets (one capture and profile) and write the Pareto curve of predicted peak vs
+    predicted overhead."""
+    from tqdm import tqdm
+
+    from autockpt.core.solve.base import SolverOptions
+    from autockpt.planning.api import Planner
+
+    budget_list = [parse_budget(text) for text in budgets.split(",") if text.strip()]
+    if not budget_list:
+        raise UserInputError(f"--budgets {budgets!r} lists no budget; give e.g. --budgets 2GB,4GB,6GB")
+    work = load_workload(model, size, inputs, inputs_ref, device, seed)
+    quiet = ctx.meta["autockpt.quiet"]
+    with stage_progress(2, quiet) as progress:
+        planner = Planner(work.model, example_inputs=work.args, example_kwargs=work.kwargs, loss_fn=work.loss_fn,
+                          solver_options=SolverOptions(solver=solver, time_limit_s=time_limit),
+                          checkpoint=checkpoint, host_pool_gb=parse_host_pool(host_pool), on_stage=progress,
+                          optimizer=named_optimizer(optimizer), gradient_accumulation_steps=grad_accumulation)
+    points = [
+        planner.pareto([budget])[0]
+        for budget in tqdm(budget_list, desc="budgets", disable=quiet or not sys.stderr.isatty(), leave=False)
+    ]
+    folder = Path(out_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [
+        {
+            "model": work.label,
+            "budget_bytes": p.budget_bytes,
+            "feasible": p.predicted_peak_bytes is not None,
+            "predicted_peak_bytes": p.predicted_peak_bytes,
+            "predicted_overhead": p.predicted_overhead,
+            "regions": p.regions,
+            "unmodified_peak_bytes": planner.trace.baseline_peak_bytes,
+        }
+        for p in points
+    ]
+    with open(folder / "sweep.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = [f"# autockpt sweep: {work.label}", "", "GB = 10^9 bytes, GiB = 2^30 bytes; predicted figures.", "",
+             "| budget | predicted peak | predicted overhead | regions |", "|---|---|---|---|"]
+    for p in points:
+        peak = "infeasible" if p.predicted_peak_bytes is None else format_bytes(p.predicted_peak_bytes)
+        overhead = "" if p.predicted_overhead is None else f"+{100 * p.predicted_overhead:.1f}%"
+        lines.append(f"| {format_bytes(p.budget_bytes)} | {peak} | {overhead} | {p.regions} |")
+    (folder / "sweep.md").write_text("\n".join(lines) + "\n")
+    written = ["sweep.csv", "sweep.md"]
+    if _pareto_png(points, folder / "pareto.png", work.label):
+        written.append("pareto.png")
+    click.echo("\n".join(lines[4:]))
+    click.echo(f"\nwrote {', '.join(str(folder / name) for name in written)}")
+
+
+def _pareto_png(points: list[Any], path: Path, label: str) -> bool:
+    from autockpt.present.page import matplotlib_import_error, plots_missing_text
+
+    missing = matplotlib_import_error()  # the same check and words as the HTML report's
+    if missing is not None:
+        click.echo(f"no pareto.png: {plots_missing_text(missing)}", err=True)
+        return False
+    from matplotlib.figure import Figure
+
+    feasible = [p for p in points if p.predicted_peak_bytes is not None]
+    figure = Figure(figsize=(6.5, 4), layout="constrained")
+    ax = figure.subplots()
+    ax.plot([p.predicted_peak_bytes / 1e9 for p in feasible], [100 * p.predicted_overhead for p in feasible], marker="o")
+    ax.set_xlabel("predicted peak, GB (10^9 bytes)")
+    ax.set_ylabel("predicted overhead, % of the step")
+    ax.set_title(f"autockpt: {label}", fontsize=10)
+    ax.grid(alpha=0.3)
+    figure.savefig(path, dpi=120)
+    return True
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True}, add_help_option=False)
+@click.pass_context
+def demo(ctx: click.Context) -> None:
+    """The README's main job: optimize a built-in GPT-2 to half its activation memory and measure it
+    (options: --model, --size, --fraction; see `autockpt demo --help`)."""
+    from autockpt.present.demo import main as run_demo
+
+    run_demo(list(ctx.args), prog="autockpt demo")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,96 +1,95 @@
-"""autockpt: fit PyTorch training into a memory budget by choosing what to recompute.
+"""autockpt: fit PyTorch training into a memory budget by choosing what to recompute, offload, and where it runs.
 
     model = autockpt.optimize(model, budget_gb=20, example_inputs=(batch,))
 
-Budgets are in GB = 10^9 bytes (``budget_gb``) or bytes (``budget_bytes``).
+Budgets are in GB = 10^9 bytes (``budget_gb``) or bytes (``budget_bytes``). The names below are the public facade;
+everything else lives in the subpackages (``autockpt.core``, ``measure``, ``runtime``, ``planning``, ``records``,
+``pipeline``, ``present``). Names that left the facade in 0.2 still work from ``autockpt`` in 0.2.x with a
+``DeprecationWarning`` that names their new home (CHANGELOG.md lists them).
 """
 
 from __future__ import annotations
 
-from autockpt.planning.api import Planner, apply_plan, baseline_plan, get_plan, optimize, plan
-from autockpt.planning.batch_size import BatchSizeResult, ExampleBatch, max_batch_size, max_batch_sizes
-from autockpt.errors import (
-    AutockptError,
-    CaptureError,
-    InfeasibleBudgetError,
-    LossFunctionError,
-    PlanFileError,
-    PlanMismatchError,
-    ProfileError,
-    UnplannedStepError,
-)
-from autockpt.planning.estimate import MemoryEstimate, estimate
-from autockpt.measure.loss import default_loss
+import importlib
+import warnings
+from typing import Any
+
+from autockpt.core.solve.base import SolverOptions
+from autockpt.errors import AutockptError, InfeasibleBudgetError, PlanMismatchError
 from autockpt.measure.step import measure_step
 from autockpt.pipeline.plan import PipelinePlan, compare_pipeline_splits, load_pipeline_plan, plan_pipeline
 from autockpt.pipeline.run import pipeline_schedule
+from autockpt.planning.api import apply_plan, get_plan, optimize, plan
+from autockpt.planning.batch_size import max_batch_size
+from autockpt.planning.estimate import estimate
+from autockpt.planning.options import PlanOptions
+from autockpt.planning.planner import Planner
 from autockpt.records.plan import Plan, load_plan
-from autockpt.runtime.rewrite import OptimizedModule
-from autockpt.core.solve.base import SolverOptions
-from autockpt.core.solve.baselines import BASELINE_STRATEGIES, baseline_regions
-from autockpt.types import (
-    Action,
-    CaptureKind,
-    CheckpointKind,
-    Decision,
-    MemoryCurve,
-    ParetoPoint,
-    PipelineSchedule,
-    Placement,
-    PlanStatus,
-    Policy,
-    Region,
-    RegionAction,
-    SolverStats,
-    Stage,
-)
+from autockpt.types import Action
+
+__version__ = "0.2.0"
 
 __all__ = [
-    "BASELINE_STRATEGIES",
     "Action",
     "AutockptError",
-    "BatchSizeResult",
-    "CaptureError",
-    "CaptureKind",
-    "CheckpointKind",
-    "Decision",
-    "ExampleBatch",
     "InfeasibleBudgetError",
-    "LossFunctionError",
-    "MemoryCurve",
-    "MemoryEstimate",
-    "OptimizedModule",
-    "ParetoPoint",
     "PipelinePlan",
-    "PipelineSchedule",
-    "Placement",
     "Plan",
-    "PlanFileError",
     "PlanMismatchError",
-    "PlanStatus",
+    "PlanOptions",
     "Planner",
-    "Policy",
-    "ProfileError",
-    "Region",
-    "RegionAction",
     "SolverOptions",
-    "SolverStats",
-    "Stage",
-    "UnplannedStepError",
     "apply_plan",
-    "baseline_plan",
-    "baseline_regions",
     "compare_pipeline_splits",
-    "default_loss",
     "estimate",
     "get_plan",
     "load_pipeline_plan",
     "load_plan",
     "max_batch_size",
-    "max_batch_sizes",
     "measure_step",
     "optimize",
     "pipeline_schedule",
     "plan",
     "plan_pipeline",
 ]
+
+# The names that were in the facade in 0.1, and where they live now (``autockpt.X`` warns and returns them in 0.2.x).
+MOVED_NAMES = {
+    "BASELINE_STRATEGIES": "autockpt.core.solve.baselines",
+    "baseline_regions": "autockpt.core.solve.baselines",
+    "BatchSizeResult": "autockpt.planning.batch_size",
+    "ExampleBatch": "autockpt.planning.batch_size",
+    "max_batch_sizes": "autockpt.planning.batch_size",
+    "MemoryEstimate": "autockpt.planning.estimate",
+    "baseline_plan": "autockpt.planning.planner",
+    "default_loss": "autockpt.measure.loss",
+    "OptimizedModule": "autockpt.runtime.rewrite",
+    "CaptureError": "autockpt.errors",
+    "LossFunctionError": "autockpt.errors",
+    "PlanFileError": "autockpt.errors",
+    "ProfileError": "autockpt.errors",
+    "UnplannedStepError": "autockpt.errors",
+    "CaptureKind": "autockpt.types",
+    "Decision": "autockpt.types",
+    "MemoryCurve": "autockpt.types",
+    "ParetoPoint": "autockpt.types",
+    "PipelineSchedule": "autockpt.types",
+    "Placement": "autockpt.types",
+    "PlanStatus": "autockpt.types",
+    "Policy": "autockpt.types",
+    "Region": "autockpt.types",
+    "RegionAction": "autockpt.types",
+    "SolverStats": "autockpt.types",
+    "Stage": "autockpt.types",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in MOVED_NAMES:
+        home = MOVED_NAMES[name]
+        warnings.warn(
+            f"autockpt.{name} left the facade in 0.2: import it from {home} (autockpt.{name} is removed in 0.3)",
+            DeprecationWarning, stacklevel=2,
+        )
+        return getattr(importlib.import_module(home), name)
+    raise AttributeError(f"module 'autockpt' has no attribute {name!r}")

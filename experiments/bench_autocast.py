@@ -93,7 +93,7 @@ def code_commit() -> str:
 
 def run(case: zoo.ZooCase, commit: str) -> list[Row]:
     with bf16():
-        planner = autockpt.Planner(
+        planner = autockpt.Planner.from_model(
             case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn
         )
         probe = planner.plan(budget_bytes=10**15)

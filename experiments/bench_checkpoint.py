@@ -26,13 +26,13 @@ from sweep import ExampleBatch, markdown_table, round_robin_ratios  # noqa: E402
 
 import autockpt  # noqa: E402
 from autockpt.present import zoo# noqa: E402
-from autockpt.planning.api import Planner, baseline_plan  # noqa: E402
+from autockpt.planning.planner import Planner, baseline_plan  # noqa: E402
 from autockpt.types import Action  # noqa: E402
 
 
 def planner_for(case: zoo.ZooCase, action: Action) -> Planner:
     """A planner that plans (and traces the step) for ``action`` only."""
-    return Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn,
+    return Planner.from_model(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn,
                    checkpoint=action)
 
 

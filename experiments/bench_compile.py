@@ -49,7 +49,7 @@ from results_readme import write_csv, write_section
 
 import autockpt
 from autockpt.present import zoo
-from autockpt.planning.api import baseline_plan
+from autockpt.planning.planner import baseline_plan
 from autockpt.planning.compiled import compiled_module
 from autockpt.measure.step import alternating_step_seconds
 
@@ -119,7 +119,7 @@ def bench_model(name: str, size: str, device: torch.device, fractions: Sequence[
     rows: list[Row] = []
     timed: dict[int, torch.nn.Module] = {}  # row index -> its compiled module, timed together at the end
     torch._dynamo.reset()
-    planner = autockpt.Planner(original, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
+    planner = autockpt.Planner.from_model(original, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
     trace = planner.trace
 
     def budget_at(fraction: float) -> int:

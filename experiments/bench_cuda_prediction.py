@@ -66,7 +66,7 @@ def on_device(case: zoo.ZooCase, device: torch.device) -> zoo.ZooCase:
 
 
 def measure_model(case: zoo.ZooCase, fractions: list[float], label: str) -> list[Row]:
-    planner = autockpt.Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
+    planner = autockpt.Planner.from_model(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
     trace = planner.trace
     rows = []
     for fraction in fractions:

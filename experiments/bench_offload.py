@@ -118,7 +118,7 @@ def run_model(name: str, size: str, device: torch.device, out: Path) -> list[Row
         modules["hf_checkpointing_save_on_cpu"] = SaveOnCpu(hf)
     hf_peak, _ = peak_of(hf, ids)
     hf.to("cpu")  # autockpt plans for what the device holds: HF's copy of the model is not part of its step
-    planner = autockpt.Planner(model, example_inputs=(ids,), example_kwargs=kwargs, host_pool_gb="auto")
+    planner = autockpt.Planner.from_model(model, example_inputs=(ids,), example_kwargs=kwargs, host_pool_gb="auto")
     probe = planner.plan(budget_bytes=10**15)
     budgets = {
         "hf_peak": hf_peak,

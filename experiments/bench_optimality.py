@@ -107,7 +107,7 @@ def evaluate(
     """Rows for one graph; the second value is why it gave no comparison (None when it did)."""
     # one action (torch's checkpoint): the exact solver scores plans with the same simulator and action
     action = Action.RECOMPUTE_TORCH
-    planner = autockpt.Planner(case.model, example_inputs=case.args, loss_fn=case.loss_fn, checkpoint=action)
+    planner = autockpt.Planner.from_model(case.model, example_inputs=case.args, loss_fn=case.loss_fn, checkpoint=action)
     if costs == "model":  # before the first plan: the solver sees these times, and the machinery priced at zero
         planner.trace = modelled_times(planner.trace)
         planner.costs = free_machinery(planner.costs)

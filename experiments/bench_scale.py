@@ -81,7 +81,7 @@ def run_one(spec: str, fractions: list[float], floor_fractions: list[float], mea
 
     torch.set_num_threads(2)
     model, args, kwargs, loss_fn = build(spec)
-    planner = autockpt.Planner(model, example_inputs=args, example_kwargs=kwargs, loss_fn=loss_fn)
+    planner = autockpt.Planner.from_model(model, example_inputs=args, example_kwargs=kwargs, loss_fn=loss_fn)
     static, peak = planner.trace.static_bytes, planner.trace.baseline_peak_bytes
     rows = []
     for fraction in fractions:
@@ -139,7 +139,7 @@ def _first_plans(spec: str, planner, floor_fractions: list[float]) -> list[dict]
     for fraction in floor_fractions:
         model, args, kwargs, loss_fn = build(spec)
         budget = int(floor + fraction * (peak - floor))
-        fresh = autockpt.Planner(model, example_inputs=args, example_kwargs=kwargs, loss_fn=loss_fn)
+        fresh = autockpt.Planner.from_model(model, example_inputs=args, example_kwargs=kwargs, loss_fn=loss_fn)
         started = time.perf_counter()
         plan = fresh.plan(budget_bytes=budget)
         rows.append({

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sweep import markdown_table  # noqa: E402
 
 from autockpt.present import zoo# noqa: E402
-from autockpt.planning.api import Planner, baseline_plan  # noqa: E402
+from autockpt.planning.planner import Planner, baseline_plan  # noqa: E402
 from autockpt.measure.costs import free_machinery  # noqa: E402
 from autockpt.core.solve.base import SolveResult  # noqa: E402
 from autockpt.core.solve.baselines import baseline_seed_plans  # noqa: E402
@@ -73,7 +73,7 @@ def bound_row(model: str, size: str, measured: dict[str, float]) -> dict:
     torch.manual_seed(0)
     case = zoo.build(model, size)
     budget = measured["budget_bytes"]
-    planner = Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
+    planner = Planner.from_model(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
     step_ms = planner.trace.step_ms
     every_1 = baseline_plan(planner, "every_1")  # scored for torch's checkpoint, like HF's non-reentrant one
     planned = {kind: solved(planner, kind, budget, machinery_free=False).timeline for kind in KINDS}

@@ -161,7 +161,7 @@ def dynamo_graphs(model: nn.Module, args: tuple) -> tuple[list[int], int, int]:
 def run(case: zoo.ZooCase) -> Row:
     started = time.perf_counter()
     ops, under_ignoring, after = dynamo_graphs(case.model, case.args)
-    planner = autockpt.Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
+    planner = autockpt.Planner.from_model(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
     trace = planner.trace
     try:
         planner.plan(budget_bytes=1)

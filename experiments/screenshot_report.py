@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("experiments/results/report_gpt2.png"))
     args = parser.parse_args()
     case = zoo.build(args.model, args.size)
-    planner = autockpt.Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
+    planner = autockpt.Planner.from_model(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
     static, peak = planner.trace.static_bytes, planner.trace.baseline_peak_bytes
     plan = planner.plan(budget_bytes=int(static + args.fraction * (peak - static)), pareto_points=6)
     with tempfile.TemporaryDirectory() as folder:

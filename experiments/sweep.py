@@ -57,7 +57,7 @@ import anchors  # noqa: E402
 from bench_budget import step_time_ratio  # noqa: E402
 import autockpt  # noqa: E402
 from autockpt.present import zoo# noqa: E402
-from autockpt.planning.api import Planner, baseline_plan  # noqa: E402
+from autockpt.planning.planner import Planner, baseline_plan  # noqa: E402
 from autockpt.measure.step import alternating_step_seconds  # noqa: E402
 from autockpt.core.solve.base import AUTO_CHECKPOINT  # noqa: E402
 from autockpt.types import Action  # noqa: E402
@@ -209,7 +209,7 @@ def sweep_model(name: str, config: SweepConfig, bar: tqdm) -> tuple[list[Point],
     step_peak_method = anchors.step_peak_method(case.model).value
     batch = ExampleBatch(args=case.args, kwargs=case.kwargs, loss_fn=case.loss_fn)
     bar.set_postfix_str(f"{name}: capture + profile")
-    planner = Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
+    planner = Planner.from_model(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
     trace = planner.trace
     capture = planner.graph.kind.value
     budgets = {
@@ -284,7 +284,7 @@ def sweep_model(name: str, config: SweepConfig, bar: tqdm) -> tuple[list[Point],
         if checkpoint != AUTO_CHECKPOINT:
             bar.set_postfix_str(f"{name}: profile for {strategy}")
             with parked(anchor_copies, config.device):  # the profile counts what the device holds besides the step
-                planner_for = Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs,
+                planner_for = Planner.from_model(case.model, example_inputs=case.args, example_kwargs=case.kwargs,
                                       loss_fn=case.loss_fn, checkpoint=checkpoint)
         else:
             planner_for = planner

@@ -94,7 +94,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     case = zoo.build(args.model, args.size)
-    planner = autockpt.Planner(
+    planner = autockpt.Planner.from_model(
         case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn,
         checkpoint=args.checkpoint,
     )

@@ -103,9 +103,9 @@ def probe(case: zoo.ZooCase) -> autockpt.Plan:
 
 
 def planner_for(case: zoo.ZooCase, solver_options: autockpt.SolverOptions | None = None) -> autockpt.Planner:
-    """The Planner ``autockpt.optimize`` and ``autockpt.plan`` make for the case (they are ``Planner(...).optimize``
+    """The Planner ``autockpt.optimize`` and ``autockpt.plan`` make for the case (they are ``Planner.from_model(...).optimize``
     and ``.plan``): the model captured and traced once, for a probe and any number of budgets."""
-    return autockpt.Planner(
+    return autockpt.Planner.from_model(
         case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn,
         solver_options=solver_options,
     )

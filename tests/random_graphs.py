@@ -198,7 +198,7 @@ def modelled_planner(seed: int) -> autockpt.Planner:
     per seed (the solver tests of several files share it)."""
     torch.manual_seed(seed)
     model, x = random_model(seed)
-    planner = autockpt.Planner(model, example_inputs=(x,), checkpoint=Action.RECOMPUTE_TORCH)
+    planner = autockpt.Planner.from_model(model, example_inputs=(x,), checkpoint=Action.RECOMPUTE_TORCH)
     planner.trace = modelled_costs(planner.trace)  # before the first plan: the solver plans on these costs
     planner.costs = modelled_machinery()
     return planner

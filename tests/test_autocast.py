@@ -41,7 +41,7 @@ def test_gpt_neox_plans_under_bf16_autocast_keep_the_budget_and_predict_the_peak
     model, ids = _decoder()
     reference = copy.deepcopy(model)
     with bf16():
-        planner = autockpt.Planner(model, example_inputs=(ids,), example_kwargs={"labels": ids})
+        planner = autockpt.Planner.from_model(model, example_inputs=(ids,), example_kwargs={"labels": ids})
         probe = planner.plan(budget_bytes=10**15)
         floor, top = probe.min_feasible_bytes, probe.baseline_peak_bytes
         modules = []
@@ -98,7 +98,7 @@ def test_each_action_recomputes_regions_without_making_the_weight_copies_again()
     checkpoint made the float32 gradients later than the trace recorded (three regions: 99.3 kB low)."""
     model, x = _mlp()
     with bf16():
-        planner = autockpt.Planner(model, example_inputs=(x,), loss_fn=_float_sum)
+        planner = autockpt.Planner.from_model(model, example_inputs=(x,), loss_fn=_float_sum)
         casts = [s for s in planner.trace.storages if s.producer_unit == OUTSIDE_GRAPH_UNIT and s.free_event is None
                  and s.alloc_event > 0]
         # one low-precision copy per weight and bias, owned by no unit and saved by none
@@ -117,7 +117,7 @@ def test_the_vectorised_simulator_gives_the_reference_timeline_under_autocast() 
     """The autocast rules (weight copies not remade, late float32 gradients) are the same in both simulators."""
     model, ids = _decoder()
     with bf16():
-        planner = autockpt.Planner(model, example_inputs=(ids,), example_kwargs={"labels": ids})
+        planner = autockpt.Planner.from_model(model, example_inputs=(ids,), example_kwargs={"labels": ids})
     trace, costs = planner.trace, planner.costs
     assert any(s.producer_unit == OUTSIDE_GRAPH_UNIT and s.gradient_free_event is not None for s in trace.storages)
     _, candidates = candidate_regions(planner.graph, trace)

@@ -46,7 +46,7 @@ def test_checkpointing_fits_a_larger_batch() -> None:
     assert results["every_1"].batch_size > results["none"].batch_size
     best = results["autockpt"]
     assert best.plan is not None and best.plan.regions and best.measured_peak_bytes <= budget
-    module = autockpt.Planner(model, example_inputs=_inputs(best.batch_size).args).apply(best.plan)
+    module = autockpt.Planner.from_model(model, example_inputs=_inputs(best.batch_size).args).apply(best.plan)
     assert autockpt.measure_step(module, _inputs(best.batch_size).args).peak_bytes <= budget
 
 

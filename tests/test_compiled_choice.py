@@ -60,7 +60,7 @@ class ScriptedCompile:
 def mlp_planner() -> tuple[autockpt.Planner, int, int]:
     """A planner of a 6-layer MLP, its eager floor and its unmodified peak."""
     model, x = mlp(), torch.randn(512, 128)
-    planner = autockpt.Planner(model, example_inputs=(x,), loss_fn=loss_of)
+    planner = autockpt.Planner.from_model(model, example_inputs=(x,), loss_fn=loss_of)
     with pytest.raises(autockpt.InfeasibleBudgetError) as floor:
         planner.plan(budget_bytes=1)
     return planner, floor.value.min_feasible_bytes, planner.plan(budget_bytes=10**15).baseline_peak_bytes

@@ -67,7 +67,7 @@ def test_measure_step_counts_the_bytes_beside_the_step() -> None:
 
 
 def test_moving_a_trace_to_other_foreign_bytes_moves_every_event_and_back() -> None:
-    planner = autockpt.Planner(mlp(), example_inputs=(torch.randn(64, 128),), loss_fn=loss_of)
+    planner = autockpt.Planner.from_model(mlp(), example_inputs=(torch.randn(64, 128),), loss_fn=loss_of)
     trace = planner.trace
     moved = with_foreign_bytes(trace, 4096)
     assert moved.foreign_bytes == 4096 and moved.baseline_peak_bytes == trace.baseline_peak_bytes + 4096
@@ -86,7 +86,7 @@ def test_a_planner_plans_for_the_bytes_alive_when_it_solves(planned_with: int, s
     model, x = mlp(), torch.randn(256, 128)
     at_profile = torch.zeros(planned_with // 4)
     with held_beside_step(at_profile):
-        planner = autockpt.Planner(model, example_inputs=(x,), loss_fn=loss_of, checkpoint="torch_non_reentrant")
+        planner = autockpt.Planner.from_model(model, example_inputs=(x,), loss_fn=loss_of, checkpoint="torch_non_reentrant")
     del at_profile
     assert planner.trace.foreign_bytes == planned_with
     reference = planner.plan(budget_bytes=half_way(with_foreign_bytes(planner.trace, 0)))
@@ -115,7 +115,7 @@ def test_optimize_keeps_the_budget_with_other_tensors_alive_on_the_device() -> N
     """The budget is the device's: with 100 kB of other tensors alive the step itself must peak 100 kB lower, and
     the plan made without them goes over when they are alive."""
     model, x = mlp(), torch.randn(256, 128)
-    budget = half_way(autockpt.Planner(model, example_inputs=(x,), loss_fn=loss_of).trace)  # nothing beside it
+    budget = half_way(autockpt.Planner.from_model(model, example_inputs=(x,), loss_fn=loss_of).trace)  # nothing beside it
     other = torch.zeros(25_000)
     with held_beside_step(other):
         optimized = autockpt.optimize(model, budget_bytes=budget, example_inputs=(x,), loss_fn=loss_of,
@@ -132,7 +132,7 @@ def test_optimize_keeps_the_budget_with_other_tensors_alive_on_the_device() -> N
 def test_verification_judges_the_step_with_the_device_as_planned() -> None:
     """A step measured with more bytes beside it than the plan counted is judged without them, and the plan's
     note says both readings; the reserved bytes are recorded beside the measured peak."""
-    planner = autockpt.Planner(mlp(), example_inputs=(torch.randn(64, 128),), loss_fn=loss_of)
+    planner = autockpt.Planner.from_model(mlp(), example_inputs=(torch.randn(64, 128),), loss_fn=loss_of)
     the_plan = dataclasses.replace(planner.plan(budget_bytes=10**12), foreign_bytes=1_000)
     measurement = StepMeasurement(peak_bytes=50_000, loss=0.0, device="cuda:0", reserved_bytes=65_536,
                                   foreign_bytes=3_000)
@@ -146,7 +146,7 @@ def test_verification_judges_the_step_with_the_device_as_planned() -> None:
 
 
 def test_a_saved_plan_keeps_its_foreign_and_reserved_bytes(tmp_path: object) -> None:
-    planner = autockpt.Planner(mlp(), example_inputs=(torch.randn(64, 128),), loss_fn=loss_of)
+    planner = autockpt.Planner.from_model(mlp(), example_inputs=(torch.randn(64, 128),), loss_fn=loss_of)
     the_plan = dataclasses.replace(planner.plan(budget_bytes=10**12), foreign_bytes=1_536, measured_peak_bytes=9_000,
                                    measured_reserved_bytes=20_480)
     path = tmp_path / "plan.json"  # type: ignore[operator]
@@ -166,7 +166,7 @@ def test_cuda_prediction_is_within_two_percent_of_max_memory_allocated() -> None
     model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(1024, 1024), nn.GELU())],
                           nn.Linear(1024, 16)).to(device)
     x = torch.randn(2048, 1024, device=device)
-    planner = autockpt.Planner(model, example_inputs=(x,), loss_fn=loss_of)
+    planner = autockpt.Planner.from_model(model, example_inputs=(x,), loss_fn=loss_of)
     for other_bytes in (0, 64 * 2**20):
         other = torch.empty(other_bytes, dtype=torch.uint8, device=device)
         budget = half_way(with_foreign_bytes(planner.trace, 0)) + planner.foreign_bytes_now()

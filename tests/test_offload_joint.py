@@ -23,7 +23,7 @@ SLACK_BYTES = 1024  # as tests/test_offload_plans.py: exact on the conv net, 512
 
 
 def pool_planner(case: zoo.ZooCase, host_pool_gb: float | str = 1.0) -> autockpt.Planner:
-    return autockpt.Planner(
+    return autockpt.Planner.from_model(
         case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn,
         host_pool_gb=host_pool_gb,
     )

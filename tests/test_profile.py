@@ -9,7 +9,7 @@ from torch import nn
 import autockpt
 from autockpt.measure import trace as trace_module
 from autockpt.present import zoo
-from autockpt.planning.api import baseline_plan
+from autockpt.planning.planner import baseline_plan
 from autockpt.measure.capture import capture
 from autockpt.measure.costs import measure_action_price
 from autockpt.types import Action, Region
@@ -58,7 +58,7 @@ def test_the_checkpoint_machinery_is_calibrated_per_region_and_per_saved_tensor_
     # region and 0.01 ms per saved tensor on the 2-core CI machine)
     assert costs.region_ms > 0.0 and costs.saved_tensor_ms > 0.0
 
-    planner = autockpt.Planner(model, example_inputs=(x,))
+    planner = autockpt.Planner.from_model(model, example_inputs=(x,))
     profile = planner.trace
     price = planner.costs.price(autockpt.Action.RECOMPUTE_TORCH)
     assert price.region_ms > 0.0 and price.saved_tensor_ms > 0.0
@@ -159,7 +159,7 @@ def test_a_unit_that_reads_its_input_without_an_op_holds_it_in_a_checkpointed_re
     now read their fx inputs."""
     torch.manual_seed(0)
     model, x = _PassThrough(), torch.randn(256, 64)
-    planner = autockpt.Planner(model, example_inputs=(x,))
+    planner = autockpt.Planner.from_model(model, example_inputs=(x,))
     units = {unit.name: unit.index for unit in planner.graph.units}
     region = Region(first_unit=units["drop"], last_unit=units["b"])
     h = next(s for s in planner.trace.storages if s.producer_unit == units["a"] and s.nbytes == 256 * 64 * 4)

@@ -13,7 +13,7 @@ from torch import nn
 
 import autockpt
 from autockpt.present import zoo
-from autockpt.planning.api import baseline_plan
+from autockpt.planning.planner import baseline_plan
 from autockpt.runtime.recompute import checkpointed_call
 from autockpt.types import CaptureKind, CheckpointKind
 
@@ -40,7 +40,7 @@ def test_budget_is_kept_and_step_matches_pytorch(name: str) -> None:
 @pytest.mark.parametrize("strategy", ["every_1", "sqrt_n", "for_transformers"])
 def test_the_simulator_is_exact_for_block_aligned_and_cut_regions(strategy: str) -> None:
     case = zoo.build("transformer")
-    planner = autockpt.Planner(case.model, example_inputs=case.args, loss_fn=case.loss_fn, solver_options=FUNCTION)
+    planner = autockpt.Planner.from_model(case.model, example_inputs=case.args, loss_fn=case.loss_fn, solver_options=FUNCTION)
     the_plan = baseline_plan(planner, strategy)
     module = planner.apply(the_plan)
     assert_same_step(module, twin(case), case)
@@ -74,11 +74,11 @@ def test_auto_plans_for_both_kinds_and_keeps_the_cheaper_predicted_plan() -> Non
     """plan() with "auto": the smaller predicted overhead of the two kinds' plans at each budget, and the smaller of
     their floors; each kind planned alone on the same measured step gives the figures to compare with."""
     case = zoo.build("transformer")
-    auto = autockpt.Planner(case.model, example_inputs=case.args, loss_fn=case.loss_fn)
+    auto = autockpt.Planner.from_model(case.model, example_inputs=case.args, loss_fn=case.loss_fn)
     assert auto.checkpoint_kinds == RECOMPUTE_KINDS
     alone = {}
     for kind in RECOMPUTE_KINDS:
-        planner = autockpt.Planner(
+        planner = autockpt.Planner.from_model(
             case.model, example_inputs=case.args, loss_fn=case.loss_fn, solver_options=autockpt.SolverOptions(checkpoint=kind)
         )
         planner.trace = auto.trace  # the same measured step
@@ -155,7 +155,7 @@ def test_second_order_gradients_match_pytorch(kind: CheckpointKind) -> None:
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
     reference = twin(zoo.ZooCase(name="penalty", model=model, args=()))
     x = torch.randn(8, 16)
-    planner = autockpt.Planner(model, example_inputs=(x,), solver_options=autockpt.SolverOptions(checkpoint=kind))
+    planner = autockpt.Planner.from_model(model, example_inputs=(x,), solver_options=autockpt.SolverOptions(checkpoint=kind))
     module = planner.apply(baseline_plan(planner, "every_1"))
     assert autockpt.get_plan(module).regions
 

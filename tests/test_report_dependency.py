@@ -39,7 +39,7 @@ def _core_dependencies() -> list[str]:
 @pytest.fixture(scope="module")
 def plan() -> autockpt.Plan:
     # the CLI tests' small MLP: a plan with regions and a Pareto curve in well under a second once torch is warm
-    planner = autockpt.Planner(small_mlp(), example_inputs=mlp_inputs())
+    planner = autockpt.Planner.from_model(small_mlp(), example_inputs=mlp_inputs())
     return planner.plan(budget_bytes=360_000, pareto_points=3)
 
 

@@ -22,7 +22,7 @@ from autockpt.units import format_bytes
 @pytest.fixture(scope="module")
 def transformer_plan() -> autockpt.Plan:
     case = zoo.build("transformer")
-    planner = autockpt.Planner(case.model, example_inputs=case.args, loss_fn=case.loss_fn)
+    planner = autockpt.Planner.from_model(case.model, example_inputs=case.args, loss_fn=case.loss_fn)
     probe = planner.plan(budget_bytes=10**15)
     return planner.plan(budget_bytes=budget_at(probe, 0.4), pareto_points=4)
 
@@ -41,8 +41,8 @@ def test_a_loaded_plan_applies_without_solving_and_trains_like_pytorch(
     transformer_plan.save(tmp_path / "plan.json")
     case = zoo.build("transformer")  # a fresh model, as on another machine
     reference = twin(case)
-    monkeypatch.setattr("autockpt.planning.api.solve_prepared", lambda *a, **k: pytest.fail("apply_plan must not solve"))
-    monkeypatch.setattr("autockpt.planning.api.trace_step", lambda *a, **k: pytest.fail("apply_plan must not profile"))
+    monkeypatch.setattr("autockpt.planning.planner.solve_prepared", lambda *a, **k: pytest.fail("apply_plan must not solve"))
+    monkeypatch.setattr("autockpt.measure.sources.trace_step", lambda *a, **k: pytest.fail("apply_plan must not profile"))
     module = autockpt.apply_plan(case.model, autockpt.load_plan(tmp_path / "plan.json"), example_inputs=case.args)
     assert autockpt.get_plan(module).regions == transformer_plan.regions
     torch.manual_seed(0)
@@ -153,7 +153,7 @@ def test_the_html_report_renders_in_headless_chromium(transformer_plan: autockpt
 @pytest.mark.parametrize("name", ["control_flow", pytest.param("gpt2", marks=needs_transformers)])
 def test_saved_plans_apply_through_the_module_and_export_captures(name: str, tmp_path: Path) -> None:
     case = zoo.build(name)
-    planner = autockpt.Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
+    planner = autockpt.Planner.from_model(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
     plan = planner.plan(budget_bytes=budget_at(planner.plan(budget_bytes=10**15), 0.5))
     assert plan.capture.value == ("module" if name == "control_flow" else "export") and plan.regions
     plan.save(tmp_path / "plan.json")

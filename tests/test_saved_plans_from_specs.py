@@ -25,7 +25,7 @@ def keyword_plan() -> Planned:
     case = zoo.build("gpt2")
     ids = case.args[0]
     case = dataclasses.replace(case, args=(), kwargs={"input_ids": ids, "labels": ids})
-    planner = autockpt.Planner(case.model, example_kwargs=case.kwargs)
+    planner = autockpt.Planner.from_model(case.model, example_kwargs=case.kwargs)
     the_plan = planner.plan(budget_bytes=_half_way(planner))
     assert the_plan.regions
     return case, the_plan
@@ -35,7 +35,7 @@ def keyword_plan() -> Planned:
 def positional_plan() -> Planned:
     """The MLP planned with its (floating) input positionally."""
     case = zoo.build("mlp")
-    planner = autockpt.Planner(case.model, example_inputs=case.args)
+    planner = autockpt.Planner.from_model(case.model, example_inputs=case.args)
     the_plan = planner.plan(budget_bytes=_half_way(planner))
     assert the_plan.regions
     return case, the_plan

@@ -45,7 +45,7 @@ def test_trainer_at_default_arguments_uses_the_plan_on_every_step(tmp_path: Path
         )
 
     optimizer_class, optimizer_kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(arguments(tmp_path), model)
-    planner = autockpt.Planner(
+    planner = autockpt.Planner.from_model(
         model, example_inputs=(ids,), example_kwargs={"labels": ids},
         optimizer=functools.partial(optimizer_class, **optimizer_kwargs), gradient_accumulation_steps=2,
     )

@@ -48,7 +48,7 @@ class ReadsHigh:
 
 def planner_and_floor() -> tuple[autockpt.Planner, int, int]:
     model, x = mlp(), torch.randn(512, 128)
-    planner = autockpt.Planner(model, example_inputs=(x,), loss_fn=loss_of)
+    planner = autockpt.Planner.from_model(model, example_inputs=(x,), loss_fn=loss_of)
     with pytest.raises(autockpt.InfeasibleBudgetError) as floor:
         planner.plan(budget_bytes=1)
     unmodified = planner.plan(budget_bytes=10**15)

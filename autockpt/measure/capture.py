@@ -23,7 +23,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from autockpt.errors import CaptureError
-from autockpt.runtime.fx_nodes import COMPUTE_OPS, compute_nodes
+from autockpt.runtime.fx_nodes import compute_nodes
 from autockpt.runtime.model_state import BufferState, autocast_state, buffer_values, cuda_devices_of, training_modes
 from autockpt.types import CaptureKind, Graph, ModuleSpan, Unit
 

@@ -33,7 +33,8 @@ from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunk
 from torch.utils import _pytree as pytree
 
 from autockpt.records import plan_io
-from autockpt.planning.api import Planner, budget_to_bytes
+from autockpt.planning.options import UNSET, PlanOptions, resolve_options, unsupported
+from autockpt.planning.planner import Planner, budget_to_bytes
 from autockpt.measure.capture import capture
 from autockpt.errors import CaptureError, InfeasibleBudgetError
 from autockpt.measure.loss import checked_loss
@@ -68,6 +69,8 @@ logger = logging.getLogger(__name__)
 
 # a split given by name instead of solved (the baselines of the benchmark)
 SPLIT_STRATEGIES = ("autockpt", "exhaustive", "even-layers", "parameter-balanced")
+# PlanOptions the pipeline planner does not plan yet: given, they are refused, never ignored
+PIPELINE_UNSUPPORTED_OPTIONS = ("optimizer", "host_pool_gb", "gradient_accumulation_steps", "strict", "compiled")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, repr=False)
@@ -156,7 +159,9 @@ def plan_pipeline(
     split: str | Sequence[int] = "autockpt",
     max_cut_candidates: int = 16,
     link_gb_per_s: float | None = None,
-    solver_options: SolverOptions | None = None,
+    options: PlanOptions | None = None,
+    solver_options: Any = UNSET,
+    checkpoint: Any = UNSET,
 ) -> PipelinePlan:
     """Split ``model`` into ``num_stages`` pipeline stages and plan each stage's recompute, so that every device
     keeps its budget (one for all, or a list with one per stage; GB = 10^9 bytes) under ``schedule`` with
@@ -170,12 +175,16 @@ def plan_pipeline(
     from (spread over the model; given and baseline cuts are added). ``link_gb_per_s``: what sending activations
     between stages is priced at (default: the device's copy bandwidth). Raises ``InfeasibleBudgetError`` with the
     smallest per-device budget that a split keeps when none keeps the given one.
+
+    ``options`` (``PlanOptions``; or its keyword spelling ``solver_options=``, ``checkpoint=``): the stages are
+    planned with its checkpoint choice and solver options; an optimizer, host pool, gradient accumulation, strict or
+    compiled option is refused (``ValueError``): the pipeline planner does not plan them yet.
     """
     (result,) = compare_pipeline_splits(
         model, num_stages, budget_gb, splits=(split,), budget_bytes=budget_bytes, microbatches=microbatches,
         schedule=schedule, example_inputs=example_inputs, example_kwargs=example_kwargs, example_target=example_target,
         loss_fn=loss_fn, return_outputs=return_outputs, max_cut_candidates=max_cut_candidates,
-        link_gb_per_s=link_gb_per_s, solver_options=solver_options,
+        link_gb_per_s=link_gb_per_s, options=options, solver_options=solver_options, checkpoint=checkpoint,
     ).values()
     if isinstance(result, InfeasibleBudgetError):
         raise result
@@ -198,7 +207,9 @@ def compare_pipeline_splits(
     return_outputs: bool = True,
     max_cut_candidates: int = 16,
     link_gb_per_s: float | None = None,
-    solver_options: SolverOptions | None = None,
+    options: PlanOptions | None = None,
+    solver_options: Any = UNSET,
+    checkpoint: Any = UNSET,
 ) -> dict[str, PipelinePlan | InfeasibleBudgetError]:
     """``plan_pipeline`` for several splits on one profile of the step (one capture, one timing, one planner per
     candidate stage), so that their predictions share one cost model: by split name ("autockpt", "exhaustive",
@@ -206,6 +217,8 @@ def compare_pipeline_splits(
     ``InfeasibleBudgetError`` that says the smallest budget that split keeps. ``plan_time_s`` of each plan counts
     from the start of this call."""
     started = time.perf_counter()
+    options = resolve_options(options, solver_options=solver_options, checkpoint=checkpoint)
+    unsupported(options, "plan_pipeline", PIPELINE_UNSUPPORTED_OPTIONS)
     request = _PipelineRequest.check(
         model, num_stages, budget_gb, budget_bytes, microbatches, schedule, example_inputs, example_kwargs,
         example_target, loss_fn, splits, return_outputs,
@@ -219,11 +232,11 @@ def compare_pipeline_splits(
                 f"{type(model).__name__} could only be captured module by module ({'; '.join(graph.notes)}); a "
                 "pipeline split needs the whole forward as one graph (torch.fx or torch.export)"
             )
-        table = _StageTable(request, graph, max_cut_candidates, solver_options)
+        table = _StageTable(request, graph, max_cut_candidates, options)
         link = link_gb_per_s if link_gb_per_s is not None else _device_copy_gb_per_s(model)
         fingerprint = plan_io.model_fingerprint(model, graph, request.microbatch_args, request.microbatch_kwargs)
         for split in request.splits:
-            chosen = _choose_split(table, split, link, solver_options)
+            chosen = _choose_split(table, split, link, options.solver)
             if chosen is None:
                 results[split_name(split)] = _infeasible(table, request, link, split)
                 continue
@@ -384,11 +397,12 @@ class _StageTable:
     """Candidate cuts, and per run of units between them and stage position, the stage's best plan."""
 
     def __init__(
-        self, request: _PipelineRequest, graph: Graph, max_candidates: int, solver_options: SolverOptions | None
+        self, request: _PipelineRequest, graph: Graph, max_candidates: int, options: PlanOptions
     ) -> None:
         self.request = request
         self.graph = graph
-        self.solver_options = solver_options
+        self.options = options
+        self.solver_options = options.solver
         self.num_units = len(graph.units)
         args, kwargs = request.microbatch_args, request.microbatch_kwargs
         values = graph_values(graph, args, kwargs)
@@ -454,12 +468,11 @@ class _StageTable:
         if key not in self._planners:
             stage = self.graph_of(first, last)
             args, kwargs = self.stage_inputs(stage)
-            self._planners[key] = Planner(
+            self._planners[key] = Planner.from_model(
                 stage.module, example_inputs=args, example_kwargs=kwargs, loss_fn=self.stage_loss(stage),
-                solver_options=self.solver_options,
                 # every microbatch after the first runs its backward with the step's gradients alive, and each
                 # accumulation makes a new gradient beside the old one: the loop of gradient accumulation
-                gradient_accumulation_steps=self.request.microbatches,
+                options=dataclasses.replace(self.options, gradient_accumulation_steps=self.request.microbatches),
             )
         return self._planners[key]
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autockpt.planning.api import Planner, baseline_plan, budget_to_bytes
+from autockpt.planning.planner import Planner, baseline_plan, budget_to_bytes
 from autockpt.errors import InfeasibleBudgetError
 from autockpt.measure.step import measure_step
 from autockpt.records.plan import Plan
@@ -226,7 +226,7 @@ class _Searcher:
         if size not in self.planners:
             batch = _as_batch(self.input_factory(size), size)
             try:
-                planner = Planner(
+                planner = Planner.from_model(
                     self.model, example_inputs=batch.args, example_kwargs=dict(batch.kwargs), loss_fn=batch.loss_fn,
                     solver_options=self.solver_options,
                 )

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from autockpt.planning.api import Planner
+from autockpt.planning.planner import Planner
 from autockpt.measure.loop import measure_optimizer_step, named_optimizer, optimizer_factory, step_in_loop
 from autockpt.core.simulate import memory_curve
 from autockpt.records.summary import enclosing_modules
@@ -132,7 +132,7 @@ def estimate(
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
         raise ValueError(f"depth must be an integer >= 0 (module nesting levels in the table), got {depth!r}")
     # no plan is made: one recompute action keeps the trace to what the estimate reads
-    planner = Planner(model, example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
+    planner = Planner.from_model(model, example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
                       checkpoint=Action.RECOMPUTE_TORCH)
     return estimate_from_planner(planner, kind, depth)
 

@@ -368,12 +368,12 @@ def estimate(
     MODEL is a built-in example (gpt2, bert, t5, llama, vit, unet, mlp, cnn, transformer, control_flow) or
     package.module:factory, a function returning an nn.Module.
     """
-    from autockpt.planning.api import Planner
+    from autockpt.planning.planner import Planner
     from autockpt.planning.estimate import OptimizerKind, estimate_from_planner
 
     work = load_workload(model, size, inputs, inputs_ref, device, seed)
     with stage_progress(2, ctx.meta["autockpt.quiet"]) as progress:
-        planner = Planner(work.model, example_inputs=work.args, example_kwargs=work.kwargs, loss_fn=work.loss_fn,
+        planner = Planner.from_model(work.model, example_inputs=work.args, example_kwargs=work.kwargs, loss_fn=work.loss_fn,
                           on_stage=progress)
     breakdown = estimate_from_planner(planner, OptimizerKind(optimizer), depth)
     click.echo(breakdown.table())
@@ -404,13 +404,13 @@ def plan(
     Apply the saved plan on the training machine with autockpt.apply_plan(model, autockpt.load_plan(path), ...).
     """
     from autockpt.core.solve.base import SolverOptions
-    from autockpt.planning.api import Planner
+    from autockpt.planning.planner import Planner
 
     budget_bytes = parse_budget(budget)
     work = load_workload(model, size, inputs, inputs_ref, device, seed)
     options = SolverOptions(solver=solver, time_limit_s=time_limit)
     with stage_progress(3 + pareto_points, ctx.meta["autockpt.quiet"]) as progress:
-        planner = Planner(work.model, example_inputs=work.args, example_kwargs=work.kwargs, loss_fn=work.loss_fn,
+        planner = Planner.from_model(work.model, example_inputs=work.args, example_kwargs=work.kwargs, loss_fn=work.loss_fn,
                           solver_options=options, checkpoint=checkpoint, host_pool_gb=parse_host_pool(host_pool),
                           on_stage=progress, optimizer=named_optimizer(optimizer),
                           gradient_accumulation_steps=grad_accumulation)
@@ -442,7 +442,7 @@ def sweep(
     from tqdm import tqdm
 
     from autockpt.core.solve.base import SolverOptions
-    from autockpt.planning.api import Planner
+    from autockpt.planning.planner import Planner
 
     budget_list = [parse_budget(text) for text in budgets.split(",") if text.strip()]
     if not budget_list:
@@ -450,7 +450,7 @@ def sweep(
     work = load_workload(model, size, inputs, inputs_ref, device, seed)
     quiet = ctx.meta["autockpt.quiet"]
     with stage_progress(2, quiet) as progress:
-        planner = Planner(work.model, example_inputs=work.args, example_kwargs=work.kwargs, loss_fn=work.loss_fn,
+        planner = Planner.from_model(work.model, example_inputs=work.args, example_kwargs=work.kwargs, loss_fn=work.loss_fn,
                           solver_options=SolverOptions(solver=solver, time_limit_s=time_limit),
                           checkpoint=checkpoint, host_pool_gb=parse_host_pool(host_pool), on_stage=progress,
                           optimizer=named_optimizer(optimizer), gradient_accumulation_steps=grad_accumulation)

@@ -9,7 +9,7 @@ from torch import nn
 
 import autockpt
 from autockpt.present import zoo
-from autockpt.planning.api import baseline_plan
+from autockpt.planning.planner import baseline_plan
 from autockpt.core.solve.baselines import (
     BASELINE_STRATEGIES,
     BaselinePolicy,
@@ -22,7 +22,7 @@ from autockpt.types import PlanStatus
 
 
 def _planner(case: zoo.ZooCase) -> autockpt.Planner:
-    return autockpt.Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
+    return autockpt.Planner.from_model(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
 
 
 @pytest.fixture(scope="module")

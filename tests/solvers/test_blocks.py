@@ -25,7 +25,7 @@ FRACTIONS = (0.3, 0.5, 0.7)
 @pytest.fixture(scope="module")
 def gpt2_planner() -> autockpt.Planner:
     case = zoo.build("gpt2")  # 4 layers
-    return autockpt.Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
+    return autockpt.Planner.from_model(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
 
 
 def _budget(planner: autockpt.Planner, fraction: float) -> int:
@@ -64,11 +64,11 @@ def test_layers_of_different_widths_are_not_a_family() -> None:
     for a, b in zip(widths, widths[1:]):
         layers += [nn.Linear(a, b), nn.GELU(), nn.Linear(b, b), nn.LayerNorm(b)]
     model = nn.Sequential(*layers)
-    planner = autockpt.Planner(model, example_inputs=(torch.randn(8, widths[0]),))
+    planner = autockpt.Planner.from_model(model, example_inputs=(torch.randn(8, widths[0]),))
     assert find_repeated_blocks(planner.graph, planner.trace).families == ()
     # the same layers repeated at one width are (the first may differ: its input is not made in forward)
     same = nn.Sequential(*[m for _ in range(5) for m in (nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32), nn.LayerNorm(32))])
-    planner = autockpt.Planner(same, example_inputs=(torch.randn(8, 32),))
+    planner = autockpt.Planner.from_model(same, example_inputs=(torch.randn(8, 32),))
     families = find_repeated_blocks(planner.graph, planner.trace).families
     assert len(families) == 1 and len(families[0].instances) >= 4 and families[0].block_units == 4
 
@@ -102,7 +102,7 @@ def test_the_chain_solver_matches_the_block_milp(gpt2_planner: autockpt.Planner)
 @pytest.mark.parametrize("name", ["gpt2", "vit"])
 def test_block_plans_fit_and_cost_about_what_the_flat_program_costs(name: str) -> None:
     case = zoo.build(name)
-    planner = autockpt.Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
+    planner = autockpt.Planner.from_model(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
     # the checkpoint machinery counts on both sides (the block menus once left the fixed cost per region out: block
     # plans came out 9-18 % above the flat program's on these tiny models, where a region's fixed cost is ~1.5 % of
     # the step)
@@ -129,7 +129,7 @@ def test_block_plans_fit_and_cost_about_what_the_flat_program_costs(name: str) -
 def test_an_optimized_model_solved_by_blocks_keeps_its_budget_and_trains_like_the_original() -> None:
     case = zoo.build("gpt2")
     reference = twin(case)
-    planner = autockpt.Planner(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
+    planner = autockpt.Planner.from_model(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
     budget = _budget(planner, 0.4)
     plan = planner.plan(budget_bytes=budget)
     assert "block chain" in plan.solver_stats.status  # the plan came from the block program

@@ -77,7 +77,7 @@ def test_a_budget_at_the_unmodified_peak_is_the_identity_plan_for_every_solver()
 
 def test_the_block_solver_keeps_the_contract_on_repeated_layers() -> None:
     case = autockpt.present.zoo.build("transformer", "tiny")
-    planner = autockpt.Planner(case.model, example_inputs=case.args, loss_fn=case.loss_fn, checkpoint="torch_non_reentrant")
+    planner = autockpt.Planner.from_model(case.model, example_inputs=case.args, loss_fn=case.loss_fn, checkpoint="torch_non_reentrant")
     trace = planner.trace
     problem = prepare(
         trace, planner.costs, Action.RECOMPUTE_TORCH, *candidate_regions(planner.graph, trace),

@@ -75,7 +75,7 @@ def test_exact_search_matches_brute_force(seed: int) -> None:
 def test_exact_search_skips_regions_with_in_place_hazards() -> None:
     torch.manual_seed(0)
     case = zoo.ConvNet(4, 1), (torch.randn(4, 3, 8, 8),)
-    planner = autockpt.Planner(case[0], example_inputs=case[1], loss_fn=lambda out: out.pow(2).mean())
+    planner = autockpt.Planner.from_model(case[0], example_inputs=case[1], loss_fn=lambda out: out.pow(2).mean())
     profile = modelled_costs(planner.trace)
     scorer = torch_scorer(profile)
     hazards = mutation_hazards(profile)

@@ -42,7 +42,7 @@ def test_without_any_solution_in_time_a_greedy_plan_is_used(monkeypatch: pytest.
     from autockpt.types import PlanStatus, SolverStats
 
     case = zoo.build("mlp")
-    planner = autockpt.Planner(case.model, example_inputs=case.args)
+    planner = autockpt.Planner.from_model(case.model, example_inputs=case.args)
     budget = int(planner.trace.static_bytes + 0.6 * (planner.trace.baseline_peak_bytes - planner.trace.static_bytes))
 
     def timed_out(problem, budget, options, solver, **_):  # noqa: ANN001
@@ -51,7 +51,7 @@ def test_without_any_solution_in_time_a_greedy_plan_is_used(monkeypatch: pytest.
 
     monkeypatch.setattr(default, "solve_flat_program", timed_out)
     monkeypatch.setattr(default, "solve_block_program", timed_out)
-    monkeypatch.setattr(autockpt.planning.api, "baseline_seed_plans", lambda graph, profile: [])  # no seed floor either
+    monkeypatch.setattr(autockpt.planning.planner, "baseline_seed_plans", lambda graph, profile: [])  # no seed floor either
     score = prepare.score_candidates
     monkeypatch.setattr(prepare, "score_candidates", lambda *args: (score(*args)[0], None))  # nor the best single region
     plan = planner.plan(budget_bytes=budget)

@@ -87,7 +87,7 @@ def test_ilp_finds_the_exhaustive_optimum_on_a_small_chain(solver: str) -> None:
 
 def test_a_cheaper_baseline_plan_is_returned_when_the_program_misses_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """Seeds: whatever the program answers, the plan is never worse than a baseline policy under the same budget."""
-    from autockpt.planning.api import baseline_plan
+    from autockpt.planning.planner import baseline_plan
     from autockpt.core.solve import default
     from autockpt.core.solve.base import ProgramAnswer
     from autockpt.core.solve.baselines import BASELINE_STRATEGIES
@@ -95,7 +95,7 @@ def test_a_cheaper_baseline_plan_is_returned_when_the_program_misses_it(monkeypa
 
     case = zoo.build("transformer")
     # one checkpoint kind: the baselines are scored for torch's, so the plan must be made for it too
-    planner = autockpt.Planner(
+    planner = autockpt.Planner.from_model(
         case.model, example_inputs=case.args, solver_options=autockpt.SolverOptions(checkpoint="torch_non_reentrant")
     )
     every_1 = baseline_plan(planner, "every_1")

@@ -124,7 +124,7 @@ def test_each_region_s_fixed_cost_is_part_of_the_objective(seed: int) -> None:
     budget = int(floor + 0.3 * (baseline - floor))
     free_plan = planner.plan(budget_bytes=budget)
 
-    costly = autockpt.Planner(planner.model, example_inputs=planner.request.args, solver_options=TORCH_CHECKPOINT)
+    costly = autockpt.Planner.from_model(planner.model, example_inputs=planner.request.args, solver_options=TORCH_CHECKPOINT)
     costly.trace = modelled_costs(costly.trace)
     costly.costs = modelled_machinery(region_ms=20 * unit_ms)  # a region costs 20 ops
     plan = costly.plan(budget_bytes=budget)

@@ -1,0 +1,553 @@
+"""Planner: plans a captured, traced step at any budget from values (graph, step trace, action prices, options),
+scores given regions, and rewrites and measures the model for the entry points (``api.py``).
+
+``Planner(graph, trace, costs, options, step=...)`` is the planner over values: where the trace came from (a real
+step, fake tensors, a roofline) is the trace source's business (``measure/sources.py``), and the solvers and the
+rewriter see only the values. ``Planner.from_model(model, ...)`` captures, traces (``MeasuredTrace`` by default) and
+prices the actions on the model's device, then builds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import math
+import numbers
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from torch import nn
+
+from autockpt.core.simulate import memory_curve, simulate
+from autockpt.core.solve.base import Problem, SolveResult, recompute_actions, region_actions
+from autockpt.core.solve.baselines import baseline_regions, baseline_seed_plans
+from autockpt.core.solve.candidates import candidate_regions
+from autockpt.core.solve.default import solve_prepared
+from autockpt.core.solve.joint import JointProblem, solve_joint, unbounded_pool
+from autockpt.core.solve.prepare import prepare
+from autockpt.core.structure import find_repeated_blocks
+from autockpt.errors import InfeasibleBudgetError
+from autockpt.measure.capture import capture
+from autockpt.measure.costs import calibrate
+from autockpt.measure.sources import MeasuredTrace, StepInputs, TraceRequest, TraceSource
+from autockpt.measure.step import (
+    StepMeasurement,
+    alternating_step_seconds,
+    foreign_bytes,
+    measure_compiled_step,
+    measure_step,
+)
+from autockpt.measure.loop import with_foreign_bytes
+from autockpt.measure.trace import step_tensors
+from autockpt.planning.options import UNSET, PlanOptions, pool_bytes_of, resolve_options
+from autockpt.planning.policy import PlanningContext, assemble_plan
+from autockpt.planning.shapes import attach_shape_variants
+from autockpt.planning.verify import verified_module
+from autockpt.records.plan import Plan
+from autockpt.records.plan_io import check_fingerprint, model_fingerprint
+from autockpt.runtime.model_state import enter_training_modes, preserved_model_state
+from autockpt.runtime.offload import available_host_bytes
+from autockpt.runtime.rewrite import OptimizedModule, rewrite
+from autockpt.types import Action, CaptureKind, CostModel, Graph, ParetoPoint, Placement, Region, StepTrace, describe_value
+from autockpt.units import GB, format_bytes
+
+logger = logging.getLogger(__name__)
+
+# the keyword arguments of the measuring constructor that are options (the friendly spelling of PlanOptions)
+OPTION_KEYWORDS = ("checkpoint", "host_pool_gb", "optimizer", "gradient_accumulation_steps", "solver_options")
+
+
+class Planner:
+    """Plan one training step at any budget; score any regions; apply plans.
+
+        planner = autockpt.Planner.from_model(model, example_inputs=(x,))   # capture, trace and price once
+        plans = [planner.plan(budget_gb=b) for b in (2, 4, 6)]              # then plan at any budget
+        module = planner.apply(plans[0])                                    # rewrite, without measuring
+
+        planner = autockpt.Planner(graph, trace, costs, options, step=step) # the same, from values
+
+    ``step`` (``StepInputs``: the model, example call and loss the graph was captured on) is what the plan's
+    fingerprint, the rewrite and a measured step read. ``on_stage(name)`` is called as each stage starts ("capture",
+    "profile", "solve", "rewrite", "measure"), for progress displays. The model is left as it was after every call
+    (weights, buffers, gradients, RNG, modes). ``trace`` and ``costs`` may be replaced before a plan (the problems
+    derived from them are made again).
+
+    The budget is the device's: bytes on it that the step does not own (on CUDA everything else allocated: another
+    model, a cache, leftovers, kernel workspaces; on CPU the tensors named by ``autockpt.measure.step.held_beside_step``)
+    count. They are read again whenever a plan is solved (``foreign_bytes_now``), and the trace moves by the
+    difference (``trace.foreign_bytes``, ``Plan.foreign_bytes``): a plan is for the device as it is when it is made.
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        trace: StepTrace | None = None,
+        costs: CostModel | None = None,
+        options: PlanOptions | None = None,
+        *,
+        step: StepInputs | None = None,
+        on_stage: Callable[[str], None] | None = None,
+        capture_time_s: float = 0.0,
+        profile_time_s: float = 0.0,
+        **legacy: Any,
+    ) -> None:
+        if isinstance(graph, nn.Module):  # the 0.1 call, Planner(model, example_inputs=...): measure as it did
+            warnings.warn(
+                "Planner(model, example_inputs=...) is deprecated: use autockpt.Planner.from_model(model, ...) "
+                "(Planner(graph, trace, costs, options, step=...) now plans from values)",
+                DeprecationWarning, stacklevel=2,
+            )
+            self.__dict__.update(Planner.from_model(graph, on_stage=on_stage, **legacy).__dict__)
+            return
+        if legacy:
+            raise TypeError(f"Planner() got unexpected keyword arguments {sorted(legacy)}")
+        if not isinstance(graph, Graph) or not isinstance(trace, StepTrace) or not isinstance(costs, CostModel):
+            raise TypeError(
+                "Planner(graph, trace, costs, options, step=...) takes a captured Graph, a StepTrace and a CostModel, "
+                f"got {type(graph).__name__}, {type(trace).__name__}, {type(costs).__name__}; to plan a model, use "
+                "autockpt.Planner.from_model(model, example_inputs=...)"
+            )
+        if not isinstance(step, StepInputs):
+            raise TypeError(
+                f"step must be the StepInputs the graph was captured on (StepInputs.check(model, example_inputs, "
+                f"example_kwargs, loss_fn)), got {describe_value(step)}"
+            )
+        self.options = options if options is not None else PlanOptions()
+        self.request = step
+        self.graph = graph
+        self.trace = trace
+        self.costs = costs
+        self.capture_time_s = capture_time_s
+        self.profile_time_s = profile_time_s
+        self.gradient_accumulation_steps = self.options.gradient_accumulation_steps
+        self.optimizer = self.options.optimizer  # what measure_step copies to step the loop as it runs
+        self.host_pool_bytes = pool_bytes_of(self.options.host_pool_gb, available_host_bytes())
+        self.solver_options = self.options.solver
+        # the recompute actions plans are made for, in order of preference on a tie
+        self.actions = recompute_actions(_checkpoint_choice(self.options), graph.kind)
+        self._on_stage = on_stage or (lambda stage: None)
+        self._device = step.device
+        if self.host_pool_bytes > 0:
+            self._check_offload_possible(self.options.host_pool_gb)
+        # the device as the step will find it: profiling held copies of the buffers and the user's gradients aside
+        self._follow_foreign_bytes()
+        self.fingerprint = model_fingerprint(step.model, graph, step.args, step.kwargs)
+        self._executable_used = False  # rewriting edits graph.executable; later rewrites capture again
+        self._problems: dict[Action, Problem] = {}  # per action: scored candidates and floors, shared by every budget
+        self._joint: dict[int, JointProblem] = {}  # per pool capacity: every recompute action's candidates and offload
+        self._context: PlanningContext | None = None
+
+    @classmethod
+    def from_model(
+        cls,
+        model: nn.Module,
+        *,
+        example_inputs: Any = (),
+        example_kwargs: Any = None,
+        loss_fn: Callable[[Any], Any] | None = None,
+        options: PlanOptions | None = None,
+        on_stage: Callable[[str], None] | None = None,
+        trace_source: TraceSource | None = None,
+        checkpoint: Any = UNSET,
+        host_pool_gb: Any = UNSET,
+        optimizer: Any = UNSET,
+        gradient_accumulation_steps: Any = UNSET,
+        solver_options: Any = UNSET,
+    ) -> Planner:
+        """Capture ``model`` on the example call, trace the step (``trace_source``, default ``MeasuredTrace``: a real
+        step on the model's device) and price the actions there; then plan from those values. The keyword options
+        are the friendly spelling of ``options`` (``PlanOptions``)."""
+        options = resolve_options(
+            options, checkpoint=checkpoint, host_pool_gb=host_pool_gb, optimizer=optimizer,
+            gradient_accumulation_steps=gradient_accumulation_steps, solver_options=solver_options,
+        )
+        step = StepInputs.check(model, example_inputs, example_kwargs, loss_fn)
+        source = trace_source or MeasuredTrace()
+        stage = on_stage or (lambda name: None)
+        with preserved_model_state(step.model, step.args, step.kwargs):
+            enter_training_modes(step.model)
+            stage("capture")
+            started = time.perf_counter()
+            graph = capture(step.model, step.args, step.kwargs)
+            captured = time.perf_counter()
+            stage("profile")
+            actions = recompute_actions(_checkpoint_choice(options), graph.kind)
+            trace = source.trace(graph, step, TraceRequest(
+                time_repeated_blocks_once=_solves_by_blocks(options, graph),
+                gradient_lifetimes=Action.RECOMPUTE_OWN in actions,
+                optimizer=options.optimizer, gradient_accumulation_steps=options.gradient_accumulation_steps,
+            ))
+            if options.optimizer is not None or options.gradient_accumulation_steps > 1:
+                logger.info("%s", trace.loop.describe() if trace.loop is not None else "loop")
+            offload = (Action.OFFLOAD,) if options.host_pool_gb != 0 else ()
+            if offload and graph.kind is CaptureKind.MODULE:
+                _refuse_offload(options.host_pool_gb, step.model, graph)
+            costs = calibrate(step.device, (*actions, *offload))
+        return cls(
+            graph, trace, costs, options, step=step, on_stage=on_stage, capture_time_s=captured - started,
+            profile_time_s=time.perf_counter() - captured,
+        )
+
+    @property
+    def model(self) -> nn.Module:
+        return self.request.model
+
+    @property
+    def checkpoint_kinds(self) -> tuple[Action, ...]:
+        """The recompute actions plans are made for (the name from before the actions)."""
+        return self.actions
+
+    def plan(self, budget_gb: float | None = None, *, budget_bytes: int | None = None, pareto_points: int = 0) -> Plan:
+        """The cheapest plan under the budget (GB = 10^9 bytes). ``pareto_points`` > 0 also solves that many budgets
+        from the smallest feasible peak to the unmodified peak and stores them in ``Plan.pareto``."""
+        budget = budget_to_bytes(budget_gb, budget_bytes)
+        results, solve_time_s = self._solve_each(budget)
+        action = min(results, key=lambda a: results[a].timeline.overhead_ms)  # the first action on a tie
+        if len(results) > 1:
+            logger.info(
+                "checkpoint: %s (predicted overhead %s)", action.value,
+                ", ".join(f"{a.value} {r.timeline.overhead_ms:.2f} ms" for a, r in results.items()),
+            )
+        the_plan = self._plan_of(results[action], budget, solve_time_s)
+        if pareto_points > 0:
+            the_plan = dataclasses.replace(the_plan, pareto=self.pareto(pareto_budgets(the_plan, pareto_points)))
+        return the_plan
+
+    def pareto(self, budgets: Sequence[int]) -> tuple[ParetoPoint, ...]:
+        """Predicted peak and overhead of the plan for each budget in bytes (None where it is infeasible)."""
+        points = []
+        for budget in budgets:
+            try:
+                results, _ = self._solve_each(int(budget))
+            except InfeasibleBudgetError:
+                points.append(
+                    ParetoPoint(budget_bytes=int(budget), predicted_peak_bytes=None, predicted_overhead=None, regions=0)
+                )
+                continue
+            result = min(results.values(), key=lambda r: r.timeline.overhead_ms)
+            points.append(
+                ParetoPoint(
+                    budget_bytes=int(budget), predicted_peak_bytes=result.timeline.peak_bytes,
+                    predicted_overhead=self.context.overhead(result.timeline.overhead_ms), regions=len(result.regions),
+                )
+            )
+        return tuple(points)
+
+    def plan_for_regions(self, regions: Sequence[Region], *, strategy: str, action: Action | None = None) -> Plan:
+        """Score given regions (a baseline policy, a hand-made plan) with the same simulator as solved plans, under
+        ``action`` (default: the first of the planner's actions, torch's checkpoint unless another was asked for).
+
+        The plan's ``status`` is ``given`` and its budget is its own predicted peak.
+        """
+        action = action or self.actions[0]
+        self._price(action)
+        self._follow_foreign_bytes()
+        ordered = region_actions(sorted(regions, key=lambda r: r.first_unit), action)
+        timeline = simulate(self.trace, self.costs, ordered)
+        return assemble_plan(self.context, ordered, action, timeline.peak_bytes, timeline, strategy=strategy)
+
+    def structural_plan(self, strategy: str) -> Plan | None:
+        """``baseline_plan(self, strategy)`` when the graph has what it needs (repeated blocks for ``every_k``) and it
+        checkpoints something, else None."""
+        try:
+            the_plan = baseline_plan(self, strategy)
+        except ValueError as unavailable:
+            logger.info("no %s plan: %s", strategy, unavailable)
+            return None
+        return the_plan if the_plan.regions else None
+
+    def apply(self, the_plan: Plan) -> OptimizedModule:
+        """Rewrite the model to run ``the_plan`` (made by this planner, or loaded from a file); nothing is measured.
+
+        A plan whose fingerprint does not match this model and these inputs is refused (``PlanMismatchError``).
+        """
+        check_fingerprint(the_plan, self.fingerprint, self.graph.units)
+        self._on_stage("rewrite")
+        with self._model_state():
+            graph = self._fresh_graph()
+            module = rewrite(graph, the_plan.policy, self.request.args, self.request.kwargs, plan=the_plan)
+        attach_shape_variants(module, graph, (self.request.args, self.request.kwargs))
+        module.training = self.model.training
+        return module
+
+    def optimize(self, budget_gb: float | None = None, *, budget_bytes: int | None = None) -> OptimizedModule:
+        """Plan, rewrite, measure one real step; tighten by the overshoot while the measured peak is over budget.
+
+        When plans are made for more than one recompute action ("auto") and more than one keeps the budget when
+        measured, their steps are timed against each other and the faster is returned (``Plan.notes`` says by how
+        much): the predicted overheads of the actions are too close for their errors on some devices.
+        """
+        return verified_module(self, budget_to_bytes(budget_gb, budget_bytes))
+
+    # -------------------------------------------------------------------------------- what verify.py calls
+
+    def plans_under(self, target_bytes: int, budget_bytes: int) -> list[Plan]:
+        """One plan per action with a plan predicted under ``target_bytes``, recorded as made for ``budget_bytes``."""
+        results, solve_time_s = self._solve_each(target_bytes)
+        return [self._plan_of(result, budget_bytes, solve_time_s) for result in results.values()]
+
+    def measured_peak_bytes(self, module: OptimizedModule) -> int:
+        return self.measure(module).peak_bytes
+
+    def measure(self, module: OptimizedModule) -> StepMeasurement:
+        """One real step of ``module`` as the plan's loop runs it (``autockpt.measure_step``), the model's state put
+        back afterwards."""
+        self._on_stage("measure")
+        with self._model_state():
+            module.training = True  # the module follows the user's train/eval flag, restored after measuring
+            measurement = measure_step(
+                module, self.request.args, self.request.kwargs, self.request.loss, optimizer=self.optimizer,
+                gradient_accumulation_steps=self.gradient_accumulation_steps,
+            )
+        module.training = self.model.training
+        return measurement
+
+    def measure_compiled(self, compiled: nn.Module, module: OptimizedModule) -> StepMeasurement:
+        """One step of ``compiled`` (``torch.compile`` of ``module``) as it runs compiled, after a first step that
+        compiles it (``autockpt.measure.step.measure_compiled_step``), the model's state put back afterwards."""
+        self._on_stage("measure")
+        with self._model_state():
+            module.training = True
+            for param in self.model.parameters():
+                param.grad = None
+            self.request.loss(compiled(*self.request.args, **self.request.kwargs)).backward()  # compiles
+            measurement = measure_compiled_step(
+                compiled, self.request.args, self.request.kwargs, self.request.loss, static_from=module,
+                optimizer=self.optimizer, gradient_accumulation_steps=self.gradient_accumulation_steps,
+            )
+        module.training = self.model.training
+        return measurement
+
+    def foreign_bytes_now(self) -> int:
+        """Bytes on the model's device now that the step does not own (``autockpt.measure.step.foreign_bytes``): on
+        CUDA what is allocated beyond the model's parameters, buffers, gradients and the example inputs; on CPU the
+        tensors named by ``autockpt.measure.step.held_beside_step``."""
+        return foreign_bytes(self._device, step_tensors(self.model, self.request.args, self.request.kwargs))
+
+    def alternating_step_seconds(self, modules: Sequence[nn.Module]) -> list[list[float]]:
+        """Each module's training step timed in alternating rounds (``autockpt.measure.step.alternating_step_seconds``),
+        in train mode whatever mode the model is in (an optimized module in eval mode runs the original model), the
+        model's state and each module's mode put back afterwards."""
+        self._on_stage("measure")
+        optimized = [getattr(module, "_orig_mod", module) for module in modules]  # torch.compile's wrapper: its module
+        modes = [module.training for module in optimized]
+        with self._model_state():
+            for module in optimized:
+                module.training = True  # an OptimizedModule's own flag: its submodules are the model's
+            try:
+                return alternating_step_seconds(modules, self.request.args, self.request.kwargs, self.request.loss)
+            finally:
+                for module, mode in zip(optimized, modes):
+                    module.training = mode
+
+    # ------------------------------------------------------------------------------------------- internals
+
+    @property
+    def context(self) -> PlanningContext:
+        """What every plan shares; made at the first plan, so that ``trace`` and ``costs`` may be replaced before."""
+        if self._context is None or self._context.trace is not self.trace or self._context.costs is not self.costs:
+            self._problems.clear()
+            self._joint.clear()
+            self._context = PlanningContext(
+                graph=self.graph, trace=self.trace, costs=self.costs,
+                placement=Placement.single_device(len(self.graph.units), str(self._device)),
+                fingerprint=self.fingerprint, capture_time_s=self.capture_time_s, profile_time_s=self.profile_time_s,
+                memory_before=memory_curve(self.trace, self.costs, ()),
+            )
+        return self._context
+
+    def _plan_of(self, result: SolveResult, budget_bytes: int, solve_time_s: float) -> Plan:
+        return assemble_plan(
+            self.context, result.region_actions, result.action, budget_bytes, result.timeline, result=result,
+            solve_time_s=solve_time_s,
+        )
+
+    @contextlib.contextmanager
+    def _model_state(self) -> Iterator[None]:
+        with preserved_model_state(self.model, self.request.args, self.request.kwargs):
+            enter_training_modes(self.model)
+            yield
+
+    def _fresh_graph(self) -> Graph:
+        """The traced graph the first time; a new capture afterwards (rewriting edits the executable in place)."""
+        if not self._executable_used:
+            self._executable_used = True
+            return self.graph
+        graph = capture(self.model, self.request.args, self.request.kwargs)
+        if len(graph.units) != len(self.graph.units):
+            raise RuntimeError(
+                f"capturing {type(self.model).__name__} a second time gave {len(graph.units)} units instead "
+                f"of {len(self.graph.units)} (the model's forward is not deterministic?); create a new Planner, or "
+                "use autockpt.plan to inspect the first plan"
+            )
+        return graph
+
+    def _solves_by_blocks(self) -> bool:
+        return _solves_by_blocks(self.options, self.graph)
+
+    def _solve_each(self, target_bytes: int) -> tuple[dict[Action, SolveResult], float]:
+        """Per action with a plan under ``target_bytes``: its cheapest plan, and the seconds all of it took
+        (preparing each action's problem the first time, floors, every action's solve). With a host pool, one joint
+        plan (each region its own action), keyed by the action of its recompute-only rival. Each result's
+        ``min_feasible_bytes`` is the lowest over all actions; raises ``InfeasibleBudgetError`` when no action has
+        a plan. The device bytes the step does not own are read again first: the plan is for the device as it is."""
+        self._on_stage("solve")
+        started = time.perf_counter()
+        self._follow_foreign_bytes()
+        context = self.context
+        results: dict[Action, SolveResult] = {}
+        infeasible: list[InfeasibleBudgetError] = []
+        solves = (
+            [functools.partial(solve_joint, self._joint_for(self.host_pool_bytes))] if self.host_pool_bytes > 0
+            else [functools.partial(solve_prepared, self._problem_for(action, context)) for action in self.actions]
+        )
+        for solve in solves:
+            try:
+                result = solve(target_bytes, self.solver_options)
+                results[result.action] = result
+            except InfeasibleBudgetError as error:
+                infeasible.append(error)
+        if not results:
+            lowest = min(infeasible, key=lambda error: error.min_feasible_bytes)  # the action that gets lowest
+            raise self._with_pool_needed(lowest, target_bytes)
+        floor = min([r.min_feasible_bytes for r in results.values()] + [e.min_feasible_bytes for e in infeasible])
+        complete = all(r.floor_complete for r in results.values())  # an infeasible action ran the full search
+        for action, result in results.items():
+            results[action] = dataclasses.replace(result, min_feasible_bytes=floor, floor_complete=complete)
+            logger.info(
+                "plan (%s): %s, %d regions, predicted peak %d bytes (target %d), solve %.1fs", action.value,
+                result.status.value, len(result.regions), result.timeline.peak_bytes, target_bytes, result.solve_time_s,
+            )
+        return results, time.perf_counter() - started
+
+    def _follow_foreign_bytes(self) -> None:
+        """Move the trace to the device bytes the step does not own now (``loop.with_foreign_bytes``: every event by
+        the difference, as the loop's optimizer states raise them); the prepared problems are made again when it
+        moved."""
+        now = self.foreign_bytes_now()
+        if now != self.trace.foreign_bytes:
+            logger.info(
+                "device bytes the step does not own: %d counted by the trace, %d now; planning for %d",
+                self.trace.foreign_bytes, now, now,
+            )
+            self.trace = with_foreign_bytes(self.trace, now)
+
+    def _price(self, action: Action) -> None:
+        """Calibrate ``action`` when the cost model has no price for it (offload, for a planner made without a pool).
+        The problems prepared so far stay: the prices they use are unchanged."""
+        if action in self.costs.actions:
+            return
+        self.costs = calibrate(self._device, (*self.costs.actions, action))
+        if self._context is not None:
+            self._context = dataclasses.replace(self._context, costs=self.costs)
+
+    def _joint_for(self, pool_capacity_bytes: int) -> JointProblem:
+        """The joint problem over every recompute action planned for (each region its own) and offload."""
+        if pool_capacity_bytes not in self._joint:
+            context = self.context
+            self._joint[pool_capacity_bytes] = JointProblem(
+                tuple(self._problem_for(a, context) for a in self.actions), self._problem_for(Action.OFFLOAD, context),
+                pool_capacity_bytes,
+            )
+        return self._joint[pool_capacity_bytes]
+
+    def _check_offload_possible(self, host_pool_gb: float | str) -> None:
+        if self.graph.kind is CaptureKind.MODULE:
+            _refuse_offload(host_pool_gb, self.model, self.graph)
+
+    def _with_pool_needed(self, error: InfeasibleBudgetError, target_bytes: int) -> InfeasibleBudgetError:
+        """``error``, saying which host pool would make ``target_bytes`` feasible when a pool (or a larger one) would
+        (found by planning with a pool that holds every offload candidate; nothing changes when none would)."""
+        if self.graph.kind is CaptureKind.MODULE or target_bytes < self.trace.static_bytes:
+            return error
+        self._price(Action.OFFLOAD)
+        self._on_stage("solve")
+        joint = unbounded_pool(self._joint_for(self.host_pool_bytes))
+        if joint.pool_capacity_bytes <= self.host_pool_bytes:
+            return error
+        try:
+            needed = solve_joint(joint, target_bytes, self.solver_options).timeline.host_pool_bytes
+        except InfeasibleBudgetError:
+            return error
+        pool_gb = math.ceil(needed / GB * 1000) / 1000
+        return InfeasibleBudgetError(
+            f"{error} A host pool makes it feasible: with host_pool_gb={pool_gb} ({format_bytes(needed)}), the plan "
+            f"offloads saved tensors to host memory instead.",
+            budget_bytes=error.budget_bytes, min_feasible_bytes=error.min_feasible_bytes, host_pool_bytes_needed=needed,
+        )
+
+    def _problem_for(self, action: Action, context: PlanningContext) -> Problem:
+        if action not in self._problems:
+            structure = find_repeated_blocks(self.graph, self.trace) if self._solves_by_blocks() else None
+            self._problems[action] = prepare(
+                self.trace, self.costs, action, *candidate_regions(self.graph, self.trace),
+                seed_plans=baseline_seed_plans(self.graph, self.trace), structure=structure,
+            )
+        return self._problems[action]
+
+
+def baseline_plan(planner: Planner, strategy: str, *, action: Action | None = None) -> Plan:
+    """Score ``strategy``'s regions with the planner's simulator: a Plan with status ``given``.
+
+    Raises ``ValueError`` when the policy cannot be expressed on this graph (e.g. ``sqrt_n`` on a module-level
+    capture); the message says why.
+    """
+    chosen = baseline_regions(planner.graph, planner.trace, strategy)
+    if not chosen.available:
+        raise ValueError(f"baseline {strategy!r} on {type(planner.model).__name__}: {'; '.join(chosen.notes)}")
+    the_plan = planner.plan_for_regions(chosen.regions, strategy=strategy, action=action)
+    notes = tuple(f"{strategy}: {note}" for note in chosen.notes)
+    return dataclasses.replace(the_plan, notes=the_plan.notes + notes)
+
+
+def pareto_budgets(the_plan: Plan, points: int) -> list[int]:
+    """``points`` budgets evenly spaced from the smallest feasible peak to the unmodified peak (both included)."""
+    low, high = the_plan.min_feasible_bytes, the_plan.baseline_peak_bytes
+    if points == 1 or high <= low:
+        return [low]
+    return [int(round(low + (high - low) * i / (points - 1))) for i in range(points)]
+
+
+
+
+def budget_to_bytes(budget_gb: Any, budget_bytes: Any) -> int:
+    """Check the budget arguments; GB = 10^9 bytes."""
+    if (budget_gb is None) == (budget_bytes is None):
+        raise ValueError(
+            f"give exactly one of budget_gb (GB = 10^9 bytes) or budget_bytes; got budget_gb={budget_gb!r}, "
+            f"budget_bytes={budget_bytes!r}"
+        )
+    name, value = ("budget_gb", budget_gb) if budget_gb is not None else ("budget_bytes", budget_bytes)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a positive number, got {describe_value(value)} ({type(value).__name__})")
+    if not math.isfinite(float(value)) or value <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    if name == "budget_bytes" and float(value) != int(value):
+        raise ValueError(f"budget_bytes must be a whole number of bytes, got {value!r}; for GB use budget_gb=")
+    result = int(round(float(value) * GB)) if name == "budget_gb" else int(value)
+    if result <= 0:
+        raise ValueError(f"{name}={value!r} is less than one byte; give the budget in {'GB' if name == 'budget_gb' else 'bytes'}")
+    return result
+
+
+def _checkpoint_choice(options: PlanOptions) -> Action | str:
+    """The checkpoint choice: ``options.checkpoint``, or ``SolverOptions(checkpoint=)``, its older spelling."""
+    return options.checkpoint if options.checkpoint != "auto" else options.solver.checkpoint
+
+
+def _solves_by_blocks(options: PlanOptions, graph: Graph) -> bool:
+    """Repeated blocks are solved (and timed) once per family, unless switched off or the capture is module-level
+    (which can only checkpoint whole submodule calls: its candidates are those calls)."""
+    return options.solver.repeated_blocks and graph.kind is not CaptureKind.MODULE
+
+
+def _refuse_offload(host_pool_gb: float | str, model: nn.Module, graph: Graph) -> None:
+    raise ValueError(
+        f"host_pool_gb={host_pool_gb!r}: offloading needs a graph capture, but {type(model).__name__} "
+        f"fell to the module-level capture ({graph.notes[0] if graph.notes else 'no graph'}); "
+        "plan it without a pool (host_pool_gb=0), which recomputes only"
+    )

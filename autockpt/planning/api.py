@@ -16,7 +16,7 @@ from torch import nn
 from autockpt.measure.capture import capture
 from autockpt.measure.sources import StepInputs
 from autockpt.planning.compiled import compiled_module
-from autockpt.planning.options import UNSET, PlanOptions, resolve_options
+from autockpt.planning.options import UNSET, PlanOptions, resolve_options, unsupported
 from autockpt.planning.planner import Planner, budget_to_bytes
 from autockpt.planning.shapes import attach_shape_variants
 from autockpt.records.plan import Plan
@@ -117,6 +117,7 @@ def plan(
         options, solver_options=solver_options, checkpoint=checkpoint, host_pool_gb=host_pool_gb, optimizer=optimizer,
         gradient_accumulation_steps=gradient_accumulation_steps,
     )
+    unsupported(options, "autockpt.plan", ("strict", "compiled"))  # they are about the returned module: optimize's
     planner = Planner.from_model(
         model, example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn, options=options,
     )

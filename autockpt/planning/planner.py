@@ -279,9 +279,17 @@ class Planner:
 
         When plans are made for more than one recompute action ("auto") and more than one keeps the budget when
         measured, their steps are timed against each other and the faster is returned (``Plan.notes`` says by how
-        much): the predicted overheads of the actions are too close for their errors on some devices.
+        much): the predicted overheads of the actions are too close for their errors on some devices. The module
+        is ``strict`` as ``options.strict`` says; ``options.compiled`` is ``autockpt.optimize``'s (it compiles).
         """
-        return verified_module(self, budget_to_bytes(budget_gb, budget_bytes))
+        if self.options.compiled is not False:
+            raise ValueError(
+                f"Planner.optimize does not compile (options.compiled={self.options.compiled!r}); use "
+                "autockpt.optimize(model, ..., compiled=True), which measures the compiled step"
+            )
+        module = verified_module(self, budget_to_bytes(budget_gb, budget_bytes))
+        module.strict = self.options.strict
+        return module
 
     # -------------------------------------------------------------------------------- what verify.py calls
 

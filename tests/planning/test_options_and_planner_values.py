@@ -58,6 +58,12 @@ def test_optimize_takes_options_and_keeps_strict() -> None:
     assert autockpt.get_plan(module).planned_action is autockpt.Action.RECOMPUTE_OWN
 
 
+def test_plan_refuses_the_options_of_the_returned_module() -> None:
+    model, x = _example()
+    with pytest.raises(ValueError, match=r"autockpt.plan does not support strict yet"):
+        autockpt.plan(model, budget_bytes=10**12, example_inputs=(x,), loss_fn=loss_of, options=PlanOptions(strict=True))
+
+
 def test_the_pipeline_planner_refuses_options_it_does_not_plan() -> None:
     model, x = _example()
     for options in (PlanOptions(optimizer=torch.optim.AdamW), PlanOptions(host_pool_gb=1)):

@@ -2,10 +2,11 @@
 
 Peak means the highest total of live tensor bytes on the model's device during forward + ``loss.backward()``
 (+ ``optimizer.step()`` when an optimizer is given), gradients ``None`` at the start (zeros with gradient
-accumulation), inputs allocated beforehand. On CPU it is MemTracker's peak "Total" with the module
-and the inputs tracked as external; on CUDA it is ``torch.cuda.max_memory_allocated``, and beside it
-``torch.cuda.max_memory_reserved`` (what the caching allocator held from the device: allocated plus its cached,
-partly used blocks; the figure an out-of-memory error is about).
+accumulation), inputs allocated beforehand, the module's output held until the step ends (as the profile holds it; a
+loop that drops it before backward peaks lower by what of it backward does not keep, a causal LM's logits). On CPU it
+is MemTracker's peak "Total" with the module and the inputs tracked as external; on CUDA it is
+``torch.cuda.max_memory_allocated``, and beside it ``torch.cuda.max_memory_reserved`` (what the caching allocator held
+from the device: allocated plus its cached, partly used blocks; the figure an out-of-memory error is about).
 
 The device bytes a step does not own (``foreign_bytes``): on CUDA every tensor the process holds counts against the
 device, so what is allocated beyond the step's own tensors (another model, a cache, leftovers, kernel workspaces)

@@ -201,7 +201,7 @@ def _memtracker_step(schedule: Any, rank: int, world: int, batch: dict, config: 
 
 def run_rank(rank: int, world: int, config: dict[str, Any], plan_path: str, out_dir: str, init_file: str) -> None:
     import autockpt
-    from autockpt.measure.trace import StorageTracker
+    from autockpt.measure.storage_tracker import StorageTracker
 
     torch.set_num_threads(1)
     dist.init_process_group(

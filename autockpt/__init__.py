@@ -28,13 +28,13 @@ from autockpt.records.plan import Plan, load_plan
 from autockpt.runtime.rewrite import OptimizedModule
 from autockpt.core.solve.base import SolverOptions
 from autockpt.core.solve.baselines import BASELINE_STRATEGIES, baseline_regions
+from autockpt.record_types import ParetoPoint
 from autockpt.types import (
     Action,
     CaptureKind,
     CheckpointKind,
     Decision,
     MemoryCurve,
-    ParetoPoint,
     PipelineSchedule,
     Placement,
     PlanStatus,

@@ -58,7 +58,8 @@ from autockpt.core.solve.joint import JointProblem, solve_joint, unbounded_pool
 from autockpt.core.solve.prepare import prepare
 from autockpt.core.structure import find_repeated_blocks
 from autockpt.measure.trace import device_of, step_tensors, trace_step
-from autockpt.types import Action, CaptureKind, Graph, ParetoPoint, Placement, Region, TrainingLoop, describe_value
+from autockpt.record_types import ParetoPoint
+from autockpt.types import Action, CaptureKind, Graph, Placement, Region, TrainingLoop, describe_value
 from autockpt.units import GB, format_bytes
 from autockpt.planning.verify import verified_module
 

@@ -1,7 +1,7 @@
 """One rank of a pipeline test: runs ``autockpt.pipeline_schedule`` under gloo and writes what it measured.
 
-Spawned by tests/test_pipeline.py (``torch.multiprocessing.spawn``); the model is rebuilt from a seed on every rank,
-as a torchrun script would build it.
+Spawned by tests/pipeline/test_pipeline.py (``torch.multiprocessing.spawn``); the model is rebuilt from a seed on
+every rank, as a torchrun script would build it.
 """
 
 from __future__ import annotations

@@ -135,7 +135,7 @@ def simulate(trace: StepTrace, costs: CostModel, region_actions: Sequence[Region
     The solvers simulate thousands of plans per planner, so this is the vectorised twin of ``_predict``: the same
     rules, applied to every storage at once with numpy, and what depends on one region and its action alone (its
     window, replay peak, re-run units) cached per trace (``storage_replay.py``). ``_predict`` stays the reference
-    (and makes the memory curves); tests/test_simulate.py checks that both give the same timeline, field by field.
+    (and makes the memory curves); tests/core/test_simulate.py checks that both give the same timeline, field by field.
     """
     if any(ra.action is Action.OFFLOAD for ra in region_actions):
         return _predict(trace, costs, region_actions, detailed=False).timeline  # the fast twin has no offload rules

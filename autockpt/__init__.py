@@ -72,7 +72,7 @@ MOVED_NAMES = {
     "CaptureKind": "autockpt.types",
     "Decision": "autockpt.types",
     "MemoryCurve": "autockpt.types",
-    "ParetoPoint": "autockpt.types",
+    "ParetoPoint": "autockpt.record_types",
     "PipelineSchedule": "autockpt.types",
     "Placement": "autockpt.types",
     "PlanStatus": "autockpt.types",

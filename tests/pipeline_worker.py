@@ -1,7 +1,7 @@
 """One rank of a pipeline test: runs ``autockpt.pipeline_schedule`` under gloo and writes what it measured.
 
-Spawned by tests/test_pipeline.py (``torch.multiprocessing.spawn``); the model is rebuilt from a seed on every rank,
-as a torchrun script would build it.
+Spawned by tests/pipeline/test_pipeline.py (``torch.multiprocessing.spawn``); the model is rebuilt from a seed on
+every rank, as a torchrun script would build it.
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ def _memtracker_step(schedule: Any, rank: int, world: int, batch: dict, config: 
 
 def run_rank(rank: int, world: int, config: dict[str, Any], plan_path: str, out_dir: str, init_file: str) -> None:
     import autockpt
-    from autockpt.measure.trace import StorageTracker
+    from autockpt.measure.storage_tracker import StorageTracker
 
     torch.set_num_threads(1)
     dist.init_process_group(

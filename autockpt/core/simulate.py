@@ -27,17 +27,24 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from autockpt.core.offload_model import MovedStorage, offload_transfers, slot_bytes
+from autockpt.core.storage_replay import (
+    REGION_FACTS_SIZE,
+    RegionFacts,
+    StorageArrays,
+    replay_peak_alone,
+    storage_arrays,
+    storage_deltas,
+    storage_index,
+)
 from autockpt.types import (
     Action,
     CostModel,
     MemoryCurve,
-    MemoryEvent,
-    Phase,
     Region,
     RegionAction,
     StepTrace,
@@ -65,7 +72,7 @@ def region_windows(trace: StepTrace, region_actions: Sequence[RegionAction]) -> 
     made before it (a matmul saving its operands) its kernel is skipped; when it saves its own output it runs.
     autockpt's own checkpoint runs the whole region: backward starts from the outputs' gradient functions.
     """
-    index = _storage_index(trace)
+    index = storage_index(trace)
     windows = []
     for region_action in region_actions:
         region, early_stop = region_action.region, _stops_early(region_action.action)
@@ -127,8 +134,8 @@ def simulate(trace: StepTrace, costs: CostModel, region_actions: Sequence[Region
 
     The solvers simulate thousands of plans per planner, so this is the vectorised twin of ``_predict``: the same
     rules, applied to every storage at once with numpy, and what depends on one region and its action alone (its
-    window, replay peak, re-run units) cached per trace. ``_predict`` stays the reference (and makes the memory
-    curves); tests/test_simulate.py checks that both give the same timeline, field by field.
+    window, replay peak, re-run units) cached per trace (``storage_replay.py``). ``_predict`` stays the reference
+    (and makes the memory curves); tests/core/test_simulate.py checks that both give the same timeline, field by field.
     """
     if any(ra.action is Action.OFFLOAD for ra in region_actions):
         return _predict(trace, costs, region_actions, detailed=False).timeline  # the fast twin has no offload rules
@@ -182,7 +189,7 @@ def _predict(
     _check_gradient_lifetimes(trace, actions)
     region_of = unit_regions(len(trace.units), regions)
     windows = region_windows(trace, region_actions)
-    index = _storage_index(trace)
+    index = storage_index(trace)
     transfers = offload_transfers(trace, costs, region_actions, region_of, windows)
     copy_bytes_at_burst = [0] * len(regions)
     plan_delta = [0] * (num_events + 1)  # what the plan changes, on top of the measured timeline (difference array)
@@ -305,7 +312,7 @@ def _check_gradient_lifetimes(trace: StepTrace, actions: Sequence[Action]) -> No
 
 def _predict_fast(trace: StepTrace, costs: CostModel, region_actions: Sequence[RegionAction]) -> Timeline:
     """``_predict(trace, costs, region_actions, detailed=False).timeline``, vectorised over storages."""
-    arrays = _storage_arrays(trace)
+    arrays = storage_arrays(trace)
     num_events = arrays.num_events
     if num_events == 0:  # nothing to vectorise; the reference says what is wrong
         return _predict(trace, costs, region_actions, detailed=False).timeline
@@ -325,8 +332,8 @@ def _predict_fast(trace: StepTrace, costs: CostModel, region_actions: Sequence[R
     plan_delta = np.zeros(num_events + 1, dtype=np.int64)
     copy_bytes_at_burst = np.zeros(len(facts), dtype=np.int64)
     if facts:
-        _storage_deltas(arrays, region_of, facts, actions, plan_delta, copy_bytes_at_burst)
-    if Action.RECOMPUTE_OWN in actions and _storage_index(trace).unowned:  # one per cast leaf: the reference's loop
+        storage_deltas(arrays, region_of, facts, actions, plan_delta, copy_bytes_at_burst)
+    if Action.RECOMPUTE_OWN in actions and storage_index(trace).unowned:  # one per cast leaf: the reference's loop
         last_backward = [f.last_backward if f.last_backward >= 0 else None for f in facts]
         regions_of_units = [r if r >= 0 else None for r in region_of[: arrays.num_units].tolist()]
         for first, last, nbytes in _late_leaf_gradients(trace, regions_of_units, last_backward, actions):
@@ -372,178 +379,7 @@ def _predict_fast(trace: StepTrace, costs: CostModel, region_actions: Sequence[R
     )
 
 
-def _storage_deltas(
-    arrays: _StorageArrays,
-    region_of: np.ndarray,
-    facts: list[_RegionFacts],
-    actions: list[Action],
-    plan_delta: np.ndarray,
-    copy_bytes_at_burst: np.ndarray,
-) -> None:
-    """What the plan changes in every storage's life, as ``_predict``'s loop over touched storages does, added into
-    the difference array ``plan_delta``; and per region, the bytes of the copies its recomputation makes."""
-    none = -1  # an event index or region that does not exist; every real one is >= 0, so it also acts as -infinity
-    a = arrays
-    first_backward = np.array([f.first_backward for f in facts], dtype=np.int64)
-    last_backward = np.array([f.last_backward for f in facts], dtype=np.int64)
-    home = region_of[a.producer]
-    # regions (not the storage's home) that read it hold it until their backward is done (``_plan_free_event``)
-    user_region = region_of[a.user_unit]
-    user_home = home[a.user_owner]
-    read_elsewhere = user_region != user_home
-    held = np.where((user_region >= 0) & read_elsewhere, last_backward[user_region], none)
-    held_max = np.full(a.num_storages, none, dtype=np.int64)
-    np.maximum.at(held_max, a.user_owner, held)
-    saver_region = region_of[a.saver_unit]
-    saved_in_home_entry = (saver_region >= 0) & (saver_region == home[a.saver_owner])
-    saved_in_home = np.zeros(a.num_storages, dtype=bool)
-    saved_in_home[a.saver_owner[saved_in_home_entry]] = True
-    # autograd keeps a storage for each saver that is not checkpointed
-    kept_for = np.full(a.num_storages, none, dtype=np.int64)
-    np.maximum.at(kept_for, a.saver_owner, np.where(saver_region < 0, a.saver_release, none))
-    plan_free = np.where(
-        saved_in_home,
-        np.maximum(np.maximum(a.last_forward_use, held_max), kept_for),
-        np.maximum(a.base_free, held_max),
-    )
-    plan_free[a.never_freed] = a.base_free[a.never_freed]
-    earlier, later = plan_free < a.base_free, plan_free > a.base_free
-    np.subtract.at(plan_delta, plan_free[earlier] + 1, a.nbytes[earlier])
-    np.add.at(plan_delta, a.base_free[earlier] + 1, a.nbytes[earlier])
-    np.add.at(plan_delta, a.base_free[later] + 1, a.nbytes[later])
-    np.subtract.at(plan_delta, plan_free[later] + 1, a.nbytes[later])
-
-    at_home = home >= 0
-    home_first = np.where(at_home, first_backward[home], none)
-    if Action.RECOMPUTE_OWN in actions:
-        # the checkpoint holds the gradients of the region's outputs until the region's backward is done (only the
-        # regions under autockpt's own checkpoint)
-        holds_gradients = np.array([action is Action.RECOMPUTE_OWN for action in actions], dtype=bool)
-        home_last = np.where(at_home, last_backward[home], none)
-        read_outside = np.zeros(a.num_storages, dtype=bool)
-        read_outside[a.user_owner[read_elsewhere]] = True
-        output = a.never_freed | read_outside
-        start = np.maximum(a.gradient_free + 1, home_first)
-        holds = (
-            at_home & holds_gradients[home] & (home_first >= 0) & (a.gradient_free >= 0) & output & (start <= home_last)
-        )
-        np.add.at(plan_delta, start[holds], a.nbytes[holds])
-        np.subtract.at(plan_delta, home_last[holds] + 1, a.nbytes[holds])
-    # a fresh copy from the recomputation lives until the last saver of the home region has unpacked it
-    copy_until = np.full(a.num_storages, none, dtype=np.int64)
-    np.maximum.at(copy_until, a.saver_owner, np.where(saved_in_home_entry, a.saver_release, none))
-    copied = saved_in_home & (home_first >= 0)
-    np.add.at(copy_bytes_at_burst, home[copied], a.nbytes[copied])
-    lives = copied & (home_first <= copy_until)
-    np.add.at(plan_delta, home_first[lives], a.nbytes[lives])
-    np.subtract.at(plan_delta, copy_until[lives] + 1, a.nbytes[lives])
-
-
-@dataclass(frozen=True, slots=True)
-class _RegionFacts:
-    """What depends on one region and its action alone (not on the rest of the plan)."""
-
-    first_backward: int  # the window's events, -1 for None
-    last_backward: int
-    replay_bytes: int  # ``_replay_peak``: its membership tests only ask whether a unit is in this region
-    rerun_units: list[int]
-    recompute_ms: float  # summed over ``rerun_units`` in order with ``sum``, as ``_predict`` sums it
-    saved_tensors: int
-
-
-@dataclass(frozen=True, slots=True)
-class _StorageArrays:
-    """The trace's storages as flat arrays (ragged unit lists as one entry per (storage, unit), with its owner)."""
-
-    num_units: int
-    num_events: int
-    num_storages: int
-    peak_bytes: np.ndarray  # per event
-    start_bytes: np.ndarray  # per event
-    nbytes: np.ndarray  # per storage, from here on
-    producer: np.ndarray  # units as indices into ``region_of``: num_units (its extra entry) for -1, outside the graph
-    base_free: np.ndarray  # the measured free event (the last event when never freed)
-    never_freed: np.ndarray
-    last_forward_use: np.ndarray
-    gradient_free: np.ndarray  # -1: not recorded
-    user_owner: np.ndarray  # per (storage, user unit) entry: the storage
-    user_unit: np.ndarray
-    saver_owner: np.ndarray  # per (storage, saver unit) entry: the storage
-    saver_unit: np.ndarray
-    saver_release: np.ndarray  # the saver's last backward event unpacking the storage
-    forward_ms: list[float]  # per unit
-    saved_tensors_before: list[int]  # per unit and one past the last: tensors the units before it save
-    # per (region, action) simulated on this trace: what they alone fix (bounded: cleared when full)
-    region_facts: dict[tuple[Region, Action], _RegionFacts] = field(default_factory=dict)
-    replay_units: list[_ReplayUnit] = field(default_factory=list)  # ``_replay_units``, made on first use
-
-
-_REGION_FACTS_SIZE = 1 << 16
-# per unit: the rise of its forward event to its peak and to its last pack, and the storages it made that outlive it
-_ReplayUnit = tuple[int, int | None, tuple[tuple[int, int, int, tuple[int, ...]], ...]]
-
-
-def _replay_peak_alone(
-    trace: StepTrace, arrays: _StorageArrays, region: Region, window: RegionWindow, *, early_stop: bool
-) -> int:
-    """``_replay_peak`` of ``region``: its rules only ask whether a unit is in this region, so the rest of the plan
-    does not matter. The same steps, on what ``_replay_units`` keeps per unit: a transient leaves at its last reader
-    (where ``_replay_peak``'s scan finds it), and "read outside the region" compares the first and last reader."""
-    first, last_unit = region.first_unit, region.last_unit
-    last = window.last_saver_unit if early_stop else last_unit
-    assert last is not None  # a region with a first backward event has a last saver
-    replay_units = _replay_units(trace, arrays)
-    live = 0
-    peak = 0
-    leaving: dict[int, int] = {}  # unit -> bytes of transients it is the last reader of
-    for unit in range(first, last + 1):
-        rise, pack_rise, made = replay_units[unit]
-        if early_stop and unit == last and pack_rise is not None:
-            return max(peak, live + pack_rise)
-        peak = max(peak, live + rise)
-        for nbytes, first_user, last_user, savers in made:
-            if first_user < first or last_user > last_unit or any(first <= s <= last_unit for s in savers):
-                live += nbytes  # read outside the region (a unit outside, or the loss), or saved in it
-            elif last_user > unit:
-                live += nbytes  # read by a later unit of the region: until that unit ran
-                leaving[last_user] = leaving.get(last_user, 0) + nbytes
-        peak = max(peak, live)
-        live -= leaving.pop(unit, 0)
-    return peak
-
-
-_NO_USER = (1 << 62, -1)  # (first, last) reader of a storage no unit reads: neither outside a region nor later
-
-
-def _replay_units(trace: StepTrace, arrays: _StorageArrays) -> list[_ReplayUnit]:
-    """Per unit, for ``_replay_peak_alone``: its forward event's rise (to its peak, and to its last pack: None if
-    nothing was packed), and the storages it made that outlive it: bytes, first and last reader, savers."""
-    if arrays.replay_units:
-        return arrays.replay_units
-    index = _storage_index(trace)
-    for unit in range(len(trace.units)):
-        event = index.forward_event_of_unit.get(unit)
-        kept = index.unowned_bytes_of_unit[unit]  # as ``_replay_peak``: not made again
-        rise = event.peak_bytes - event.start_bytes - kept if event is not None else 0
-        pack_rise = (
-            event.pack_peak_bytes - event.start_bytes - kept
-            if event is not None and event.pack_peak_bytes is not None
-            else None
-        )
-        made = tuple(
-            (
-                storage.nbytes,
-                *((min(storage.user_units), max(storage.user_units)) if storage.user_units else _NO_USER),
-                storage.saver_units,
-            )
-            for storage in index.made_by_unit[unit]
-            if not (storage.free_event is not None and storage.free_event <= storage.alloc_event)
-        )
-        arrays.replay_units.append((rise, pack_rise, made))
-    return arrays.replay_units
-
-
-def _region_facts(trace: StepTrace, arrays: _StorageArrays, region: Region, action: Action) -> _RegionFacts:
+def _region_facts(trace: StepTrace, arrays: StorageArrays, region: Region, action: Action) -> RegionFacts:
     key = (region, action)
     facts = arrays.region_facts.get(key)
     if facts is not None:
@@ -553,11 +389,11 @@ def _region_facts(trace: StepTrace, arrays: _StorageArrays, region: Region, acti
     recompute_ms = 0.0
     replay = 0
     if window.first_backward_event is not None:
-        replay = _replay_peak_alone(trace, arrays, region, window, early_stop=_stops_early(action))
+        replay = replay_peak_alone(trace, arrays, region, window, early_stop=_stops_early(action))
         if window.last_recomputed_unit is not None:
             rerun = list(range(region.first_unit, window.last_recomputed_unit + 1))
             recompute_ms = sum(arrays.forward_ms[region.first_unit : window.last_recomputed_unit + 1])
-    facts = _RegionFacts(
+    facts = RegionFacts(
         first_backward=-1 if window.first_backward_event is None else window.first_backward_event,
         last_backward=-1 if window.last_backward_event is None else window.last_backward_event,
         replay_bytes=replay,
@@ -565,126 +401,10 @@ def _region_facts(trace: StepTrace, arrays: _StorageArrays, region: Region, acti
         recompute_ms=recompute_ms,
         saved_tensors=arrays.saved_tensors_before[region.last_unit + 1] - arrays.saved_tensors_before[region.first_unit],
     )
-    if len(arrays.region_facts) >= _REGION_FACTS_SIZE:
+    if len(arrays.region_facts) >= REGION_FACTS_SIZE:
         arrays.region_facts.clear()
     arrays.region_facts[key] = facts
     return facts
-
-
-# one entry per trace, kept alive with it (as _INDEX_CACHE: an id is never reused while its entry exists)
-_ARRAYS_CACHE: dict[int, tuple[StepTrace, _StorageArrays]] = {}
-
-
-def _storage_arrays(trace: StepTrace) -> _StorageArrays:
-    cached = _ARRAYS_CACHE.get(id(trace))
-    if cached is not None and cached[0] is trace:
-        return cached[1]
-    num_events = len(trace.events)
-    storages = trace.storages
-
-    def units(values: Sequence[int]) -> np.ndarray:  # unit -1 (outside the graph) -> region_of's extra last entry
-        array = np.array(values, dtype=np.int64)
-        array[array < 0] = len(trace.units)
-        return array
-
-    # one entry per (storage, unit); savers zipped with their release events, as ``_predict`` zips them
-    users = [(s, u) for s, storage in enumerate(storages) for u in storage.user_units]
-    savers = [
-        (s, u, e)
-        for s, storage in enumerate(storages)
-        for u, e in zip(storage.saver_units, storage.saver_release_events)
-    ]
-    arrays = _StorageArrays(
-        num_units=len(trace.units),
-        num_events=num_events,
-        num_storages=len(storages),
-        peak_bytes=np.array([e.peak_bytes for e in trace.events], dtype=np.int64),
-        start_bytes=np.array([e.start_bytes for e in trace.events], dtype=np.int64),
-        nbytes=np.array([s.nbytes for s in storages], dtype=np.int64),
-        producer=units([s.producer_unit for s in storages]),
-        base_free=np.array(
-            [num_events - 1 if s.free_event is None else s.free_event for s in storages], dtype=np.int64
-        ),
-        never_freed=np.array([s.free_event is None for s in storages], dtype=bool),
-        last_forward_use=np.array([s.last_forward_use_event for s in storages], dtype=np.int64),
-        gradient_free=np.array(
-            [-1 if s.gradient_free_event is None else s.gradient_free_event for s in storages], dtype=np.int64
-        ),
-        user_owner=np.array([s for s, _ in users], dtype=np.int64),
-        user_unit=units([u for _, u in users]),
-        saver_owner=np.array([s for s, _, _ in savers], dtype=np.int64),
-        saver_unit=units([u for _, u, _ in savers]),
-        saver_release=np.array([e for _, _, e in savers], dtype=np.int64),
-        forward_ms=[unit.forward_ms for unit in trace.units],
-        saved_tensors_before=[0, *itertools.accumulate(unit.saved_tensors for unit in trace.units)],
-    )
-    if len(_ARRAYS_CACHE) >= _INDEX_CACHE_SIZE:
-        _ARRAYS_CACHE.pop(next(iter(_ARRAYS_CACHE)))
-    _ARRAYS_CACHE[id(trace)] = (trace, arrays)
-    return arrays
-
-
-@dataclass(frozen=True, slots=True)
-class _StorageIndex:
-    storages_of_unit: tuple[tuple[int, ...], ...]  # per unit: storages it makes, reads or saves
-    forward_bytes: tuple[int, ...]  # per event: bytes of forward-made storages alive in the measured step
-    made_by_unit: tuple[tuple[StorageLife, ...], ...]  # per unit: the storages it made
-    backward_span_of_unit: tuple[tuple[int, int] | None, ...]  # per unit: first and last backward event unpacking
-    saves_own_output: frozenset[int]  # units that saved a storage they made
-    forward_event_of_unit: dict[int, MemoryEvent]  # unit -> its forward event
-    # per unit: bytes of storages made in its forward event that no unit owns (autocast's cached casts)
-    unowned_bytes_of_unit: tuple[int, ...]
-    unowned: tuple[StorageLife, ...]  # those storages
-
-
-# Scoring candidates simulates hundreds of plans on one trace: index it once. StepTraces are kept alive here, so an
-# id is never reused while its entry exists; a few entries are enough (one planner at a time, tests).
-_INDEX_CACHE: dict[int, tuple[StepTrace, _StorageIndex]] = {}
-_INDEX_CACHE_SIZE = 4
-
-
-def _storage_index(trace: StepTrace) -> _StorageIndex:
-    cached = _INDEX_CACHE.get(id(trace))
-    if cached is not None and cached[0] is trace:
-        return cached[1]
-    num_events = len(trace.events)
-    related: list[set[int]] = [set() for _ in trace.units]
-    alive = [0] * (num_events + 1)
-    for position, storage in enumerate(trace.storages):
-        for unit in {storage.producer_unit, *storage.user_units, *storage.saver_units}:
-            if unit >= 0:
-                related[unit].add(position)
-        free = storage.free_event if storage.free_event is not None else num_events - 1
-        alive[storage.alloc_event] += storage.nbytes
-        alive[free + 1] -= storage.nbytes
-    made: list[list[StorageLife]] = [[] for _ in trace.units]
-    unowned_bytes = [0] * len(trace.units)
-    unowned = []
-    for storage in trace.storages:
-        if storage.producer_unit >= 0:
-            made[storage.producer_unit].append(storage)
-        elif trace.events[storage.alloc_event].unit >= 0:  # made while a unit ran, owned by none
-            unowned_bytes[trace.events[storage.alloc_event].unit] += storage.nbytes
-            unowned.append(storage)
-    spans: list[tuple[int, int] | None] = [None] * len(trace.units)
-    for event in trace.events:  # a backward event belongs to the unit whose saved tensors it unpacked
-        if event.phase is Phase.BACKWARD and event.unit >= 0:
-            span = spans[event.unit]
-            spans[event.unit] = (event.index, event.index) if span is None else (span[0], event.index)
-    index = _StorageIndex(
-        backward_span_of_unit=tuple(spans),
-        saves_own_output=frozenset(u for s in trace.storages for u in s.saver_units if u == s.producer_unit),
-        storages_of_unit=tuple(tuple(sorted(s)) for s in related),
-        forward_bytes=tuple(itertools.accumulate(alive[:num_events])),
-        made_by_unit=tuple(map(tuple, made)),
-        forward_event_of_unit={e.unit: e for e in trace.events if e.phase is Phase.FORWARD and e.unit >= 0},
-        unowned_bytes_of_unit=tuple(unowned_bytes),
-        unowned=tuple(unowned),
-    )
-    if len(_INDEX_CACHE) >= _INDEX_CACHE_SIZE:
-        _INDEX_CACHE.pop(next(iter(_INDEX_CACHE)))
-    _INDEX_CACHE[id(trace)] = (trace, index)
-    return index
 
 
 def _region(region_of: list[int | None], unit: int) -> int | None:
@@ -745,7 +465,7 @@ def _replay_peak(
     output). What a unit made that no unit owns (autocast's cached casts, made before its kernel) is not made
     again: its rise leaves those bytes out.
     """
-    storages = _storage_index(trace)
+    storages = storage_index(trace)
     last = window.last_saver_unit if early_stop else region.last_unit
     live = 0
     peak = 0
@@ -796,7 +516,7 @@ def _late_leaf_gradients(
     left as measured too (its peak may come before the float32 gradient did).
     """
     changes = []
-    for storage in _storage_index(trace).unowned:
+    for storage in storage_index(trace).unowned:
         made_at = storage.gradient_free_event
         if made_at is None:
             continue

@@ -29,7 +29,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from autockpt.runtime.model_state import weights_put_back
-from autockpt.measure.trace import StorageTracker, step_tensors, unique_storage_bytes
+from autockpt.measure.storage_tracker import StorageTracker
+from autockpt.measure.trace import step_tensors, unique_storage_bytes
 from autockpt.types import (
     OUTSIDE_GRAPH_UNIT,
     MemoryEvent,

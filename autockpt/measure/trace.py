@@ -1,11 +1,11 @@
 """Trace: Graph -> StepTrace. Runs the captured, unmodified step and measures what every unit costs.
 
-One tracked step records the memory timeline: a ``TorchDispatchMode`` sees every storage that ops create (the same
-accounting as ``torch.distributed._tools.mem_tracker.MemTracker``), weak references tell when each one is freed,
-and ``saved_tensors_hooks`` tell which unit saved which storage for backward and when backward unpacked it. Timed
-steps give per-unit forward milliseconds (median of repeats) and the step time; one forward under
-``FlopCounterMode`` gives FLOPs. What each action would add on top (the checkpoint machinery) is priced apart, by
-``costs.py``. The caller keeps the model's state (see ``autockpt.runtime.model_state``).
+One tracked step records the memory timeline: a ``TorchDispatchMode`` (``storage_tracker.py``) sees every storage
+that ops create (the same accounting as ``torch.distributed._tools.mem_tracker.MemTracker``), weak references tell
+when each one is freed, and ``saved_tensors_hooks`` tell which unit saved which storage for backward and when
+backward unpacked it. Timed steps give per-unit forward milliseconds (median of repeats) and the step time; one
+forward under ``FlopCounterMode`` gives FLOPs. What each action would add on top (the checkpoint machinery) is
+priced apart, by ``costs.py``. The caller keeps the model's state (see ``autockpt.runtime.model_state``).
 
 Under autocast every step starts with autocast's cache empty (``model_state.start_autocast_step``, which the optimized
 module does too). The low-precision copies of parameters that autocast caches are recorded as storages no unit owns
@@ -17,29 +17,25 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import itertools
 import logging
 import statistics
 import time
-import weakref
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
-from torch.utils.weak import WeakIdKeyDictionary
 
-from autockpt.measure.capture import ModuleUnitRecorder
-from autockpt.runtime.fx_nodes import compute_nodes
-from autockpt.errors import LossFunctionError, ProfileError
-from autockpt.runtime.model_state import start_autocast_step
 from autockpt.core.structure import find_repeated_blocks
+from autockpt.errors import LossFunctionError, ProfileError
+from autockpt.measure.capture import ModuleUnitRecorder
+from autockpt.measure.storage_tracker import GradientRecorder, StorageRecord, StorageTracker
+from autockpt.runtime.fx_nodes import compute_nodes
+from autockpt.runtime.model_state import start_autocast_step
 from autockpt.types import OUTSIDE_GRAPH_UNIT, CaptureKind, Graph, MemoryEvent, Phase, StepTrace, StorageLife, UnitCost
 
 logger = logging.getLogger(__name__)
@@ -159,199 +155,6 @@ def unit_callbacks(
 # --------------------------------------------------------------------------------------------- the tracked step
 
 
-@dataclass(slots=True, eq=False)
-class _StorageRecord:
-    index: int
-    nbytes: int
-    phase: Phase
-    producer_unit: int
-    alloc_event: int
-    last_use_event: int
-    free_event: int | None = None
-    users: set[int] = field(default_factory=set)
-    mutators: set[int] = field(default_factory=set)
-    release_event_by_saver: dict[int, int] = field(default_factory=dict)
-    weak: Any = None
-    gradients: list[_StorageRecord] = field(default_factory=list)  # forward: storages of gradients computed for it
-    autocast_cast: Any = None  # a weak reference to the leaf this is autocast's (cacheable) low-precision copy of
-
-
-@dataclass(slots=True)
-class _EventRecord:
-    phase: Phase
-    unit: int
-    start_bytes: int
-    peak_bytes: int
-    pack_peak_bytes: int | None = None  # forward: peak up to the event's last pack for backward
-
-
-_CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator hands out multiples of this (MemTracker rounds the same way)
-
-
-class StorageTracker(TorchDispatchMode):
-    """Live bytes of every storage ops create on ``device``, split into events (windows of the step).
-
-    On CUDA, sizes are rounded up to allocator blocks, device memory that no tracked tensor explains (cuBLAS
-    workspaces, other tensors the process holds) is counted from the start, and every op's own high-water mark (read
-    from the allocator's peak around it) raises its event's peak, so the figures are comparable with
-    ``torch.cuda.max_memory_allocated``.
-    """
-
-    def __init__(self, device: torch.device, static_tensors: list[torch.Tensor]) -> None:
-        super().__init__()
-        self.device = device
-        self.records: list[_StorageRecord] = []
-        self.events: list[_EventRecord] = []
-        self._known: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self.live_bytes = 0
-        for tensor in static_tensors:  # counted from the start, never attributed to a unit
-            storage = tensor.untyped_storage()
-            if storage not in self._known:
-                self._known[storage] = None
-                self.live_bytes += self.allocation_bytes(storage)
-        self.static_bytes = self.live_bytes
-        # the dtype autocast casts leaves to and caches on this device (None: autocast or its cache is off); read
-        # here, outside the mode: inside it autocast reads as off
-        self.cached_cast_dtype = (
-            torch.get_autocast_dtype(device.type)
-            if torch.is_autocast_enabled(device.type) and torch.is_autocast_cache_enabled()
-            else None
-        )
-        if device.type == "cuda":
-            self.live_bytes = max(self.live_bytes, torch.cuda.memory_allocated(device))
-        self.begin_event(Phase.FORWARD, OUTSIDE_GRAPH_UNIT)
-
-    def allocation_bytes(self, storage: torch.UntypedStorage) -> int:
-        nbytes = storage.nbytes()
-        if self.device.type == "cuda":
-            return -(-nbytes // _CUDA_BLOCK_BYTES) * _CUDA_BLOCK_BYTES
-        return nbytes
-
-    @property
-    def phase(self) -> Phase:
-        return self.events[-1].phase
-
-    @property
-    def unit(self) -> int:
-        return self.events[-1].unit
-
-    def begin_event(self, phase: Phase, unit: int) -> None:
-        self.events.append(_EventRecord(phase, unit, self.live_bytes, self.live_bytes))
-
-    def record_of(self, tensor: torch.Tensor) -> _StorageRecord | None:
-        try:
-            return self._known.get(tensor.untyped_storage())
-        except (RuntimeError, NotImplementedError):
-            return None
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        on_cuda = self.device.type == "cuda"
-        if on_cuda:
-            allocated_before = torch.cuda.memory_allocated(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        out = func(*args, **kwargs)
-        event = len(self.events) - 1
-        if on_cuda:
-            # the op's own high-water mark: its outputs and the buffers its kernels allocate and free inside it
-            # (attention and cuBLAS workspaces, a loss's temporaries), which no storage the step sees explains
-            rise = torch.cuda.max_memory_allocated(self.device) - allocated_before
-            self.events[event].peak_bytes = max(self.events[event].peak_bytes, self.live_bytes + rise)
-        if self.phase is Phase.FORWARD:
-            for leaf in pytree.tree_leaves((args, kwargs)):
-                if isinstance(leaf, torch.Tensor):
-                    record = self.record_of(leaf)
-                    if record is not None:
-                        record.users.add(self.unit)
-                        record.last_use_event = event
-            for leaf in _written_arguments(func, args, kwargs):
-                record = self.record_of(leaf)
-                if record is not None:
-                    record.mutators.add(self.unit)
-        cast = func is torch.ops.aten._to_copy.default and self._caches_cast_of(args)
-        for leaf in pytree.tree_leaves(out):
-            if isinstance(leaf, torch.Tensor) and leaf.device == self.device:
-                record = self._register(leaf, event)
-                if record is not None and cast and leaf.dtype == self.cached_cast_dtype:
-                    record.autocast_cast = weakref.ref(args[0])
-        return out
-
-    def _caches_cast_of(self, args: tuple) -> bool:
-        """Whether autocast caches a cast of ``args[0]``: a float32 leaf that requires grad (a parameter), not a
-        view, while autocast and its cache are on (the conditions of ``cached_cast`` in ATen's autocast)."""
-        source = args[0] if args else None
-        return (
-            self.cached_cast_dtype is not None
-            and isinstance(source, torch.Tensor)
-            and source.dtype == torch.float32
-            and source.is_leaf
-            and source.requires_grad
-            and not source._is_view()
-        )
-
-    def _register(self, tensor: torch.Tensor, event: int) -> _StorageRecord | None:
-        """Start tracking the storage behind ``tensor`` (None: it is known already, or has none)."""
-        try:
-            storage = tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            return None
-        if storage in self._known:
-            return None
-        nbytes = self.allocation_bytes(storage)
-        record = _StorageRecord(len(self.records), nbytes, self.phase, self.unit, event, event)
-        record.weak = weakref.ref(storage, functools.partial(self._on_free, record))
-        self._known[storage] = record
-        self.records.append(record)
-        self.live_bytes += nbytes
-        current = self.events[-1]
-        current.peak_bytes = max(current.peak_bytes, self.live_bytes)
-        return record
-
-    def _on_free(self, record: _StorageRecord, _ref: Any) -> None:
-        self.live_bytes -= record.nbytes
-        record.free_event = len(self.events) - 1
-
-
-def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """Tensors an op writes into in place (``relu_``, ``add_``, ``out=``), from its schema."""
-    schema = getattr(func, "_schema", None)
-    if schema is None or not schema.is_mutable:
-        return []
-    written = []
-    for position, argument in enumerate(schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        value = args[position] if position < len(args) else kwargs.get(argument.name)
-        written += [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
-    return written
-
-
-class _GradientRecorder(TorchFunctionMode):
-    """Links each forward storage to the storages of the gradients backward computes for tensors on it, so the
-    profile knows how long those gradients lived (autockpt's checkpoint keeps a region's output gradients until the
-    region's backward is done). Above autograd, where outputs can take a gradient hook; the hook holds the storage
-    record, never the tensor."""
-
-    def __init__(self, tracker: StorageTracker) -> None:
-        super().__init__()
-        self.tracker = tracker
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if self.tracker.phase is Phase.FORWARD:
-            for leaf in pytree.tree_leaves(out):
-                if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None:
-                    record = self.tracker.record_of(leaf)
-                    if record is not None and record.phase is Phase.FORWARD:
-                        leaf.register_hook(functools.partial(self._on_gradient, record))
-        return out
-
-    def _on_gradient(self, record: _StorageRecord, gradient: torch.Tensor) -> None:
-        gradient_record = self.tracker.record_of(gradient)
-        if gradient_record is not None:
-            record.gradients.append(gradient_record)
-
-
 @dataclass(slots=True)
 class _TrackedStep:
     tracker: StorageTracker
@@ -370,7 +173,7 @@ def _tracked_step(
     saved_by_unit: dict[int, set[int]] = {}
     packs_by_unit: dict[int, int] = {}
 
-    def pack(tensor: torch.Tensor) -> tuple[torch.Tensor, _StorageRecord | None, int]:
+    def pack(tensor: torch.Tensor) -> tuple[torch.Tensor, StorageRecord | None, int]:
         record = tracker.record_of(tensor)
         unit = tracker.unit
         packs_by_unit[unit] = packs_by_unit.get(unit, 0) + 1
@@ -382,7 +185,7 @@ def _tracked_step(
         # detach: same storage, no reference cycle through the output's grad_fn
         return tensor.detach(), record, unit
 
-    def unpack(packed: tuple[torch.Tensor, _StorageRecord | None, int]) -> torch.Tensor:
+    def unpack(packed: tuple[torch.Tensor, StorageRecord | None, int]) -> torch.Tensor:
         tensor, record, unit = packed
         if tracker.phase is not Phase.BACKWARD or tracker.unit != unit:
             tracker.begin_event(Phase.BACKWARD, unit)
@@ -403,7 +206,7 @@ def _tracked_step(
                 record.users.add(index)
                 record.last_use_event = event
 
-    with tracker, _GradientRecorder(tracker) if record_gradients else contextlib.nullcontext():
+    with tracker, GradientRecorder(tracker) if record_gradients else contextlib.nullcontext():
         with unit_callbacks(graph, on_unit, on_inputs=on_inputs), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             output = graph.executable(*args, **kwargs)
             tracker.begin_event(Phase.FORWARD, OUTSIDE_GRAPH_UNIT)  # the loss function
@@ -424,7 +227,7 @@ def _tracked_step(
     return _TrackedStep(tracker, saved_by_unit, packs_by_unit, gradient_allocations, gradient_event_of_leaf)
 
 
-def _last_free_event(records: list[_StorageRecord], num_events: int) -> int | None:
+def _last_free_event(records: list[StorageRecord], num_events: int) -> int | None:
     """The event after which none of ``records`` is alive (None: there are none)."""
     if not records:
         return None

@@ -53,15 +53,13 @@ from autockpt.pipeline.stage_graphs import (
     stage_graph,
 )
 from autockpt.measure.trace import trace_step, unique_storage_bytes
+from autockpt.record_types import ModelFingerprint, PipelineStageRecord, SharedParameter
 from autockpt.types import (
     CaptureKind,
     Graph,
-    ModelFingerprint,
     Phase,
     PipelineSchedule,
-    PipelineStageRecord,
     RegionAction,
-    SharedParameter,
 )
 from autockpt.units import format_bytes
 

@@ -24,8 +24,9 @@ from torch.fx import _pytree as fx_pytree
 from torch.fx.graph import CodeGen, _PyTreeCodeGen, _PyTreeInfo
 from torch.utils import _pytree as pytree
 
+from autockpt.record_types import SharedParameter
 from autockpt.runtime.fx_nodes import compute_nodes
-from autockpt.types import CaptureKind, Graph, SharedParameter
+from autockpt.types import CaptureKind, Graph
 
 logger = logging.getLogger(__name__)
 

@@ -52,7 +52,8 @@ from autockpt.records.plan_io import check_fingerprint, model_fingerprint
 from autockpt.runtime.model_state import enter_training_modes, preserved_model_state
 from autockpt.runtime.offload import available_host_bytes
 from autockpt.runtime.rewrite import OptimizedModule, rewrite
-from autockpt.types import Action, CaptureKind, CostModel, Graph, ParetoPoint, Placement, Region, StepTrace, describe_value
+from autockpt.record_types import ParetoPoint
+from autockpt.types import Action, CaptureKind, CostModel, Graph, Placement, Region, StepTrace, describe_value
 from autockpt.units import GB, format_bytes
 
 logger = logging.getLogger(__name__)

@@ -11,14 +11,13 @@ from dataclasses import dataclass
 from autockpt.records.plan import Plan
 from autockpt.core.simulate import memory_curve, unit_regions
 from autockpt.core.solve.base import SolveResult
+from autockpt.record_types import ModelFingerprint, NodePlan
 from autockpt.types import (
     Action,
     CostModel,
     Decision,
     Graph,
     MemoryCurve,
-    ModelFingerprint,
-    NodePlan,
     Placement,
     PlanStatus,
     Policy,

@@ -27,10 +27,11 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autockpt.measure.capture import capture
+from autockpt.record_types import PlanRecord
 from autockpt.runtime.model_state import preserved_model_state
 from autockpt.runtime.offload import HostPool
 from autockpt.runtime.rewrite import CallForm, OptimizedModule, input_signature, rewrite
-from autockpt.types import CaptureKind, Graph, Placement, PlanRecord, Policy, Region, RegionAction, Unit
+from autockpt.types import CaptureKind, Graph, Placement, Policy, Region, RegionAction, Unit
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,9 @@ from autockpt.present.page import (
     plot_notices,
     write_page,
 )
+from autockpt.record_types import ModelFingerprint, PipelineStageRecord, PlanRecord, SharedParameter
 from autockpt.records.summary import decisions_line, recomputing_regions
-from autockpt.types import ModelFingerprint, Phase, PipelineSchedule, PipelineStageRecord, PlanRecord, SharedParameter
+from autockpt.types import Phase, PipelineSchedule
 from autockpt.units import format_bytes
 
 _OTHERS_COLOUR = "#937860"  # what the other microbatches in flight keep

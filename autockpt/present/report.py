@@ -16,8 +16,8 @@ from autockpt.present.page import (
     plot_notices,
     write_page,
 )
+from autockpt.record_types import PlanRecord
 from autockpt.records.summary import decisions_line, floor_note, module_rows, overhead_breakdown, pool_line, region_rows
-from autockpt.types import PlanRecord
 from autockpt.units import GB, format_bytes
 
 _LOG = logging.getLogger(__name__)

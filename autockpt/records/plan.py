@@ -1,4 +1,4 @@
-"""Plan: the record of what autockpt decided (``types.PlanRecord``) with the methods a person calls on it.
+"""Plan: the record of what autockpt decided (``record_types.PlanRecord``) with the methods a person calls on it.
 
 It sits above the modules that format and store plans (``summary.py``, ``plan_io.py``), which read the record and never
 import this module; the stages build ``Plan`` values and pass them on without calling these methods. The HTML report
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from autockpt.records import plan_io
 from autockpt.records import summary
-from autockpt.types import PlanRecord
+from autockpt.record_types import PlanRecord
 
 if TYPE_CHECKING:
     import pandas as pd

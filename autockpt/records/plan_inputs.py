@@ -25,7 +25,7 @@ from autockpt.errors import PlanMismatchError
 from autockpt.records.plan_io import describe_spec, is_integral
 from autockpt.runtime.rewrite import CallForm
 from autockpt.measure.trace import device_of
-from autockpt.types import PlanRecord, TensorSpec
+from autockpt.record_types import PlanRecord, TensorSpec
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from autockpt.errors import PlanFileError, PlanMismatchError
-from autockpt.types import Graph, ModelFingerprint, PlanRecord, TensorSpec, Unit
+from autockpt.record_types import ModelFingerprint, PlanRecord, TensorSpec
+from autockpt.types import Graph, Unit
 
 SCHEMA = "autockpt.plan"
 # 4: the training loop the budget covers (optimizer step, gradient accumulation); 3: integer inputs' value ranges;

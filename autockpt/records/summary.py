@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from autockpt.types import Decision, PlanRecord
+from autockpt.record_types import PlanRecord
+from autockpt.types import Decision
 from autockpt.units import format_bytes
 
 if TYPE_CHECKING:

@@ -130,8 +130,8 @@ def compiled_checkpoint(run: Callable[..., Any], args: tuple, kwargs: dict) -> A
     once, at its end; the backward recomputes values, never mutations), no saved-tensor hook to spare (so autockpt's
     own checkpoint has nothing to gain over torch's), and the RNG state is the compiler's to keep (random ops that
     the compiled backward recomputes run with the forward's state, ``run_with_rng_state`` in its graph). Measured
-    (``tests/test_compile.py``): outputs, gradients and BatchNorm buffers equal to the compiled original's with the
-    Inductor and aot_eager backends. Not with ``backend="eager"`` (Dynamo without AOTAutograd), which runs the
+    (``tests/runtime/test_compile.py``): outputs, gradients and BatchNorm buffers equal to the compiled original's
+    with the Inductor and aot_eager backends. Not with ``backend="eager"`` (Dynamo without AOTAutograd), which runs the
     checkpoint op eagerly: a region updating BatchNorm statistics then fails in backward, and dropout inside a region
     gave other gradients.
     """

@@ -36,7 +36,8 @@ from autockpt.errors import UnplannedStepError
 from autockpt.runtime.model_state import autocast_state, start_autocast_step, training_modes
 from autockpt.runtime.offload import HostPool, PoolStats
 from autockpt.runtime.recompute import CheckpointedRegion, run_checkpointed
-from autockpt.types import Action, CaptureKind, Graph, PlanRecord, Policy, Region
+from autockpt.record_types import PlanRecord
+from autockpt.types import Action, CaptureKind, Graph, Policy, Region
 
 logger = logging.getLogger(__name__)
 

@@ -184,7 +184,7 @@ def removable_bytes(profile: Profile, region: Region) -> np.ndarray:
     In the simulator a plan frees a storage earlier only when the storage is made and saved inside one region, and
     never before the storage's last forward use; everything else a plan does (held inputs, recomputed copies,
     replay bursts) adds bytes. A storage has one producer, so the bounds of disjoint regions add up. This mirrors
-    the simulator's rules; tests/solvers/test_exact.py checks it against ``simulate`` for every region set of small
+    the simulator's rules; tests/core/solve/test_exact.py checks it against ``simulate`` for every region set of small
     graphs, so a simulator change that frees memory in a new way shows up there.
     """
     bound = np.zeros(len(profile.events), dtype=np.int64)

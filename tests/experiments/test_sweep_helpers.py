@@ -14,7 +14,7 @@ from torch import nn
 
 from autockpt.present import zoo
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "experiments"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "experiments"))
 import sweep  # noqa: E402
 
 

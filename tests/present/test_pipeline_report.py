@@ -16,7 +16,8 @@ from pipeline_worker import build, lm_loss
 
 import autockpt
 from autockpt.present.pipeline_report import schedule_boxes, schedule_order, stage_memory
-from autockpt.types import PipelineSchedule, SharedParameter
+from autockpt.record_types import SharedParameter
+from autockpt.types import PipelineSchedule
 from autockpt.units import format_bytes
 
 _CONFIG = {"seed": 0, "model": {"vocab": 1024, "width": 32, "layers": 4, "tied": False}}

@@ -21,7 +21,7 @@ import autockpt
 from autockpt.errors import InfeasibleBudgetError, PlanMismatchError
 from autockpt.pipeline.run import stage_module_for
 from autockpt.core.solve.split import SplitProblem, StageOption, exhaustive_split, solve_split
-from autockpt.types import PipelineStageRecord
+from autockpt.record_types import PipelineStageRecord
 
 _CONFIG = {"seed": 0, "model": {"vocab": 1024, "width": 32, "layers": 4, "tied": False}}
 _MICROBATCHES = 4

@@ -24,7 +24,7 @@ from autockpt.present import zoo
 from autockpt.measure.step import measure_compiled_step
 from autockpt.types import Action
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "experiments"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "experiments"))
 from anchors import profiler_peak_bytes
 
 RECOMPUTE_ACTIONS = (Action.RECOMPUTE_TORCH, Action.RECOMPUTE_OWN)

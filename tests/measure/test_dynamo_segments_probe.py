@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "experiments"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "experiments"))
 import probe_dynamo_segments as probe
 
 

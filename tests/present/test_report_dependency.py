@@ -16,7 +16,7 @@ import autockpt
 from autockpt.present.cli import main
 from autockpt.units import format_bytes
 
-PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 MISSING = "No plots: matplotlib could not be imported"
 
 

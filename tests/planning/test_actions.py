@@ -17,7 +17,7 @@ from autockpt.core.simulate import simulate
 from autockpt.records.summary import region_rows
 from autockpt.types import Action, CheckpointKind, Placement, Policy, Region, RegionAction, Stage
 
-V1_PLAN = Path(__file__).parent / "data" / "plan_v1_transformer_tiny.json"  # written by the release before issue 20
+V1_PLAN = Path(__file__).parents[1] / "data" / "plan_v1_transformer_tiny.json"  # written by the release before issue 20
 
 
 def test_checkpoint_kind_is_the_action_under_its_old_names() -> None:

@@ -19,7 +19,7 @@ from autockpt.planning.policy import assemble_plan
 from autockpt.core.simulate import simulate
 from autockpt.types import Action, Decision, RegionAction
 
-SLACK_BYTES = 1024  # as tests/test_offload_plans.py: exact on the conv net, 512 bytes high on the MLP
+SLACK_BYTES = 1024  # as tests/runtime/test_offload_plans.py: exact on the conv net, 512 bytes high on the MLP
 
 
 def pool_planner(case: zoo.ZooCase, host_pool_gb: float | str = 1.0) -> autockpt.Planner:

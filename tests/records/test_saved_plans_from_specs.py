@@ -13,8 +13,8 @@ from conftest import assert_same_step, needs_transformers, twin
 
 import autockpt
 from autockpt.present import zoo
+from autockpt.record_types import ModelFingerprint, TensorSpec
 from autockpt.records.plan_inputs import recorded_inputs
-from autockpt.types import ModelFingerprint, TensorSpec
 
 Planned = tuple[zoo.ZooCase, autockpt.Plan]  # a zoo case and a plan made for it
 

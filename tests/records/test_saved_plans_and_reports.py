@@ -139,7 +139,7 @@ def test_estimate_breaks_the_step_down() -> None:
 def test_the_html_report_renders_in_headless_chromium(transformer_plan: autockpt.Plan, tmp_path: Path) -> None:
     from matplotlib.image import imread
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "experiments"))
+    sys.path.insert(0, str(Path(__file__).parents[2] / "experiments"))
     from screenshot_report import screenshot
 
     transformer_plan.report(tmp_path / "r.html")

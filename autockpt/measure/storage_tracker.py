@@ -1,0 +1,216 @@
+"""StorageTracker: the live bytes of every storage a step's ops create, split into events (windows of the step).
+
+A ``TorchDispatchMode`` sees every storage that ops create (the same accounting as
+``torch.distributed._tools.mem_tracker.MemTracker``) and weak references tell when each one is freed. ``trace.py``
+drives it through one tracked step (with ``saved_tensors_hooks`` and unit callbacks) to make the ``StepTrace``;
+``step.py`` and ``loop.py`` measure real steps with it. ``GradientRecorder`` links forward storages to the
+storages of their gradients (how long a region's output gradients live).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from autockpt.types import OUTSIDE_GRAPH_UNIT, Phase
+
+
+@dataclass(slots=True, eq=False)
+class StorageRecord:
+    index: int
+    nbytes: int
+    phase: Phase
+    producer_unit: int
+    alloc_event: int
+    last_use_event: int
+    free_event: int | None = None
+    users: set[int] = field(default_factory=set)
+    mutators: set[int] = field(default_factory=set)
+    release_event_by_saver: dict[int, int] = field(default_factory=dict)
+    weak: Any = None
+    gradients: list[StorageRecord] = field(default_factory=list)  # forward: storages of gradients computed for it
+    autocast_cast: Any = None  # a weak reference to the leaf this is autocast's (cacheable) low-precision copy of
+
+
+@dataclass(slots=True)
+class _EventRecord:
+    phase: Phase
+    unit: int
+    start_bytes: int
+    peak_bytes: int
+    pack_peak_bytes: int | None = None  # forward: peak up to the event's last pack for backward
+
+
+_CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator hands out multiples of this (MemTracker rounds the same way)
+
+
+class StorageTracker(TorchDispatchMode):
+    """Live bytes of every storage ops create on ``device``, split into events (windows of the step).
+
+    On CUDA, sizes are rounded up to allocator blocks, device memory that no tracked tensor explains (cuBLAS
+    workspaces, other tensors the process holds) is counted from the start, and every op's own high-water mark (read
+    from the allocator's peak around it) raises its event's peak, so the figures are comparable with
+    ``torch.cuda.max_memory_allocated``.
+    """
+
+    def __init__(self, device: torch.device, static_tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.device = device
+        self.records: list[StorageRecord] = []
+        self.events: list[_EventRecord] = []
+        self._known: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.live_bytes = 0
+        for tensor in static_tensors:  # counted from the start, never attributed to a unit
+            storage = tensor.untyped_storage()
+            if storage not in self._known:
+                self._known[storage] = None
+                self.live_bytes += self.allocation_bytes(storage)
+        self.static_bytes = self.live_bytes
+        # the dtype autocast casts leaves to and caches on this device (None: autocast or its cache is off); read
+        # here, outside the mode: inside it autocast reads as off
+        self.cached_cast_dtype = (
+            torch.get_autocast_dtype(device.type)
+            if torch.is_autocast_enabled(device.type) and torch.is_autocast_cache_enabled()
+            else None
+        )
+        if device.type == "cuda":
+            self.live_bytes = max(self.live_bytes, torch.cuda.memory_allocated(device))
+        self.begin_event(Phase.FORWARD, OUTSIDE_GRAPH_UNIT)
+
+    def allocation_bytes(self, storage: torch.UntypedStorage) -> int:
+        nbytes = storage.nbytes()
+        if self.device.type == "cuda":
+            return -(-nbytes // _CUDA_BLOCK_BYTES) * _CUDA_BLOCK_BYTES
+        return nbytes
+
+    @property
+    def phase(self) -> Phase:
+        return self.events[-1].phase
+
+    @property
+    def unit(self) -> int:
+        return self.events[-1].unit
+
+    def begin_event(self, phase: Phase, unit: int) -> None:
+        self.events.append(_EventRecord(phase, unit, self.live_bytes, self.live_bytes))
+
+    def record_of(self, tensor: torch.Tensor) -> StorageRecord | None:
+        try:
+            return self._known.get(tensor.untyped_storage())
+        except (RuntimeError, NotImplementedError):
+            return None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        on_cuda = self.device.type == "cuda"
+        if on_cuda:
+            allocated_before = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        out = func(*args, **kwargs)
+        event = len(self.events) - 1
+        if on_cuda:
+            # the op's own high-water mark: its outputs and the buffers its kernels allocate and free inside it
+            # (attention and cuBLAS workspaces, a loss's temporaries), which no storage the step sees explains
+            rise = torch.cuda.max_memory_allocated(self.device) - allocated_before
+            self.events[event].peak_bytes = max(self.events[event].peak_bytes, self.live_bytes + rise)
+        if self.phase is Phase.FORWARD:
+            for leaf in pytree.tree_leaves((args, kwargs)):
+                if isinstance(leaf, torch.Tensor):
+                    record = self.record_of(leaf)
+                    if record is not None:
+                        record.users.add(self.unit)
+                        record.last_use_event = event
+            for leaf in _written_arguments(func, args, kwargs):
+                record = self.record_of(leaf)
+                if record is not None:
+                    record.mutators.add(self.unit)
+        cast = func is torch.ops.aten._to_copy.default and self._caches_cast_of(args)
+        for leaf in pytree.tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.device == self.device:
+                record = self._register(leaf, event)
+                if record is not None and cast and leaf.dtype == self.cached_cast_dtype:
+                    record.autocast_cast = weakref.ref(args[0])
+        return out
+
+    def _caches_cast_of(self, args: tuple) -> bool:
+        """Whether autocast caches a cast of ``args[0]``: a float32 leaf that requires grad (a parameter), not a
+        view, while autocast and its cache are on (the conditions of ``cached_cast`` in ATen's autocast)."""
+        source = args[0] if args else None
+        return (
+            self.cached_cast_dtype is not None
+            and isinstance(source, torch.Tensor)
+            and source.dtype == torch.float32
+            and source.is_leaf
+            and source.requires_grad
+            and not source._is_view()
+        )
+
+    def _register(self, tensor: torch.Tensor, event: int) -> StorageRecord | None:
+        """Start tracking the storage behind ``tensor`` (None: it is known already, or has none)."""
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return None
+        if storage in self._known:
+            return None
+        nbytes = self.allocation_bytes(storage)
+        record = StorageRecord(len(self.records), nbytes, self.phase, self.unit, event, event)
+        record.weak = weakref.ref(storage, functools.partial(self._on_free, record))
+        self._known[storage] = record
+        self.records.append(record)
+        self.live_bytes += nbytes
+        current = self.events[-1]
+        current.peak_bytes = max(current.peak_bytes, self.live_bytes)
+        return record
+
+    def _on_free(self, record: StorageRecord, _ref: Any) -> None:
+        self.live_bytes -= record.nbytes
+        record.free_event = len(self.events) - 1
+
+
+def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """Tensors an op writes into in place (``relu_``, ``add_``, ``out=``), from its schema."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    written = []
+    for position, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[position] if position < len(args) else kwargs.get(argument.name)
+        written += [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+    return written
+
+
+class GradientRecorder(TorchFunctionMode):
+    """Links each forward storage to the storages of the gradients backward computes for tensors on it, so the
+    profile knows how long those gradients lived (autockpt's checkpoint keeps a region's output gradients until the
+    region's backward is done). Above autograd, where outputs can take a gradient hook; the hook holds the storage
+    record, never the tensor."""
+
+    def __init__(self, tracker: StorageTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.tracker.phase is Phase.FORWARD:
+            for leaf in pytree.tree_leaves(out):
+                if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None:
+                    record = self.tracker.record_of(leaf)
+                    if record is not None and record.phase is Phase.FORWARD:
+                        leaf.register_hook(functools.partial(self._on_gradient, record))
+        return out
+
+    def _on_gradient(self, record: StorageRecord, gradient: torch.Tensor) -> None:
+        gradient_record = self.tracker.record_of(gradient)
+        if gradient_record is not None:
+            record.gradients.append(gradient_record)

@@ -1,0 +1,202 @@
+"""What a plan records: the values a plan and a pipeline plan are made of, written to and read from plan files.
+
+``PlanRecord`` (with its rows ``NodePlan``, the model's ``ModelFingerprint`` of ``TensorSpec``s and the budget sweep's
+``ParetoPoint``s) is what ``records/plan.py``, ``summary.py``, ``plan_io.py`` and the reports read;
+``PipelineStageRecord`` and ``SharedParameter`` are a pipeline plan's stages and tied parameters. The values the
+stages pass to make them (graph, trace, costs, policy, timeline) are in ``types.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autockpt.types import (
+    Action,
+    ActionPrice,
+    CaptureKind,
+    Decision,
+    MemoryCurve,
+    PlanStatus,
+    Policy,
+    Region,
+    SolverStats,
+    TrainingLoop,
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TensorSpec:
+    """Name, shape and dtype of a parameter or an input: what a saved plan must match to apply."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # e.g. "torch.float32"; for a non-tensor input, "python" and ``value`` holds its repr
+    value: str = ""
+    # integer and bool inputs: the least and greatest value in the example, so that a saved plan can rebuild inputs
+    # the model accepts (token ids below the vocabulary size); not part of what a plan must match. None: a parameter,
+    # another dtype, an empty tensor, or a plan file of schema version 2 or older
+    value_range: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelFingerprint:
+    """What a plan was made for. Applying a plan to a model or inputs with another fingerprint is refused."""
+
+    model_class: str
+    graph_digest: str  # sha256 of the captured units' ops and module paths, in order
+    num_units: int
+    parameters: tuple[TensorSpec, ...]
+    inputs: tuple[TensorSpec, ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParetoPoint:
+    """One budget of a sweep: what the plan for it predicts."""
+
+    budget_bytes: int
+    predicted_peak_bytes: int | None  # None: infeasible
+    predicted_overhead: float | None
+    regions: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodePlan:
+    """One row of the plan: a unit, what it costs and what was decided."""
+
+    index: int
+    name: str
+    op: str
+    module_path: str
+    saved_bytes: int
+    output_bytes: int
+    forward_ms: float
+    flops: int
+    decision: Decision
+    region: int | None  # index into Plan.regions, None when not checkpointed
+    action: Action | None = None  # the action of its region, None when in none
+    recompute_ms: float = 0.0  # forward ms run again in backward (0 for the tail a region's early stop skips)
+    saved_tensors: int = 0  # tensors autograd saves for this unit (each passes the checkpoint's hooks when recomputed)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanRecord:
+    """The values of a plan: what autockpt decided for one model, inputs and budget, with its predictions.
+
+    ``autockpt.Plan`` (``plan.py``) is this record with its report and save methods; the stages and the modules that
+    write plans (``summary.py``, ``report.py``, ``plan_io.py``) read this record. Bytes are exact integers.
+    """
+
+    budget_bytes: int
+    predicted_peak_bytes: int
+    baseline_peak_bytes: int  # predicted (= measured in profiling) peak with nothing recomputed
+    min_feasible_bytes: int  # the lowest predicted peak found (see floor_complete)
+    static_bytes: int
+    predicted_overhead: float  # (recompute time + checkpoint machinery) / unmodified step time
+    recompute_ms: float
+    baseline_step_ms: float
+    capture: CaptureKind
+    status: PlanStatus
+    solver: str
+    solve_time_s: float  # everything after capture and profiling: preparation, floor, every action's solve
+    capture_time_s: float
+    profile_time_s: float
+    policy: Policy  # what the rewriter applies
+    # the recompute action the solver planned with: it picks one per plan (every region has it), and an identity plan
+    # still records which one it was made for
+    planned_action: Action
+    nodes: tuple[NodePlan, ...]
+    measured_peak_bytes: int | None = None  # optimize() runs one real step on the example inputs to check the budget
+    notes: tuple[str, ...] = field(default=())
+    strategy: str = "autockpt"  # "autockpt" for solved plans; a baseline policy's name otherwise
+    fingerprint: ModelFingerprint | None = None
+    solver_stats: SolverStats | None = None
+    memory_before: MemoryCurve | None = None  # predicted step with nothing recomputed
+    memory_after: MemoryCurve | None = None  # predicted step under this plan
+    pareto: tuple[ParetoPoint, ...] = ()  # other budgets, when the planner was asked for them
+    prices: tuple[ActionPrice, ...] = ()  # the cost model's prices the prediction used (``costs.py``)
+    machinery_ms: float = 0.0  # predicted checkpoint machinery of all regions: part of predicted_overhead
+    # False: min_feasible_bytes comes from the quick floor search (block program, baselines, local descent), which
+    # was enough to prove this budget reachable; a lower budget runs the full search, which may find lower
+    floor_complete: bool = True
+    offloaded_bytes: int = 0  # per step, moved to the host pool and back (regions whose action is OFFLOAD)
+    host_pool_bytes: int = 0  # the host pool the optimized module allocates once (0: no pool)
+    transfer_ms: float = 0.0  # predicted link time the step waits for: part of predicted_overhead
+    loop: TrainingLoop | None = None  # the training loop the budget covers (None: forward and backward alone)
+    # device bytes the step does not own, read when the plan was solved and counted in every prediction (on CUDA:
+    # allocated beyond the model's parameters, buffers, gradients and inputs; ``StepTrace.foreign_bytes``)
+    foreign_bytes: int = 0
+    # what the CUDA caching allocator reserved at the measured step's peak (``torch.cuda.max_memory_reserved``);
+    # None on CPU or when nothing was measured
+    measured_reserved_bytes: int | None = None
+
+    @property
+    def regions(self) -> tuple[Region, ...]:
+        return self.policy.regions
+
+    @property
+    def checkpoint_kind(self) -> Action:
+        """The recompute action of the plan's regions (the name it had before actions: ``CheckpointKind``)."""
+        return self.planned_action
+
+    @property
+    def region_overhead_ms(self) -> float:
+        """Measured fixed cost of one region of the planned action (``ActionPrice.region_ms``)."""
+        return self._price().region_ms
+
+    @property
+    def saved_tensor_overhead_ms(self) -> float:
+        """Measured machinery cost per saved tensor of the planned action (``ActionPrice.saved_tensor_ms``)."""
+        return self._price().saved_tensor_ms
+
+    def _price(self) -> ActionPrice:
+        for price in self.prices:
+            if price.action is self.planned_action:
+                return price
+        return ActionPrice(action=self.planned_action, region_ms=0.0, saved_tensor_ms=0.0)
+
+    @property
+    def recomputed_units(self) -> tuple[int, ...]:
+        return tuple(n.index for n in self.nodes if n.decision is Decision.RECOMPUTE)
+
+    def __repr__(self) -> str:
+        return (
+            f"Plan(capture={self.capture.value}, status={self.status.value}, budget_bytes={self.budget_bytes}, "
+            f"predicted_peak_bytes={self.predicted_peak_bytes}, baseline_peak_bytes={self.baseline_peak_bytes}, "
+            f"regions={len(self.regions)}, predicted_overhead={self.predicted_overhead:.3f})"
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineStageRecord:
+    """One stage of a pipeline plan: which units and modules, and what it is predicted to hold and take.
+
+    ``predicted_peak_bytes`` = the stage plan's predicted peak for one microbatch + (in flight - 1) x
+    ``retained_bytes`` + ``schedule_buffer_bytes``.
+    """
+
+    index: int
+    first_unit: int
+    last_unit: int
+    module_paths: tuple[str, ...]
+    parameter_names: tuple[str, ...]
+    parameter_bytes: int
+    budget_bytes: int
+    microbatches_in_flight: int
+    retained_bytes: int  # per microbatch in flight: activations its forward leaves for its backward, under the plan
+    # the schedule's own tensors: receive buffers for inputs and output gradients (one per microbatch), and on the
+    # last stage the outputs it keeps to return
+    schedule_buffer_bytes: int
+    predicted_peak_bytes: int
+    predicted_microbatch_ms: float  # forward + backward + recomputation of one microbatch
+    input_names: tuple[str, ...]  # values received from the previous stage (fx node names)
+    output_names: tuple[str, ...]  # values sent to the next stage
+    sent_bytes: int  # per microbatch, what crosses the cut after this stage (0 on the last)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SharedParameter:
+    """A parameter read by more than one stage (tied weights): each holds it, their gradients are summed."""
+
+    name: str
+    stages: tuple[int, ...]
+    nbytes: int

@@ -2,8 +2,9 @@
 
 ``PlanRecord`` (with its rows ``NodePlan``, the model's ``ModelFingerprint`` of ``TensorSpec``s and the budget sweep's
 ``ParetoPoint``s) is what ``records/plan.py``, ``summary.py``, ``plan_io.py`` and the reports read;
-``PipelineStageRecord`` and ``SharedParameter`` are a pipeline plan's stages and tied parameters. The values the
-stages pass to make them (graph, trace, costs, policy, timeline) are in ``types.py``.
+``PipelineRecord`` is a pipeline plan, with its stages (``PipelineStageRecord``) and tied parameters
+(``SharedParameter``). The values the stages pass to make them (graph, trace, costs, policy, timeline) are in
+``types.py``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from autockpt.types import (
     CaptureKind,
     Decision,
     MemoryCurve,
+    PipelineSchedule,
     PlanStatus,
     Policy,
     Region,
@@ -200,3 +202,27 @@ class SharedParameter:
     name: str
     stages: tuple[int, ...]
     nbytes: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineRecord:
+    """What ``plan_pipeline`` decided: the cuts, and per stage its units, modules, plan and predictions
+    (``pipeline/plan.py``'s ``PipelinePlan`` adds the methods; the pipeline report reads this record)."""
+
+    num_stages: int
+    microbatches: int
+    schedule: PipelineSchedule
+    return_outputs: bool
+    cuts: tuple[int, ...]  # the step is cut after these units
+    stages: tuple[PipelineStageRecord, ...]
+    stage_plans: tuple[PlanRecord, ...]  # each stage's recompute plan, over the stage's own units
+    shared_parameters: tuple[SharedParameter, ...]
+    predicted_step_ms: float  # the schedule's: (microbatches + stages - 1) x slowest stage + transfers
+    link_gb_per_s: float  # what sending activations between stages was priced at (GB = 10^9 bytes)
+    strategy: str  # "autockpt" (the split program), or the baseline split it was given
+    capture: CaptureKind
+    fingerprint: ModelFingerprint  # the whole model on one microbatch
+    candidate_cuts: tuple[int, ...] = ()
+    plan_time_s: float = 0.0
+    notes: tuple[str, ...] = ()
+

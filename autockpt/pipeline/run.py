@@ -21,14 +21,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from autockpt.planning.api import apply_plan
-from autockpt.measure.capture import capture
 from autockpt.errors import PlanMismatchError
-from autockpt.runtime.model_state import enter_training_modes, preserved_model_state
+from autockpt.measure.capture import capture
 from autockpt.pipeline.plan import PipelinePlan
+from autockpt.pipeline.stage_graphs import build_stage_graphs
+from autockpt.planning.api import apply_plan
 from autockpt.records.plan_inputs import recorded_inputs
 from autockpt.records.plan_io import model_fingerprint
-from autockpt.pipeline.stage_graphs import build_stage_graphs
+from autockpt.runtime.model_state import enter_training_modes, preserved_model_state
 from autockpt.types import PipelineSchedule
 
 logger = logging.getLogger(__name__)

@@ -2,17 +2,15 @@
 chart of the schedule, or markdown). The presentation layer, beside ``report.py`` whose tables, categories and page
 style it uses: the library never imports it; ``PipelinePlan.report`` does, inside the method.
 
-This module reads a ``PipelinePlan`` by its fields (``PipelinePlanFields``) instead of importing ``pipeline.py``,
+This module reads a ``PipelinePlan`` by its fields (``PipelineRecord``) instead of importing ``pipeline.py``,
 which imports this module when asked for a report: no import circle.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape as html_escape
-from typing import Protocol
 
 from autockpt.present.page import (
     MEMORY_CATEGORIES,
@@ -23,7 +21,7 @@ from autockpt.present.page import (
     plot_notices,
     write_page,
 )
-from autockpt.record_types import ModelFingerprint, PipelineStageRecord, PlanRecord, SharedParameter
+from autockpt.record_types import PipelineRecord, PipelineStageRecord, PlanRecord
 from autockpt.records.summary import decisions_line, recomputing_regions
 from autockpt.types import Phase, PipelineSchedule
 from autockpt.units import format_bytes
@@ -34,38 +32,7 @@ _FORWARD_COLOUR = "#4c72b0"
 _BACKWARD_COLOUR = "#dd8452"
 
 
-class PipelinePlanFields(Protocol):
-    """What the report reads of a ``PipelinePlan`` (``autockpt.pipeline.plan``)."""
-
-    @property
-    def num_stages(self) -> int: ...
-    @property
-    def microbatches(self) -> int: ...
-    @property
-    def schedule(self) -> PipelineSchedule: ...
-    @property
-    def return_outputs(self) -> bool: ...
-    @property
-    def cuts(self) -> tuple[int, ...]: ...
-    @property
-    def stages(self) -> Sequence[PipelineStageRecord]: ...
-    @property
-    def stage_plans(self) -> Sequence[PlanRecord]: ...
-    @property
-    def shared_parameters(self) -> Sequence[SharedParameter]: ...
-    @property
-    def predicted_step_ms(self) -> float: ...
-    @property
-    def link_gb_per_s(self) -> float: ...
-    @property
-    def strategy(self) -> str: ...
-    @property
-    def fingerprint(self) -> ModelFingerprint: ...
-    @property
-    def notes(self) -> tuple[str, ...]: ...
-
-
-def write_pipeline_report(pplan: PipelinePlanFields, path: str | os.PathLike[str]) -> None:
+def write_pipeline_report(pplan: PipelineRecord, path: str | os.PathLike[str]) -> None:
     """HTML (self-contained, plots inline as SVG) when ``path`` ends in .html/.htm, else markdown (no plots, no
     matplotlib)."""
     write_page(path, lambda: pipeline_report_html(pplan), lambda: pipeline_report_markdown(pplan))
@@ -108,7 +75,7 @@ def _others(record: PipelineStageRecord) -> str:
     return f"{others} other microbatch{'' if others == 1 else 'es'}"
 
 
-def _peak_text(pplan: PipelinePlanFields, record: PipelineStageRecord, memory: StageMemory) -> str:
+def _peak_text(pplan: PipelineRecord, record: PipelineStageRecord, memory: StageMemory) -> str:
     """The stage's predicted peak as the planner formed it, in words, with its numbers."""
     text = (
         f"predicted peak {format_bytes(memory.predicted_peak_bytes)} = one microbatch's step under the stage plan "
@@ -175,13 +142,13 @@ def forward_backward_ms(record: PipelineStageRecord, plan: PlanRecord) -> tuple[
     return forward, total - forward
 
 
-def send_ms(pplan: PipelinePlanFields, stage: int) -> float:
+def send_ms(pplan: PipelineRecord, stage: int) -> float:
     """One microbatch's send over the cut after ``stage`` (activations forward, or their gradients backward) at the
     link price the plan was made with (GB = 10^9 bytes)."""
     return pplan.stages[stage].sent_bytes / (pplan.link_gb_per_s * 1e6) if pplan.link_gb_per_s > 0 else 0.0
 
 
-def schedule_boxes(pplan: PipelinePlanFields) -> list[ScheduleBox]:
+def schedule_boxes(pplan: PipelineRecord) -> list[ScheduleBox]:
     """Every stage runs its forwards and backwards in the schedule's order (``schedule_order``); each starts when the
     stage is free and its input is there: the previous stage's forward of that microbatch, or the next stage's
     backward, plus the send at the plan's link price."""
@@ -242,7 +209,7 @@ def _scale(top_bytes: float) -> tuple[float, str]:
     return 1.0, "bytes"
 
 
-def _stage_timeline_svg(pplan: PipelinePlanFields, record: PipelineStageRecord, plan: PlanRecord) -> str:
+def _stage_timeline_svg(pplan: PipelineRecord, record: PipelineStageRecord, plan: PlanRecord) -> str:
     from matplotlib.figure import Figure
 
     curve = plan.memory_after
@@ -282,7 +249,7 @@ def _stage_timeline_svg(pplan: PipelinePlanFields, record: PipelineStageRecord, 
     return figure_svg(figure)
 
 
-def _schedule_svg(pplan: PipelinePlanFields, boxes: list[ScheduleBox]) -> str:
+def _schedule_svg(pplan: PipelineRecord, boxes: list[ScheduleBox]) -> str:
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
@@ -309,7 +276,7 @@ def _schedule_svg(pplan: PipelinePlanFields, boxes: list[ScheduleBox]) -> str:
 # ------------------------------------------------------------------------------------------------ tables
 
 
-def _headline(pplan: PipelinePlanFields) -> list[tuple[str, str]]:
+def _headline(pplan: PipelineRecord) -> list[tuple[str, str]]:
     return [
         ("strategy", pplan.strategy),
         ("model", pplan.fingerprint.model_class),
@@ -324,7 +291,7 @@ def _headline(pplan: PipelinePlanFields) -> list[tuple[str, str]]:
     ]
 
 
-def _stage_rows(pplan: PipelinePlanFields) -> list[tuple[str, ...]]:
+def _stage_rows(pplan: PipelineRecord) -> list[tuple[str, ...]]:
     rows = []
     for record, plan in zip(pplan.stages, pplan.stage_plans):
         rows.append((
@@ -345,12 +312,12 @@ _STAGE_COLUMNS = [
 ]
 
 
-def _shared_rows(pplan: PipelinePlanFields) -> list[tuple[str, ...]]:
+def _shared_rows(pplan: PipelineRecord) -> list[tuple[str, ...]]:
     return [(shared.name, format_bytes(shared.nbytes), ", ".join(map(str, shared.stages)))
             for shared in pplan.shared_parameters]
 
 
-def _order_rows(pplan: PipelinePlanFields) -> list[tuple[str, ...]]:
+def _order_rows(pplan: PipelineRecord) -> list[tuple[str, ...]]:
     return [
         (str(k), " ".join(f"{'F' if forward else 'B'}{i}" for forward, i in
                           schedule_order(pplan.schedule, k, pplan.num_stages, pplan.microbatches)))
@@ -373,7 +340,7 @@ _BAND_TEXT = (
 # ------------------------------------------------------------------------------------------------ pages
 
 
-def pipeline_report_html(pplan: PipelinePlanFields) -> str:
+def pipeline_report_html(pplan: PipelineRecord) -> str:
     """A self-contained HTML page (no external files or scripts). Without an importable matplotlib the page is
     written without plots and says why at the top and in place of each plot (and a warning is logged)."""
     e = html_escape
@@ -421,11 +388,11 @@ def pipeline_report_html(pplan: PipelinePlanFields) -> str:
     return "\n".join(parts)
 
 
-def _schedule_class(pplan: PipelinePlanFields) -> str:
+def _schedule_class(pplan: PipelineRecord) -> str:
     return "Schedule1F1B" if pplan.schedule is PipelineSchedule.ONE_F_ONE_B else "ScheduleGPipe"
 
 
-def pipeline_report_markdown(pplan: PipelinePlanFields) -> str:
+def pipeline_report_markdown(pplan: PipelineRecord) -> str:
     """The report's tables in markdown (the timelines and the schedule chart are in the HTML report)."""
     lines = ["# autockpt pipeline plan", "", _UNITS_TEXT, ""]
     lines += md_table(["", ""], _headline(pplan))

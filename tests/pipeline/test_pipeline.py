@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from pipeline_worker import build, lm_loss, run_rank
 
 import autockpt
+from autockpt.record_types import PipelineRecord
 from autockpt.errors import InfeasibleBudgetError, PlanMismatchError
 from autockpt.pipeline.run import stage_module_for
 from autockpt.core.solve.split import SplitProblem, StageOption, exhaustive_split, solve_split
@@ -157,6 +158,11 @@ def test_an_infeasible_budget_names_the_smallest_one_and_that_one_plans(tmp_path
     again = autockpt.load_pipeline_plan(tmp_path / "p.json")
     assert again == pplan
     assert "stage 1" in again.summary()
+    # a record with its methods, like Plan: the stages' plans come back as Plans, the placement is one stage per rank
+    assert isinstance(again, PipelineRecord) and all(isinstance(p, autockpt.Plan) for p in again.stage_plans)
+    placed = again.placement.stages
+    assert [(s.first_unit, s.last_unit) for s in placed] == [(s.first_unit, s.last_unit) for s in pplan.stages]
+    assert placed[0].first_unit == 0 and [s.device for s in placed] == [f"rank {i}" for i in range(len(placed))]
 
 
 def test_the_split_program_finds_the_exhaustive_best() -> None:

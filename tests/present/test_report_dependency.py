@@ -69,7 +69,7 @@ def test_the_html_report_embeds_its_plots(plan: autockpt.Plan, tmp_path: Path) -
 def test_without_matplotlib_the_html_report_is_written_and_says_why(
     plan: autockpt.Plan, tmp_path: Path, no_matplotlib: None, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="autockpt.present.report"):
+    with caplog.at_level(logging.WARNING, logger="autockpt.present.page"):
         plan.report(tmp_path / "r.html")
     page = (tmp_path / "r.html").read_text()
     assert page.startswith("<!DOCTYPE html>") and "<svg" not in page and "data:image" not in page
@@ -77,7 +77,7 @@ def test_without_matplotlib_the_html_report_is_written_and_says_why(
     assert page.count("Plot left out: matplotlib could not be imported") == 2  # timeline and Pareto curve
     assert format_bytes(plan.predicted_peak_bytes) in page and f"Decisions: {len(plan.regions)} regions" in page
     assert page.count("<tr>") > len(plan.regions) + len(plan.pareto)  # the tables are all there
-    assert any(MISSING in record.getMessage() for record in caplog.records if record.name == "autockpt.present.report")
+    assert any(MISSING in record.getMessage() for record in caplog.records if record.name == "autockpt.present.page")
     plan.report(tmp_path / "r.md")  # markdown never needed matplotlib
     assert format_bytes(plan.predicted_peak_bytes) in (tmp_path / "r.md").read_text()
 

@@ -84,7 +84,19 @@ MOVED_NAMES = {
 }
 
 
+# Names of 0.1 that were renamed: the old name warns and returns the new one's value.
+RENAMED_NAMES = {"CheckpointKind": "autockpt.types"}  # autockpt.types.CheckpointKind -> Action (it warns as well)
+
+
 def __getattr__(name: str) -> Any:
+    if name in RENAMED_NAMES:
+        warnings.warn(
+            f"autockpt.{name} is renamed autockpt.Action (autockpt.{name} is removed in 0.3)",
+            DeprecationWarning, stacklevel=2,
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return getattr(importlib.import_module(RENAMED_NAMES[name]), name)
     if name in MOVED_NAMES:
         home = MOVED_NAMES[name]
         warnings.warn(

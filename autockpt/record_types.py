@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 from autockpt.types import (
@@ -137,7 +138,9 @@ class PlanRecord:
 
     @property
     def checkpoint_kind(self) -> Action:
-        """The recompute action of the plan's regions (the name it had before actions: ``CheckpointKind``)."""
+        """Deprecated (0.1's name): ``planned_action``."""
+        warnings.warn("Plan.checkpoint_kind is renamed Plan.planned_action; the old name goes in 0.3",
+                      DeprecationWarning, stacklevel=2)
         return self.planned_action
 
     @property

@@ -8,6 +8,7 @@ the pipeline plan's stage records) is in ``record_types.py``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -46,18 +47,30 @@ class Action(str, Enum):
     # what the region saves is copied into a bounded host pool after it is packed and brought back before the
     # region's backward (``offload.py``): link time instead of recompute time, host memory instead of device memory
     OFFLOAD = "offload"
-    # the names these actions had as ``CheckpointKind`` members (same values: plan files and the CLI keep working)
-    TORCH_NON_REENTRANT = "torch_non_reentrant"
-    RECOMPUTE_FUNCTION = "recompute_function"
 
     @property
     def recomputes(self) -> bool:
         return self in (Action.RECOMPUTE_TORCH, Action.RECOMPUTE_OWN)
 
 
-# The name of the actions before offload and placement existed: ``CheckpointKind.TORCH_NON_REENTRANT`` is
-# ``Action.RECOMPUTE_TORCH``, ``CheckpointKind.RECOMPUTE_FUNCTION`` is ``Action.RECOMPUTE_OWN``.
-CheckpointKind = Action
+class _CheckpointKindMeta(type):
+    """``CheckpointKind`` of 0.1 is ``Action``: attribute access, calls and iteration go to ``Action``."""
+
+    def __getattr__(cls, name: str) -> Any:
+        return getattr(Action, name)
+
+    def __call__(cls, value: Any) -> Action:
+        return Action(value)
+
+    def __iter__(cls) -> Any:
+        return iter(Action)
+
+
+class _CheckpointKind(metaclass=_CheckpointKindMeta):
+    """The 0.1 name of ``Action``, with the 0.1 member names (``types.CheckpointKind`` warns, see ``__getattr__``)."""
+
+    TORCH_NON_REENTRANT = Action.RECOMPUTE_TORCH
+    RECOMPUTE_FUNCTION = Action.RECOMPUTE_OWN
 
 
 class Decision(str, Enum):
@@ -149,7 +162,7 @@ class StorageLife:
     saver_release_events: tuple[int, ...]  # per saver: the last backward event that unpacked it
     mutator_units: tuple[int, ...] = ()  # units whose ops wrote into it in place
     # the event after which the gradients computed for tensors on this storage were gone; None: none was computed,
-    # or not recorded (``Profile.gradient_lifetimes``: only the simulation of autockpt's own checkpoint reads it)
+    # or not recorded (``StepTrace.gradient_lifetimes``: only the simulation of autockpt's own checkpoint reads it)
     gradient_free_event: int | None = None
 
 
@@ -256,7 +269,6 @@ class StepTrace:
 
 
 # The name of the measured step before the cost model was split off it (issue 20).
-Profile = StepTrace
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -463,3 +475,18 @@ class PipelineSchedule(str, Enum):
     def in_flight(self, stage: int, num_stages: int, microbatches: int) -> int:
         """Microbatches whose activations a stage holds at once."""
         return min(num_stages - stage, microbatches) if self is PipelineSchedule.ONE_F_ONE_B else microbatches
+
+
+# 0.1 names, kept for 0.2.x: each warns and names what replaced it
+_RENAMED = {"CheckpointKind": ("Action", lambda: _CheckpointKind), "Profile": ("StepTrace", lambda: StepTrace)}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        new_name, value = _RENAMED[name]
+        warnings.warn(
+            f"autockpt.types.{name} is renamed {new_name} (autockpt.types.{new_name}); the old name goes in 0.3",
+            DeprecationWarning, stacklevel=2,
+        )
+        return value()
+    raise AttributeError(f"module 'autockpt.types' has no attribute {name!r}")

@@ -110,7 +110,7 @@ def run(case: zoo.ZooCase, commit: str) -> list[Row]:
         rows.append(
             Row(
                 model=case.name, capture=plan.capture.value, budget_fraction=fraction, budget_bytes=budget,
-                checkpoint=plan.checkpoint_kind.value if plan.regions else "-", regions=len(plan.regions),
+                checkpoint=plan.planned_action.value if plan.regions else "-", regions=len(plan.regions),
                 predicted_peak_bytes=plan.predicted_peak_bytes, measured_peak_bytes=alone,
                 second_step_peak_bytes=second, planning_context_peak_bytes=in_planning_context,
                 error_pct=round(100 * (plan.predicted_peak_bytes - alone) / alone, 3),

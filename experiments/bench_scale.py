@@ -150,7 +150,7 @@ def _first_plans(spec: str, planner, floor_fractions: list[float]) -> list[dict]
             "solve_s": round(time.perf_counter() - started, 3), "plan_solve_time_s": round(plan.solve_time_s, 3),
             "status": plan.status.value, "min_feasible_bytes": floor, "predicted_peak_bytes": plan.predicted_peak_bytes,
             "predicted_overhead": round(plan.predicted_overhead, 4), "regions": len(plan.regions),
-            "checkpoint": plan.checkpoint_kind.value,
+            "checkpoint": plan.planned_action.value,
         })
     return rows
 

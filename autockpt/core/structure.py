@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autockpt.types import Graph, Profile, Region, Unit
+from autockpt.types import Graph, StepTrace, Region, Unit
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class RepeatedBlocks:
         return sum(f.block_units * len(f.instances) for f in self.families)
 
 
-def crossing_bytes(profile: Profile) -> list[int]:
+def crossing_bytes(profile: StepTrace) -> list[int]:
     """Bytes of activations alive across the cut after unit p (p = 0 .. n-2)."""
     num_units = len(profile.units)
     diff = [0] * (num_units + 1)
@@ -62,7 +62,7 @@ def crossing_bytes(profile: Profile) -> list[int]:
 
 
 def find_repeated_blocks(
-    graph: Graph, profile: Profile, *, min_instances: int = 2, min_block_units: int = MIN_BLOCK_UNITS
+    graph: Graph, profile: StepTrace, *, min_instances: int = 2, min_block_units: int = MIN_BLOCK_UNITS
 ) -> RepeatedBlocks:
     """Families of repeated blocks, largest coverage first, until no stretch of ``min_instances`` repeats is left."""
     num_units = len(profile.units)
@@ -87,7 +87,7 @@ def find_repeated_blocks(
     return result
 
 
-def _signatures(graph: Graph, profile: Profile) -> np.ndarray:
+def _signatures(graph: Graph, profile: StepTrace) -> np.ndarray:
     """One integer per unit; equal integers mean the units cost the same and do the same op."""
     codes: dict[tuple, int] = {}
     keys = [

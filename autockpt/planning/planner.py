@@ -199,7 +199,9 @@ class Planner:
 
     @property
     def checkpoint_kinds(self) -> tuple[Action, ...]:
-        """The recompute actions plans are made for (the name from before the actions)."""
+        """Deprecated (0.1's name): ``actions``."""
+        warnings.warn("Planner.checkpoint_kinds is renamed Planner.actions; the old name goes in 0.3",
+                      DeprecationWarning, stacklevel=2)
         return self.actions
 
     def plan(self, budget_gb: float | None = None, *, budget_bytes: int | None = None, pareto_points: int = 0) -> Plan:

@@ -76,7 +76,7 @@ def verified_module(planner: CandidatePlans, budget_bytes: int) -> OptimizedModu
                 kept.append(module)
                 continue
             overshoot = max(overshoot, peak - budget_bytes)
-            kind = the_plan.checkpoint_kind.value
+            kind = the_plan.planned_action.value
             tightenings.append(f"{kind}: predicted {the_plan.predicted_peak_bytes}, measured {peak}")
             logger.info("measured peak %d bytes is over the budget %d (%s)", peak, budget_bytes, kind)
         if kept:
@@ -157,11 +157,11 @@ def faster(planner: CandidatePlans, modules: list[OptimizedModule]) -> Optimized
     fastest = min(range(len(modules)), key=ratios.__getitem__)
     chosen = modules[fastest]
     others = ", ".join(
-        f"{module.plan.checkpoint_kind.value}'s step took {ratios[i] / ratios[fastest]:.3f}x as long"
+        f"{module.plan.planned_action.value}'s step took {ratios[i] / ratios[fastest]:.3f}x as long"
         for i, module in enumerate(modules) if i != fastest
     )
     note = (
-        f"checkpoint {chosen.plan.checkpoint_kind.value} chosen by measured step time: {others} (median of "
+        f"checkpoint {chosen.plan.planned_action.value} chosen by measured step time: {others} (median of "
         f"{len(seconds[0])} alternating rounds on the example inputs)"
     )
     logger.info(note)

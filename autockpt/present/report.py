@@ -58,7 +58,7 @@ def _headline(plan: PlanRecord) -> list[tuple[str, str]]:
 
 
 def _solver_rows(plan: PlanRecord) -> list[tuple[str, str]]:
-    rows = [("solver", plan.solver), ("checkpoint", plan.checkpoint_kind.value), ("solve time", f"{plan.solve_time_s:.2f} s"),
+    rows = [("solver", plan.solver), ("checkpoint", plan.planned_action.value), ("solve time", f"{plan.solve_time_s:.2f} s"),
             ("capture / profile time", f"{plan.capture_time_s:.2f} s / {plan.profile_time_s:.2f} s")]
     stats = plan.solver_stats
     if stats is not None:

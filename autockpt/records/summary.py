@@ -25,7 +25,7 @@ def floor_note(plan: PlanRecord) -> str:
 def plan_summary(plan: PlanRecord, *, max_regions: int = 12) -> str:
     lines = [
         f"autockpt plan: strategy={plan.strategy}, capture={plan.capture.value}, status={plan.status.value}, "
-        f"solver={plan.solver}, checkpoint={plan.checkpoint_kind.value}",
+        f"solver={plan.solver}, checkpoint={plan.planned_action.value}",
         f"  budget                 {format_bytes(plan.budget_bytes)}",
         f"  predicted peak         {format_bytes(plan.predicted_peak_bytes)}",
         f"  unmodified peak        {format_bytes(plan.baseline_peak_bytes)}",

@@ -15,15 +15,21 @@ from autockpt.present import zoo
 from autockpt.measure.step import measure_step
 from autockpt.core.simulate import simulate
 from autockpt.records.summary import region_rows
-from autockpt.types import Action, CheckpointKind, Placement, Policy, Region, RegionAction, Stage
+from autockpt.types import Action, Placement, Policy, Region, RegionAction, Stage, StepTrace
 
 V1_PLAN = Path(__file__).parents[1] / "data" / "plan_v1_transformer_tiny.json"  # written by the release before issue 20
 
 
 def test_checkpoint_kind_is_the_action_under_its_old_names() -> None:
-    assert CheckpointKind is Action is autockpt.Action
+    assert Action is autockpt.Action
+    with pytest.warns(DeprecationWarning, match="renamed Action"):
+        from autockpt.types import CheckpointKind  # the 0.1 name: its members are Action's
     assert CheckpointKind.TORCH_NON_REENTRANT is Action.RECOMPUTE_TORCH
     assert CheckpointKind.RECOMPUTE_FUNCTION is Action.RECOMPUTE_OWN
+    assert CheckpointKind("recompute_function") is Action.RECOMPUTE_OWN and list(CheckpointKind) == list(Action)
+    with pytest.warns(DeprecationWarning, match="renamed StepTrace"):
+        from autockpt.types import Profile
+    assert Profile is StepTrace
     assert Action("torch_non_reentrant") is Action.RECOMPUTE_TORCH  # the values plan files and the CLI use
     assert list(Action) == [Action.RECOMPUTE_TORCH, Action.RECOMPUTE_OWN, Action.OFFLOAD]  # old names: aliases
 
@@ -102,7 +108,7 @@ def test_a_version_1_plan_file_loads_as_a_policy_and_applies() -> None:
     expected_regions = tuple(Region(**r) for r in v1["plan"]["regions"])
     assert loaded.regions == expected_regions and loaded.regions
     assert loaded.policy.actions == (Action.RECOMPUTE_OWN,) * len(expected_regions)
-    assert loaded.checkpoint_kind is Action.RECOMPUTE_OWN
+    assert loaded.planned_action is Action.RECOMPUTE_OWN
     assert loaded.region_overhead_ms == v1["plan"]["region_overhead_ms"]
     assert loaded.policy.placement.stages == (Stage(first_unit=0, last_unit=len(loaded.nodes) - 1, device=""),)
     case = zoo.build("transformer", "tiny")

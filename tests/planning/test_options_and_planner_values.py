@@ -120,6 +120,12 @@ def test_the_old_planner_call_and_moved_names_still_work_with_a_warning() -> Non
     assert planner.plan(budget_bytes=10**12).regions == ()
     with pytest.warns(DeprecationWarning, match=r"import it from autockpt.errors"):
         assert autockpt.CaptureError is CaptureError
+    with pytest.warns(DeprecationWarning, match="renamed autockpt.Action"):
+        assert autockpt.CheckpointKind.RECOMPUTE_FUNCTION is autockpt.Action.RECOMPUTE_OWN
+    with pytest.warns(DeprecationWarning, match="renamed Planner.actions"):
+        assert planner.checkpoint_kinds == planner.actions
+    with pytest.warns(DeprecationWarning, match="renamed Plan.planned_action"):
+        assert planner.plan(budget_bytes=10**12).checkpoint_kind is autockpt.Action.RECOMPUTE_TORCH
     with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
         autockpt.not_a_name  # noqa: B018
 

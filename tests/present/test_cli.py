@@ -111,7 +111,7 @@ def test_the_checkpoint_flag_reaches_the_plan(tmp_path: Path, checkpoint: str) -
     code, out, _ = run("plan", *MLP, "--budget", "360kB", "--pareto", "0", "--checkpoint", checkpoint,
                        "--out", str(tmp_path / "p.json"))
     assert code == 0 and f"checkpoint={checkpoint}" in out
-    assert autockpt.load_plan(tmp_path / "p.json").checkpoint_kind.value == checkpoint
+    assert autockpt.load_plan(tmp_path / "p.json").planned_action.value == checkpoint
 
 
 def test_sweep_writes_csv_markdown_and_png(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""autockpt's own checkpoint (``CheckpointKind.RECOMPUTE_FUNCTION``): same step as PyTorch, budgets kept, the "auto"
+"""autockpt's own checkpoint (``Action.RECOMPUTE_OWN``): same step as PyTorch, budgets kept, the "auto"
 choice between the checkpoint kinds, and the autograd behaviour users rely on. (The simulator's whole-region semantics
 for it: test_simulate.py.)"""
 
@@ -15,7 +15,8 @@ import autockpt
 from autockpt.present import zoo
 from autockpt.planning.planner import baseline_plan
 from autockpt.runtime.recompute import checkpointed_call
-from autockpt.types import CaptureKind, CheckpointKind
+from autockpt.core.solve.base import recompute_actions
+from autockpt.types import Action, CaptureKind
 
 FUNCTION = autockpt.SolverOptions(checkpoint="recompute_function")
 
@@ -30,7 +31,7 @@ def test_budget_is_kept_and_step_matches_pytorch(name: str) -> None:
     budget = budget_at(planner.plan(budget_bytes=10**15), 0.5)
     optimized = planner.optimize(budget_bytes=budget)
     plan = autockpt.get_plan(optimized)
-    assert plan.checkpoint_kind is CheckpointKind.RECOMPUTE_FUNCTION and plan.regions
+    assert plan.planned_action is Action.RECOMPUTE_OWN and plan.regions
     assert_same_step(optimized, reference, case)  # outputs, gradients, BatchNorm statistics, dropout masks
     measured = autockpt.measure_step(optimized, case.args, case.kwargs, case.loss_fn).peak_bytes
     assert measured <= budget
@@ -54,7 +55,7 @@ def test_a_plan_file_keeps_its_checkpoint_kind(tmp_path) -> None:  # noqa: ANN00
     the_plan = planner.plan(budget_bytes=budget_at(planner.plan(budget_bytes=10**15), 0.5))
     the_plan.save(tmp_path / "plan.json")
     loaded = autockpt.load_plan(tmp_path / "plan.json")
-    assert loaded.checkpoint_kind is CheckpointKind.RECOMPUTE_FUNCTION
+    assert loaded.planned_action is Action.RECOMPUTE_OWN
     module = autockpt.apply_plan(case.model, loaded, example_inputs=case.args)
     assert_same_step(module, twin(case), case)
 
@@ -67,7 +68,7 @@ def test_an_unknown_checkpoint_kind_is_refused_with_the_choices() -> None:
 # ----------------------------------------------------------------------------------------------- "auto" choice
 
 
-RECOMPUTE_KINDS = tuple(kind for kind in CheckpointKind if kind.recomputes)  # what "auto" plans for
+RECOMPUTE_KINDS = tuple(kind for kind in Action if kind.recomputes)  # what "auto" plans for
 
 
 def test_auto_plans_for_both_kinds_and_keeps_the_cheaper_predicted_plan() -> None:
@@ -75,7 +76,7 @@ def test_auto_plans_for_both_kinds_and_keeps_the_cheaper_predicted_plan() -> Non
     their floors; each kind planned alone on the same measured step gives the figures to compare with."""
     case = zoo.build("transformer")
     auto = autockpt.Planner.from_model(case.model, example_inputs=case.args, loss_fn=case.loss_fn)
-    assert auto.checkpoint_kinds == RECOMPUTE_KINDS
+    assert auto.actions == RECOMPUTE_KINDS
     alone = {}
     for kind in RECOMPUTE_KINDS:
         planner = autockpt.Planner.from_model(
@@ -92,7 +93,7 @@ def test_auto_plans_for_both_kinds_and_keeps_the_cheaper_predicted_plan() -> Non
         cheaper = min(plans.values(), key=lambda p: p.predicted_overhead)
         chosen = auto.plan(budget_bytes=budget)
         assert chosen.predicted_overhead == pytest.approx(min(p.predicted_overhead for p in plans.values()))
-        assert chosen.regions == cheaper.regions and chosen.checkpoint_kind is cheaper.checkpoint_kind
+        assert chosen.regions == cheaper.regions and chosen.planned_action is cheaper.planned_action
 
 
 def _floor(planner: autockpt.Planner) -> int:
@@ -108,7 +109,7 @@ def test_auto_optimize_times_both_kinds_plans_and_returns_one_that_trains_like_p
     optimized = planner.optimize(budget_bytes=budget)
     plan = autockpt.get_plan(optimized)
     assert plan.regions and plan.measured_peak_bytes <= budget
-    assert any(note.startswith(f"checkpoint {plan.checkpoint_kind.value} chosen by measured step time") for note in plan.notes)
+    assert any(note.startswith(f"checkpoint {plan.planned_action.value} chosen by measured step time") for note in plan.notes)
     assert_same_step(optimized, twin(case), case)
 
 
@@ -116,10 +117,10 @@ def test_auto_leaves_module_level_captures_on_torch_s_checkpoint() -> None:
     """A module's forward may read tensors it is not given; only torch's checkpoint gives those gradients through
     autograd."""
     options = autockpt.SolverOptions()
-    assert options.checkpoint_kinds(CaptureKind.MODULE) == (CheckpointKind.TORCH_NON_REENTRANT,)
-    assert options.checkpoint_kinds(CaptureKind.EXPORT) == RECOMPUTE_KINDS
-    assert autockpt.SolverOptions(checkpoint="recompute_function").checkpoint_kinds(CaptureKind.MODULE) == (
-        CheckpointKind.RECOMPUTE_FUNCTION,
+    assert recompute_actions(options.checkpoint, CaptureKind.MODULE) == (Action.RECOMPUTE_TORCH,)
+    assert recompute_actions(options.checkpoint, CaptureKind.EXPORT) == RECOMPUTE_KINDS
+    assert recompute_actions(autockpt.SolverOptions(checkpoint="recompute_function").checkpoint, CaptureKind.MODULE) == (
+        Action.RECOMPUTE_OWN,
     )
 
 
@@ -148,7 +149,7 @@ def test_parameter_gradients_reach_torch_autograd_grad_even_when_no_input_needs_
 
 
 @pytest.mark.parametrize("kind", RECOMPUTE_KINDS)
-def test_second_order_gradients_match_pytorch(kind: CheckpointKind) -> None:
+def test_second_order_gradients_match_pytorch(kind: Action) -> None:
     """A gradient penalty (differentiate the input gradient again) through every checkpointed region: the
     recomputation must stay connected to the region's real inputs when backward builds a graph."""
     torch.manual_seed(0)

@@ -9,6 +9,8 @@ them) implements it, and the simulator (``problem.simulate``) judges them all.
 
 from __future__ import annotations
 
+import warnings
+
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -58,7 +60,10 @@ class SolverOptions:
             )
 
     def checkpoint_kinds(self, capture: CaptureKind) -> tuple[Action, ...]:
-        """``recompute_actions(self.checkpoint, capture)`` (the name from before the actions)."""
+        """Deprecated (0.1's name): ``recompute_actions(self.checkpoint, capture)``."""
+        warnings.warn("SolverOptions.checkpoint_kinds(capture) is deprecated: use "
+                      "autockpt.core.solve.base.recompute_actions(options.checkpoint, capture)", DeprecationWarning,
+                      stacklevel=2)
         return recompute_actions(self.checkpoint, capture)
 
 

@@ -44,7 +44,7 @@ from autockpt.core.solve.base import NO_PROGRAM, Problem, SeedPlan, SolveResult,
 from autockpt.core.solve.candidates import candidate_regions, equal_saved_segments, is_unsafe, mutation_hazards
 from autockpt.core.solve.refine import no_plan_error
 from autockpt.core.structure import crossing_bytes
-from autockpt.types import CaptureKind, Graph, PlanStatus, Profile, Region
+from autockpt.types import CaptureKind, Graph, PlanStatus, StepTrace, Region
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ def parse_strategy(strategy: str) -> tuple[BaselinePolicy, int]:
     return policy, 0
 
 
-def baseline_regions(graph: Graph, profile: Profile, strategy: str) -> BaselineRegions:
+def baseline_regions(graph: Graph, profile: StepTrace, strategy: str) -> BaselineRegions:
     """The regions ``strategy`` checkpoints on ``graph`` (made safe for ``torch.utils.checkpoint``)."""
     policy, n = parse_strategy(strategy)
     if len(profile.units) != len(graph.units):
@@ -166,7 +166,7 @@ def baseline_regions(graph: Graph, profile: Profile, strategy: str) -> BaselineR
     return BaselineRegions(strategy=strategy, policy=policy, regions=tuple(regions), notes=tuple(notes))
 
 
-def baseline_seed_plans(graph: Graph, profile: Profile) -> list[SeedPlan]:
+def baseline_seed_plans(graph: Graph, profile: StepTrace) -> list[SeedPlan]:
     """Every available policy's regions, handed to the solver so that its plans are never worse than a baseline's."""
     seeds = []
     for strategy in BASELINE_STRATEGIES:
@@ -239,7 +239,7 @@ def _innermost_indexed_blocks(graph: Graph) -> tuple[Block, ...]:
     return _non_overlapping(blocks)
 
 
-def _sub_blocks(graph: Graph, profile: Profile, blocks: Sequence[Block]) -> tuple[list[Region], str]:
+def _sub_blocks(graph: Graph, profile: StepTrace, blocks: Sequence[Block]) -> tuple[list[Region], str]:
     spans = _unit_spans(graph)
     has_children = _parents(set(spans))
     crossing = crossing_bytes(profile)
@@ -308,7 +308,7 @@ def _module_class(graph: Graph, path: str) -> str:
 # ------------------------------------------------------------------------------------------------ segments
 
 
-def sqrt_n_segments(profile: Profile) -> list[Region]:
+def sqrt_n_segments(profile: StepTrace) -> list[Region]:
     """Chen et al. 2016: about sqrt(n) segments of equal saved bytes, each cut where the fewest bytes cross (the
     solver's own segmentation, with sqrt(n) segments)."""
     num_units = len(profile.units)
@@ -317,7 +317,7 @@ def sqrt_n_segments(profile: Profile) -> list[Region]:
     return equal_saved_segments(profile, max(1, round(math.sqrt(num_units))))
 
 
-def _all_recomputable(graph: Graph, profile: Profile) -> tuple[list[Region], str]:
+def _all_recomputable(graph: Graph, profile: StepTrace) -> tuple[list[Region], str]:
     """Every block, and every stretch before, between and after the blocks, as its own region."""
     blocks = find_blocks(graph)
     if graph.kind is CaptureKind.MODULE:
@@ -340,7 +340,7 @@ def _all_recomputable(graph: Graph, profile: Profile) -> tuple[list[Region], str
 # ------------------------------------------------------------------------------------------------ safety
 
 
-def make_safe(graph: Graph, profile: Profile, regions: Iterable[Region]) -> tuple[list[Region], list[str]]:
+def make_safe(graph: Graph, profile: StepTrace, regions: Iterable[Region]) -> tuple[list[Region], list[str]]:
     """Split (fx/export) or drop (module level) regions the mutation-hazard filter of ``candidates.py`` rejects."""
     hazards = mutation_hazards(profile)
     safe: list[Region] = []

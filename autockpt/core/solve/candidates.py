@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autockpt.core.structure import crossing_bytes
-from autockpt.types import CaptureKind, Graph, Profile, Region
+from autockpt.types import CaptureKind, Graph, StepTrace, Region
 
 
 def candidate_regions(
-    graph: Graph, profile: Profile, *, max_segments: int = 48, max_segments_per_region: int = 12
+    graph: Graph, profile: StepTrace, *, max_segments: int = 48, max_segments_per_region: int = 12
 ) -> tuple[list[Region], list[Region]]:
     """Return (elementary segments, candidate regions)."""
     num_units = len(profile.units)
@@ -51,13 +51,13 @@ def candidate_regions(
     return segments, useful
 
 
-def safe_regions(profile: Profile, regions: list[Region]) -> list[Region]:
+def safe_regions(profile: StepTrace, regions: list[Region]) -> list[Region]:
     """The regions checkpoint can re-run correctly (no in-place write into one of their inputs)."""
     hazards = mutation_hazards(profile)
     return [r for r in regions if not is_unsafe(r, hazards)]
 
 
-def equal_saved_segments(profile: Profile, max_segments: int) -> list[Region]:
+def equal_saved_segments(profile: StepTrace, max_segments: int) -> list[Region]:
     """Cut where few bytes cross, one cut per slice of equal saved-for-backward bytes.
 
     Slicing by saved bytes spreads the cuts where activations are (not over cheap index arithmetic), and picking the
@@ -93,7 +93,7 @@ def equal_saved_segments(profile: Profile, max_segments: int) -> list[Region]:
     return segments
 
 
-def _cheap_runs(profile: Profile) -> list[Region]:
+def _cheap_runs(profile: StepTrace) -> list[Region]:
     """Maximal runs of units FlopCounterMode counts no FLOPs for (pointwise, normalisation, reshapes).
 
     Checkpointing such a run keeps the outputs of the matmuls, convolutions and attention around it and recomputes
@@ -111,7 +111,7 @@ def _cheap_runs(profile: Profile) -> list[Region]:
     return runs
 
 
-def _without_leading_non_savers(profile: Profile, regions: list[Region]) -> list[Region]:
+def _without_leading_non_savers(profile: StepTrace, regions: list[Region]) -> list[Region]:
     """Each region with the units at its start that save nothing cut off.
 
     Cuts are placed by saved bytes, so a unit that saves nothing (the op reading the model input, an add) rarely ends
@@ -143,7 +143,7 @@ class MutationHazard:
     mutator_units: tuple[int, ...]
 
 
-def mutation_hazards(profile: Profile) -> list[MutationHazard]:
+def mutation_hazards(profile: StepTrace) -> list[MutationHazard]:
     """Storages some unit writes into in place after they were made."""
     return [
         MutationHazard(s.producer_unit, s.user_units, s.mutator_units)

@@ -30,7 +30,7 @@ from autockpt.errors import InfeasibleBudgetError
 from autockpt.core.solve.base import NO_PROGRAM, Problem, Scorer, SolveResult, SolverOptions, region_actions
 from autockpt.core.solve.candidates import is_unsafe, mutation_hazards
 from autockpt.core.solve.refine import identity_result
-from autockpt.types import PlanStatus, Profile, Region
+from autockpt.types import PlanStatus, StepTrace, Region
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -178,7 +178,7 @@ def min_peak_bytes(scorer: Scorer, *, max_units: int = 14) -> int:
     return best
 
 
-def removable_bytes(profile: Profile, region: Region) -> np.ndarray:
+def removable_bytes(profile: StepTrace, region: Region) -> np.ndarray:
     """Per event, an upper bound on the bytes checkpointing ``region`` can take off the measured timeline.
 
     In the simulator a plan frees a storage earlier only when the storage is made and saved inside one region, and
@@ -196,7 +196,7 @@ def removable_bytes(profile: Profile, region: Region) -> np.ndarray:
     return bound
 
 
-def usable_regions(profile: Profile) -> list[Region]:
+def usable_regions(profile: StepTrace) -> list[Region]:
     """Every contiguous unit range that saves something for backward and is safe to checkpoint (no in-place write
     into one of its inputs); a range that saves nothing frees nothing and only adds recompute."""
     num_units = len(profile.units)

@@ -96,7 +96,7 @@ class StageTable:
         self.backward_ratio = max(statistics.median(t.step_ms / max(t.forward_ms, 1e-9) for t in traces) - 1.0, 0.0)
         self._planners: dict[tuple[int, int], Planner] = {}
         self._entries: dict[tuple[int, int, int], StageEntry | None] = {}
-        self._output_bytes: dict[int, int] = {}  # per stage planner (they live as long as the table)
+        self._output_bytes: dict[int, tuple[int, int]] = {}  # per stage planner (live as long as the table)
         self._floors: dict[tuple[int, int, int], int | None] = {}  # per stage position and units
 
     # the runs a stage may take: from one candidate boundary (or the start) to a later one (or the end)
@@ -239,8 +239,8 @@ class StageTable:
         microbatch (the stage's own trace counts one as its input), the gradients of its inputs from the previous
         microbatch's backward (1F1B keeps them referenced in its list of sends until the next send: measured +16 384 B
         on a GPT-2-style last stage without them), receive buffers for the gradients of what it sends, the rest of
-        the batch on stage 0, the target and (when returned) the outputs of every other microbatch on the last
-        stage."""
+        the batch on stage 0, the target, the losses and (when returned) the outputs of every other microbatch on
+        the last stage."""
         request = self.request
         m = request.microbatches
         stage = self.graph_of(first, last)
@@ -260,28 +260,45 @@ class StageTable:
             )
         else:
             total += request.batch_target_bytes
+            # the schedule keeps every earlier microbatch's loss until the step ends (``losses=`` given or not); the
+            # stage's trace counts its own
+            total += (m - 1) * self.loss_bytes(planner)
             if request.return_outputs:  # the schedule keeps every microbatch's output to return them
                 total += (m - 1) * self.output_bytes(planner)
         return max(total, 0)
 
     def end_of_step_bytes(self, first: int, last: int, planner: Planner) -> int:
         """The last stage's bytes when ``step`` returns the outputs: the schedule concatenates every microbatch's
-        output into the batch's while it still holds them (twice the outputs, beside parameters and gradients)."""
+        output into the batch's while it still holds them (twice the outputs, beside parameters and gradients), and
+        the list given as ``losses=`` (as PyTorch documents the step) already holds every microbatch's loss."""
         if last < self.num_units - 1 or not self.request.return_outputs:
             return 0
         m = self.request.microbatches
         return (
             planner.trace.static_bytes + (m - 1) * planner.trace.input_bytes + self.request.batch_target_bytes
-            + 2 * m * self.output_bytes(planner)
+            + 2 * m * self.output_bytes(planner) + m * self.loss_bytes(planner)
         )
 
     def output_bytes(self, planner: Planner) -> int:
-        """Bytes of the last stage's output for one microbatch (what the schedule keeps to return); one forward per
-        stage planner, remembered: every budget tried asks again."""
+        """Bytes of the last stage's output for one microbatch (what the schedule keeps to return)."""
+        return self._last_stage_bytes(planner)[0]
+
+    def loss_bytes(self, planner: Planner) -> int:
+        """Bytes of one microbatch's loss (a 0-dim tensor: 4 B in fp32), which the schedule keeps to the end of the
+        step."""
+        return self._last_stage_bytes(planner)[1]
+
+    def _last_stage_bytes(self, planner: Planner) -> tuple[int, int]:
+        """The last stage's output and loss bytes for one microbatch; one forward per stage planner, remembered:
+        every budget tried asks again."""
         if id(planner) not in self._output_bytes:
             args, kwargs = planner.request.args, planner.request.kwargs
             with torch.no_grad(), torch.random.fork_rng():
-                self._output_bytes[id(planner)] = unique_storage_bytes(tensors_in(planner.model(*args, **kwargs)))
+                output = planner.model(*args, **kwargs)
+                loss = self.request.loss_fn(output, self.request.microbatch_target)
+            self._output_bytes[id(planner)] = (
+                unique_storage_bytes(tensors_in(output)), unique_storage_bytes(tensors_in(loss))
+            )
         return self._output_bytes[id(planner)]
 
     def problem(self, link_gb_per_s: float, cuts: tuple[int, ...] | None = None) -> SplitProblem:

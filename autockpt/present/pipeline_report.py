@@ -86,7 +86,8 @@ def _peak_text(pplan: PipelineRecord, record: PipelineStageRecord, memory: Stage
     last = record.index == pplan.num_stages - 1
     if memory.end_of_step_dominates:
         what = ("the bytes at the end of the step, when the schedule concatenates every microbatch's output into the "
-                "batch's while it still holds them (parameters, gradients, inputs, the target and twice the outputs)"
+                "batch's while it still holds them (parameters, gradients, inputs, the target, the microbatches' losses "
+                "and twice the outputs)"
                 if last and pplan.return_outputs else "another term of the planner")
         return (
             f"predicted peak {format_bytes(memory.predicted_peak_bytes)}: the larger of {what}, "

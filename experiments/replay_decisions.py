@@ -42,9 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # pipeli
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_offload, bench_pipeline
 
 import autockpt
-from autockpt import plan_io
+from autockpt.records import plan_io
 from autockpt.errors import InfeasibleBudgetError
-from autockpt.solve.base import SolverOptions, recompute_actions
+from autockpt.core.solve.base import SolverOptions, recompute_actions
 from autockpt.types import Action, CaptureKind, CostModel, StepTrace
 
 FRACTIONS = (0.0, 0.1, 0.3, 0.6)
@@ -62,10 +62,11 @@ SOLVER_OPTIONS = SolverOptions(time_limit_s=3600.0)
 
 
 def zoo_planner(name: str) -> autockpt.Planner:
-    from autockpt import zoo
+    from autockpt.present import zoo
 
     built = zoo.build(name, "small", seed=0)
-    return autockpt.Planner(built.model, example_inputs=built.args, example_kwargs=built.kwargs, loss_fn=built.loss_fn)
+    return autockpt.Planner.from_model(built.model, example_inputs=built.args, example_kwargs=built.kwargs,
+                                       loss_fn=built.loss_fn)
 
 
 def offload_planner(name: str) -> autockpt.Planner:
@@ -73,7 +74,7 @@ def offload_planner(name: str) -> autockpt.Planner:
 
     torch.manual_seed(0)  # bench_offload.build seeds too; the example ids are drawn after the weights
     model, ids = bench_offload.build(name, "small", torch.device("cpu"))
-    return autockpt.Planner(model, example_inputs=(ids,), example_kwargs={"labels": ids})
+    return autockpt.Planner.from_model(model, example_inputs=(ids,), example_kwargs={"labels": ids})
 
 
 @functools.cache
@@ -88,7 +89,7 @@ def pipeline_planners() -> tuple[tuple[autockpt.Planner, int], ...]:
 
     def recording_init(self: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
-        made.append((self, kwargs.get("gradient_accumulation_steps", 1)))
+        made.append((self, self.gradient_accumulation_steps))
 
     autockpt.Planner.__init__ = recording_init
     try:
@@ -120,13 +121,9 @@ def planner_for(case: dict[str, Any]) -> autockpt.Planner:
 
 
 def with_recorded_values(planner: autockpt.Planner, trace: StepTrace, costs: CostModel) -> autockpt.Planner:
-    """``planner`` planning from the recorded trace and prices: every cache made from the measured ones dropped."""
-    planner.trace = trace
-    planner.costs = costs
-    planner._context = None  # graph, trace, costs, memory curve before any plan
-    planner._problems.clear()  # per action: candidates, seeds, blocks and floors scored on the trace and prices
-    planner._joint.clear()  # per host pool: the joint problems over those
-    return planner
+    """A planner over values (0.2: ``Planner(graph, trace, costs, options, step=...)``): the case's captured graph and
+    step with the recorded trace and prices, nothing of the measured ones."""
+    return autockpt.Planner(planner.graph, trace, costs, planner.options, step=planner.request)
 
 
 # ------------------------------------------------------------------------------------------------------ decisions

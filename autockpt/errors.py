@@ -36,6 +36,16 @@ class ProfileError(AutockptError, RuntimeError):
     """Running the captured graph forward and backward on the example inputs failed."""
 
 
+class FakeStepError(ProfileError):
+    """The training step cannot run on fake tensors (``autockpt.measure.fake.FakeTrace``): its Python code needs a
+    tensor's value (a data-dependent branch, ``.item()``), an op makes an output whose shape depends on values, or an
+    op has no fake kernel. ``op`` names the op."""
+
+    def __init__(self, message: str, *, op: str | None = None) -> None:
+        super().__init__(message)
+        self.op = op
+
+
 class PlanMismatchError(AutockptError, ValueError):
     """A saved plan was applied to a model or inputs other than the ones it was made for."""
 

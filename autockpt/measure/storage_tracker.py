@@ -49,6 +49,13 @@ class _EventRecord:
     pack_peak_bytes: int | None = None  # forward: peak up to the event's last pack for backward
 
 
+# what tensor subclasses with a custom device or sizes (fake tensors: the device) dispatch when autograd or an op
+# asks for their metadata; plain tensors answer without dispatching
+_METADATA_QUERIES = frozenset({
+    torch.ops.prim.device.default, torch.ops.prim.layout.default, torch.ops.aten.sym_size.default,
+    torch.ops.aten.sym_stride.default, torch.ops.aten.sym_numel.default, torch.ops.aten.sym_storage_offset.default,
+})
+
 _CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator hands out multiples of this (MemTracker rounds the same way)
 
 
@@ -110,6 +117,8 @@ class StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if func in _METADATA_QUERIES:  # reads no tensor data: no unit uses a storage by asking where it lives
+            return func(*args, **kwargs)
         on_cuda = self.device.type == "cuda"
         if on_cuda:
             allocated_before = torch.cuda.memory_allocated(self.device)

@@ -52,9 +52,11 @@ def trace_step(
     timing_repeats: int = 3,
     time_repeated_blocks_once: bool = True,
     gradient_lifetimes: bool = False,
+    timed: bool = True,
 ) -> StepTrace:
     """Measure the unmodified training step of ``graph`` on the example inputs. ``gradient_lifetimes``: also record
     how long the gradients of forward tensors lived (the simulation of ``Action.RECOMPUTE_OWN`` needs them).
+    ``timed=False``: no timed steps; every time in the trace is 0 (``FakeTrace`` traces fake tensors, which take none).
 
     With ``time_repeated_blocks_once``, the units of repeated blocks (found from the tracked step: same ops, FLOPs and
     bytes) are timed at one instance per family and every other instance reuses those times, so the timed steps
@@ -70,6 +72,8 @@ def trace_step(
         tracked = _tracked_step(graph, args, kwargs, loss_fn, record_gradients=gradient_lifetimes)
         flops = _unit_flops(graph, args, kwargs)
         untimed = _assemble(graph, args, kwargs, tracked, flops, gradient_lifetimes=gradient_lifetimes)
+        if not timed:
+            return untimed
         timed_at = timing_units(graph, untimed) if time_repeated_blocks_once else list(range(num_units))
         unit_ms_runs, step_ms_runs = timed_steps(
             graph, args, kwargs, loss_fn, timed_units=set(timed_at), repeats=timing_repeats
@@ -413,7 +417,8 @@ def _with_times(untimed: StepTrace, unit_ms: list[float], step_ms: float, timed_
 
 def unique_storage_bytes(tensors: list[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (tied weights and views counted once)."""
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+    # keyed by the storage itself, not its data pointer: meta and fake storages have none
+    return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 def step_tensors(model: nn.Module, args: tuple, kwargs: dict) -> list[torch.Tensor]:

@@ -45,6 +45,12 @@ class PlanningContext:
         return overhead_ms / self.trace.step_ms if self.trace.step_ms > 0 else 0.0
 
 
+_TIMES_NOT_MEASURED = (
+    "unit times were not measured (a fake trace): the predicted overhead and recompute times are placeholders, "
+    "0 or proportional to FLOPs"
+)
+
+
 def assemble_plan(
     context: PlanningContext,
     region_actions: Sequence[RegionAction],
@@ -108,7 +114,7 @@ def assemble_plan(
         profile_time_s=context.profile_time_s,
         policy=policy,
         nodes=nodes,
-        notes=graph.notes,
+        notes=graph.notes + (() if trace.times_measured else (_TIMES_NOT_MEASURED,)),
         strategy=strategy,
         fingerprint=context.fingerprint,
         solver_stats=result.stats if solved else None,

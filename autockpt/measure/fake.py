@@ -1,0 +1,351 @@
+"""FakeTrace: the step's memory timeline without running a real step (issue 36, the memory half).
+
+The captured graph runs on a copy of the model whose parameters and buffers are fake tensors
+(``torch._subclasses.fake_tensor.FakeTensorMode``: shapes, dtypes, devices and storages, no data), on fake example
+inputs, through the same ``trace_step`` as ``MeasuredTrace`` (warm-up, tracked step under autockpt's own
+``StorageTracker``, FLOPs). Fake tensors have storages of the same sizes, aliasing and lifetimes as real ones, so the
+memory timeline (events, storage lives, peaks, static bytes) is the measured one; on CPU it is the same event for
+event. The user's model is not touched: a model on the meta device stays there, and a real model's weights are never
+read (a fake tensor has only the metadata of the tensor it stands for).
+
+Times are not measured: a fake kernel takes none. Every unit time is 0, or proportional to the unit's FLOPs at a
+rate the caller gives (``flops_per_ms``); ``StepTrace.times_measured`` is False either way.
+
+A step whose Python code needs tensor values (``if x.mean() > 0``, ``float(loss)``, ``torch.nonzero``) cannot run on
+fake tensors: ``FakeStepError`` names the op and the line of the model that asked.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import itertools
+import traceback
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+    unset_fake_temporarily,
+)
+from torch.utils import _pytree as pytree
+
+from autockpt.errors import FakeStepError, LossFunctionError, ProfileError
+from autockpt.measure.loop import measure_optimizer_step, optimizer_factory, step_in_loop
+from autockpt.measure.sources import StepInputs, TraceRequest
+from autockpt.measure.step import owned_bytes
+from autockpt.measure.trace import device_of, step_tensors, trace_step
+from autockpt.types import Graph, StepTrace, TrainingLoop
+
+
+class _CpuFakeTensorMode(FakeTensorMode):
+    """Fake tensors whose normalisations on the CPU make what the CPU kernels make.
+
+    On a low-precision input (bfloat16, float16) with float32 parameters or running statistics, as autocast leaves
+    them, the CPU kernels of layer, group and batch normalisation keep the saved mean and inverse standard deviation
+    in float32, where torch's fake kernels (its reference implementations) make them in the input's dtype (half the
+    bytes); and group normalisation's backward returns the input's gradient in the input's dtype, where the fake
+    kernel makes it float32 (and autograd then adds a copy to the input's dtype). Such outputs are converted here to
+    the dtype the CPU kernel gives them (checked op by op against the CPU kernels: ``tests/measure/test_fake_trace.py``).
+    """
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        dtypes = _cpu_kernel_dtypes(func, args, kwargs or {})
+        if dtypes is None:
+            return out
+        return tuple(
+            super(_CpuFakeTensorMode, self).__torch_dispatch__(
+                torch.ops.aten._to_copy.default, types, (value,), {"dtype": dtype}
+            ) if dtype is not None and isinstance(value, torch.Tensor) and value.dtype != dtype else value
+            for value, dtype in itertools.zip_longest(out, dtypes)
+        )
+
+
+_CPU_MIXED_NORMS = frozenset({
+    torch.ops.aten.native_layer_norm.default,
+    torch.ops.aten.native_group_norm.default,
+    torch.ops.aten.native_batch_norm.default,
+    torch.ops.aten._native_batch_norm_legit.default,
+    torch.ops.aten._native_batch_norm_legit.no_stats,
+    torch.ops.aten._native_batch_norm_legit_functional.default,
+    torch.ops.aten._native_batch_norm_legit_no_training.default,
+    torch.ops.aten._batch_norm_with_update.default,
+    torch.ops.aten._batch_norm_with_update_functional.default,
+    torch.ops.aten._batch_norm_no_update.default,
+})
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _cpu_kernel_dtypes(func: Any, args: tuple, kwargs: dict) -> tuple[torch.dtype | None, ...] | None:
+    """The dtypes the CPU kernel gives the outputs of ``func`` where its fake kernel gives others (None: it agrees;
+    a None entry: that output agrees)."""
+    if func is torch.ops.aten.native_group_norm_backward.default:
+        source = args[1] if len(args) > 1 else kwargs.get("input")
+        if isinstance(source, torch.Tensor) and source.device.type == "cpu":
+            return (source.dtype,)  # the input's gradient
+        return None
+    if func not in _CPU_MIXED_NORMS:
+        return None
+    source = args[0] if args else None
+    if not isinstance(source, torch.Tensor) or source.device.type != "cpu" or source.dtype not in _LOW_PRECISION:
+        return None
+    others = pytree.tree_leaves((args[1:], kwargs))
+    if not any(isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in others):
+        return None
+    # the saved statistics, after the output; running statistics keep their own (float32) dtype already
+    return (None, torch.float32, torch.float32)
+
+
+class FakeTrace:
+    """The step traced on fake tensors: ``MeasuredTrace``'s memory timeline without running a real step.
+
+        planner = autockpt.Planner.from_model(model, example_inputs=(x,), trace_source=FakeTrace())
+
+    ``device``: where the fake step runs, and whose memory it counts (CUDA: in the allocator's 512-byte blocks, which
+    needs a CUDA device); default the model's device, the CPU for a model on the meta device. Tensors elsewhere (a
+    meta model's, inputs beside it) become fakes of their shapes on it.
+
+    ``flops_per_ms``: unit times are not measured; None (the default) leaves every time 0, a rate makes each unit's
+    forward time its FLOPs (``torch.utils.flop_counter``: matmuls, convolutions, attention; 0 for the rest) divided
+    by it, and the step three times the forward (backward: twice the forward's FLOPs). Either way a placeholder, marked
+    by ``StepTrace.times_measured = False``: plans made from it choose by memory (and by FLOPs) alone.
+    """
+
+    name = "fake"
+
+    def __init__(self, *, device: torch.device | str | None = None, flops_per_ms: float | None = None) -> None:
+        if flops_per_ms is not None and not flops_per_ms > 0:
+            raise ValueError(f"flops_per_ms must be a positive rate (FLOPs per millisecond) or None, got {flops_per_ms!r}")
+        self.device = torch.device(device) if device is not None else None
+        if self.device is not None and self.device.type == "meta":
+            raise ValueError("device='meta': give the device the step is planned for (e.g. 'cpu', 'cuda')")
+        if self.device is not None and self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"device={device!r}: the trace counts CUDA memory through torch.cuda's allocator, which this process "
+                "does not have (no CUDA device); trace on 'cpu' (no 512-byte allocator rounding) or on a CUDA machine"
+            )
+        self.flops_per_ms = flops_per_ms
+
+    def trace_device(self, step: StepInputs) -> torch.device:
+        """Where the fake step runs: ``device``, else the model's device (the CPU for a model on the meta device)."""
+        if self.device is not None:
+            return self.device
+        device = step.device
+        return torch.device("cpu") if device.type == "meta" else device
+
+    def trace(self, graph: Graph, step: StepInputs, request: TraceRequest) -> StepTrace:
+        mode = _CpuFakeTensorMode(allow_non_fake_inputs=True)  # real tensors a loss function closes over become fake
+        fake = FakeStep.of(graph, step, mode, self.trace_device(step))
+        with mode:
+            try:
+                trace = trace_step(
+                    fake.graph, fake.args, fake.kwargs, step.loss, timed=False,
+                    time_repeated_blocks_once=request.time_repeated_blocks_once,
+                    gradient_lifetimes=request.gradient_lifetimes,
+                )
+            except (ProfileError, LossFunctionError) as error:
+                _raise_fake_step_error(error, graph)
+                raise
+            owned = owned_bytes(fake.device, step_tensors(fake.graph.model, fake.args, fake.kwargs))
+            trace = dataclasses.replace(
+                trace, foreign_bytes=max(0, trace.events[0].start_bytes - owned), times_measured=False
+            )
+            trace = self._with_placeholder_times(trace)
+            if request.optimizer is None and request.gradient_accumulation_steps == 1:
+                return trace
+            cost = None
+            if request.optimizer is not None:
+                try:
+                    cost = measure_optimizer_step(
+                        fake.optimizer_factory(request.optimizer), fake.graph.model, fake.device
+                    )
+                except Exception as error:
+                    _raise_fake_step_error(error, graph, what="the optimizer's step")
+                    raise
+        return step_in_loop(
+            trace, TrainingLoop(optimizer=cost, gradient_accumulation_steps=request.gradient_accumulation_steps)
+        )
+
+    def _with_placeholder_times(self, trace: StepTrace) -> StepTrace:
+        if self.flops_per_ms is None:
+            return trace
+        units = tuple(dataclasses.replace(u, forward_ms=u.flops / self.flops_per_ms) for u in trace.units)
+        forward_ms = sum(u.forward_ms for u in units)
+        return dataclasses.replace(trace, units=units, forward_ms=forward_ms, step_ms=3 * forward_ms)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FakeStep:
+    """The captured step on fake tensors: a copy of the graph (model and executable) whose parameters, buffers and
+    tensor attributes are fake, and fake example inputs. Tensors shared between them (tied weights, an input passed
+    twice) stay shared; views of one storage stay views of one fake storage."""
+
+    graph: Graph
+    args: tuple
+    kwargs: dict
+    mode: FakeTensorMode
+    fakes: dict[int, torch.Tensor]  # id of a real (or meta) tensor -> its fake
+    originals: list[torch.Tensor]  # those tensors
+
+    @property
+    def device(self) -> torch.device:
+        return device_of(self.graph.model, self.args, self.kwargs)
+
+    @staticmethod
+    def of(graph: Graph, step: StepInputs, mode: FakeTensorMode, device: torch.device) -> FakeStep:
+        """The fake step on ``device``: tensors there become fakes of themselves (``FakeTensorMode.from_tensor``),
+        others (a meta model's, real token ids beside it) fakes of their metadata on ``device``."""
+        fakes: dict[int, torch.Tensor] = {}
+        originals: list[torch.Tensor] = []  # the tensors the ids stand for, alive while the ids are looked up
+
+        def fake(tensor: torch.Tensor) -> torch.Tensor:
+            if id(tensor) not in fakes:
+                originals.append(tensor)
+                fakes[id(tensor)] = _fake_of(tensor, mode, device)
+            return fakes[id(tensor)]
+
+        modules = {id(m): m for root in (graph.model, graph.executable) for m in root.modules()}
+        for module in modules.values():
+            for tensor in _module_tensors(module):
+                fake(tensor)
+        memo: dict[int, Any] = dict(fakes)  # deepcopy takes each fake for its tensor, copies everything else
+        model, executable = copy.deepcopy((graph.model, graph.executable), memo)
+        for param in model.parameters():
+            param.grad = None
+        args, kwargs = pytree.tree_map(
+            lambda leaf: fake(leaf) if isinstance(leaf, torch.Tensor) else leaf, (step.args, step.kwargs)
+        )
+        if isinstance(executable, fx.GraphModule) and device.type != "meta":
+            _move_device_constants(executable, "meta", device)  # export wrote the meta device into the graph
+        fake_graph = dataclasses.replace(graph, model=model, executable=executable)
+        return FakeStep(graph=fake_graph, args=args, kwargs=kwargs, mode=mode, fakes=fakes, originals=originals)
+
+    def optimizer_factory(self, optimizer: Any) -> Any:
+        """``loop.optimizer_factory`` over the fake model: an optimizer over the real parameters is rebuilt over their
+        fakes (its settings and a fake copy of its state)."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer_factory(self.graph.model, optimizer)
+        missing = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in self.fakes)
+        if missing:
+            raise ValueError(
+                f"the optimizer ({type(optimizer).__name__}) holds {missing} parameters that are not the model's: "
+                "pass the optimizer made over this model's parameters"
+            )
+
+        def make() -> torch.optim.Optimizer:
+            # as ``loop._rebuilt`` makes it, over the fakes, with fakes of its state (fake tensors cannot be
+            # deep-copied, which loading a state dict does)
+            groups = [
+                {**{k: self._fake_state(v) for k, v in group.items() if k != "params"},
+                 "params": [self.fakes[id(p)] for p in group["params"]]}
+                for group in optimizer.param_groups
+            ]
+            accepted = inspect.signature(type(optimizer)).parameters
+            made = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+            for param, state in optimizer.state.items():
+                made.state[self.fakes[id(param)]] = {k: self._fake_state(v) for k, v in state.items()}
+            return made
+
+        return make
+
+    def _fake_state(self, value: Any) -> Any:
+        """A fake of an optimizer state; a step counter (one element) keeps its value, which the step reads."""
+        if not isinstance(value, torch.Tensor) or isinstance(value, FakeTensor):
+            return value
+        if value.numel() <= 1 and value.device.type != "meta":
+            with unset_fake_temporarily():  # a copy: the fake step adds to its constant, in place
+                value = value.detach().clone()
+            return self.mode.fake_tensor_converter.from_real_tensor(self.mode, value, make_constant=True)
+        return self.mode.from_tensor(value, static_shapes=True)
+
+
+def _move_device_constants(gm: fx.GraphModule, device_type: str, device: torch.device) -> None:
+    """Replace the devices of type ``device_type`` in the arguments of ``gm``'s nodes (a copy's) by ``device``: a
+    graph exported on a model on the meta device creates tensors there and asserts that its tensors are there."""
+    moved = False
+
+    def move(value: Any) -> Any:
+        nonlocal moved
+        if isinstance(value, torch.device) and value.type == device_type:
+            moved = True
+            return device
+        return value
+
+    for node in gm.graph.nodes:
+        node.args = fx.node.map_aggregate(node.args, move)
+        node.kwargs = fx.node.map_aggregate(node.kwargs, move)
+    if moved:
+        gm.recompile()
+
+
+def _fake_of(tensor: torch.Tensor, mode: FakeTensorMode, device: torch.device) -> torch.Tensor:
+    """A fake of ``tensor`` on ``device``. On its own device: ``from_tensor`` (views of one storage stay views of one
+    fake storage). Elsewhere (meta): a fake over its meta metadata (views of one meta storage share it too), a
+    parameter still a parameter, ``requires_grad`` as it was."""
+    if isinstance(tensor, FakeTensor):
+        if tensor.fake_mode is not mode:
+            raise ValueError("example inputs are fake tensors of another FakeTensorMode: pass real or meta tensors")
+        return tensor
+    if tensor.device.type == device.type and device.index in (None, tensor.device.index):
+        return mode.from_tensor(tensor, static_shapes=True)
+    meta = tensor.detach() if tensor.device.type == "meta" else tensor.detach().to("meta")
+    made = mode.fake_tensor_converter.from_meta_and_device(mode, meta, device)
+    if isinstance(tensor, nn.Parameter):
+        return nn.Parameter(made, requires_grad=tensor.requires_grad)
+    return made.requires_grad_(tensor.requires_grad) if tensor.requires_grad else made
+
+
+def _module_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """The tensors a module holds itself: parameters, buffers and tensor attributes (fx's constants, a rotary
+    embedding's unregistered frequencies), also inside lists, tuples and dicts."""
+    tensors = [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
+    for name, value in vars(module).items():
+        if name in ("_parameters", "_buffers", "_modules"):
+            continue
+        tensors += [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+    return tensors
+
+
+def _raise_fake_step_error(error: BaseException, graph: Graph, *, what: str = "the training step") -> None:
+    """Raise a ``FakeStepError`` naming the op and the model's line when ``error`` came from a step that cannot run on
+    fake tensors (it needed tensor values, or an op has no fake kernel); return otherwise."""
+    cause: BaseException | None = error
+    while cause is not None and not isinstance(
+        cause, (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
+    ):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return
+    op = str(getattr(cause, "func", "") or cause)
+    where = _user_frame(cause)
+    if isinstance(cause, UnsupportedOperatorException):
+        reason = f"{op} has no fake (meta) kernel"
+    elif isinstance(cause, DynamicOutputShapeException):
+        reason = f"{op} makes an output whose shape depends on tensor values"
+    else:
+        reason = f"{op} reads a tensor's value (a data-dependent branch, .item(), float(tensor), bool(tensor))"
+    raise FakeStepError(
+        f"{what} of {type(graph.model).__name__} ({graph.kind.value} capture) cannot run on fake tensors, which have "
+        f"shapes but no values: {reason}{f', at {where}' if where else ''}. Trace it on real tensors instead "
+        "(the default trace source, MeasuredTrace).",
+        op=op,
+    ) from error
+
+
+def _user_frame(error: BaseException) -> str:
+    """The innermost frame of the traceback outside torch and autockpt ('' if none): where the model asked."""
+    frames = traceback.extract_tb(error.__traceback__)
+    for frame in reversed(frames):
+        path = frame.filename.replace("\\", "/")
+        if "/torch/" in path or "/autockpt/measure/" in path or "/autockpt/runtime/" in path or path.startswith("<"):
+            continue
+        line = f": {frame.line.strip()}" if frame.line else ""
+        return f"{path.rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name}{line}"
+    return ""

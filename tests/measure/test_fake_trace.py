@@ -1,0 +1,243 @@
+"""FakeTrace (issue 36, the memory half): the step traced on fake tensors gives the measured memory timeline, event
+for event, without running a real step; times are placeholders, marked as such."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from typing import Any
+
+import pytest
+import torch
+from conftest import needs_diffusers, needs_transformers
+
+import autockpt
+from autockpt.errors import FakeStepError, ProfileError
+from autockpt.measure.fake import FakeTrace, _CpuFakeTensorMode
+from autockpt.measure.sources import TraceRequest
+from autockpt.present import zoo
+from autockpt.runtime.model_state import preserved_model_state
+from autockpt.types import CaptureKind, StepTrace
+
+slow = pytest.mark.slow
+
+
+def memory_of(trace: StepTrace) -> dict[str, Any]:
+    """Everything of a trace but its times."""
+    return {
+        "events": trace.events,
+        "storages": trace.storages,
+        "units": [(u.index, u.flops, u.output_bytes, u.saved_bytes, u.saved_tensors) for u in trace.units],
+        "baseline_peak_bytes": trace.baseline_peak_bytes,
+        "static_bytes": trace.static_bytes,
+        "parts": (trace.parameter_bytes, trace.buffer_bytes, trace.input_bytes, trace.gradient_bytes),
+        "gradient_bytes_by_event": trace.gradient_bytes_by_event,
+        "gradient_lifetimes": trace.gradient_lifetimes,
+        "loop": (trace.optimizer_state_bytes, trace.loop),
+        "foreign_bytes": trace.foreign_bytes,
+    }
+
+
+def assert_same_memory(fake: StepTrace, measured: StepTrace) -> None:
+    fake_parts, measured_parts = memory_of(fake), memory_of(measured)
+    for name, want in measured_parts.items():
+        assert fake_parts[name] == want, f"{name} differs"
+
+
+def state_of(model: torch.nn.Module) -> list[tuple[str, torch.device, torch.Tensor | None, Any]]:
+    return [(name, t.device, t.detach().clone() if t.device.type != "meta" else None, t.grad)
+            for name, t in [*model.named_parameters(), *model.named_buffers()]]
+
+
+def assert_same_state(before: list, model: torch.nn.Module) -> None:
+    after = state_of(model)
+    assert [(n, d, g) for n, d, _, g in after] == [(n, d, g) for n, d, _, g in before]
+    for (name, _, was, _), (_, _, now, _) in zip(before, after):
+        assert was is None or torch.equal(was, now), name
+
+
+@dataclasses.dataclass
+class Planners:
+    measured: autockpt.Planner
+    fake: autockpt.Planner
+
+
+# the plans are compared on the first four; the traces on all
+_PLAN_CASES = [
+    pytest.param("mlp", False, id="mlp"),
+    pytest.param("cnn", True, id="cnn-bf16"),  # mixed-precision batch norm: the CPU kernels' float32 statistics
+    pytest.param("transformer", False, id="transformer-dropout"),
+    pytest.param("gpt2", False, marks=needs_transformers, id="hf-gpt2"),
+]
+_CASES = [
+    *_PLAN_CASES,
+    pytest.param("cnn", False, marks=slow, id="cnn-batchnorm-inplace"),
+    pytest.param("llama", True, marks=[needs_transformers, slow], id="hf-llama-bf16"),
+    pytest.param("bert", True, marks=[needs_transformers, slow], id="hf-bert-bf16"),
+    pytest.param("vit", False, marks=[needs_transformers, slow], id="hf-vit"),
+    pytest.param("t5", False, marks=[needs_transformers, slow], id="hf-t5"),
+    pytest.param("unet", True, marks=[needs_diffusers, slow], id="diffusers-unet2d-bf16"),
+]
+
+
+@functools.cache
+def planners(name: str, bf16: bool) -> Planners:
+    """The measured and the fake planner of a tiny zoo model (once per test session)."""
+    case = zoo.build(name, "tiny")
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    call = {"example_inputs": case.args, "example_kwargs": case.kwargs, "loss_fn": case.loss_fn}
+    with autocast:
+        measured = autockpt.Planner.from_model(case.model, **call)
+        before = state_of(case.model)
+        fake = autockpt.Planner.from_model(case.model, **call, trace_source=FakeTrace())
+    assert_same_state(before, case.model)  # the fake trace leaves the model as it was
+    return Planners(measured, fake)
+
+
+@pytest.mark.parametrize(("name", "bf16"), _CASES)
+def test_fake_trace_is_the_measured_memory_timeline(name: str, bf16: bool) -> None:
+    both = planners(name, bf16)
+    assert_same_memory(both.fake.trace, both.measured.trace)
+    assert both.fake.trace.times_measured is False and both.measured.trace.times_measured is True
+    assert all(u.forward_ms == 0.0 for u in both.fake.trace.units) and both.fake.trace.step_ms == 0.0
+
+
+@pytest.mark.parametrize(("name", "bf16"), _PLAN_CASES)
+def test_a_plan_from_the_fake_trace_predicts_the_same_peak(name: str, bf16: bool) -> None:
+    both = planners(name, bf16)
+    probe = both.measured.plan(budget_bytes=10**15)
+    budget = (probe.min_feasible_bytes + probe.baseline_peak_bytes) // 2
+    measured = both.measured.plan(budget_bytes=budget)
+    assert measured.regions
+    # the measured plan's regions, scored on the fake trace: the same predicted peak and memory curve
+    scored = both.fake.plan_for_regions(measured.regions, strategy="given", action=measured.planned_action)
+    assert scored.predicted_peak_bytes == measured.predicted_peak_bytes
+    assert scored.memory_after == measured.memory_after
+    # solved on the fake trace given the measured times: the same plan, the same predicted peak
+    same = _retimed(both).plan(budget_bytes=budget)
+    assert same.regions == measured.regions and same.predicted_peak_bytes == measured.predicted_peak_bytes
+
+
+def _retimed(both: Planners) -> autockpt.Planner:
+    """The fake planner with the measured unit and step times (the timing half of issue 36 is separate work)."""
+    times = {u.index: u for u in both.measured.trace.units}
+    units = tuple(
+        dataclasses.replace(u, forward_ms=times[u.index].forward_ms, forward_ms_timed_at=times[u.index].forward_ms_timed_at)
+        for u in both.fake.trace.units
+    )
+    timed = dataclasses.replace(
+        both.fake.trace, units=units, forward_ms=both.measured.trace.forward_ms, step_ms=both.measured.trace.step_ms
+    )
+    return autockpt.Planner(both.fake.graph, timed, both.measured.costs, both.fake.options, step=both.fake.request)
+
+
+def test_a_plan_from_placeholder_times_keeps_the_budget_and_says_times_were_not_measured() -> None:
+    both = planners("mlp", False)
+    probe = both.fake.plan(budget_bytes=10**15)
+    budget = (probe.min_feasible_bytes + probe.baseline_peak_bytes) // 2
+    plan = both.fake.plan(budget_bytes=budget)
+    assert plan.regions and plan.predicted_peak_bytes <= budget
+    assert plan.predicted_overhead == 0.0 and any("not measured" in note for note in plan.notes)
+    assert not any("not measured" in note for note in both.measured.plan(budget_bytes=budget).notes)
+
+
+def test_flops_per_ms_gives_flop_proportional_placeholder_times() -> None:
+    both = planners("mlp", False)
+    step = both.fake.request
+    request = TraceRequest(time_repeated_blocks_once=True, gradient_lifetimes=True)
+    with preserved_model_state(step.model, step.args, step.kwargs):
+        trace = FakeTrace(flops_per_ms=1e6).trace(both.fake.graph, step, request)
+    assert trace.times_measured is False
+    assert [u.forward_ms for u in trace.units] == [u.flops / 1e6 for u in trace.units]
+    assert trace.forward_ms > 0 and trace.step_ms == pytest.approx(3 * trace.forward_ms)
+    assert_same_memory(trace, both.fake.trace)
+    with pytest.raises(ValueError, match="flops_per_ms must be a positive rate"):
+        FakeTrace(flops_per_ms=0)
+
+
+def test_the_loop_optimizer_is_stepped_on_fakes_and_the_users_is_left_alone() -> None:
+    case = zoo.build("mlp", "tiny")
+    optimizer = torch.optim.AdamW(case.model.parameters(), lr=1e-3)
+    case.model(*case.args).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    steps = [state["step"].item() for state in optimizer.state.values()]
+    call = {"example_inputs": case.args, "optimizer": optimizer, "gradient_accumulation_steps": 2}
+    measured = autockpt.Planner.from_model(case.model, **call)
+    before = state_of(case.model)
+    fake = autockpt.Planner.from_model(case.model, **call, trace_source=FakeTrace())
+    assert_same_memory(fake.trace, measured.trace)
+    assert fake.trace.loop.optimizer.state_bytes > 0
+    assert [state["step"].item() for state in optimizer.state.values()] == steps
+    assert_same_state(before, case.model)
+
+
+@needs_transformers
+def test_a_model_on_the_meta_device_plans_and_stays_there() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32,
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    ids = torch.randint(0, 128, (2, 32))
+    traces = []
+    for given in (ids.to("meta"), ids):  # meta inputs, or real token ids beside the meta model
+        planner = autockpt.Planner.from_model(
+            model, example_inputs=(given,), example_kwargs={"labels": given}, trace_source=FakeTrace()
+        )
+        assert planner.graph.kind is CaptureKind.EXPORT  # captured on meta: the outputs compared by shape
+        assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}
+        assert all(p.grad is None for p in model.parameters())
+        traces.append(planner.trace)
+    trace = traces[0]
+    assert_same_memory(traces[1], trace)
+    assert trace.parameter_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+    probe = planner.plan(budget_bytes=10**15)
+    plan = planner.plan(budget_bytes=(probe.min_feasible_bytes + trace.baseline_peak_bytes) // 2)
+    assert plan.regions and plan.predicted_peak_bytes < trace.baseline_peak_bytes
+    assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}
+
+
+def test_data_dependent_control_flow_is_refused_naming_the_op_and_line() -> None:
+    case = zoo.build("control_flow", "tiny")
+    with pytest.raises(FakeStepError, match=r"_local_scalar_dense.*zoo.py:\d+ in forward: if x.mean\(\) > 0") as error:
+        autockpt.Planner.from_model(case.model, example_inputs=case.args, trace_source=FakeTrace())
+    assert error.value.op == "aten._local_scalar_dense.default"
+    assert isinstance(error.value, ProfileError)
+
+
+A = torch.ops.aten
+_W, _B = torch.ones(8), torch.zeros(8)
+_NORMS = {
+    "layer_norm": lambda x: A.native_layer_norm(x, [4], torch.ones(4), torch.zeros(4), 1e-5),
+    "layer_norm-low-weight": lambda x: A.native_layer_norm(x, [4], torch.ones(4, dtype=x.dtype), None, 1e-5),
+    "group_norm": lambda x: A.native_group_norm(x, _W, _B, 2, 8, 16, 2, 1e-5),
+    "group_norm-no-weight": lambda x: A.native_group_norm(x, None, None, 2, 8, 16, 2, 1e-5),
+    "batch_norm": lambda x: A.native_batch_norm(x, _W, _B, torch.zeros(8), torch.ones(8), True, 0.1, 1e-5),
+    "batch_norm-no-weight": lambda x: A.native_batch_norm(x, None, None, torch.zeros(8), torch.ones(8), True, 0.1, 1e-5),
+    "batch_norm_legit-no-stats": lambda x: A._native_batch_norm_legit(x, _W, _B, True, 0.1, 1e-5),
+    "batch_norm_with_update": lambda x: A._batch_norm_with_update(x, _W, _B, torch.zeros(8), torch.ones(8), 0.1, 1e-5),
+    "group_norm_backward": lambda x: A.native_group_norm_backward(
+        x, x, *A.native_group_norm(x, _W, _B, 2, 8, 16, 2, 1e-5)[1:], _W, 2, 8, 16, 2, [True, True, True]),
+    "layer_norm_backward": lambda x: A.native_layer_norm_backward(
+        x, x, [4], *A.native_layer_norm(x, [4], torch.ones(4), None, 1e-5)[1:], torch.ones(4), None, [True, True, False]),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("norm", list(_NORMS))
+def test_fake_normalisations_make_what_the_cpu_kernels_make(norm: str, dtype: torch.dtype) -> None:
+    x = torch.randn(2, 8, 4, 4).to(dtype)
+    real = _NORMS[norm](x)
+    mode = _CpuFakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        fake = _NORMS[norm](mode.from_tensor(x))
+    assert _described(fake) == _described(real)
+
+
+def _described(outputs: tuple) -> list:
+    return [(t.dtype, tuple(t.shape)) if t is not None else None for t in outputs]

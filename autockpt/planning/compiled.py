@@ -25,7 +25,7 @@ from autockpt.measure.step import StepMeasurement, relative_step_times
 from autockpt.records.plan import Plan
 from autockpt.runtime.rewrite import OptimizedModule
 from autockpt.units import format_bytes
-from autockpt.planning.verify import in_planned_device, tightened_target
+from autockpt.planning.verify import in_planned_device, tightened_target, verified_module
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,8 @@ class _CompiledAttempts:
     why: str = ""  # the last refusal's reason
 
     def for_target(self, target: int) -> _Compiled:
-        return self.compiled(self.planner.optimize(budget_bytes=target), f"planned for {target}", target)
+        # the eager plan verified (Planner.optimize refuses options.compiled: that is this module's work)
+        return self.compiled(verified_module(self.planner, target), f"planned for {target}", target)
 
     def compiled(self, module: OptimizedModule, planned_for: str, target: int) -> _Compiled:
         compiled = torch.compile(module, **self.options)

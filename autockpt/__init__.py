@@ -14,6 +14,7 @@ import importlib
 import warnings
 from typing import Any
 
+from autockpt.core.devices import DeviceSpec
 from autockpt.core.solve.base import SolverOptions
 from autockpt.errors import AutockptError, InfeasibleBudgetError, PlanMismatchError
 from autockpt.measure.step import measure_step
@@ -32,6 +33,7 @@ __version__ = "0.2.0"
 __all__ = [
     "Action",
     "AutockptError",
+    "DeviceSpec",
     "InfeasibleBudgetError",
     "PipelinePlan",
     "Plan",

@@ -22,6 +22,7 @@ from typing import Any
 
 from torch import nn
 
+from autockpt.core.devices import DeviceSpec
 from autockpt.core.simulate import memory_curve, simulate
 from autockpt.core.solve.base import Problem, SolveResult, recompute_actions, region_actions
 from autockpt.core.solve.baselines import baseline_regions, baseline_seed_plans
@@ -34,6 +35,7 @@ from autockpt.errors import InfeasibleBudgetError
 from autockpt.measure.capture import capture
 from autockpt.measure.costs import calibrate
 from autockpt.measure.sources import MeasuredTrace, StepInputs, TraceRequest, TraceSource
+from autockpt.measure.timing import Timing, with_timing
 from autockpt.measure.step import (
     StepMeasurement,
     alternating_step_seconds,
@@ -124,6 +126,7 @@ class Planner:
         self.costs = costs
         self.capture_time_s = capture_time_s
         self.profile_time_s = profile_time_s
+        self.target: DeviceSpec | None = None  # from_model's target: the device planned for, plan()'s default budget
         self.gradient_accumulation_steps = self.options.gradient_accumulation_steps
         self.optimizer = self.options.optimizer  # what measure_step copies to step the loop as it runs
         self.host_pool_bytes = pool_bytes_of(self.options.host_pool_gb, available_host_bytes())
@@ -153,6 +156,8 @@ class Planner:
         options: PlanOptions | None = None,
         on_stage: Callable[[str], None] | None = None,
         trace_source: TraceSource | None = None,
+        timing: str | Timing = "auto",
+        target: Any = None,
         checkpoint: Any = UNSET,
         host_pool_gb: Any = UNSET,
         optimizer: Any = UNSET,
@@ -161,7 +166,13 @@ class Planner:
     ) -> Planner:
         """Capture ``model`` on the example call, trace the step (``trace_source``, default ``MeasuredTrace``: a real
         step on the model's device) and price the actions there; then plan from those values. The keyword options
-        are the friendly spelling of ``options`` (``PlanOptions``)."""
+        are the friendly spelling of ``options`` (``PlanOptions``).
+
+        ``timing`` ("auto", "measured", "roofline", or a ``measure.timing.Timing``) gives the trace its times, for
+        ``target`` (a table name such as "h100-sxm-80gb" or an ``autockpt.DeviceSpec``; None: the model's device):
+        "roofline" times each unit from its FLOPs and bytes against the target (the model's device calibrated when
+        there is none) and prices offloading's link from it; "auto" is "measured" without a target, "roofline" with
+        one. The target's memory is ``plan()``'s budget when none is given. The plans' notes name the timing."""
         options = resolve_options(
             options, checkpoint=checkpoint, host_pool_gb=host_pool_gb, optimizer=optimizer,
             gradient_accumulation_steps=gradient_accumulation_steps, solver_options=solver_options,
@@ -188,10 +199,13 @@ class Planner:
             if offload and graph.kind is CaptureKind.MODULE:
                 _refuse_offload(options.host_pool_gb, step.model, graph)
             costs = calibrate(step.device, (*actions, *offload))
-        return cls(
-            graph, trace, costs, options, step=step, on_stage=on_stage, capture_time_s=captured - started,
-            profile_time_s=time.perf_counter() - captured,
+            timed = with_timing(timing, target, graph, step, trace, costs)  # measured, or roofline on the target
+        planner = cls(
+            timed.graph, timed.trace, timed.costs, options, step=step, on_stage=on_stage,
+            capture_time_s=captured - started, profile_time_s=time.perf_counter() - captured,
         )
+        planner.target = timed.target
+        return planner
 
     @property
     def model(self) -> nn.Module:
@@ -206,7 +220,10 @@ class Planner:
 
     def plan(self, budget_gb: float | None = None, *, budget_bytes: int | None = None, pareto_points: int = 0) -> Plan:
         """The cheapest plan under the budget (GB = 10^9 bytes). ``pareto_points`` > 0 also solves that many budgets
-        from the smallest feasible peak to the unmodified peak and stores them in ``Plan.pareto``."""
+        from the smallest feasible peak to the unmodified peak and stores them in ``Plan.pareto``. Without a budget,
+        the memory of the target the planner was made for (``from_model(target=...)``)."""
+        if budget_gb is None and budget_bytes is None and self.target is not None:
+            budget_bytes = self.target.memory_bytes
         budget = budget_to_bytes(budget_gb, budget_bytes)
         results, solve_time_s = self._solve_each(budget)
         action = min(results, key=lambda a: results[a].timeline.overhead_ms)  # the first action on a tie

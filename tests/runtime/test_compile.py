@@ -257,13 +257,14 @@ def test_optimize_compiled_keeps_the_budget_on_cuda() -> None:
     holds on the first compiled step after ``optimize`` returns and on a later one."""
     device = torch.device("cuda")
     torch._dynamo.reset()
-    case = neox_case(layers=4)
+    # the zoo's GPT-2 at size small: on CUDA a model as small as neox_case peaks at its kernels' workspaces (the H100
+    # measured floor 68.99 MB, peak 69.70 MB), leaving no room to plan in
+    case = zoo.build("gpt2", "small", seed=0)
     model = case.model.to(device)
     args = tuple(arg.to(device) for arg in case.args)
     kwargs = {key: value.to(device) for key, value in case.kwargs.items()}
     probe = autockpt.plan(model, budget_bytes=10**15, example_inputs=args, example_kwargs=kwargs)
-    # half way from the eager floor (on CUDA this case's floor is near its peak: static memory is far below both)
-    budget = (probe.min_feasible_bytes + probe.baseline_peak_bytes) // 2
+    budget = (probe.min_feasible_bytes + probe.baseline_peak_bytes) // 2  # half way from the eager floor
     compiled = autockpt.optimize(model, budget_bytes=budget, example_inputs=args, example_kwargs=kwargs,
                                  compiled=True)
     peaks = []

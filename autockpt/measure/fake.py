@@ -204,23 +204,9 @@ class FakeStep:
         others (a meta model's, real token ids beside it) fakes of their metadata on ``device``."""
         fakes: dict[int, torch.Tensor] = {}
         originals: list[torch.Tensor] = []  # the tensors the ids stand for, alive while the ids are looked up
-
-        def fake(tensor: torch.Tensor) -> torch.Tensor:
-            if id(tensor) not in fakes:
-                originals.append(tensor)
-                fakes[id(tensor)] = _fake_of(tensor, mode, device)
-            return fakes[id(tensor)]
-
-        modules = {id(m): m for root in (graph.model, graph.executable) for m in root.modules()}
-        for module in modules.values():
-            for tensor in _module_tensors(module):
-                fake(tensor)
-        memo: dict[int, Any] = dict(fakes)  # deepcopy takes each fake for its tensor, copies everything else
-        model, executable = copy.deepcopy((graph.model, graph.executable), memo)
-        for param in model.parameters():
-            param.grad = None
-        args, kwargs = pytree.tree_map(
-            lambda leaf: fake(leaf) if isinstance(leaf, torch.Tensor) else leaf, (step.args, step.kwargs)
+        (model, executable), (args, kwargs) = _fake_copies(
+            (graph.model, graph.executable), (step.args, step.kwargs), lambda t: _fake_of(t, mode, device),
+            fakes, originals,
         )
         if isinstance(executable, fx.GraphModule) and device.type != "meta":
             _move_device_constants(executable, "meta", device)  # export wrote the meta device into the graph
@@ -264,6 +250,40 @@ class FakeStep:
                 value = value.detach().clone()
             return self.mode.fake_tensor_converter.from_real_tensor(self.mode, value, make_constant=True)
         return self.mode.from_tensor(value, static_shapes=True)
+
+
+def fake_copy(model: nn.Module, args: tuple, kwargs: dict, mode: FakeTensorMode) -> tuple[nn.Module, tuple, dict]:
+    """A copy of ``model`` whose tensors (parameters, buffers, tensor attributes) are fakes of themselves, each on
+    its own device (a meta tensor's fake is on the meta device), and fakes of the inputs; the model is not touched.
+
+    Capture runs a model on the meta device eagerly this way: code that reads a tensor's value (``.item()``) fails on
+    meta tensors, where libraries skip such checks on fake tensors (transformers' ``is_tracing``)."""
+    (copied,), inputs = _fake_copies((model,), (args, kwargs), lambda t: _fake_of(t, mode, t.device), {}, [])
+    return copied, *inputs
+
+
+def _fake_copies(
+    roots: tuple[nn.Module, ...], inputs: Any, make: Any, fakes: dict[int, torch.Tensor], originals: list[torch.Tensor]
+) -> tuple[tuple[nn.Module, ...], Any]:
+    """Deep copies of ``roots`` (together: shared modules and tensors stay shared) and of the tensors in ``inputs``,
+    every tensor replaced by ``make(tensor)``; ``fakes`` maps the id of each replaced tensor to its fake, and
+    ``originals`` keeps those tensors alive while their ids are looked up. Copied parameters have no gradient."""
+
+    def fake(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in fakes:
+            originals.append(tensor)
+            fakes[id(tensor)] = make(tensor)
+        return fakes[id(tensor)]
+
+    modules = {id(m): m for root in roots for m in root.modules()}
+    for module in modules.values():
+        for tensor in _module_tensors(module):
+            fake(tensor)
+    memo: dict[int, Any] = dict(fakes)  # deepcopy takes each fake for its tensor, copies everything else
+    copies = copy.deepcopy(roots, memo)
+    for param in copies[0].parameters():
+        param.grad = None
+    return copies, pytree.tree_map(lambda leaf: fake(leaf) if isinstance(leaf, torch.Tensor) else leaf, inputs)
 
 
 def _move_device_constants(gm: fx.GraphModule, device_type: str, device: torch.device) -> None:

@@ -15,6 +15,14 @@ for Llama 12 layers, ≤ 10 s for 48). Writes a CSV and a log-log plot of solve 
 
     python experiments/bench_scale.py                         # GPT-2 6/12/24/48, Llama 12/48 layers and a UNet
     python experiments/bench_scale.py --models gpt2:6,gpt2:12 --fractions 0.5 --no-measure
+    python experiments/bench_scale.py --real-sizes                # Llama-2-7B, Llama-3-70B on meta, FakeTrace
+
+``--real-sizes`` (issue 36): models of real size built on the meta device (no weights anywhere), bf16, AdamW, batch
+1 x 4096, traced with ``FakeTrace`` and planned at a budget given in GB (10^9 bytes), each in its own subprocess:
+wall seconds from building the model to the plan (or the refusal), the process's peak RSS, the predicted peak, the
+trace's static bytes by category (parameters, gradients, optimizer states; "above static" is the predicted peak less
+the static bytes: activations, the logits and the loss, at the peak) and the regions, or the refusal's message.
+Writes ``experiments/results/scale/bench_scale_real.csv``.
 """
 
 from __future__ import annotations
@@ -209,6 +217,111 @@ def _flat_program(planner, budget: int, recompute_ms: float) -> dict:
             "recompute_vs_flat": round(recompute_ms / result.timeline.recompute_ms, 4)}
 
 
+# real sizes: (layers, hidden, intermediate, heads, KV heads, vocabulary), budgets in GB
+REAL_SIZES = {
+    "llama2-7b": ((32, 4096, 11008, 32, 32, 32000), (75, 60)),  # 60: under the unmodified peak
+    "llama3-70b": ((80, 8192, 28672, 64, 8, 128256), (80,)),
+}
+_REAL_SEQ = 4096
+
+
+def run_real(name: str) -> list[dict]:
+    """One real-size Llama on the meta device: FakeTrace, AdamW, bf16, batch 1 x 4096; a row per budget."""
+    started = time.perf_counter()
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import autockpt
+    from autockpt.measure.fake import FakeTrace
+    from autockpt.units import GB
+
+    torch.set_num_threads(2)
+    (layers, hidden, intermediate, heads, kv_heads, vocab), budgets = REAL_SIZES[name]
+    config = LlamaConfig(
+        num_hidden_layers=layers, hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=_REAL_SEQ, use_cache=False,
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    ids = torch.randint(0, vocab, (1, _REAL_SEQ))
+    planner = autockpt.Planner.from_model(
+        model, example_inputs=(ids,), example_kwargs={"labels": ids}, trace_source=FakeTrace(),
+        optimizer=torch.optim.AdamW,
+    )
+    trace = planner.trace
+    base = {
+        "model": name, "parameters": sum(p.numel() for p in model.parameters()), "batch": 1, "seq": _REAL_SEQ,
+        "capture": planner.graph.kind.value, "units": len(planner.graph.units),
+        "capture_s": round(planner.capture_time_s, 2), "profile_s": round(planner.profile_time_s, 2),
+        "unmodified_peak_bytes": trace.baseline_peak_bytes, "static_bytes": trace.static_bytes,
+        "parameter_bytes": trace.parameter_bytes, "gradient_bytes": trace.gradient_bytes,
+        "optimizer_state_bytes": trace.optimizer_state_bytes, "buffer_bytes": trace.buffer_bytes,
+        "input_bytes": trace.input_bytes,
+    }
+    rows = []
+    for budget_gb in budgets:
+        row = {**base, "budget_gb": budget_gb}
+        solve_started = time.perf_counter()
+        try:
+            plan = planner.plan(budget_bytes=int(budget_gb * GB))
+        except autockpt.InfeasibleBudgetError as error:
+            row.update(feasible=False, min_feasible_bytes=error.min_feasible_bytes, message=str(error))
+        else:
+            row.update(
+                feasible=True, status=plan.status.value, predicted_peak_bytes=plan.predicted_peak_bytes,
+                above_static_bytes=plan.predicted_peak_bytes - trace.static_bytes,
+                min_feasible_bytes=plan.min_feasible_bytes, regions=len(plan.regions),
+            )
+        row["solve_s"] = round(time.perf_counter() - solve_started, 2)
+        row["wall_s"] = round(time.perf_counter() - started, 2)  # from the import of torch to this budget's answer
+        rows.append(row)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    for row in rows:
+        row["process_peak_rss_bytes"] = rss
+    return rows
+
+
+def real_sizes(names: list[str], out: Path) -> None:
+    import pandas as pd
+
+    rows = []
+    for name in names:
+        done = subprocess.run([sys.executable, __file__, "--one-real", name], capture_output=True, text=True)
+        if done.returncode != 0:
+            print(f"{name}: failed\n{done.stderr[-2000:]}", file=sys.stderr)
+            continue
+        rows += json.loads(done.stdout.strip().splitlines()[-1])
+    frame = pd.DataFrame(rows)
+    folder = out / "scale"
+    folder.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(folder / "bench_scale_real.csv", index=False)
+    gb = lambda value: "" if value != value else f"{value / 1e9:.2f}"  # noqa: E731 (NaN: refused)
+    lines = [
+        "Real-size Llamas built on the meta device, bf16 weights, AdamW, batch 1 x 4096, `FakeTrace`, one subprocess "
+        "each on 2 CPU cores (`python experiments/bench_scale.py --real-sizes`). GB = 10^9 bytes; wall: build, "
+        "capture, fake trace and plan; RSS: the process's peak resident memory.", "",
+        "| model | budget GB | wall s (capture, trace, solve) | peak RSS GB | units | parameters GB | gradients GB "
+        "| optimizer states GB | static GB | unmodified peak GB | predicted peak GB | above static GB | regions |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        peak = gb(row["predicted_peak_bytes"]) if row["feasible"] else "refused"
+        lines.append(
+            f"| {row['model']} | {row['budget_gb']} | {row['wall_s']:.1f} ({row['capture_s']:.1f}, {row['profile_s']:.1f}, "
+            f"{row['solve_s']:.1f}) | {row['process_peak_rss_bytes'] / 1e9:.2f} | {row['units']} "
+            f"| {gb(row['parameter_bytes'])} | {gb(row['gradient_bytes'])} | {gb(row['optimizer_state_bytes'])} "
+            f"| {gb(row['static_bytes'])} | {gb(row['unmodified_peak_bytes'])} | {peak} "
+            f"| {gb(row['above_static_bytes']) if row['feasible'] else ''} | {row.get('regions', '') if row['feasible'] else ''} |"
+        )
+    for row in rows:
+        if not row["feasible"]:
+            lines += ["", f"{row['model']} at {row['budget_gb']} GB, refused: {row['message']}"]
+    text = "\n".join(lines)
+    print(text)
+    from results_readme import write_section  # refresh this run's section of experiments/results/README.md
+    write_section("bench_scale_real", text, output=folder)
+
+
 def plot(frame, path: Path) -> None:
     from matplotlib.figure import Figure
 
@@ -233,8 +346,17 @@ def main() -> None:
                         help="first plans of fresh planners: fractions from the floor to the peak ('' for none)")
     parser.add_argument("--no-measure", action="store_true", help="skip the real step of each rewritten model")
     parser.add_argument("--out", type=Path, default=Path("experiments/results"))
+    parser.add_argument("--real-sizes", nargs="?", const=",".join(REAL_SIZES), metavar="NAMES",
+                        help=f"real-size Llamas on meta with FakeTrace instead (default all: {','.join(REAL_SIZES)})")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one model, print JSON rows
+    parser.add_argument("--one-real", help=argparse.SUPPRESS)  # internal: one real-size model, print JSON rows
     options = parser.parse_args()
+    if options.one_real:
+        print(json.dumps(run_real(options.one_real)))
+        return
+    if options.real_sizes:
+        real_sizes(options.real_sizes.split(","), options.out)
+        return
     fractions = [float(f) for f in options.fractions.split(",")]
     floor_fractions = [float(f) for f in options.floor_fractions.split(",") if f]
     if options.one:

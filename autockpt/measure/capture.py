@@ -7,6 +7,9 @@ Three paths, tried in order, each checked against the model's own output on the 
    libraries kept on their eager code paths (see ``_eager_library_paths``), then as is;
 3. module level: the model runs as it is and hooks on its submodules cut the forward into units. Used for models
    whose Python control flow depends on data; such models are checkpointed a whole submodule at a time.
+
+Where the model or its inputs are on the meta device, what runs the model eagerly (the checks, the module level) runs
+a fake copy of it under a ``FakeTensorMode`` instead (``_runnable``); the graph is still the user's model's.
 """
 
 from __future__ import annotations
@@ -131,10 +134,10 @@ def _capture_fx(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphMo
 
 
 def _capture_export(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, list[str]]:
-    with torch.no_grad():
-        output = model(*args, **kwargs)
-    _, dropped = plain_outputs(output)
-    lost = _results_lost(output)
+    with torch.no_grad(), _runnable(model, args, kwargs) as (runnable, run_args, run_kwargs):
+        output = runnable(*run_args, **run_kwargs)
+        _, dropped = plain_outputs(output)
+        lost = _results_lost(output)
     if lost:
         raise ValueError(
             f"the model returns {lost}, which torch.export cannot return (not a registered pytree type): its tensors "
@@ -234,8 +237,9 @@ def _check_same_outputs(model: nn.Module, executable: nn.Module, args: tuple, kw
     with torch.random.fork_rng(devices=cuda_devices_of(args, kwargs, list(model.parameters()))), torch.no_grad():
         seed = 1234
         torch.manual_seed(seed)
-        expected, _ = plain_outputs(model(*args, **kwargs))
-        expected_buffers = buffer_values(model)
+        with _runnable(model, args, kwargs) as (runnable, run_args, run_kwargs):
+            expected, _ = plain_outputs(runnable(*run_args, **run_kwargs))
+            expected_buffers = buffer_values(runnable)
         start.restore()
         torch.manual_seed(seed)
         actual = executable(*args, **kwargs)
@@ -319,10 +323,35 @@ class ModuleUnitRecorder:
 
 
 def _record_module_units(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple[Unit, ...], tuple[ModuleSpan, ...]]:
-    recorder = ModuleUnitRecorder(model)
-    with torch.random.fork_rng(devices=cuda_devices_of(args, kwargs, list(model.parameters()))), torch.no_grad(), recorder.recording():
-        model(*args, **kwargs)
+    with torch.random.fork_rng(devices=cuda_devices_of(args, kwargs, list(model.parameters()))), torch.no_grad():
+        with _runnable(model, args, kwargs) as (runnable, run_args, run_kwargs):
+            recorder = ModuleUnitRecorder(runnable)  # a copy has the model's module paths
+            with recorder.recording():
+                runnable(*run_args, **run_kwargs)
     return tuple(recorder.units), tuple(recorder.spans)
+
+
+@contextlib.contextmanager
+def _runnable(model: nn.Module, args: tuple, kwargs: dict) -> Iterator[tuple[nn.Module, tuple, dict]]:
+    """The model and inputs to run eagerly: themselves, or, where any of their tensors is on the meta device, fake
+    copies of them (``fake_copy.fake_copy``) run under a ``FakeTensorMode``, entered here.
+
+    Meta tensors have no values: Python code that reads one fails on them (transformers' packed-sequence check at
+    batch size 1 calls ``.item()``), where code that knows it is traced skips such checks on fake tensors, as it does
+    while torch.export traces the model. The user's model stays as it is, on the meta device.
+    """
+    tensors = [*model.parameters(), *model.buffers(), *pytree.tree_leaves((args, kwargs))]
+    if not any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in tensors):
+        yield model, args, kwargs
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autockpt.measure.fake_copy import fake_copy
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    copied, fake_args, fake_kwargs = fake_copy(model, args, kwargs, mode)
+    with mode:
+        yield copied, fake_args, fake_kwargs
 
 
 def _op_name(node: fx.Node) -> str:

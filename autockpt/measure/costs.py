@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import fx, nn
 
-from autockpt.runtime.recompute import CheckpointedRegion
 from autockpt.measure.trace import synchronizer
+from autockpt.runtime.recompute import CheckpointedRegion
 from autockpt.types import Action, ActionPrice, CostModel, LinkPrice
 
 

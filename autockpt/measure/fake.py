@@ -17,7 +17,6 @@ fake tensors: ``FakeStepError`` names the op and the line of the model that aske
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import inspect
 import itertools
@@ -25,7 +24,7 @@ import traceback
 from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import fx
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -37,6 +36,7 @@ from torch._subclasses.fake_tensor import (
 from torch.utils import _pytree as pytree
 
 from autockpt.errors import FakeStepError, LossFunctionError, ProfileError
+from autockpt.measure.fake_copy import fake_copies, fake_of
 from autockpt.measure.loop import measure_optimizer_step, optimizer_factory, step_in_loop
 from autockpt.measure.sources import StepInputs, TraceRequest
 from autockpt.measure.step import owned_bytes
@@ -204,23 +204,9 @@ class FakeStep:
         others (a meta model's, real token ids beside it) fakes of their metadata on ``device``."""
         fakes: dict[int, torch.Tensor] = {}
         originals: list[torch.Tensor] = []  # the tensors the ids stand for, alive while the ids are looked up
-
-        def fake(tensor: torch.Tensor) -> torch.Tensor:
-            if id(tensor) not in fakes:
-                originals.append(tensor)
-                fakes[id(tensor)] = _fake_of(tensor, mode, device)
-            return fakes[id(tensor)]
-
-        modules = {id(m): m for root in (graph.model, graph.executable) for m in root.modules()}
-        for module in modules.values():
-            for tensor in _module_tensors(module):
-                fake(tensor)
-        memo: dict[int, Any] = dict(fakes)  # deepcopy takes each fake for its tensor, copies everything else
-        model, executable = copy.deepcopy((graph.model, graph.executable), memo)
-        for param in model.parameters():
-            param.grad = None
-        args, kwargs = pytree.tree_map(
-            lambda leaf: fake(leaf) if isinstance(leaf, torch.Tensor) else leaf, (step.args, step.kwargs)
+        (model, executable), (args, kwargs) = fake_copies(
+            (graph.model, graph.executable), (step.args, step.kwargs), lambda t: fake_of(t, mode, device),
+            fakes, originals,
         )
         if isinstance(executable, fx.GraphModule) and device.type != "meta":
             _move_device_constants(executable, "meta", device)  # export wrote the meta device into the graph
@@ -283,34 +269,6 @@ def _move_device_constants(gm: fx.GraphModule, device_type: str, device: torch.d
         node.kwargs = fx.node.map_aggregate(node.kwargs, move)
     if moved:
         gm.recompile()
-
-
-def _fake_of(tensor: torch.Tensor, mode: FakeTensorMode, device: torch.device) -> torch.Tensor:
-    """A fake of ``tensor`` on ``device``. On its own device: ``from_tensor`` (views of one storage stay views of one
-    fake storage). Elsewhere (meta): a fake over its meta metadata (views of one meta storage share it too), a
-    parameter still a parameter, ``requires_grad`` as it was."""
-    if isinstance(tensor, FakeTensor):
-        if tensor.fake_mode is not mode:
-            raise ValueError("example inputs are fake tensors of another FakeTensorMode: pass real or meta tensors")
-        return tensor
-    if tensor.device.type == device.type and device.index in (None, tensor.device.index):
-        return mode.from_tensor(tensor, static_shapes=True)
-    meta = tensor.detach() if tensor.device.type == "meta" else tensor.detach().to("meta")
-    made = mode.fake_tensor_converter.from_meta_and_device(mode, meta, device)
-    if isinstance(tensor, nn.Parameter):
-        return nn.Parameter(made, requires_grad=tensor.requires_grad)
-    return made.requires_grad_(tensor.requires_grad) if tensor.requires_grad else made
-
-
-def _module_tensors(module: nn.Module) -> list[torch.Tensor]:
-    """The tensors a module holds itself: parameters, buffers and tensor attributes (fx's constants, a rotary
-    embedding's unregistered frequencies), also inside lists, tuples and dicts."""
-    tensors = [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
-    for name, value in vars(module).items():
-        if name in ("_parameters", "_buffers", "_modules"):
-            continue
-        tensors += [leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)]
-    return tensors
 
 
 def _raise_fake_step_error(error: BaseException, graph: Graph, *, what: str = "the training step") -> None:

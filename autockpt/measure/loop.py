@@ -28,9 +28,9 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from autockpt.runtime.model_state import weights_put_back
 from autockpt.measure.storage_tracker import StorageTracker
 from autockpt.measure.trace import step_tensors, unique_storage_bytes
+from autockpt.runtime.model_state import weights_put_back
 from autockpt.types import (
     OUTSIDE_GRAPH_UNIT,
     MemoryEvent,

@@ -30,10 +30,10 @@ from torch import nn
 
 from autockpt.measure.loop import OptimizerSpec, check_accumulation_steps, optimizer_factory, state_tensors
 from autockpt.measure.loss import default_loss
-from autockpt.runtime.model_state import weights_put_back
-from autockpt.runtime.rewrite import OptimizedModule
 from autockpt.measure.storage_tracker import StorageTracker
 from autockpt.measure.trace import device_of, step_tensors
+from autockpt.runtime.model_state import weights_put_back
+from autockpt.runtime.rewrite import OptimizedModule
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

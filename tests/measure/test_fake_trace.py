@@ -202,6 +202,55 @@ def test_a_model_on_the_meta_device_plans_and_stays_there() -> None:
     assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}
 
 
+@needs_transformers
+def test_a_model_on_the_meta_device_is_captured_at_batch_size_1() -> None:
+    """At batch size 1, transformers checks for packed sequences with ``.item()``, which meta tensors cannot answer:
+    capture runs the model on a fake copy (transformers skips the check on fake tensors) and exports the model on
+    meta; the model stays there, the plan is rewritten onto a module on meta."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=256, use_cache=False,
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    ids = torch.randint(0, 320, (1, 64))
+    with pytest.raises(RuntimeError, match="meta tensors"):  # what capture ran into
+        model(ids.to("meta"), labels=ids.to("meta"))
+    for given in (ids.to("meta"), ids):
+        planner = autockpt.Planner.from_model(
+            model, example_inputs=(given,), example_kwargs={"labels": given}, trace_source=FakeTrace()
+        )
+        assert planner.graph.kind is CaptureKind.EXPORT and planner.graph.model is model
+        assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}
+        assert all(p.grad is None for p in model.parameters())
+    trace = planner.trace
+    assert trace.parameter_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+    probe = planner.plan(budget_bytes=10**15)
+    plan = planner.plan(budget_bytes=(probe.min_feasible_bytes + trace.baseline_peak_bytes) // 2)
+    assert plan.regions and plan.predicted_peak_bytes < trace.baseline_peak_bytes
+    module = planner.apply(plan)
+    assert {t.device.type for t in module.parameters()} == {"meta"}
+    assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}
+
+
+def test_a_budget_under_the_static_bytes_is_refused_naming_them_and_stages() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    planner = autockpt.Planner.from_model(
+        model, example_inputs=(torch.randn(8, 64),), trace_source=FakeTrace(), optimizer=torch.optim.AdamW
+    )
+    trace = planner.trace
+    with pytest.raises(autockpt.InfeasibleBudgetError) as error:
+        planner.plan(budget_bytes=trace.static_bytes - 1)
+    message = str(error.value)
+    assert "below the smallest peak" in message and "below the static memory alone" in message
+    for part in ("parameters", "gradients", "optimizer states"):
+        assert part in message
+    assert "autockpt.plan_pipeline" in message and "shard" in message
+    assert error.value.min_feasible_bytes >= trace.static_bytes
+
+
 def test_data_dependent_control_flow_is_refused_naming_the_op_and_line() -> None:
     case = zoo.build("control_flow", "tiny")
     with pytest.raises(FakeStepError, match=r"_local_scalar_dense.*zoo.py:\d+ in forward: if x.mean\(\) > 0") as error:

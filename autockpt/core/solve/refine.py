@@ -24,7 +24,7 @@ from autockpt.core.solve.base import (
     summarise_programs,
 )
 from autockpt.core.solve.pulp_tools import solver_name
-from autockpt.types import PlanStatus, SolverStats, Timeline
+from autockpt.types import PlanStatus, SolverStats, StepTrace, Timeline
 from autockpt.units import format_bytes
 
 RETRIES_AT_ONE_BUDGET = 2  # programs re-solved at one effective budget, each without the sets that went over
@@ -127,6 +127,22 @@ def identity_result(
     )
 
 
+def static_over_budget(trace: StepTrace, budget_bytes: int, min_feasible_bytes: int) -> str:
+    """The refusal of a budget under the step's static bytes, which no checkpoint or offload plan lowers."""
+    parts = [("parameters", trace.parameter_bytes), ("gradients", trace.gradient_bytes),
+             ("optimizer states", trace.optimizer_state_bytes), ("buffers", trace.buffer_bytes),
+             ("inputs", trace.input_bytes)]
+    breakdown = " + ".join(f"{name} {format_bytes(size)}" for name, size in parts if size)
+    return (
+        f"budget {format_bytes(budget_bytes)} is below the smallest peak autockpt can reach for this model and input, "
+        f"{format_bytes(min_feasible_bytes)}, and below the static memory alone, {format_bytes(trace.static_bytes)} "
+        f"({breakdown}), which is held through the whole step whatever is recomputed or offloaded: no plan fits one "
+        "device. Split the model into "
+        "pipeline stages (autockpt.plan_pipeline) or shard its parameters, gradients and optimizer states across "
+        "devices (FSDP, ZeRO); a smaller optimizer state (e.g. 8-bit or factored) lowers the static bytes too."
+    )
+
+
 def check_reachable(problem: Problem, budget_bytes: int, min_feasible_bytes: int) -> None:
     """Raise ``InfeasibleBudgetError`` when the budget is below the lowest peak found."""
     if budget_bytes >= min_feasible_bytes:
@@ -140,6 +156,9 @@ def check_reachable(problem: Problem, budget_bytes: int, min_feasible_bytes: int
         " That floor is optimizer.step()'s own peak, which no plan lowers: a smaller or fused optimizer, or sharding "
         "its states, is what would." if step_peak >= min_feasible_bytes else ""
     )
+    if budget_bytes < trace.static_bytes:
+        raise InfeasibleBudgetError(static_over_budget(trace, budget_bytes, min_feasible_bytes),
+                                    budget_bytes=budget_bytes, min_feasible_bytes=min_feasible_bytes)
     raise InfeasibleBudgetError(
         f"budget {format_bytes(budget_bytes)} is below the smallest peak autockpt can reach for this model and input, "
         f"{format_bytes(min_feasible_bytes)} (static memory alone, parameters + buffers + gradients + inputs{states}, "

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autockpt.types import Graph, StepTrace, Region, Unit
+from autockpt.types import Graph, Region, StepTrace, Unit
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunk
 from torch.utils import _pytree as pytree
 
 from autockpt.measure.trace import unique_storage_bytes
-from autockpt.planning.planner import budget_to_bytes
+from autockpt.planning.options import budget_to_bytes
 from autockpt.types import (
     PipelineSchedule,
 )

@@ -16,8 +16,8 @@ from torch import nn
 from autockpt.measure.capture import capture
 from autockpt.measure.sources import StepInputs
 from autockpt.planning.compiled import compiled_module
-from autockpt.planning.options import UNSET, PlanOptions, resolve_options, unsupported
-from autockpt.planning.planner import Planner, budget_to_bytes
+from autockpt.planning.options import UNSET, PlanOptions, budget_to_bytes, resolve_options, unsupported
+from autockpt.planning.planner import Planner
 from autockpt.planning.shapes import attach_shape_variants
 from autockpt.records.plan import Plan
 from autockpt.records.plan_inputs import in_recorded_form, recorded_inputs

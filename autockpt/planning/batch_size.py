@@ -22,12 +22,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from autockpt.planning.planner import Planner, baseline_plan, budget_to_bytes
-from autockpt.errors import InfeasibleBudgetError
-from autockpt.measure.step import measure_step
-from autockpt.records.plan import Plan
 from autockpt.core.solve.base import SolverOptions
 from autockpt.core.solve.baselines import parse_strategy
+from autockpt.errors import InfeasibleBudgetError
+from autockpt.measure.step import measure_step
+from autockpt.planning.options import budget_to_bytes
+from autockpt.planning.planner import Planner, baseline_plan
+from autockpt.records.plan import Plan
 from autockpt.types import describe_value
 
 logger = logging.getLogger(__name__)

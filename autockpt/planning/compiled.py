@@ -22,10 +22,10 @@ from torch import nn
 
 from autockpt.errors import InfeasibleBudgetError
 from autockpt.measure.step import StepMeasurement, relative_step_times
+from autockpt.planning.verify import in_planned_device, tightened_target, verified_module
 from autockpt.records.plan import Plan
 from autockpt.runtime.rewrite import OptimizedModule
 from autockpt.units import format_bytes
-from autockpt.planning.verify import in_planned_device, tightened_target, verified_module
 
 logger = logging.getLogger(__name__)
 

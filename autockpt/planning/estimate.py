@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from autockpt.planning.planner import Planner
-from autockpt.measure.loop import measure_optimizer_step, named_optimizer, optimizer_factory, step_in_loop
 from autockpt.core.simulate import memory_curve
-from autockpt.records.summary import enclosing_modules
+from autockpt.measure.loop import measure_optimizer_step, named_optimizer, optimizer_factory, step_in_loop
 from autockpt.measure.trace import device_of
+from autockpt.planning.planner import Planner
+from autockpt.records.summary import enclosing_modules
 from autockpt.types import Action, StepTrace, TrainingLoop
 from autockpt.units import format_bytes
 

@@ -12,12 +12,15 @@ import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autockpt.core.solve.base import SolverOptions, checked_checkpoint
 from autockpt.measure.loop import OptimizerSpec, check_accumulation_steps
 from autockpt.types import Action, describe_value
 from autockpt.units import GB
+
+if TYPE_CHECKING:
+    from autockpt.records.plan import Plan
 
 
 class _Unset:
@@ -133,3 +136,38 @@ def pool_bytes_of(host_pool_gb: float | str, available_host_bytes: int) -> int:
     if host_pool_gb == "auto":
         return available_host_bytes // 2
     return int(float(host_pool_gb_checked(host_pool_gb)) * GB)
+
+
+def pareto_budgets(the_plan: Plan, points: int) -> list[int]:
+    """``points`` budgets evenly spaced from the smallest feasible peak to the unmodified peak (both included)."""
+    low, high = the_plan.min_feasible_bytes, the_plan.baseline_peak_bytes
+    if points == 1 or high <= low:
+        return [low]
+    return [int(round(low + (high - low) * i / (points - 1))) for i in range(points)]
+
+
+
+def budget_to_bytes(budget_gb: Any, budget_bytes: Any) -> int:
+    """Check the budget arguments; GB = 10^9 bytes."""
+    if (budget_gb is None) == (budget_bytes is None):
+        raise ValueError(
+            f"give exactly one of budget_gb (GB = 10^9 bytes) or budget_bytes; got budget_gb={budget_gb!r}, "
+            f"budget_bytes={budget_bytes!r}"
+        )
+    name, value = ("budget_gb", budget_gb) if budget_gb is not None else ("budget_bytes", budget_bytes)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a positive number, got {describe_value(value)} ({type(value).__name__})")
+    if not math.isfinite(float(value)) or value <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    if name == "budget_bytes" and float(value) != int(value):
+        raise ValueError(f"budget_bytes must be a whole number of bytes, got {value!r}; for GB use budget_gb=")
+    result = int(round(float(value) * GB)) if name == "budget_gb" else int(value)
+    if result <= 0:
+        raise ValueError(f"{name}={value!r} is less than one byte; give the budget in {'GB' if name == 'budget_gb' else 'bytes'}")
+    return result
+
+
+
+def checkpoint_choice(options: PlanOptions) -> Action | str:
+    """The checkpoint choice: ``options.checkpoint``, or ``SolverOptions(checkpoint=)``, its older spelling."""
+    return options.checkpoint if options.checkpoint != "auto" else options.solver.checkpoint

@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import logging
 import math
-import numbers
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -24,18 +23,18 @@ from torch import nn
 
 from autockpt.core.devices import DeviceSpec
 from autockpt.core.simulate import memory_curve, simulate
-from autockpt.core.solve.base import Problem, SolveResult, recompute_actions, region_actions
+from autockpt.core.solve.base import NO_PROGRAM, Problem, SolveResult, recompute_actions, region_actions
 from autockpt.core.solve.baselines import baseline_regions, baseline_seed_plans
 from autockpt.core.solve.candidates import candidate_regions
-from autockpt.core.solve.default import solve_prepared
+from autockpt.core.solve.default import floor_by_bytes, solve_prepared
 from autockpt.core.solve.joint import JointProblem, solve_joint, unbounded_pool
 from autockpt.core.solve.prepare import prepare
 from autockpt.core.structure import find_repeated_blocks
 from autockpt.errors import InfeasibleBudgetError
 from autockpt.measure.capture import capture
-from autockpt.measure.costs import calibrate
+from autockpt.measure.costs import calibrate, free_machinery
+from autockpt.measure.loop import with_foreign_bytes
 from autockpt.measure.sources import MeasuredTrace, StepInputs, TraceRequest, TraceSource
-from autockpt.measure.timing import Timing, with_timing
 from autockpt.measure.step import (
     StepMeasurement,
     alternating_step_seconds,
@@ -43,26 +42,40 @@ from autockpt.measure.step import (
     measure_compiled_step,
     measure_step,
 )
-from autockpt.measure.loop import with_foreign_bytes
+from autockpt.measure.timing import Timing, with_timing
 from autockpt.measure.trace import step_tensors
-from autockpt.planning.options import UNSET, PlanOptions, pool_bytes_of, resolve_options
+from autockpt.planning.options import (
+    UNSET,
+    PlanOptions,
+    budget_to_bytes,
+    checkpoint_choice,
+    pareto_budgets,
+    pool_bytes_of,
+    resolve_options,
+)
 from autockpt.planning.policy import PlanningContext, assemble_plan
 from autockpt.planning.shapes import attach_shape_variants
 from autockpt.planning.verify import verified_module
+from autockpt.record_types import ParetoPoint
 from autockpt.records.plan import Plan
 from autockpt.records.plan_io import check_fingerprint, model_fingerprint
 from autockpt.runtime.model_state import enter_training_modes, preserved_model_state
 from autockpt.runtime.offload import available_host_bytes
 from autockpt.runtime.rewrite import OptimizedModule, rewrite
-from autockpt.record_types import ParetoPoint
-from autockpt.types import Action, CaptureKind, CostModel, Graph, Placement, Region, StepTrace, describe_value
+from autockpt.types import (
+    Action,
+    CaptureKind,
+    CostModel,
+    Graph,
+    Placement,
+    PlanStatus,
+    Region,
+    StepTrace,
+    describe_value,
+)
 from autockpt.units import GB, format_bytes
 
 logger = logging.getLogger(__name__)
-
-# the keyword arguments of the measuring constructor that are options (the friendly spelling of PlanOptions)
-OPTION_KEYWORDS = ("checkpoint", "host_pool_gb", "optimizer", "gradient_accumulation_steps", "solver_options")
-
 
 class Planner:
     """Plan one training step at any budget; score any regions; apply plans.
@@ -132,7 +145,7 @@ class Planner:
         self.host_pool_bytes = pool_bytes_of(self.options.host_pool_gb, available_host_bytes())
         self.solver_options = self.options.solver
         # the recompute actions plans are made for, in order of preference on a tie
-        self.actions = recompute_actions(_checkpoint_choice(self.options), graph.kind)
+        self.actions = recompute_actions(checkpoint_choice(self.options), graph.kind)
         self._on_stage = on_stage or (lambda stage: None)
         self._device = step.device
         if self.host_pool_bytes > 0:
@@ -187,7 +200,7 @@ class Planner:
             graph = capture(step.model, step.args, step.kwargs)
             captured = time.perf_counter()
             stage("profile")
-            actions = recompute_actions(_checkpoint_choice(options), graph.kind)
+            actions = recompute_actions(checkpoint_choice(options), graph.kind)
             trace = source.trace(graph, step, TraceRequest(
                 time_repeated_blocks_once=_solves_by_blocks(options, graph),
                 gradient_lifetimes=Action.RECOMPUTE_OWN in actions,
@@ -317,6 +330,43 @@ class Planner:
         """One plan per action with a plan predicted under ``target_bytes``, recorded as made for ``budget_bytes``."""
         results, solve_time_s = self._solve_each(target_bytes)
         return [self._plan_of(result, budget_bytes, solve_time_s) for result in results.values()]
+
+    def floor_plans(self, floor_bytes: int, budget_bytes: int) -> list[Plan]:
+        """The floor's own plans, chosen by bytes alone: what a refusal measures to state its smallest budget and what
+        verification tries last (``verify.py``), so that the budget stated is the same for the same model and inputs
+        and kept at that budget. Per recompute action, ``solve.default.floor_by_bytes`` on the trace with every unit
+        timed alike and the machinery free; the plans of the actions whose peak is lowest, in action order, scored
+        with the measured times and recorded as made for ``budget_bytes``, with ``floor_bytes`` as their floor.
+        Empty with a host pool (the joint floor is not searched this way) or when no plan lowers the peak."""
+        if self.host_pool_bytes > 0:
+            return []
+        started = time.perf_counter()
+        self._follow_foreign_bytes()
+        # timed alike, no timing picks among byte-equal plans: the same bytes give the same plans
+        alike = dataclasses.replace(
+            self.trace, units=tuple(dataclasses.replace(unit, forward_ms=1.0) for unit in self.trace.units)
+        )
+        found: list[tuple[Action, tuple[Region, ...], int]] = []
+        for action in self.actions:
+            problem = self._prepared(alike, free_machinery(self.costs), action)
+            regions, timeline = floor_by_bytes(problem, self.solver_options)
+            if regions and timeline.peak_bytes < problem.baseline.peak_bytes:
+                found.append((action, regions, timeline.peak_bytes))
+        lowest = min((peak for _, _, peak in found), default=None)
+        baseline = simulate(self.trace, self.costs, ())
+        plans = []
+        for action, regions, peak in found:
+            if peak != lowest:
+                continue
+            ordered = region_actions(regions, action)
+            result = SolveResult(
+                region_actions=ordered, action=action, timeline=simulate(self.trace, self.costs, ordered),
+                baseline=baseline, min_feasible_bytes=floor_bytes, status=PlanStatus.FEASIBLE,
+                solver="the floor's plan, chosen by bytes", solve_time_s=time.perf_counter() - started,
+                stats=NO_PROGRAM,
+            )
+            plans.append(self._plan_of(result, budget_bytes, result.solve_time_s))
+        return plans
 
     def measured_peak_bytes(self, module: OptimizedModule) -> int:
         return self.measure(module).peak_bytes
@@ -510,12 +560,15 @@ class Planner:
 
     def _problem_for(self, action: Action, context: PlanningContext) -> Problem:
         if action not in self._problems:
-            structure = find_repeated_blocks(self.graph, self.trace) if self._solves_by_blocks() else None
-            self._problems[action] = prepare(
-                self.trace, self.costs, action, *candidate_regions(self.graph, self.trace),
-                seed_plans=baseline_seed_plans(self.graph, self.trace), structure=structure,
-            )
+            self._problems[action] = self._prepared(self.trace, self.costs, action)
         return self._problems[action]
+
+    def _prepared(self, trace: StepTrace, costs: CostModel, action: Action) -> Problem:
+        structure = find_repeated_blocks(self.graph, trace) if self._solves_by_blocks() else None
+        return prepare(
+            trace, costs, action, *candidate_regions(self.graph, trace),
+            seed_plans=baseline_seed_plans(self.graph, trace), structure=structure,
+        )
 
 
 def baseline_plan(planner: Planner, strategy: str, *, action: Action | None = None) -> Plan:
@@ -530,41 +583,6 @@ def baseline_plan(planner: Planner, strategy: str, *, action: Action | None = No
     the_plan = planner.plan_for_regions(chosen.regions, strategy=strategy, action=action)
     notes = tuple(f"{strategy}: {note}" for note in chosen.notes)
     return dataclasses.replace(the_plan, notes=the_plan.notes + notes)
-
-
-def pareto_budgets(the_plan: Plan, points: int) -> list[int]:
-    """``points`` budgets evenly spaced from the smallest feasible peak to the unmodified peak (both included)."""
-    low, high = the_plan.min_feasible_bytes, the_plan.baseline_peak_bytes
-    if points == 1 or high <= low:
-        return [low]
-    return [int(round(low + (high - low) * i / (points - 1))) for i in range(points)]
-
-
-
-
-def budget_to_bytes(budget_gb: Any, budget_bytes: Any) -> int:
-    """Check the budget arguments; GB = 10^9 bytes."""
-    if (budget_gb is None) == (budget_bytes is None):
-        raise ValueError(
-            f"give exactly one of budget_gb (GB = 10^9 bytes) or budget_bytes; got budget_gb={budget_gb!r}, "
-            f"budget_bytes={budget_bytes!r}"
-        )
-    name, value = ("budget_gb", budget_gb) if budget_gb is not None else ("budget_bytes", budget_bytes)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a positive number, got {describe_value(value)} ({type(value).__name__})")
-    if not math.isfinite(float(value)) or value <= 0:
-        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-    if name == "budget_bytes" and float(value) != int(value):
-        raise ValueError(f"budget_bytes must be a whole number of bytes, got {value!r}; for GB use budget_gb=")
-    result = int(round(float(value) * GB)) if name == "budget_gb" else int(value)
-    if result <= 0:
-        raise ValueError(f"{name}={value!r} is less than one byte; give the budget in {'GB' if name == 'budget_gb' else 'bytes'}")
-    return result
-
-
-def _checkpoint_choice(options: PlanOptions) -> Action | str:
-    """The checkpoint choice: ``options.checkpoint``, or ``SolverOptions(checkpoint=)``, its older spelling."""
-    return options.checkpoint if options.checkpoint != "auto" else options.solver.checkpoint
 
 
 def _solves_by_blocks(options: PlanOptions, graph: Graph) -> bool:

@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autockpt.records.plan import Plan
 from autockpt.core.simulate import memory_curve, unit_regions
 from autockpt.core.solve.base import SolveResult
 from autockpt.record_types import ModelFingerprint, NodePlan
+from autockpt.records.plan import Plan
 from autockpt.types import (
     Action,
     CostModel,

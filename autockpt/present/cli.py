@@ -368,8 +368,8 @@ def estimate(
     MODEL is a built-in example (gpt2, bert, t5, llama, vit, unet, mlp, cnn, transformer, control_flow) or
     package.module:factory, a function returning an nn.Module.
     """
-    from autockpt.planning.planner import Planner
     from autockpt.planning.estimate import OptimizerKind, estimate_from_planner
+    from autockpt.planning.planner import Planner
 
     work = load_workload(model, size, inputs, inputs_ref, device, seed)
     with stage_progress(2, ctx.meta["autockpt.quiet"]) as progress:

@@ -14,9 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from autockpt.records import plan_io
-from autockpt.records import summary
 from autockpt.record_types import PlanRecord
+from autockpt.records import plan_io, summary
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from autockpt.errors import PlanMismatchError
-from autockpt.records.plan_io import describe_spec, is_integral
-from autockpt.runtime.rewrite import CallForm
 from autockpt.measure.trace import device_of
 from autockpt.record_types import PlanRecord, TensorSpec
+from autockpt.records.plan_io import describe_spec, is_integral
+from autockpt.runtime.rewrite import CallForm
 
 logger = logging.getLogger(__name__)
 

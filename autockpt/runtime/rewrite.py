@@ -31,12 +31,12 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from autockpt.runtime.fx_nodes import compute_nodes
 from autockpt.errors import UnplannedStepError
+from autockpt.record_types import PlanRecord
+from autockpt.runtime.fx_nodes import compute_nodes
 from autockpt.runtime.model_state import autocast_state, start_autocast_step, training_modes
 from autockpt.runtime.offload import HostPool, PoolStats
 from autockpt.runtime.recompute import CheckpointedRegion, run_checkpointed
-from autockpt.record_types import PlanRecord
 from autockpt.types import Action, CaptureKind, Graph, Policy, Region
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,6 @@ them) implements it, and the simulator (``problem.simulate``) judges them all.
 from __future__ import annotations
 
 import warnings
-
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol

@@ -44,7 +44,7 @@ from autockpt.core.solve.base import NO_PROGRAM, Problem, SeedPlan, SolveResult,
 from autockpt.core.solve.candidates import candidate_regions, equal_saved_segments, is_unsafe, mutation_hazards
 from autockpt.core.solve.refine import no_plan_error
 from autockpt.core.structure import crossing_bytes
-from autockpt.types import CaptureKind, Graph, PlanStatus, StepTrace, Region
+from autockpt.types import CaptureKind, Graph, PlanStatus, Region, StepTrace
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,13 @@ import pulp
 from autockpt.core.solve.base import Problem, ProgramAnswer, Scorer, SolveResult, SolverOptions
 from autockpt.core.solve.block_types import BlockInstance, BlockPlan, BlockProblem, Chain, ChainOption, OtherRegion
 from autockpt.core.solve.candidates import safe_regions
-from autockpt.core.solve.pulp_tools import add_no_good_cut, add_no_overlap, has_solution, is_proven_optimal, solve_and_write
+from autockpt.core.solve.pulp_tools import (
+    add_no_good_cut,
+    add_no_overlap,
+    has_solution,
+    is_proven_optimal,
+    solve_and_write,
+)
 from autockpt.core.solve.refine import solve_with_program
 from autockpt.core.structure import RepeatedBlocks
 from autockpt.types import Phase, PlanStatus, Region, SolverStats, Timeline

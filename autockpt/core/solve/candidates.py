@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autockpt.core.structure import crossing_bytes
-from autockpt.types import CaptureKind, Graph, StepTrace, Region
+from autockpt.types import CaptureKind, Graph, Region, StepTrace
 
 
 def candidate_regions(

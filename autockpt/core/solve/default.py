@@ -25,7 +25,7 @@ from autockpt.core.solve.local import drop_unneeded_regions, lower_floor_locally
 from autockpt.core.solve.milp import solve_flat_program
 from autockpt.core.solve.pulp_tools import no_incumbent, solver_name
 from autockpt.core.solve.refine import check_reachable, identity_result, no_plan_error, refine
-from autockpt.types import PlanStatus, SolverStats
+from autockpt.types import PlanStatus, Region, SolverStats, Timeline
 
 logger = logging.getLogger(__name__)
 
@@ -151,3 +151,16 @@ def find_floor(problem: Problem, options: SolverOptions, solver: str, *, quick: 
         regions, timeline, floor_programs[0], greedy, block_start[1].peak_bytes if block_start else None,
         block_start=block_start, complete=True,
     )
+
+
+def floor_by_bytes(problem: Problem, options: SolverOptions) -> tuple[tuple[Region, ...], Timeline]:
+    """The floor's own plan chosen by bytes alone, on a problem prepared from a trace whose units are all timed alike
+    (``api.Planner.floor_plans``): the full floor search (``find_floor``), then the regions its peak does not need
+    dropped, largest first. On measured times the search picks among byte-equal plans by them (which trimmed regions
+    are offered, which block plans are dominated, which plan the program returns), so its plan, and what that plan
+    measures, moved with the machine's load (issue 37); timed alike, the same bytes give the same plan."""
+    floor = find_floor(problem, options, solver_name(options))
+    regions, timeline, _ = drop_unneeded_regions(
+        problem, floor.regions, floor.timeline, PlanStatus.FEASIBLE, floor.timeline.peak_bytes
+    )
+    return regions, timeline

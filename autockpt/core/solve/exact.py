@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autockpt.errors import InfeasibleBudgetError
 from autockpt.core.solve.base import NO_PROGRAM, Problem, Scorer, SolveResult, SolverOptions, region_actions
 from autockpt.core.solve.candidates import is_unsafe, mutation_hazards
 from autockpt.core.solve.refine import identity_result
-from autockpt.types import PlanStatus, StepTrace, Region
+from autockpt.errors import InfeasibleBudgetError
+from autockpt.types import PlanStatus, Region, StepTrace
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

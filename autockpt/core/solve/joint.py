@@ -22,7 +22,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from autockpt.errors import InfeasibleBudgetError
 from autockpt.core.simulate import simulate
 from autockpt.core.solve.base import (
     Problem,
@@ -38,6 +37,7 @@ from autockpt.core.solve.local import drop_unneeded_regions, lower_floor_locally
 from autockpt.core.solve.milp import answer_flat_program, build_flat_program
 from autockpt.core.solve.pulp_tools import solver_name
 from autockpt.core.solve.refine import Plan3, check_reachable, refine
+from autockpt.errors import InfeasibleBudgetError
 from autockpt.types import Action, PlanStatus, Region, RegionAction, SolverStats, StepTrace, Timeline
 from autockpt.units import format_bytes
 

@@ -17,7 +17,13 @@ from typing import Any
 import pulp
 
 from autockpt.core.solve.base import Problem, ProgramAnswer, ScoredCandidate, SolveResult, SolverOptions
-from autockpt.core.solve.pulp_tools import add_no_good_cut, add_no_overlap, has_solution, is_proven_optimal, solve_and_write
+from autockpt.core.solve.pulp_tools import (
+    add_no_good_cut,
+    add_no_overlap,
+    has_solution,
+    is_proven_optimal,
+    solve_and_write,
+)
 from autockpt.core.solve.refine import solve_with_program
 from autockpt.types import PlanStatus, Region
 from autockpt.units import GB

@@ -13,7 +13,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from autockpt.errors import InfeasibleBudgetError
 from autockpt.core.solve.base import (
     PlanSearch,
     Problem,
@@ -24,6 +23,7 @@ from autockpt.core.solve.base import (
     summarise_programs,
 )
 from autockpt.core.solve.pulp_tools import solver_name
+from autockpt.errors import InfeasibleBudgetError
 from autockpt.types import PlanStatus, SolverStats, StepTrace, Timeline
 from autockpt.units import format_bytes
 

@@ -29,7 +29,7 @@ DEFAULT_MODELS = ("mlp", "cnn", "transformer", "control_flow", "gpt2", "vit", "u
 
 def step_seconds(module: torch.nn.Module, case: Any) -> float:
     """Seconds of one training step; ``case`` has ``args``, ``kwargs`` and ``loss_fn`` (a ZooCase, an ExampleBatch)."""
-    return measure.step_seconds(module, case.args, dict(case.kwargs), case.loss_fn or autockpt.default_loss)
+    return measure.step_seconds(module, case.args, dict(case.kwargs), case.loss_fn or autockpt.measure.loss.default_loss)
 
 
 def step_time_ratio(optimized: torch.nn.Module, original: torch.nn.Module, case: Any, repeats: int) -> float:

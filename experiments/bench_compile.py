@@ -98,7 +98,7 @@ def compiled_point(module: torch.nn.Module, case: zoo.ZooCase) -> tuple[torch.nn
     compile seconds and compiled peak. No ``torch._dynamo.reset()``: every module compiled here stays compiled, to be
     timed with the others."""
     counters.clear()
-    loss_fn = case.loss_fn or autockpt.default_loss
+    loss_fn = case.loss_fn or autockpt.measure.loss.default_loss
     started = time.perf_counter()
     compiled = torch.compile(module)
     for _ in range(2):
@@ -114,7 +114,7 @@ def compiled_point(module: torch.nn.Module, case: zoo.ZooCase) -> tuple[torch.nn
 def bench_model(name: str, size: str, device: torch.device, fractions: Sequence[float],
                 compile_budgets: Sequence[float], rounds: int) -> list[Row]:
     case = sweep.on_device(build(name, size), device)
-    loss_fn = case.loss_fn or autockpt.default_loss
+    loss_fn = case.loss_fn or autockpt.measure.loss.default_loss
     original = case.model
     rows: list[Row] = []
     timed: dict[int, torch.nn.Module] = {}  # row index -> its compiled module, timed together at the end

@@ -136,7 +136,7 @@ def run_model(name: str, size: str, device: torch.device, out: Path) -> list[Row
                 candidates[strategy] = f"infeasible: smallest peak {error.min_feasible_bytes} bytes"
         hf.to(device)  # timed beside the others; each peak below is its step's own
         timed = {key: module for key, module in {**modules, **candidates}.items() if isinstance(module, nn.Module)}
-        seconds = alternating_step_seconds(list(timed.values()), (ids,), kwargs, autockpt.default_loss, rounds=ROUNDS)
+        seconds = alternating_step_seconds(list(timed.values()), (ids,), kwargs, autockpt.measure.loss.default_loss, rounds=ROUNDS)
         ratio = {key: statistics.median(t / u for t, u in zip(times, seconds[0])) for key, times in zip(timed, seconds)}
         for strategy, module in {**modules, **candidates}.items():
             if strategy == "unmodified":
@@ -146,7 +146,7 @@ def run_model(name: str, size: str, device: torch.device, out: Path) -> list[Row
                                 None, module))
                 continue
             measured, reserved = peak_of(module, ids)
-            plan = autockpt.get_plan(module) if isinstance(module, autockpt.OptimizedModule) else None
+            plan = autockpt.get_plan(module) if isinstance(module, autockpt.runtime.rewrite.OptimizedModule) else None
             actions = plan.policy.actions if plan is not None else ()
             rows.append(Row(
                 name, str(device), budget_name, budget, strategy, plan is not None or measured <= budget, measured,
@@ -166,7 +166,7 @@ def save_trace(module: nn.Module, ids: torch.Tensor, path: Path) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        autockpt.default_loss(module(ids, labels=ids)).backward()
+        autockpt.measure.loss.default_loss(module(ids, labels=ids)).backward()
         torch.cuda.synchronize(ids.device)
     prof.export_chrome_trace(str(path))
 

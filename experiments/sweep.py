@@ -174,7 +174,7 @@ def round_robin_ratios(modules: dict[str, nn.Module], reference: str, batch: Exa
     rotating order, after a warm-up round (``autockpt.measure.step.alternating_step_seconds``)."""
     names = list(modules)
     seconds = alternating_step_seconds(
-        [modules[name] for name in names], batch.args, dict(batch.kwargs), batch.loss_fn or autockpt.default_loss,
+        [modules[name] for name in names], batch.args, dict(batch.kwargs), batch.loss_fn or autockpt.measure.loss.default_loss,
         rounds=repeats,
     )
     base = seconds[names.index(reference)]

@@ -99,7 +99,7 @@ def main() -> None:
         checkpoint=args.checkpoint,
     )
     plan = planner.plan(budget_bytes=args.budget_bytes)
-    none = planner.apply(autockpt.baseline_plan(planner, "none"))
+    none = planner.apply(autockpt.planning.planner.baseline_plan(planner, "none"))
     planned = planner.apply(plan)
     print(plan.summary())
 

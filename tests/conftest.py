@@ -176,7 +176,7 @@ def run_step(module: torch.nn.Module, case: zoo.ZooCase, seed: int = 7) -> tuple
         param.grad = None
     torch.manual_seed(seed)
     output = module(*case.args, **case.kwargs)
-    (case.loss_fn or autockpt.default_loss)(output).backward()
+    (case.loss_fn or autockpt.measure.loss.default_loss)(output).backward()
     grads = {name: p.grad.detach().clone() for name, p in module.named_parameters() if p.grad is not None}
     return output, grads
 

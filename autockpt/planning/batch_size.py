@@ -42,7 +42,7 @@ class ExampleBatch:
 
     args: tuple = ()
     kwargs: Mapping[str, Any] = field(default_factory=dict)
-    loss_fn: Callable[[Any], torch.Tensor] | None = None  # None: autockpt.default_loss
+    loss_fn: Callable[[Any], torch.Tensor] | None = None  # None: autockpt.measure.loss.default_loss
 
 
 class TrialOutcome(str, Enum):
@@ -261,7 +261,7 @@ def _as_batch(value: ExampleBatch | tuple, size: int) -> ExampleBatch:
     if isinstance(value, tuple):
         return ExampleBatch(args=value)
     raise TypeError(
-        f"input_factory({size}) must return an autockpt.ExampleBatch(args=..., kwargs=..., loss_fn=...) or a tuple of "
+        f"input_factory({size}) must return an autockpt.planning.batch_size.ExampleBatch(args=..., kwargs=..., loss_fn=...) or a tuple of "
         f"positional inputs, got {type(value).__name__}"
     )
 

@@ -128,14 +128,14 @@ def test_every_timed_step_of_a_module_level_capture_times_its_units() -> None:
     of three was 0 ms for every unit, and the solver saw recomputation as free."""
     case = zoo.build("control_flow")  # data-dependent Python control flow: only module-level capture works
     graph = capture(case.model, case.args, case.kwargs)
-    assert graph.kind is autockpt.CaptureKind.MODULE
+    assert graph.kind is autockpt.types.CaptureKind.MODULE
     modules = [unit.index for unit in graph.units if unit.op == "module"]
     assert modules
     unit_ms_runs, _ = trace_module.timed_steps(
-        graph, case.args, case.kwargs, autockpt.default_loss, timed_units=range(len(graph.units)), repeats=3
+        graph, case.args, case.kwargs, autockpt.measure.loss.default_loss, timed_units=range(len(graph.units)), repeats=3
     )
     assert len(unit_ms_runs) == 3 and all(all(run[u] > 0.0 for u in modules) for run in unit_ms_runs)
-    result = trace_module.trace_step(graph, case.args, case.kwargs, autockpt.default_loss)
+    result = trace_module.trace_step(graph, case.args, case.kwargs, autockpt.measure.loss.default_loss)
     assert all(result.units[u].forward_ms > 0.0 for u in modules)
 
 

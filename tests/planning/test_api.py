@@ -56,7 +56,7 @@ def test_infeasible_budget_reports_the_smallest_feasible(cnn_probe: autockpt.Pla
 def test_budget_at_or_above_unmodified_peak_gives_identity_plan(cnn_probe: autockpt.Plan) -> None:
     case = zoo.build("cnn")
     plan = autockpt.plan(case.model, budget_bytes=cnn_probe.baseline_peak_bytes, example_inputs=case.args, loss_fn=case.loss_fn)
-    assert plan.status is autockpt.PlanStatus.IDENTITY
+    assert plan.status is autockpt.types.PlanStatus.IDENTITY
     assert plan.regions == () and plan.recomputed_units == ()
     assert plan.predicted_peak_bytes == plan.baseline_peak_bytes
     assert plan.predicted_overhead == 0.0
@@ -99,7 +99,7 @@ def test_bad_arguments_say_what_was_expected(call, error, match) -> None:
 def test_a_loss_function_that_returns_no_scalar_loss_is_named(loss_fn, match: str) -> None:
     """It failed inside profiling with a ProfileError that blamed the captured graph."""
     case = zoo.build("mlp")
-    with pytest.raises(autockpt.LossFunctionError, match=match) as caught:
+    with pytest.raises(autockpt.errors.LossFunctionError, match=match) as caught:
         autockpt.plan(case.model, budget_gb=1, example_inputs=case.args, loss_fn=loss_fn)
     assert "loss_fn returned" in str(caught.value) and ".mean()" in str(caught.value)
 

@@ -64,5 +64,5 @@ def test_bad_arguments() -> None:
         max_batch_size(_model, _inputs)
     with pytest.raises(ValueError, match="start must be a positive integer"):
         max_batch_size(_model, _inputs, budget_gb=1.0, start=0)
-    with pytest.raises(TypeError, match="must return an autockpt.ExampleBatch"):
+    with pytest.raises(TypeError, match="must return an autockpt.planning.batch_size.ExampleBatch"):
         max_batch_size(_model, lambda n: {"x": torch.randn(n, 64)}, budget_gb=1.0, strategy="none")

@@ -19,7 +19,7 @@ from autockpt.present import zoo
 class Optimized:
     case: zoo.ZooCase
     reference: torch.nn.Module
-    module: autockpt.OptimizedModule
+    module: autockpt.runtime.rewrite.OptimizedModule
     budget: int
 
 
@@ -78,7 +78,7 @@ def test_a_larger_step_warns_with_the_numbers_or_raises_when_strict(
     decoder: Optimized, caplog: pytest.LogCaptureFixture
 ) -> None:
     longer = torch.randint(0, 128, (2, 300))
-    with pytest.raises(autockpt.UnplannedStepError, match=r"\(2, 300\), larger than the planned \(2, 256\)"):
+    with pytest.raises(autockpt.errors.UnplannedStepError, match=r"\(2, 300\), larger than the planned \(2, 256\)"):
         decoder.module(longer, labels=longer)
     decoder.module.strict = False
     try:
@@ -90,7 +90,7 @@ def test_a_larger_step_warns_with_the_numbers_or_raises_when_strict(
     torch.testing.assert_close(output.loss, decoder.reference(longer, labels=longer).loss)
     warnings = [r.getMessage() for r in caplog.records if "without the plan" in r.getMessage()]
     assert len(warnings) == 1 and "(2, 300)" in warnings[0]  # once, with the shapes
-    with pytest.raises(autockpt.UnplannedStepError, match="float32"):
+    with pytest.raises(autockpt.errors.UnplannedStepError, match="float32"):
         decoder.module(longer.float())  # another dtype is not a smaller step
 
 
@@ -99,7 +99,7 @@ def test_shapes_can_be_prepared_before_training(decoder: Optimized) -> None:
     decoder.module.prepare_shapes([((short,), {"labels": short})])
     assert "(2, 64), labels=(2, 64)" in [v.description for v in decoder.module.shape_variants()]
     longer = torch.randint(0, 128, (2, 512))
-    with pytest.raises(autockpt.UnplannedStepError, match="larger than the planned"):
+    with pytest.raises(autockpt.errors.UnplannedStepError, match="larger than the planned"):
         decoder.module.prepare_shapes([((longer,), {"labels": longer})])
 
 

@@ -84,9 +84,9 @@ def test_a_changed_graph_is_named_at_its_first_difference(transformer_plan: auto
 )
 def test_bad_plan_files_say_what_is_wrong(tmp_path: Path, content: str, message: str) -> None:
     (tmp_path / "p.json").write_text(content)
-    with pytest.raises(autockpt.PlanFileError, match=message):
+    with pytest.raises(autockpt.errors.PlanFileError, match=message):
         autockpt.load_plan(tmp_path / "p.json")
-    with pytest.raises(autockpt.PlanFileError, match="cannot read the plan file"):
+    with pytest.raises(autockpt.errors.PlanFileError, match="cannot read the plan file"):
         autockpt.load_plan(tmp_path / "missing.json")
 
 

@@ -43,7 +43,7 @@ def neox_case(*, dropout: float = 0.0, layers: int = 2) -> zoo.ZooCase:
     return zoo.ZooCase(name="neox", model=GPTNeoXForCausalLM(config), args=(ids,), kwargs={"labels": ids})
 
 
-def optimized_at(case: zoo.ZooCase, fraction: float, action: Action) -> autockpt.OptimizedModule:
+def optimized_at(case: zoo.ZooCase, fraction: float, action: Action) -> autockpt.runtime.rewrite.OptimizedModule:
     planner = autockpt.Planner.from_model(
         case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn, checkpoint=action
     )
@@ -77,7 +77,7 @@ def compiled_step(module: torch.nn.Module, case: zoo.ZooCase, backend: str) -> t
     compiled = torch.compile(module, backend=count)
     for param in module.parameters():
         param.grad = None
-    (case.loss_fn or autockpt.default_loss)(compiled(*case.args, **case.kwargs)).backward()
+    (case.loss_fn or autockpt.measure.loss.default_loss)(compiled(*case.args, **case.kwargs)).backward()
     return compiled, count
 
 
@@ -141,7 +141,7 @@ def test_inductor_step_is_the_original_step_with_a_lower_peak() -> None:
     case = neox_case(dropout=0.1, layers=1)
     reference = twin(case)
     module = optimized_at(case, 0.9, Action.RECOMPUTE_TORCH)  # one layer: the floor is at about 75 % of the way
-    loss_fn = case.loss_fn or autockpt.default_loss
+    loss_fn = case.loss_fn or autockpt.measure.loss.default_loss
     with inductor_config.patch(fallback_random=True):
         compiled_reference, _ = compiled_step(reference, case, "inductor")
         reference_peak = profiler_peak_bytes(compiled_reference, case.args, case.kwargs, loss_fn)
@@ -162,7 +162,7 @@ def test_optimize_compiled_keeps_the_budget_as_the_compiled_step_runs() -> None:
     backend = "inductor"
     case = neox_case()
     reference = twin(case)
-    loss_fn = case.loss_fn or autockpt.default_loss
+    loss_fn = case.loss_fn or autockpt.measure.loss.default_loss
     weights = [param.detach().clone() for param in case.model.parameters()]
     # with Inductor (torch 2.13, CPU) the first plan's compiled step measures over this budget: planned again tighter
     budget = budget_at(autockpt.plan(case.model, budget_bytes=10**15, example_inputs=case.args,
@@ -272,7 +272,7 @@ def test_optimize_compiled_keeps_the_budget_on_cuda() -> None:
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        autockpt.default_loss(compiled(*args, **kwargs)).backward()
+        autockpt.measure.loss.default_loss(compiled(*args, **kwargs)).backward()
         torch.cuda.synchronize(device)
         peaks.append(torch.cuda.max_memory_allocated(device))
     assert max(peaks) <= budget, f"compiled steps measured {peaks}, budget {budget}"

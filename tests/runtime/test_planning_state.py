@@ -55,5 +55,5 @@ def test_planning_leaves_example_inputs_that_require_grad_as_they_were() -> None
     with pytest.raises(autockpt.InfeasibleBudgetError):
         autockpt.optimize(case.model, budget_bytes=1, example_inputs=(x,))
     assert x.grad is None
-    autockpt.default_loss(optimized(x)).backward()  # the optimized module gives the input its gradient
+    autockpt.measure.loss.default_loss(optimized(x)).backward()  # the optimized module gives the input its gradient
     assert x.grad is not None

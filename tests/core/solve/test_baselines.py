@@ -105,7 +105,7 @@ def test_in_place_hazards_are_split_and_the_step_still_matches() -> None:
 def test_module_level_capture() -> None:
     case = zoo.build("control_flow", "tiny")
     planner = _planner(case)
-    assert planner.graph.kind is autockpt.CaptureKind.MODULE
+    assert planner.graph.kind is autockpt.types.CaptureKind.MODULE
     unavailable = baseline_regions(planner.graph, planner.trace, "sqrt_n")
     assert not unavailable.available and "module-level" in unavailable.notes[0]
     with pytest.raises(ValueError, match="module-level"):

@@ -57,7 +57,7 @@ def test_without_any_solution_in_time_a_greedy_plan_is_used(monkeypatch: pytest.
     plan = planner.plan(budget_bytes=budget)
     # the greedy floor plan fits every feasible budget; the greedy plan for this budget is used when it costs less
     # (which one wins depends on the measured times), so the label names the floor, and maybe the plan
-    assert plan.status is autockpt.PlanStatus.FEASIBLE and "greedy fallback (memory floor" in plan.solver
+    assert plan.status is autockpt.types.PlanStatus.FEASIBLE and "greedy fallback (memory floor" in plan.solver
     assert plan.regions and plan.predicted_peak_bytes <= budget
     module = planner.apply(plan)
     measured = autockpt.measure_step(module, case.args, {}, None).peak_bytes

@@ -7,6 +7,7 @@ as one ``PlanOptions`` (``options=``) or as keyword arguments of the same names 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -81,8 +82,10 @@ def optimize(
         options, solver_options=solver_options, checkpoint=checkpoint, host_pool_gb=host_pool_gb, strict=strict,
         optimizer=optimizer, gradient_accumulation_steps=gradient_accumulation_steps, compiled=compiled,
     )
+    # the planner plans and verifies eager steps; compiling them is compiled_module's (Planner.optimize refuses it)
     planner = Planner.from_model(
-        model, example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn, options=options,
+        model, example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
+        options=dataclasses.replace(options, compiled=False),
     )
     if options.compiled is not False:
         compile_options = options.compiled if isinstance(options.compiled, Mapping) else {}

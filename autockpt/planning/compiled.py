@@ -22,7 +22,7 @@ from torch import nn
 
 from autockpt.errors import InfeasibleBudgetError
 from autockpt.measure.step import StepMeasurement, relative_step_times
-from autockpt.planning.verify import in_planned_device, tightened_target, verified_module
+from autockpt.planning.verify import in_planned_device, tightened_target
 from autockpt.records.plan import Plan
 from autockpt.runtime.rewrite import OptimizedModule
 from autockpt.units import format_bytes
@@ -79,8 +79,7 @@ class _CompiledAttempts:
     why: str = ""  # the last refusal's reason
 
     def for_target(self, target: int) -> _Compiled:
-        # the eager plan verified (Planner.optimize refuses options.compiled: that is this module's work)
-        return self.compiled(verified_module(self.planner, target), f"planned for {target}", target)
+        return self.compiled(self.planner.optimize(budget_bytes=target), f"planned for {target}", target)
 
     def compiled(self, module: OptimizedModule, planned_for: str, target: int) -> _Compiled:
         compiled = torch.compile(module, **self.options)

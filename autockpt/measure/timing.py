@@ -104,13 +104,13 @@ def timing_for(timing: str | Timing, target: str | DeviceSpec | None, device: to
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class TimedStep:
-    """What ``Planner.from_model`` plans from, after the timing: the graph (its notes name the timing), the trace with
-    its times, the prices, and the device planned for (None: the model's own)."""
+    """What ``Planner.from_model`` plans from, after the timing: the trace with its times, the prices, the device
+    planned for (None: the model's own) and the note every plan carries about the timing."""
 
-    graph: Graph
     trace: StepTrace
     costs: CostModel
     target: DeviceSpec | None
+    note: str
 
 
 def with_timing(
@@ -123,10 +123,10 @@ def with_timing(
     describe = getattr(timer, "describe", None)
     note = describe() if callable(describe) else f"timing: {timer.name}"
     return TimedStep(
-        graph=dataclasses.replace(graph, notes=(*graph.notes, note)),
         trace=timer.timed(trace, graph, step),
         costs=priced(costs) if callable(priced) else costs,
         target=getattr(timer, "spec", None) if target is not None else None,
+        note=note,
     )
 
 

@@ -109,6 +109,7 @@ class Planner:
         on_stage: Callable[[str], None] | None = None,
         capture_time_s: float = 0.0,
         profile_time_s: float = 0.0,
+        notes: tuple[str, ...] = (),
         **legacy: Any,
     ) -> None:
         if isinstance(graph, nn.Module):  # the 0.1 call, Planner(model, example_inputs=...): measure as it did
@@ -137,8 +138,8 @@ class Planner:
         self.graph = graph
         self.trace = trace
         self.costs = costs
-        self.capture_time_s = capture_time_s
-        self.profile_time_s = profile_time_s
+        self.capture_time_s, self.profile_time_s = capture_time_s, profile_time_s
+        self.notes = tuple(notes)  # every plan carries them (from_model: how the times were made)
         self.target: DeviceSpec | None = None  # from_model's target: the device planned for, plan()'s default budget
         self.gradient_accumulation_steps = self.options.gradient_accumulation_steps
         self.optimizer = self.options.optimizer  # what measure_step copies to step the loop as it runs
@@ -214,7 +215,7 @@ class Planner:
             costs = calibrate(step.device, (*actions, *offload))
             timed = with_timing(timing, target, graph, step, trace, costs)  # measured, or roofline on the target
         planner = cls(
-            timed.graph, timed.trace, timed.costs, options, step=step, on_stage=on_stage,
+            graph, timed.trace, timed.costs, options, step=step, on_stage=on_stage, notes=(timed.note,),
             capture_time_s=captured - started, profile_time_s=time.perf_counter() - captured,
         )
         planner.target = timed.target
@@ -434,7 +435,7 @@ class Planner:
                 graph=self.graph, trace=self.trace, costs=self.costs,
                 placement=Placement.single_device(len(self.graph.units), str(self._device)),
                 fingerprint=self.fingerprint, capture_time_s=self.capture_time_s, profile_time_s=self.profile_time_s,
-                memory_before=memory_curve(self.trace, self.costs, ()),
+                memory_before=memory_curve(self.trace, self.costs, ()), notes=self.notes,
             )
         return self._context
 

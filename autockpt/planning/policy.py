@@ -39,6 +39,7 @@ class PlanningContext:
     capture_time_s: float
     profile_time_s: float
     memory_before: MemoryCurve  # the predicted step with nothing recomputed
+    notes: tuple[str, ...] = ()  # what every plan says besides the capture's notes (how its times were made)
 
     def overhead(self, overhead_ms: float) -> float:
         """Added milliseconds as a fraction of the unmodified step."""
@@ -114,7 +115,7 @@ def assemble_plan(
         profile_time_s=context.profile_time_s,
         policy=policy,
         nodes=nodes,
-        notes=graph.notes + (() if trace.times_measured else (_TIMES_NOT_MEASURED,)),
+        notes=graph.notes + context.notes + (() if trace.times_measured else (_TIMES_NOT_MEASURED,)),
         strategy=strategy,
         fingerprint=context.fingerprint,
         solver_stats=result.stats if solved else None,

@@ -37,11 +37,10 @@ from torch.utils import _pytree as pytree
 
 from autockpt.errors import FakeStepError, LossFunctionError, ProfileError
 from autockpt.measure.fake_copy import fake_copies, fake_of
-from autockpt.measure.loop import measure_optimizer_step, optimizer_factory, step_in_loop
-from autockpt.measure.sources import StepInputs, TraceRequest
-from autockpt.measure.step import owned_bytes
-from autockpt.measure.trace import device_of, step_tensors, trace_step
-from autockpt.types import Graph, StepTrace, TrainingLoop
+from autockpt.measure.loop import measure_optimizer_step, optimizer_factory
+from autockpt.measure.sources import StepInputs, TraceRequest, in_the_loop, with_foreign_bytes_counted
+from autockpt.measure.trace import device_of, trace_step
+from autockpt.types import Graph, StepTrace
 
 
 class _CpuFakeTensorMode(FakeTensorMode):
@@ -153,13 +152,8 @@ class FakeTrace:
             except (ProfileError, LossFunctionError) as error:
                 _raise_fake_step_error(error, graph)
                 raise
-            owned = owned_bytes(fake.device, step_tensors(fake.graph.model, fake.args, fake.kwargs))
-            trace = dataclasses.replace(
-                trace, foreign_bytes=max(0, trace.events[0].start_bytes - owned), times_measured=False
-            )
-            trace = self._with_placeholder_times(trace)
-            if request.optimizer is None and request.gradient_accumulation_steps == 1:
-                return trace
+            trace = with_foreign_bytes_counted(trace, fake.device, fake.graph.model, fake.args, fake.kwargs)
+            trace = self._with_placeholder_times(dataclasses.replace(trace, times_measured=False))
             cost = None
             if request.optimizer is not None:
                 try:
@@ -169,9 +163,7 @@ class FakeTrace:
                 except Exception as error:
                     _raise_fake_step_error(error, graph, what="the optimizer's step")
                     raise
-        return step_in_loop(
-            trace, TrainingLoop(optimizer=cost, gradient_accumulation_steps=request.gradient_accumulation_steps)
-        )
+        return in_the_loop(trace, cost, request)
 
     def _with_placeholder_times(self, trace: StepTrace) -> StepTrace:
         if self.flops_per_ms is None:

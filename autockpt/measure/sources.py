@@ -26,7 +26,7 @@ from autockpt.measure.loss import checked_loss, default_loss
 from autockpt.measure.step import owned_bytes
 from autockpt.measure.trace import device_of, step_tensors, trace_step
 from autockpt.runtime.rewrite import OptimizedModule
-from autockpt.types import Graph, StepTrace, TrainingLoop
+from autockpt.types import Graph, OptimizerStepCost, StepTrace, TrainingLoop
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,15 +92,29 @@ class MeasuredTrace:
             time_repeated_blocks_once=request.time_repeated_blocks_once,
             gradient_lifetimes=request.gradient_lifetimes,
         )
-        # what the trace counted beyond the step's own tensors (on CUDA: everything else allocated on the device)
-        owned = owned_bytes(step.device, step_tensors(step.model, step.args, step.kwargs))
-        trace = dataclasses.replace(trace, foreign_bytes=max(0, trace.events[0].start_bytes - owned))
-        if request.optimizer is None and request.gradient_accumulation_steps == 1:
-            return trace
-        # the step as the loop runs it: what the loop keeps alive raises every event (``loop.py``)
-        make_optimizer = optimizer_factory(step.model, request.optimizer) if request.optimizer is not None else None
-        cost = measure_optimizer_step(make_optimizer, step.model, step.device) if make_optimizer else None
-        return step_in_loop(trace, TrainingLoop(optimizer=cost, gradient_accumulation_steps=request.gradient_accumulation_steps))
+        trace = with_foreign_bytes_counted(trace, step.device, step.model, step.args, step.kwargs)
+        if request.optimizer is None:
+            return in_the_loop(trace, None, request)
+        make_optimizer = optimizer_factory(step.model, request.optimizer)
+        return in_the_loop(trace, measure_optimizer_step(make_optimizer, step.model, step.device), request)
+
+
+def with_foreign_bytes_counted(
+    trace: StepTrace, device: torch.device, model: nn.Module, args: tuple, kwargs: dict
+) -> StepTrace:
+    """``trace`` with ``foreign_bytes``: what it counted beyond the step's own tensors (the model's parameters,
+    buffers and gradients, the inputs); on CUDA everything else allocated on the device."""
+    owned = owned_bytes(device, step_tensors(model, args, kwargs))
+    return dataclasses.replace(trace, foreign_bytes=max(0, trace.events[0].start_bytes - owned))
+
+
+def in_the_loop(trace: StepTrace, optimizer_step: OptimizerStepCost | None, request: TraceRequest) -> StepTrace:
+    """The step as the loop runs it (``loop.step_in_loop``: what the loop keeps alive raises every event), or
+    ``trace`` itself when there is no optimizer to cover and no accumulation."""
+    if request.optimizer is None and request.gradient_accumulation_steps == 1:
+        return trace
+    loop = TrainingLoop(optimizer=optimizer_step, gradient_accumulation_steps=request.gradient_accumulation_steps)
+    return step_in_loop(trace, loop)
 
 
 def example_arguments(example_inputs: Any, example_kwargs: Any) -> tuple[tuple, dict]:

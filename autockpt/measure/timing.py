@@ -9,7 +9,7 @@ A ``Timing`` takes the trace a trace source made (memory events, FLOPs, bytes) a
 
 ``timing_for(timing, target, device)`` chooses: "auto" is "measured" when the target is the model's own device (no
 target), and "roofline" for any other target. ``with_timing`` applies the choice to what ``Planner.from_model``
-captured, traced and priced, and names it in the graph's notes, which every plan carries.
+captured, traced and priced, and names it in a note the planner gives every plan.
 """
 
 from __future__ import annotations
@@ -49,7 +49,9 @@ class MeasuredTiming:
     def priced(self, costs: CostModel) -> CostModel:
         return costs
 
-    def describe(self) -> str:
+    def describe(self, trace: StepTrace) -> str:
+        if not trace.times_measured:  # a trace source that runs no real step (``FakeTrace``) times nothing
+            return "timing: none measured (the trace source ran no real step)"
         return "timing: measured on the model's device"
 
 
@@ -75,7 +77,7 @@ class RooflineTiming:
             return costs
         return dataclasses.replace(costs, link=link_price(self.spec))
 
-    def describe(self) -> str:
+    def describe(self, trace: StepTrace) -> str:
         return f"timing: roofline on {self.spec.describe()}"
 
 
@@ -121,7 +123,7 @@ def with_timing(
     timer = timing_for(timing, target, step.device)
     priced = getattr(timer, "priced", None)
     describe = getattr(timer, "describe", None)
-    note = describe() if callable(describe) else f"timing: {timer.name}"
+    note = describe(trace) if callable(describe) else f"timing: {timer.name}"
     return TimedStep(
         trace=timer.timed(trace, graph, step),
         costs=priced(costs) if callable(priced) else costs,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -131,10 +131,10 @@ def host_pool_gb_checked(host_pool_gb: Any) -> float | str:
     return host_pool_gb
 
 
-def pool_bytes_of(host_pool_gb: float | str, available_host_bytes: int) -> int:
-    """The host pool's capacity in bytes: "auto" is half of ``available_host_bytes``."""
+def pool_bytes_of(host_pool_gb: float | str, available_host_bytes: Callable[[], int]) -> int:
+    """The host pool's capacity in bytes: "auto" is half of ``available_host_bytes()`` (read only then)."""
     if host_pool_gb == "auto":
-        return available_host_bytes // 2
+        return available_host_bytes() // 2
     return int(float(host_pool_gb_checked(host_pool_gb)) * GB)
 
 

@@ -143,7 +143,7 @@ class Planner:
         self.target: DeviceSpec | None = None  # from_model's target: the device planned for, plan()'s default budget
         self.gradient_accumulation_steps = self.options.gradient_accumulation_steps
         self.optimizer = self.options.optimizer  # what measure_step copies to step the loop as it runs
-        self.host_pool_bytes = pool_bytes_of(self.options.host_pool_gb, available_host_bytes())
+        self.host_pool_bytes = pool_bytes_of(self.options.host_pool_gb, available_host_bytes)
         self.solver_options = self.options.solver
         # the recompute actions plans are made for, in order of preference on a tie
         self.actions = recompute_actions(checkpoint_choice(self.options), graph.kind)
@@ -207,8 +207,8 @@ class Planner:
                 gradient_lifetimes=Action.RECOMPUTE_OWN in actions,
                 optimizer=options.optimizer, gradient_accumulation_steps=options.gradient_accumulation_steps,
             ))
-            if options.optimizer is not None or options.gradient_accumulation_steps > 1:
-                logger.info("%s", trace.loop.describe() if trace.loop is not None else "loop")
+            if trace.loop is not None:
+                logger.info("%s", trace.loop.describe())
             offload = (Action.OFFLOAD,) if options.host_pool_gb != 0 else ()
             if offload and graph.kind is CaptureKind.MODULE:
                 _refuse_offload(options.host_pool_gb, step.model, graph)

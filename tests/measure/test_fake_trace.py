@@ -139,6 +139,9 @@ def test_a_plan_from_placeholder_times_keeps_the_budget_and_says_times_were_not_
     plan = both.fake.plan(budget_bytes=budget)
     assert plan.regions and plan.predicted_peak_bytes <= budget
     assert plan.predicted_overhead == 0.0 and any("not measured" in note for note in plan.notes)
+    # its timing note does not claim measured times (the timing is "auto": the trace source's own)
+    assert "timing: none measured (the trace source ran no real step)" in plan.notes
+    assert "timing: measured on the model's device" not in plan.notes
     assert not any("not measured" in note for note in both.measured.plan(budget_bytes=budget).notes)
 
 

@@ -53,6 +53,23 @@ class ModelFingerprint:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Provenance:
+    """How a plan's step was known and what it is for: the trace that recorded its memory, the timing that gave its
+    times, the device it is planned for (``planning/build.py`` chooses them)."""
+
+    trace: str  # "measured" (a real step on the model's device) or "fake" (FakeTensorMode: no real step ran)
+    timing: str  # "measured", "benchmark" (each op alone on the local device), "roofline" or "none"
+    device: str  # the device planned for: the model's ("cpu", "cuda:0") or a DeviceSpec's name ("h100-sxm-80gb")
+    device_memory_bytes: int | None = None  # the device memory planned for, when known (given, the target's, CUDA's)
+    reason: str = ""  # why trace="auto" chose this trace ("" when it was asked for)
+
+    def describe(self) -> str:
+        memory = f", {self.device_memory_bytes:,} B of device memory" if self.device_memory_bytes is not None else ""
+        why = f" ({self.reason})" if self.reason else ""
+        return f"{self.trace} trace, {self.timing} timing, for {self.device}{memory}{why}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ParetoPoint:
     """One budget of a sweep: what the plan for it predicts."""
 
@@ -131,6 +148,7 @@ class PlanRecord:
     # what the CUDA caching allocator reserved at the measured step's peak (``torch.cuda.max_memory_reserved``);
     # None on CPU or when nothing was measured
     measured_reserved_bytes: int | None = None
+    provenance: Provenance | None = None  # which trace and timing made the plan, for which device (None: unknown)
 
     @property
     def regions(self) -> tuple[Region, ...]:

@@ -113,6 +113,7 @@ class TimedStep:
     costs: CostModel
     target: DeviceSpec | None
     note: str
+    timing: str  # the timing's name ("measured", "benchmark", "roofline"; "none": a trace that measured nothing)
 
 
 def with_timing(
@@ -129,6 +130,7 @@ def with_timing(
         costs=priced(costs) if callable(priced) else costs,
         target=getattr(timer, "spec", None) if target is not None else None,
         note=note,
+        timing="none" if timer.name == "measured" and not trace.times_measured else timer.name,
     )
 
 

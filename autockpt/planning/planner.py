@@ -34,7 +34,7 @@ from autockpt.errors import InfeasibleBudgetError
 from autockpt.measure.capture import capture
 from autockpt.measure.costs import calibrate, free_machinery
 from autockpt.measure.loop import with_foreign_bytes
-from autockpt.measure.sources import MeasuredTrace, StepInputs, TraceRequest, TraceSource
+from autockpt.measure.sources import StepInputs, TraceSource
 from autockpt.measure.step import (
     StepMeasurement,
     alternating_step_seconds,
@@ -42,8 +42,9 @@ from autockpt.measure.step import (
     measure_compiled_step,
     measure_step,
 )
-from autockpt.measure.timing import Timing, with_timing
+from autockpt.measure.timing import Timing
 from autockpt.measure.trace import step_tensors
+from autockpt.planning.build import planner_from_model, refuse_offload, solves_by_blocks
 from autockpt.planning.options import (
     UNSET,
     PlanOptions,
@@ -56,7 +57,7 @@ from autockpt.planning.options import (
 from autockpt.planning.policy import PlanningContext, assemble_plan
 from autockpt.planning.shapes import attach_shape_variants
 from autockpt.planning.verify import verified_module
-from autockpt.record_types import ParetoPoint
+from autockpt.record_types import ParetoPoint, Provenance
 from autockpt.records.plan import Plan
 from autockpt.records.plan_io import check_fingerprint, model_fingerprint
 from autockpt.runtime.model_state import enter_training_modes, preserved_model_state
@@ -110,6 +111,7 @@ class Planner:
         capture_time_s: float = 0.0,
         profile_time_s: float = 0.0,
         notes: tuple[str, ...] = (),
+        provenance: Provenance | None = None,
         **legacy: Any,
     ) -> None:
         if isinstance(graph, nn.Module):  # the 0.1 call, Planner(model, example_inputs=...): measure as it did
@@ -140,7 +142,8 @@ class Planner:
         self.costs = costs
         self.capture_time_s, self.profile_time_s = capture_time_s, profile_time_s
         self.notes = tuple(notes)  # every plan carries them (from_model: how the times were made)
-        self.target: DeviceSpec | None = None  # from_model's target: the device planned for, plan()'s default budget
+        self.provenance = provenance  # which trace and timing, for which device: every plan records it
+        self.target: DeviceSpec | None = None  # from_model's target: the device planned for (roofline timing)
         self.gradient_accumulation_steps = self.options.gradient_accumulation_steps
         self.optimizer = self.options.optimizer  # what measure_step copies to step the loop as it runs
         self.host_pool_bytes = pool_bytes_of(self.options.host_pool_gb, available_host_bytes)
@@ -169,57 +172,49 @@ class Planner:
         loss_fn: Callable[[Any], Any] | None = None,
         options: PlanOptions | None = None,
         on_stage: Callable[[str], None] | None = None,
-        trace_source: TraceSource | None = None,
+        trace: str | TraceSource = "auto",
         timing: str | Timing = "auto",
         target: Any = None,
+        device_memory_bytes: int | None = None,
+        trace_source: TraceSource | None = None,
         checkpoint: Any = UNSET,
         host_pool_gb: Any = UNSET,
         optimizer: Any = UNSET,
         gradient_accumulation_steps: Any = UNSET,
         solver_options: Any = UNSET,
     ) -> Planner:
-        """Capture ``model`` on the example call, trace the step (``trace_source``, default ``MeasuredTrace``: a real
-        step on the model's device) and price the actions there; then plan from those values. The keyword options
-        are the friendly spelling of ``options`` (``PlanOptions``).
+        """Capture ``model`` on the example call, trace the step and price the actions; then plan from those values
+        (``build.py``). The keyword options are the friendly spelling of ``options`` (``PlanOptions``).
 
-        ``timing`` ("auto", "measured", "roofline", or a ``measure.timing.Timing``) gives the trace its times, for
-        ``target`` (a table name such as "h100-sxm-80gb" or an ``autockpt.DeviceSpec``; None: the model's device):
-        "roofline" times each unit from its FLOPs and bytes against the target (the model's device calibrated when
-        there is none) and prices offloading's link from it; "auto" is "measured" without a target, "roofline" with
-        one. The target's memory is ``plan()``'s budget when none is given. The plans' notes name the timing."""
+        ``trace``: "measured" runs the unmodified step on the model's device; "fake" runs it on fake tensors (no real
+        step, exact memory; a model on the meta device stays there); "auto" (default) is fake when the model or
+        inputs are on the meta device or when the fake trace predicts the unmodified step above the device memory,
+        measured otherwise; or a ``TraceSource`` (``trace_source=`` is its older spelling).
+        ``device_memory_bytes``: the memory of the device planned for (default: the target's; on CUDA the free memory
+        plus what the step's tensors hold); it is ``plan()``'s budget when none is given.
+
+        ``timing`` ("auto", "measured", "benchmark", "roofline", or a ``measure.timing.Timing``) gives the trace its
+        times, for ``target`` (a table name such as "h100-sxm-80gb" or an ``autockpt.DeviceSpec``; None: the model's
+        device). "auto": measured with a measured trace, benchmark (each op alone on the local device) with a fake
+        one, roofline for a target. The plans record which trace and timing made them (``Plan.provenance``)."""
         options = resolve_options(
             options, checkpoint=checkpoint, host_pool_gb=host_pool_gb, optimizer=optimizer,
             gradient_accumulation_steps=gradient_accumulation_steps, solver_options=solver_options,
         )
+        if trace_source is not None:
+            if trace != "auto":
+                raise ValueError(f"give trace={trace!r} or trace_source=..., not both (trace_source is trace's older name)")
+            trace = trace_source
         step = StepInputs.check(model, example_inputs, example_kwargs, loss_fn)
-        source = trace_source or MeasuredTrace()
-        stage = on_stage or (lambda name: None)
-        with preserved_model_state(step.model, step.args, step.kwargs):
-            enter_training_modes(step.model)
-            stage("capture")
-            started = time.perf_counter()
-            graph = capture(step.model, step.args, step.kwargs)
-            captured = time.perf_counter()
-            stage("profile")
-            actions = recompute_actions(checkpoint_choice(options), graph.kind)
-            trace = source.trace(graph, step, TraceRequest(
-                time_repeated_blocks_once=_solves_by_blocks(options, graph),
-                gradient_lifetimes=Action.RECOMPUTE_OWN in actions,
-                optimizer=options.optimizer, gradient_accumulation_steps=options.gradient_accumulation_steps,
-            ))
-            if trace.loop is not None:
-                logger.info("%s", trace.loop.describe())
-            offload = (Action.OFFLOAD,) if options.host_pool_gb != 0 else ()
-            if offload and graph.kind is CaptureKind.MODULE:
-                _refuse_offload(options.host_pool_gb, step.model, graph)
-            costs = calibrate(step.device, (*actions, *offload))
-            timed = with_timing(timing, target, graph, step, trace, costs)  # measured, or roofline on the target
-        planner = cls(
-            graph, timed.trace, timed.costs, options, step=step, on_stage=on_stage, notes=(timed.note,),
-            capture_time_s=captured - started, profile_time_s=time.perf_counter() - captured,
+        return planner_from_model(
+            cls, step, options, on_stage=on_stage, trace=trace, timing=timing, target=target,
+            device_memory_bytes=device_memory_bytes,
         )
-        planner.target = timed.target
-        return planner
+
+    @property
+    def device_memory_bytes(self) -> int | None:
+        """The memory of the device planned for (``Plan.provenance``), when known."""
+        return self.provenance.device_memory_bytes if self.provenance is not None else None
 
     @property
     def model(self) -> nn.Module:
@@ -235,9 +230,9 @@ class Planner:
     def plan(self, budget_gb: float | None = None, *, budget_bytes: int | None = None, pareto_points: int = 0) -> Plan:
         """The cheapest plan under the budget (GB = 10^9 bytes). ``pareto_points`` > 0 also solves that many budgets
         from the smallest feasible peak to the unmodified peak and stores them in ``Plan.pareto``. Without a budget,
-        the memory of the target the planner was made for (``from_model(target=...)``)."""
-        if budget_gb is None and budget_bytes is None and self.target is not None:
-            budget_bytes = self.target.memory_bytes
+        the memory of the device the planner was made for (``from_model(target=..., device_memory_bytes=...)``)."""
+        if budget_gb is None and budget_bytes is None and self.device_memory_bytes is not None:
+            budget_bytes = self.device_memory_bytes
         budget = budget_to_bytes(budget_gb, budget_bytes)
         results, solve_time_s = self._solve_each(budget)
         action = min(results, key=lambda a: results[a].timeline.overhead_ms)  # the first action on a tie
@@ -435,7 +430,7 @@ class Planner:
                 graph=self.graph, trace=self.trace, costs=self.costs,
                 placement=Placement.single_device(len(self.graph.units), str(self._device)),
                 fingerprint=self.fingerprint, capture_time_s=self.capture_time_s, profile_time_s=self.profile_time_s,
-                memory_before=memory_curve(self.trace, self.costs, ()), notes=self.notes,
+                memory_before=memory_curve(self.trace, self.costs, ()), notes=self.notes, provenance=self.provenance,
             )
         return self._context
 
@@ -466,7 +461,7 @@ class Planner:
         return graph
 
     def _solves_by_blocks(self) -> bool:
-        return _solves_by_blocks(self.options, self.graph)
+        return solves_by_blocks(self.options, self.graph)
 
     def _solve_each(self, target_bytes: int) -> tuple[dict[Action, SolveResult], float]:
         """Per action with a plan under ``target_bytes``: its cheapest plan, and the seconds all of it took
@@ -536,7 +531,7 @@ class Planner:
 
     def _check_offload_possible(self, host_pool_gb: float | str) -> None:
         if self.graph.kind is CaptureKind.MODULE:
-            _refuse_offload(host_pool_gb, self.model, self.graph)
+            refuse_offload(host_pool_gb, self.model, self.graph)
 
     def _with_pool_needed(self, error: InfeasibleBudgetError, target_bytes: int) -> InfeasibleBudgetError:
         """``error``, saying which host pool would make ``target_bytes`` feasible when a pool (or a larger one) would
@@ -584,17 +579,3 @@ def baseline_plan(planner: Planner, strategy: str, *, action: Action | None = No
     the_plan = planner.plan_for_regions(chosen.regions, strategy=strategy, action=action)
     notes = tuple(f"{strategy}: {note}" for note in chosen.notes)
     return dataclasses.replace(the_plan, notes=the_plan.notes + notes)
-
-
-def _solves_by_blocks(options: PlanOptions, graph: Graph) -> bool:
-    """Repeated blocks are solved (and timed) once per family, unless switched off or the capture is module-level
-    (which can only checkpoint whole submodule calls: its candidates are those calls)."""
-    return options.solver.repeated_blocks and graph.kind is not CaptureKind.MODULE
-
-
-def _refuse_offload(host_pool_gb: float | str, model: nn.Module, graph: Graph) -> None:
-    raise ValueError(
-        f"host_pool_gb={host_pool_gb!r}: offloading needs a graph capture, but {type(model).__name__} "
-        f"fell to the module-level capture ({graph.notes[0] if graph.notes else 'no graph'}); "
-        "plan it without a pool (host_pool_gb=0), which recomputes only"
-    )

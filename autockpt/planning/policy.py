@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from autockpt.core.simulate import memory_curve, unit_regions
 from autockpt.core.solve.base import SolveResult
-from autockpt.record_types import ModelFingerprint, NodePlan
+from autockpt.record_types import ModelFingerprint, NodePlan, Provenance
 from autockpt.records.plan import Plan
 from autockpt.types import (
     Action,
@@ -40,6 +40,7 @@ class PlanningContext:
     profile_time_s: float
     memory_before: MemoryCurve  # the predicted step with nothing recomputed
     notes: tuple[str, ...] = ()  # what every plan says besides the capture's notes (how its times were made)
+    provenance: Provenance | None = None  # which trace and timing, for which device
 
     def overhead(self, overhead_ms: float) -> float:
         """Added milliseconds as a fraction of the unmodified step."""
@@ -123,6 +124,7 @@ def assemble_plan(
         memory_after=memory_curve(trace, context.costs, policy.region_actions),
         loop=trace.loop,
         foreign_bytes=trace.foreign_bytes,
+        provenance=context.provenance,
     )
 
 

@@ -1,0 +1,222 @@
+"""Building a planner from a model: choose how the step is known (``trace=``, ``timing=``), for which device
+(``target=``, ``device_memory_bytes=``), then capture, trace and price it (``Planner.from_model`` is this).
+
+The trace (``measure/sources.py``, ``measure/fake.py``):
+
+* ``"measured"``: the unmodified step runs on the model's device (``MeasuredTrace``), as autockpt always did;
+* ``"fake"``: the step runs on fake tensors (``FakeTrace``): memory exact, no real step, no weights read;
+* ``"auto"``: fake when the model or the inputs are on the meta device (there is nothing to run), or when the
+  device's memory is known (``device_memory_bytes=``, the target's memory, a CUDA device's free memory) and the fake
+  trace predicts the unmodified step above it (running it would run out of memory); measured otherwise. A step the
+  fake trace cannot run (tensor values in its Python control flow) is measured when the model is real; a measured
+  step that runs out of CUDA memory is traced on fakes instead.
+
+The timing (``measure/timing.py``) is chosen after the trace: measured times with a measured trace, benchmarked ops
+with a fake trace on the local device, roofline times for another device (``target=``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from autockpt.core.devices import DeviceSpec, device_spec
+from autockpt.core.solve.base import recompute_actions
+from autockpt.errors import FakeStepError
+from autockpt.measure.capture import capture
+from autockpt.measure.costs import calibrate
+from autockpt.measure.fake import FakeTrace
+from autockpt.measure.sources import MeasuredTrace, StepInputs, TraceRequest, TraceSource
+from autockpt.measure.step import owned_bytes
+from autockpt.measure.timing import Timing, with_timing
+from autockpt.measure.trace import step_tensors
+from autockpt.planning.options import PlanOptions, checkpoint_choice
+from autockpt.record_types import Provenance
+from autockpt.runtime.model_state import enter_training_modes, preserved_model_state
+from autockpt.types import Action, CaptureKind, Graph, StepTrace
+from autockpt.units import format_bytes
+
+if TYPE_CHECKING:
+    from autockpt.planning.planner import Planner
+
+logger = logging.getLogger(__name__)
+
+TRACES = ("auto", "fake", "measured")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ChosenTrace:
+    """The step's trace and which source made it, with why ``"auto"`` chose it."""
+
+    trace: StepTrace
+    source: str  # the trace source's name: "measured", "fake", or a custom source's
+    reason: str = ""
+
+
+def on_meta(step: StepInputs) -> bool:
+    """Whether the model or any example input is on the meta device: no real step can run."""
+    tensors = [*step.model.parameters(), *step.model.buffers()]
+    tensors += [t for t in pytree.tree_leaves((step.args, step.kwargs)) if isinstance(t, torch.Tensor)]
+    return any(t.device.type == "meta" for t in tensors)
+
+
+def check_trace(trace: Any) -> None:
+    if isinstance(trace, str):
+        if trace not in TRACES:
+            raise ValueError(f"trace={trace!r}: choose one of {', '.join(TRACES)}, or give a TraceSource")
+        return
+    if not callable(getattr(trace, "trace", None)):
+        raise TypeError(
+            f"trace must be one of {TRACES} or a TraceSource (an object with name and trace(graph, step, request)), "
+            f"got {type(trace).__name__}"
+        )
+
+
+def device_memory_for(
+    step: StepInputs, device_memory_bytes: int | None, target: DeviceSpec | None
+) -> int | None:
+    """The device memory to plan for: ``device_memory_bytes`` as given, else the target's, else on CUDA what is free
+    now plus what the step's own tensors already hold there; None on a CPU without either."""
+    if device_memory_bytes is not None:
+        if isinstance(device_memory_bytes, bool) or not isinstance(device_memory_bytes, int) or device_memory_bytes <= 0:
+            raise ValueError(
+                f"device_memory_bytes must be a positive int (bytes on the device), got {device_memory_bytes!r}"
+            )
+        return device_memory_bytes
+    if target is not None:
+        return target.memory_bytes
+    device = step.device
+    if device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        return free_bytes + owned_bytes(device, step_tensors(step.model, step.args, step.kwargs))
+    return None
+
+
+def traced_step(
+    trace: str | TraceSource, graph: Graph, step: StepInputs, request: TraceRequest, device_memory_bytes: int | None
+) -> ChosenTrace:
+    """The step traced as ``trace`` says (module docstring): ``"auto"``'s choice with its reason."""
+    if not isinstance(trace, str):
+        return ChosenTrace(trace=trace.trace(graph, step, request), source=trace.name)
+    meta = on_meta(step)
+    if trace == "measured":
+        if meta:
+            raise ValueError(
+                f"trace='measured' runs the real step, but {type(step.model).__name__} or its example inputs are on "
+                "the meta device (no values to run); use trace='fake' (or 'auto'), which runs no real step"
+            )
+        return ChosenTrace(trace=MeasuredTrace().trace(graph, step, request), source="measured")
+    if trace == "fake":
+        return ChosenTrace(trace=FakeTrace().trace(graph, step, request), source="fake")
+    if meta:
+        return ChosenTrace(
+            trace=FakeTrace().trace(graph, step, request), source="fake",
+            reason="the model or its inputs are on the meta device",
+        )
+    if device_memory_bytes is None:
+        return _measured_or_fake(graph, step, request, "")
+    try:
+        fake = FakeTrace().trace(graph, step, request)
+    except FakeStepError as error:
+        logger.info("trace='auto': the fake trace cannot run this step (%s); measuring it", error.op)
+        return _measured_or_fake(graph, step, request, f"the fake trace cannot run this step ({error.op})")
+    peak = fake.baseline_peak_bytes
+    if peak > device_memory_bytes:
+        return ChosenTrace(
+            trace=fake, source="fake",
+            reason=(
+                f"the unmodified step's predicted peak ({format_bytes(peak)}) is above the device memory "
+                f"({format_bytes(device_memory_bytes)}): no unmodified step was run"
+            ),
+        )
+    return _measured_or_fake(
+        graph, step, request,
+        f"the unmodified step's predicted peak ({format_bytes(peak)}) fits the device memory "
+        f"({format_bytes(device_memory_bytes)})",
+    )
+
+
+def _measured_or_fake(graph: Graph, step: StepInputs, request: TraceRequest, reason: str) -> ChosenTrace:
+    """The measured trace; on CUDA, the fake one when the real step runs out of memory."""
+    try:
+        return ChosenTrace(trace=MeasuredTrace().trace(graph, step, request), source="measured", reason=reason)
+    except torch.OutOfMemoryError as error:
+        torch.cuda.empty_cache()
+        logger.warning("trace='auto': the unmodified step ran out of device memory (%s); tracing it on fakes", error)
+        return ChosenTrace(
+            trace=FakeTrace().trace(graph, step, request), source="fake",
+            reason="the unmodified step ran out of device memory when measured",
+        )
+
+
+def planner_from_model(
+    cls: type[Planner],
+    step: StepInputs,
+    options: PlanOptions,
+    *,
+    on_stage: Callable[[str], None] | None,
+    trace: str | TraceSource,
+    timing: str | Timing,
+    target: str | DeviceSpec | None,
+    device_memory_bytes: int | None,
+) -> Planner:
+    """``Planner.from_model``'s work on a checked step: capture, trace, time and price, then the planner."""
+    check_trace(trace)
+    spec = device_spec(target) if target is not None else None
+    memory = device_memory_for(step, device_memory_bytes, spec)
+    stage = on_stage or (lambda name: None)
+    # the recompute machinery is host Python: a model on the meta device has it priced on the CPU
+    price_device = torch.device("cpu") if step.device.type == "meta" else step.device
+    with preserved_model_state(step.model, step.args, step.kwargs):
+        enter_training_modes(step.model)
+        stage("capture")
+        started = time.perf_counter()
+        graph = capture(step.model, step.args, step.kwargs)
+        captured = time.perf_counter()
+        stage("profile")
+        actions = recompute_actions(checkpoint_choice(options), graph.kind)
+        chosen = traced_step(trace, graph, step, TraceRequest(
+            time_repeated_blocks_once=solves_by_blocks(options, graph),
+            gradient_lifetimes=Action.RECOMPUTE_OWN in actions,
+            optimizer=options.optimizer, gradient_accumulation_steps=options.gradient_accumulation_steps,
+        ), memory)
+        if chosen.reason:
+            logger.info("trace='auto' chose the %s trace: %s", chosen.source, chosen.reason)
+        if chosen.trace.loop is not None:
+            logger.info("%s", chosen.trace.loop.describe())
+        offload = (Action.OFFLOAD,) if options.host_pool_gb != 0 else ()
+        if offload and graph.kind is CaptureKind.MODULE:
+            refuse_offload(options.host_pool_gb, step.model, graph)
+        costs = calibrate(price_device, (*actions, *offload))
+        timed = with_timing(timing, spec, graph, step, chosen.trace, costs)  # measured, benchmark or roofline
+    provenance = Provenance(
+        trace=chosen.source, timing=timed.timing, device=spec.name if spec is not None else str(step.device),
+        device_memory_bytes=memory, reason=chosen.reason,
+    )
+    planner = cls(
+        graph, timed.trace, timed.costs, options, step=step, on_stage=on_stage,
+        notes=(timed.note, *([f"trace: {chosen.source} ({chosen.reason})"] if chosen.reason else [])),
+        capture_time_s=captured - started, profile_time_s=time.perf_counter() - captured, provenance=provenance,
+    )
+    planner.target = timed.target
+    return planner
+
+
+def solves_by_blocks(options: PlanOptions, graph: Graph) -> bool:
+    """Repeated blocks are solved (and timed) once per family, unless switched off or the capture is module-level
+    (which can only checkpoint whole submodule calls: its candidates are those calls)."""
+    return options.solver.repeated_blocks and graph.kind is not CaptureKind.MODULE
+
+
+def refuse_offload(host_pool_gb: float | str, model: torch.nn.Module, graph: Graph) -> None:
+    raise ValueError(
+        f"host_pool_gb={host_pool_gb!r}: offloading needs a graph capture, but {type(model).__name__} "
+        f"fell to the module-level capture ({graph.notes[0] if graph.notes else 'no graph'}); "
+        "plan it without a pool (host_pool_gb=0), which recomputes only"
+    )

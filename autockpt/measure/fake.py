@@ -40,7 +40,7 @@ from autockpt.measure.fake_copy import fake_copies, fake_of
 from autockpt.measure.loop import measure_optimizer_step, optimizer_factory
 from autockpt.measure.sources import StepInputs, TraceRequest, in_the_loop, with_foreign_bytes_counted
 from autockpt.measure.trace import device_of, trace_step
-from autockpt.types import Graph, StepTrace
+from autockpt.types import Graph, OptimizerStepCost, StepTrace
 
 
 class _CpuFakeTensorMode(FakeTensorMode):
@@ -154,16 +154,16 @@ class FakeTrace:
                 raise
             trace = with_foreign_bytes_counted(trace, fake.device, fake.graph.model, fake.args, fake.kwargs)
             trace = self._with_placeholder_times(dataclasses.replace(trace, times_measured=False))
-            cost = None
-            if request.optimizer is not None:
-                try:
-                    cost = measure_optimizer_step(
-                        fake.optimizer_factory(request.optimizer), fake.graph.model, fake.device
-                    )
-                except Exception as error:
-                    _raise_fake_step_error(error, graph, what="the optimizer's step")
-                    raise
+            cost = _fake_optimizer_step(fake, graph, request.optimizer) if request.optimizer is not None else None
         return in_the_loop(trace, cost, request)
+
+    def optimizer_step(self, graph: Graph, step: StepInputs, optimizer: Any) -> OptimizerStepCost:
+        """The optimizer's states and step (``loop.measure_optimizer_step``) on fakes of the model's parameters:
+        what ``trace`` adds for ``TraceRequest.optimizer``, alone (``autockpt.estimate`` reports both)."""
+        mode = _CpuFakeTensorMode(allow_non_fake_inputs=True)
+        fake = FakeStep.of(graph, step, mode, self.trace_device(step))
+        with mode:
+            return _fake_optimizer_step(fake, graph, optimizer)
 
     def _with_placeholder_times(self, trace: StepTrace) -> StepTrace:
         if self.flops_per_ms is None:
@@ -242,6 +242,14 @@ class FakeStep:
                 value = value.detach().clone()
             return self.mode.fake_tensor_converter.from_real_tensor(self.mode, value, make_constant=True)
         return self.mode.from_tensor(value, static_shapes=True)
+
+
+def _fake_optimizer_step(fake: FakeStep, graph: Graph, optimizer: Any) -> OptimizerStepCost:
+    try:
+        return measure_optimizer_step(fake.optimizer_factory(optimizer), fake.graph.model, fake.device)
+    except Exception as error:
+        _raise_fake_step_error(error, graph, what="the optimizer's step")
+        raise
 
 
 def _move_device_constants(gm: fx.GraphModule, device_type: str, device: torch.device) -> None:

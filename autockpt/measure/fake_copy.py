@@ -16,12 +16,14 @@ from torch.utils import _pytree as pytree
 
 
 def fake_copy(model: nn.Module, args: tuple, kwargs: dict, mode: FakeTensorMode) -> tuple[nn.Module, tuple, dict]:
-    """A copy of ``model`` whose tensors (parameters, buffers, tensor attributes) are fakes of themselves, each on
-    its own device (a meta tensor's fake is on the meta device), and fakes of the inputs; the model is not touched.
+    """A copy of ``model`` whose tensors (parameters, buffers, tensor attributes) are fakes of themselves, and fakes
+    of the inputs, all on the meta device (a meta model's real inputs, token ids on the CPU, join it there); the model
+    is not touched.
 
     Capture runs a model on the meta device eagerly this way: code that reads a tensor's value (``.item()``) fails on
     meta tensors, where libraries skip such checks on fake tensors (transformers' ``is_tracing``)."""
-    (copied,), inputs = fake_copies((model,), (args, kwargs), lambda t: fake_of(t, mode, t.device), {}, [])
+    meta = torch.device("meta")
+    (copied,), inputs = fake_copies((model,), (args, kwargs), lambda t: fake_of(t, mode, meta), {}, [])
     return copied, *inputs
 
 

@@ -13,9 +13,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
+from autockpt.core.devices import device_spec
 from autockpt.measure.capture import capture
-from autockpt.measure.sources import StepInputs
+from autockpt.measure.sources import StepInputs, TraceSource
+from autockpt.measure.timing import Timing
 from autockpt.planning.compiled import compiled_module
 from autockpt.planning.options import UNSET, PlanOptions, budget_to_bytes, resolve_options, unsupported
 from autockpt.planning.planner import Planner
@@ -43,6 +46,9 @@ def optimize(
     optimizer: Any = UNSET,
     gradient_accumulation_steps: Any = UNSET,
     compiled: Any = UNSET,
+    trace: str | TraceSource = "auto",
+    timing: str | Timing = "auto",
+    device_memory_bytes: int | None = None,
 ) -> nn.Module:
     """Return a module that trains like ``model`` with a step peak of at most the budget (GB = 10^9 bytes).
 
@@ -76,8 +82,18 @@ def optimize(
     of the plans whose compiled step fits, the fastest compiled step is kept (timed against each other;
     ``autockpt.planning.compiled``). ``autockpt.get_plan(result)`` is the plan. The optimizer and gradient accumulation are measured as in eager mode
     (the optimizer step itself runs uncompiled). Not with a host pool.
+
+    A step that does not fit is never run: ``trace="auto"`` (default) plans from a fake trace (``FakeTensorMode``: the
+    step's exact memory, no real step) when the fake trace predicts the unmodified step above the device memory
+    (``device_memory_bytes``; on CUDA, by default, what is free plus what the step's tensors hold), with times from
+    each op benchmarked alone (``timing="auto"``); then only the optimized step is measured, as always. Without a
+    budget the budget is ``device_memory_bytes``. ``trace="measured"`` / ``"fake"`` force either trace
+    (``Planner.from_model``). A model on the meta device has no weights to train: ``autockpt.plan`` it instead.
     """
+    if budget_gb is None and budget_bytes is None and device_memory_bytes is not None:
+        budget_bytes = device_memory_bytes
     budget = budget_to_bytes(budget_gb, budget_bytes)
+    refuse_meta(model, example_inputs, example_kwargs)
     options = resolve_options(
         options, solver_options=solver_options, checkpoint=checkpoint, host_pool_gb=host_pool_gb, strict=strict,
         optimizer=optimizer, gradient_accumulation_steps=gradient_accumulation_steps, compiled=compiled,
@@ -85,7 +101,8 @@ def optimize(
     # the planner plans and verifies eager steps; compiling them is compiled_module's (Planner.optimize refuses it)
     planner = Planner.from_model(
         model, example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
-        options=dataclasses.replace(options, compiled=False),
+        options=dataclasses.replace(options, compiled=False), trace=trace, timing=timing,
+        device_memory_bytes=device_memory_bytes,
     )
     if options.compiled is not False:
         compile_options = options.compiled if isinstance(options.compiled, Mapping) else {}
@@ -111,10 +128,22 @@ def plan(
     host_pool_gb: Any = UNSET,
     optimizer: Any = UNSET,
     gradient_accumulation_steps: Any = UNSET,
+    trace: str | TraceSource = "auto",
+    timing: str | Timing = "auto",
+    target: Any = None,
+    device_memory_bytes: int | None = None,
 ) -> Plan:
     """Like ``optimize`` but only plans (no rewrite, no verification step): returns the Plan. With the default
     checkpoint choice ("auto") it is the plan with the smaller *predicted* overhead of the recompute actions
-    (``optimize`` times them instead)."""
+    (``optimize`` times them instead).
+
+    Planning for a device you do not have: build the model on the meta device (``with torch.device("meta"):``) and
+    name the device, ``target="h100-sxm-80gb"`` (``autockpt.core.devices.DEVICE_SPECS``) or an ``autockpt.DeviceSpec``:
+    the step is traced on fake tensors (``trace="auto"``), timed by the roofline of the target, and the budget
+    defaults to the target's memory (or ``device_memory_bytes``). ``Plan.provenance`` says which trace and timing
+    made the plan and for which device."""
+    if budget_gb is None and budget_bytes is None:
+        budget_bytes = device_memory_bytes if device_memory_bytes is not None else _target_memory(target)
     budget = budget_to_bytes(budget_gb, budget_bytes)
     options = resolve_options(
         options, solver_options=solver_options, checkpoint=checkpoint, host_pool_gb=host_pool_gb, optimizer=optimizer,
@@ -123,8 +152,28 @@ def plan(
     unsupported(options, "autockpt.plan", ("strict", "compiled"))  # they are about the returned module: optimize's
     planner = Planner.from_model(
         model, example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn, options=options,
+        trace=trace, timing=timing, target=target, device_memory_bytes=device_memory_bytes,
     )
     return planner.plan(budget_bytes=budget)
+
+
+def refuse_meta(model: Any, example_inputs: Any, example_kwargs: Any) -> None:
+    """``optimize`` returns a module to train and measures its step: a model on the meta device has neither weights
+    nor a step to measure."""
+    if not isinstance(model, nn.Module):
+        return  # StepInputs.check says what was expected
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [t for t in pytree.tree_leaves((example_inputs, example_kwargs)) if isinstance(t, torch.Tensor)]
+    if any(t.device.type == "meta" for t in tensors):
+        raise ValueError(
+            f"{type(model).__name__} (or its example inputs) is on the meta device: it has no weights to train and "
+            "no step to measure. Plan it with autockpt.plan(model, ..., target=...) (no real step runs), save the "
+            "plan, and apply it (autockpt.apply_plan) to the materialised model on the device that trains it"
+        )
+
+
+def _target_memory(target: Any) -> int | None:
+    return device_spec(target).memory_bytes if target is not None else None
 
 
 def apply_plan(

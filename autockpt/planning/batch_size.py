@@ -4,10 +4,19 @@
                                      budget_gb=2.0)
     result.batch_size, result.plan, result.measured_peak_bytes
 
-For each batch size tried, the model is captured and profiled on inputs of that size and the strategy's plan is
-applied and measured for real (``autockpt.measure_step``); a batch counts as fitting only when the measured peak is
-at most the budget. The search doubles the batch until it no longer fits, then bisects, assuming that a batch that
-does not fit is not followed by a larger one that does (the measured peak grows with the batch).
+The search doubles the batch until it no longer fits, then bisects, assuming that a batch that does not fit is not
+followed by a larger one that does (the peak grows with the batch). How a batch is judged (``trace=``):
+
+* ``"fake"`` (and ``"auto"``, the default): each batch tried is traced on fake tensors (``FakeTrace``: the step's
+  exact memory, no real step) and fits when the strategy's plan is *predicted* at most the budget; only the answer
+  is then measured for real (``autockpt.measure_step``; for autockpt the optimized module, verified as ``optimize``
+  does), and when it measures over the budget the next smaller predicted fit is measured, and so on. A model on the
+  meta device cannot be measured: the answer stays a prediction, and the result says so. "auto" measures every
+  batch instead when the fake trace cannot run the step (tensor values in its Python control flow).
+* ``"measured"``: every batch tried is captured, profiled, planned, applied and measured for real; it fits only when
+  the measured peak is at most the budget.
+
+``BatchTrial.measured`` says which trials were measured; ``BatchSizeResult.note`` says how the answer was found.
 """
 
 from __future__ import annotations
@@ -24,8 +33,9 @@ from torch import nn
 
 from autockpt.core.solve.base import SolverOptions
 from autockpt.core.solve.baselines import parse_strategy
-from autockpt.errors import InfeasibleBudgetError
+from autockpt.errors import FakeStepError, InfeasibleBudgetError
 from autockpt.measure.step import measure_step
+from autockpt.planning.build import TRACES
 from autockpt.planning.options import budget_to_bytes
 from autockpt.planning.planner import Planner, baseline_plan
 from autockpt.records.plan import Plan
@@ -57,9 +67,10 @@ class BatchTrial:
     batch_size: int
     strategy: str
     outcome: TrialOutcome
-    measured_peak_bytes: int | None
+    measured_peak_bytes: int | None  # the measured peak, or the predicted one when ``measured`` is False
     seconds: float
     detail: str = ""
+    measured: bool = True  # False: judged by the fake trace's prediction (``measured_peak_bytes`` is predicted)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,6 +84,7 @@ class BatchSizeResult:
     measured_peak_bytes: int | None
     first_over_batch: int | None  # smallest batch tried that did not fit (None: the search hit ``limit``)
     trials: tuple[BatchTrial, ...]
+    note: str = ""  # how the answer was found: searched on predictions and measured, or every batch measured
 
     @property
     def exact(self) -> bool:
@@ -91,6 +103,7 @@ def max_batch_size(
     limit: int = 1 << 16,
     precision: int = 1,
     solver_options: SolverOptions | None = None,
+    trace: str = "auto",
 ) -> BatchSizeResult:
     """The largest batch size whose step under ``strategy`` measures at most the budget (GB = 10^9 bytes).
 
@@ -98,11 +111,12 @@ def max_batch_size(
     (``autockpt.core.solve.baselines``: "none", "every_1", "sqrt_n", ...), whose plan is applied and measured.
     ``model_factory()`` is called once; ``input_factory(n)`` returns an ``ExampleBatch`` (or a tuple of positional
     inputs) of batch size ``n``. The search stops when the largest fitting and the smallest non-fitting batch are at
-    most ``precision`` apart (1: exact).
+    most ``precision`` apart (1: exact). ``trace``: "auto" / "fake" search on fake traces and measure only the answer;
+    "measured" measures every batch tried (module docstring).
     """
     return max_batch_sizes(
         model_factory, input_factory, budget_gb=budget_gb, budget_bytes=budget_bytes, strategies=(strategy,),
-        start=start, limit=limit, precision=precision, solver_options=solver_options,
+        start=start, limit=limit, precision=precision, solver_options=solver_options, trace=trace,
     )[strategy]
 
 
@@ -118,9 +132,12 @@ def max_batch_sizes(
     precision: int = 1,
     solver_options: SolverOptions | None = None,
     on_trial: Callable[[BatchTrial], None] | None = None,
+    trace: str = "auto",
 ) -> dict[str, BatchSizeResult]:
     """``max_batch_size`` for several strategies, sharing one capture and profile per batch size tried."""
     budget = budget_to_bytes(budget_gb, budget_bytes)
+    if trace not in TRACES:
+        raise ValueError(f"trace={trace!r}: choose one of {', '.join(TRACES)}")
     strategies = tuple(strategies)
     if not strategies:
         raise ValueError("give at least one strategy, e.g. strategies=('autockpt', 'every_1')")
@@ -135,7 +152,7 @@ def max_batch_sizes(
     model = model_factory()
     if not isinstance(model, nn.Module):
         raise TypeError(f"model_factory() must return an nn.Module, got {type(model).__name__}")
-    searcher = _Searcher(model, input_factory, budget, solver_options, on_trial)
+    searcher = _Searcher(model, input_factory, budget, solver_options, on_trial, trace)
     return {name: searcher.search(name, start, limit, precision) for name in strategies}
 
 
@@ -149,13 +166,20 @@ class _Searcher:
         budget: int,
         solver_options: SolverOptions | None,
         on_trial: Callable[[BatchTrial], None] | None,
+        trace: str,
     ) -> None:
+        self.trace = trace  # "measured": every trial measured; "fake"/"auto": predicted, the answer measured
         self.model = model
         self.input_factory = input_factory
         self.budget = budget
         self.solver_options = solver_options
         self.on_trial = on_trial or (lambda trial: None)
         self.planners: dict[int, tuple[Planner | None, ExampleBatch, str]] = {}
+
+    @property
+    def predicts(self) -> bool:
+        """Whether trials are judged by the fake trace's prediction (the answer measured afterwards)."""
+        return self.trace != "measured"
 
     def search(self, strategy: str, start: int, limit: int, precision: int) -> BatchSizeResult:
         trials: list[BatchTrial] = []
@@ -172,12 +196,7 @@ class _Searcher:
             if size == limit:
                 break
             size = min(size * 2, limit)
-        if low == 0:  # not even ``start`` fits: bisect below it is not asked for
-            return BatchSizeResult(
-                strategy=strategy, budget_bytes=self.budget, batch_size=0, plan=None, measured_peak_bytes=None,
-                first_over_batch=start, trials=tuple(trials),
-            )
-        while high is not None and high - low > precision:
+        while low > 0 and high is not None and high - low > precision:
             middle = (low + high) // 2
             trial, the_plan = self.trial(middle, strategy)
             trials.append(trial)
@@ -185,12 +204,16 @@ class _Searcher:
                 low, best = middle, (middle, the_plan, trial.measured_peak_bytes)
             else:
                 high = middle
+        if self.predicts and low > 0:
+            return self._measured_answer(strategy, trials, high)
+        note = "every batch tried was measured" if low > 0 else f"not even batch {start} fits"
         return BatchSizeResult(
             strategy=strategy, budget_bytes=self.budget, batch_size=best[0], plan=best[1],
-            measured_peak_bytes=best[2], first_over_batch=high, trials=tuple(trials),
+            measured_peak_bytes=best[2], first_over_batch=high if low > 0 else start, trials=tuple(trials), note=note,
         )
 
     def trial(self, size: int, strategy: str) -> tuple[BatchTrial, Plan | None]:
+        """One batch size judged: its plan predicted (``predicts``) or applied and measured."""
         started = time.perf_counter()
         planner, batch, error = self._planner(size)
         if planner is None:
@@ -198,6 +221,19 @@ class _Searcher:
         if planner.trace.static_bytes > self.budget:
             detail = f"static bytes {planner.trace.static_bytes} alone are over the budget"
             return self._record(size, strategy, TrialOutcome.INFEASIBLE, None, started, detail), None
+        if not self.predicts:
+            return self._measured_trial(size, strategy, planner, batch, started)
+        try:
+            the_plan = planner.plan(budget_bytes=self.budget) if strategy == AUTOCKPT else baseline_plan(planner, strategy)
+        except (InfeasibleBudgetError, ValueError) as refused:
+            return self._record(size, strategy, TrialOutcome.INFEASIBLE, None, started, str(refused)[:200]), None
+        peak = the_plan.predicted_peak_bytes
+        outcome = TrialOutcome.FITS if peak <= self.budget else TrialOutcome.OVER_BUDGET
+        return self._record(size, strategy, outcome, peak, started, "predicted", measured=False), the_plan
+
+    def _measured_trial(
+        self, size: int, strategy: str, planner: Planner, batch: ExampleBatch, started: float
+    ) -> tuple[BatchTrial, Plan | None]:
         try:
             if strategy == AUTOCKPT:
                 try:
@@ -223,14 +259,46 @@ class _Searcher:
         outcome = TrialOutcome.FITS if peak <= self.budget else TrialOutcome.OVER_BUDGET
         return self._record(size, strategy, outcome, peak, started, ""), the_plan
 
+    def _measured_answer(self, strategy: str, trials: list[BatchTrial], high: int | None) -> BatchSizeResult:
+        """Measure the largest predicted fit; while it measures over the budget, the next smaller predicted fit."""
+        predicted = sorted({t.batch_size for t in trials if t.outcome is TrialOutcome.FITS}, reverse=True)
+        searched = f"searched on fake traces ({len(trials)} batches predicted, none run)"
+        first_over = high
+        if on_meta_device(self.model):
+            size = predicted[0]
+            fit = next(t for t in trials if t.batch_size == size and t.outcome is TrialOutcome.FITS)
+            planner = self._planner(size)[0]
+            the_plan = planner.plan(budget_bytes=self.budget) if strategy == AUTOCKPT else baseline_plan(planner, strategy)
+            return BatchSizeResult(
+                strategy=strategy, budget_bytes=self.budget, batch_size=size, plan=the_plan, measured_peak_bytes=None,
+                first_over_batch=first_over, trials=tuple(trials),
+                note=f"{searched}; the model is on the meta device, so the answer ({fit.measured_peak_bytes:,} B "
+                "predicted) was not measured",
+            )
+        for size in predicted:
+            started = time.perf_counter()
+            planner, batch, _ = self._planner(size)
+            assert planner is not None  # it was planned as a fit
+            trial, the_plan = self._measured_trial(size, strategy, planner, batch, started)
+            trials.append(trial)
+            if trial.outcome is TrialOutcome.FITS:
+                return BatchSizeResult(
+                    strategy=strategy, budget_bytes=self.budget, batch_size=size, plan=the_plan,
+                    measured_peak_bytes=trial.measured_peak_bytes, first_over_batch=first_over, trials=tuple(trials),
+                    note=f"{searched}; the answer measured ({trial.measured_peak_bytes:,} B)",
+                )
+            first_over = size
+        return BatchSizeResult(
+            strategy=strategy, budget_bytes=self.budget, batch_size=0, plan=None, measured_peak_bytes=None,
+            first_over_batch=first_over, trials=tuple(trials),
+            note=f"{searched}; every predicted fit measured over the budget",
+        )
+
     def _planner(self, size: int) -> tuple[Planner | None, ExampleBatch, str]:
         if size not in self.planners:
             batch = _as_batch(self.input_factory(size), size)
             try:
-                planner = Planner.from_model(
-                    self.model, example_inputs=batch.args, example_kwargs=dict(batch.kwargs), loss_fn=batch.loss_fn,
-                    solver_options=self.solver_options,
-                )
+                planner = self._make_planner(batch)
                 self.planners[size] = (planner, batch, "")
             except (RuntimeError, MemoryError) as failure:
                 self.planners[size] = (None, batch, f"capture/profile failed: {type(failure).__name__}: {failure}"[:200])
@@ -241,16 +309,40 @@ class _Searcher:
                     del self.planners[oldest]
         return self.planners[size]
 
+    def _make_planner(self, batch: ExampleBatch) -> Planner:
+        def make(trace: str) -> Planner:
+            return Planner.from_model(
+                self.model, example_inputs=batch.args, example_kwargs=dict(batch.kwargs), loss_fn=batch.loss_fn,
+                solver_options=self.solver_options, trace=trace,
+            )
+
+        if not self.predicts:
+            return make("measured")
+        try:
+            return make("fake")
+        except FakeStepError as error:
+            if self.trace == "fake" or on_meta_device(self.model):
+                raise
+            logger.info("max_batch_size: the fake trace cannot run the step (%s); measuring every batch", error.op)
+            self.trace = "measured"
+            self.planners.clear()
+            return make("measured")
+
     def _record(
-        self, size: int, strategy: str, outcome: TrialOutcome, peak: int | None, started: float, detail: str
+        self, size: int, strategy: str, outcome: TrialOutcome, peak: int | None, started: float, detail: str,
+        *, measured: bool = True,
     ) -> BatchTrial:
         trial = BatchTrial(
             batch_size=size, strategy=strategy, outcome=outcome, measured_peak_bytes=peak,
-            seconds=time.perf_counter() - started, detail=detail,
+            seconds=time.perf_counter() - started, detail=detail, measured=measured,
         )
         logger.info("batch %d, %s: %s (peak %s bytes, budget %d)", size, strategy, outcome.value, peak, self.budget)
         self.on_trial(trial)
         return trial
+
+
+def on_meta_device(model: nn.Module) -> bool:
+    return any(t.device.type == "meta" for t in (*model.parameters(), *model.buffers()))
 
 
 def _as_batch(value: ExampleBatch | tuple, size: int) -> ExampleBatch:

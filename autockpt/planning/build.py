@@ -171,7 +171,7 @@ def planner_from_model(
     spec = device_spec(target) if target is not None else None
     memory = device_memory_for(step, device_memory_bytes, spec)
     stage = on_stage or (lambda name: None)
-    # the recompute machinery is host Python: a model on the meta device has it priced on the CPU
+    # a model on the meta device is planned for the CPU, where its fake step runs and its machinery is priced
     price_device = torch.device("cpu") if step.device.type == "meta" else step.device
     with preserved_model_state(step.model, step.args, step.kwargs):
         enter_training_modes(step.model)
@@ -196,7 +196,7 @@ def planner_from_model(
         costs = calibrate(price_device, (*actions, *offload))
         timed = with_timing(timing, spec, graph, step, chosen.trace, costs)  # measured, benchmark or roofline
     provenance = Provenance(
-        trace=chosen.source, timing=timed.timing, device=spec.name if spec is not None else str(step.device),
+        trace=chosen.source, timing=timed.timing, device=spec.name if spec is not None else str(price_device),
         device_memory_bytes=memory, reason=chosen.reason,
     )
     planner = cls(

@@ -1,9 +1,10 @@
 """Estimate: what one training step of a model holds in memory, by category and per module.
 
-Like ``accelerate estimate-memory`` but measured on a real step (capture + profile, nothing is solved), so it
+Like ``accelerate estimate-memory`` but traced on a step (capture + profile, nothing is solved), so it
 includes what accelerate omits: activations saved for backward and the temporaries of the step. The optimizer's
 states and the peak of ``optimizer.step()`` are measured too (``loop.measure_optimizer_step``: a fresh optimizer of
-that kind stepped twice on the model's parameters, which are put back).
+that kind stepped twice on the model's parameters, which are put back). A model on the meta device, or a step
+predicted over the device memory, is traced on fake tensors (``trace=``): the same bytes, no real step.
 """
 
 from __future__ import annotations
@@ -17,9 +18,13 @@ import torch
 from torch import nn
 
 from autockpt.core.simulate import memory_curve
+from autockpt.measure.fake import FakeTrace
 from autockpt.measure.loop import measure_optimizer_step, named_optimizer, optimizer_factory, step_in_loop
+from autockpt.measure.sources import TraceSource
+from autockpt.measure.timing import Timing
 from autockpt.measure.trace import device_of
 from autockpt.planning.planner import Planner
+from autockpt.record_types import Provenance
 from autockpt.records.summary import enclosing_modules
 from autockpt.types import Action, StepTrace, TrainingLoop
 from autockpt.units import format_bytes
@@ -67,6 +72,7 @@ class MemoryEstimate:
     peak_temporary_bytes: int  # at that peak: everything else (backward temporaries, activation gradients)
     step_ms: float
     modules: tuple[ModuleMemory, ...]
+    provenance: Provenance | None = None  # which trace and timing made the figures, for which device
 
     def rows(self) -> list[tuple[str, int]]:
         return [
@@ -99,6 +105,8 @@ class MemoryEstimate:
     def table(self) -> str:
         width = max(len(name) for name, _ in self.rows())
         lines = [f"memory of one training step of {self.model_class} (GB = 10^9 bytes, GiB = 2^30 bytes)"]
+        if self.provenance is not None:
+            lines.append(f"  made from: {self.provenance.describe()}")
         lines += [f"  {name:<{width}}  {value:>15,d} B  {format_bytes(value)}" for name, value in self.rows()]
         if self.modules:
             path_width = max(12, *(len(m.path) + 2 * m.depth for m in self.modules))
@@ -122,18 +130,27 @@ def estimate(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     optimizer: str | OptimizerKind = OptimizerKind.ADAM,
     depth: int = 2,
+    trace: str | TraceSource = "auto",
+    timing: str | Timing = "auto",
+    target: Any = None,
+    device_memory_bytes: int | None = None,
 ) -> MemoryEstimate:
     """Measure one training step of ``model`` on the example inputs and break its memory down.
 
     ``optimizer`` is "adam", "adamw", "sgd" (with momentum) or "none"; ``depth`` limits the per-module table
-    (0: the model only). The model is left as it was.
+    (0: the model only). The model is left as it was. ``trace``, ``timing``, ``target`` and ``device_memory_bytes``
+    as for ``Planner.from_model``: a model on the meta device (or a step predicted over the device memory) is traced
+    on fake tensors, its optimizer's states and step too, and no real step runs.
     """
     kind = _optimizer_kind(optimizer)
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
         raise ValueError(f"depth must be an integer >= 0 (module nesting levels in the table), got {depth!r}")
     # no plan is made: one recompute action keeps the trace to what the estimate reads
-    planner = Planner.from_model(model, example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
-                      checkpoint=Action.RECOMPUTE_TORCH)
+    planner = Planner.from_model(
+        model, example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
+        checkpoint=Action.RECOMPUTE_TORCH, trace=trace, timing=timing, target=target,
+        device_memory_bytes=device_memory_bytes,
+    )
     return estimate_from_planner(planner, kind, depth)
 
 
@@ -143,7 +160,9 @@ def estimate_from_planner(planner: Planner, optimizer: OptimizerKind, depth: int
     peak_event = max(range(len(curve.phases)), key=curve.total_bytes.__getitem__)
     make = named_optimizer(optimizer.value)
     cost = None
-    if make is not None:
+    if make is not None and planner.provenance is not None and planner.provenance.trace == "fake":
+        cost = FakeTrace().optimizer_step(planner.graph, planner.request, make)  # no real weights stepped
+    elif make is not None:
         device = device_of(planner.model, planner.request.args, planner.request.kwargs)
         cost = measure_optimizer_step(optimizer_factory(planner.model, make), planner.model, device)
     in_loop = step_in_loop(measured, TrainingLoop(optimizer=cost)) if cost is not None else measured
@@ -163,6 +182,7 @@ def estimate_from_planner(planner: Planner, optimizer: OptimizerKind, depth: int
         peak_temporary_bytes=curve.temporary_bytes[peak_event],
         step_ms=measured.step_ms,
         modules=_module_table(planner, measured, depth),
+        provenance=planner.provenance,
     )
 
 

@@ -316,6 +316,8 @@ class Planner:
                 f"Planner.optimize does not compile (options.compiled={self.options.compiled!r}); use "
                 "autockpt.optimize(model, ..., compiled=True), which measures the compiled step"
             )
+        if budget_gb is None and budget_bytes is None and self.device_memory_bytes is not None:
+            budget_bytes = self.device_memory_bytes
         module = verified_module(self, budget_to_bytes(budget_gb, budget_bytes))
         module.strict = self.options.strict
         return module

@@ -172,8 +172,13 @@ def resolve_reference(reference: str, what: str) -> Callable[..., Any]:
 
 
 def load_workload(
-    model_ref: str, size: str, input_texts: tuple[str, ...], inputs_ref: str | None, device: str, seed: int
+    model_ref: str, size: str, input_texts: tuple[str, ...], inputs_ref: str | None, device: str, seed: int,
+    *, meta: bool = False,
 ) -> Workload:
+    """The model and example inputs the command plans; ``meta``: the model is built on the meta device (no weights
+    anywhere: planned from a fake trace), the example inputs on ``device``."""
+    import contextlib
+
     import torch
     from torch import nn
 
@@ -181,13 +186,16 @@ def load_workload(
 
     torch.manual_seed(seed)
     loss_fn = None
+    building = torch.device("meta") if meta else contextlib.nullcontext()
     if model_ref in zoo.BUILDERS:
-        case = zoo.build(model_ref, size, seed=seed)
+        with building:
+            case = zoo.build(model_ref, size, seed=seed)
         model, args, kwargs, loss_fn = case.model, case.args, dict(case.kwargs), case.loss_fn
         label = f"{model_ref} ({size})"
     elif ":" in model_ref:
         factory = resolve_reference(model_ref, "MODEL")
-        model = _call_user(factory, f"the model factory {model_ref!r}")
+        with building:
+            model = _call_user(factory, f"the model factory {model_ref!r}")
         if not isinstance(model, nn.Module):
             raise UserInputError(f"the model factory {model_ref!r} returned a {type(model).__name__}, not a torch.nn.Module")
         args, kwargs, label = (), {}, model_ref
@@ -210,9 +218,13 @@ def load_workload(
             f"no example inputs for {model_ref!r}: give --input SPEC (e.g. --input 'x=float32[8,3,224,224]') or "
             "--inputs package.module:make_inputs"
         )
-    model = model.to(device)
-    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
-    kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    if not meta:
+        model = model.to(device)
+    def placed(value: Any) -> Any:  # an input built on the meta device (--meta) stays there: the trace is fake
+        return value.to(device) if isinstance(value, torch.Tensor) and value.device.type != "meta" else value
+
+    args = tuple(placed(a) for a in args)
+    kwargs = {k: placed(v) for k, v in kwargs.items()}
     return Workload(label=label, model=model, args=args, kwargs=kwargs, loss_fn=loss_fn)
 
 
@@ -326,6 +338,44 @@ def _solver_options(command: Callable[..., Any]) -> Callable[..., Any]:
     return command
 
 
+def _device_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    options = [
+        click.option("--target", metavar="DEVICE",
+                     help="plan for this device instead of --device: a table name (h100-sxm-80gb, a100-80gb, l4, ...; "
+                          "autockpt.core.devices.DEVICE_SPECS); times come from its roofline, its memory is the "
+                          "default budget"),
+        click.option("--meta", is_flag=True,
+                     help="build MODEL on the meta device (no weights anywhere) and plan it from a fake trace: for "
+                          "models that do not fit this machine"),
+        click.option("--device-memory", metavar="SIZE",
+                     help="memory of the device planned for (8GB, 80GiB, bytes): a step predicted above it is traced "
+                          "on fake tensors instead of run; the default budget"),
+        click.option("--trace", type=click.Choice(["auto", "fake", "measured"]), default="auto", show_default=True,
+                     help="how the step is known: run it (measured), on fake tensors (fake: no real step), or auto"),
+        click.option("--timing", type=click.Choice(["auto", "measured", "benchmark", "roofline"]), default="auto",
+                     show_default=True,
+                     help="unit times: measured on the step, benchmark (each op alone), roofline (of --target)"),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _device_arguments(target: str | None, device_memory: str | None, trace: str, timing: str) -> dict[str, Any]:
+    """The Planner.from_model keywords of the device options, checked."""
+    from autockpt.core.devices import device_spec
+
+    if target is not None:
+        try:
+            device_spec(target)
+        except ValueError as unknown:
+            raise UserInputError(str(unknown)) from unknown
+    return {
+        "target": target, "device_memory_bytes": parse_budget(device_memory) if device_memory else None,
+        "trace": trace, "timing": timing,
+    }
+
+
 def _loop_options(command: Callable[..., Any]) -> Callable[..., Any]:
     options = [
         click.option("--optimizer", type=click.Choice(["none", "adam", "adamw", "sgd"]), default="none",
@@ -358,10 +408,12 @@ def main(ctx: click.Context, debug: bool, quiet: bool) -> None:
               help="optimizer whose state to count (sgd: with momentum)")
 @click.option("--depth", type=click.IntRange(min=0), default=2, show_default=True, help="module nesting in the table")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), help="also write the breakdown as CSV")
+@_device_options
 @click.pass_context
 def estimate(
     ctx: click.Context, model: str, inputs: tuple[str, ...], inputs_ref: str | None, size: str, device: str, seed: int,
-    optimizer: str, depth: int, csv_path: str | None,
+    optimizer: str, depth: int, csv_path: str | None, target: str | None, meta: bool, device_memory: str | None,
+    trace: str, timing: str,
 ) -> None:
     """Memory of one training step of MODEL: parameters, gradients, optimizer state, activations, temporaries.
 
@@ -371,10 +423,11 @@ def estimate(
     from autockpt.planning.estimate import OptimizerKind, estimate_from_planner
     from autockpt.planning.planner import Planner
 
-    work = load_workload(model, size, inputs, inputs_ref, device, seed)
+    device_arguments = _device_arguments(target, device_memory, trace, timing)
+    work = load_workload(model, size, inputs, inputs_ref, device, seed, meta=meta)
     with stage_progress(2, ctx.meta["autockpt.quiet"]) as progress:
         planner = Planner.from_model(work.model, example_inputs=work.args, example_kwargs=work.kwargs, loss_fn=work.loss_fn,
-                          on_stage=progress)
+                          on_stage=progress, **device_arguments)
     breakdown = estimate_from_planner(planner, OptimizerKind(optimizer), depth)
     click.echo(breakdown.table())
     if csv_path:
@@ -384,7 +437,8 @@ def estimate(
 
 @main.command()
 @_model_options
-@click.option("--budget", required=True, help="peak memory budget: 8GB (10^9 bytes), 7.5GiB (2^30 bytes), 500MB, bytes")
+@click.option("--budget", help="peak memory budget: 8GB (10^9 bytes), 7.5GiB (2^30 bytes), 500MB, bytes (default: "
+              "--device-memory, or the --target's memory)")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False),
               help="write a report: HTML (self-contained, with plots) for .html, markdown otherwise")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), help="save the plan as JSON (autockpt.load_plan)")
@@ -393,11 +447,13 @@ def estimate(
 @click.option("--depth", type=click.IntRange(min=0), default=2, show_default=True, help="module nesting in the report")
 @_solver_options
 @_loop_options
+@_device_options
 @click.pass_context
 def plan(
     ctx: click.Context, model: str, inputs: tuple[str, ...], inputs_ref: str | None, size: str, device: str, seed: int,
-    budget: str, report_path: str | None, out_path: str | None, pareto_points: int, depth: int, solver: str,
-    time_limit: float, checkpoint: str, host_pool: str, optimizer: str, grad_accumulation: int,
+    budget: str | None, report_path: str | None, out_path: str | None, pareto_points: int, depth: int, solver: str,
+    time_limit: float, checkpoint: str, host_pool: str, optimizer: str, grad_accumulation: int, target: str | None,
+    meta: bool, device_memory: str | None, trace: str, timing: str,
 ) -> None:
     """Plan MODEL's training step under --budget and print what was decided; nothing is rewritten.
 
@@ -406,14 +462,17 @@ def plan(
     from autockpt.core.solve.base import SolverOptions
     from autockpt.planning.planner import Planner
 
-    budget_bytes = parse_budget(budget)
-    work = load_workload(model, size, inputs, inputs_ref, device, seed)
+    device_arguments = _device_arguments(target, device_memory, trace, timing)
+    if budget is None and target is None and device_memory is None:
+        raise UserInputError("give --budget (e.g. --budget 8GB), or --device-memory / --target, whose memory is the budget")
+    budget_bytes = parse_budget(budget) if budget is not None else None
+    work = load_workload(model, size, inputs, inputs_ref, device, seed, meta=meta)
     options = SolverOptions(solver=solver, time_limit_s=time_limit)
     with stage_progress(3 + pareto_points, ctx.meta["autockpt.quiet"]) as progress:
         planner = Planner.from_model(work.model, example_inputs=work.args, example_kwargs=work.kwargs, loss_fn=work.loss_fn,
                           solver_options=options, checkpoint=checkpoint, host_pool_gb=parse_host_pool(host_pool),
                           on_stage=progress, optimizer=named_optimizer(optimizer),
-                          gradient_accumulation_steps=grad_accumulation)
+                          gradient_accumulation_steps=grad_accumulation, **device_arguments)
         the_plan = planner.plan(budget_bytes=budget_bytes, pareto_points=pareto_points)
     click.echo(the_plan.summary())
     if out_path:

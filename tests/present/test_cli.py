@@ -69,6 +69,8 @@ def test_input_specs() -> None:
         (["plan", *MLP, "--budget", "1kB"], "below the smallest peak"),
         (["sweep", *MLP, "--budgets", ",", "--out", "unused"], "lists no budget"),
         (["plan", *MLP, "--input", "x=float32[3,64]", "--budget", "1MB"], "forward"),
+        (["plan", *MLP], "give --budget"),
+        (["plan", *MLP, "--target", "h900"], "unknown device 'h900'"),
     ],
 )
 def test_user_mistakes_give_one_line_and_exit_1(args: list[str], message: str) -> None:
@@ -104,6 +106,18 @@ def test_plan_writes_a_plan_and_a_report_that_apply_elsewhere(tmp_path: Path) ->
     html = (tmp_path / "r.html").read_text()
     assert "<svg" in html and "Pareto" in html
     assert json.loads((tmp_path / "p.json").read_text())["schema"] == "autockpt.plan"
+
+
+def test_a_model_built_on_meta_is_planned_for_a_target_without_a_real_step(tmp_path: Path) -> None:
+    """Issue 36 item 4: --meta builds the factory's model on the meta device, --target names the device planned for
+    (its memory the budget), --device-memory the memory; the plan file and summary say how the plan was made."""
+    code, out, _ = run("plan", *MLP, "--meta", "--target", "l4", "--optimizer", "adamw", "--out", str(tmp_path / "p.json"))
+    assert code == 0 and re.search(r"^\s*budget\s+24\.000 GB", out, re.MULTILINE)
+    saved = autockpt.load_plan(tmp_path / "p.json")
+    assert saved.budget_bytes == 24 * 10**9
+    assert saved.provenance is not None and saved.provenance.trace == "fake" and saved.provenance.device == "l4"
+    code, out, _ = run("estimate", *MLP, "--meta", "--device-memory", "1GB")
+    assert code == 0 and "made from: fake trace" in out
 
 
 @pytest.mark.parametrize("checkpoint", ["recompute_function", "torch_non_reentrant"])

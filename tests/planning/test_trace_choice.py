@@ -1,0 +1,178 @@
+"""Issue 36: trace="auto" | "fake" | "measured" and device_memory_bytes on the entry points; optimize never runs an
+unmodified step that cannot fit; max_batch_size searches on fake traces and measures only its answer."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+import autockpt
+from autockpt.errors import FakeStepError
+from autockpt.measure import sources, step
+from autockpt.planning.batch_size import ExampleBatch, TrialOutcome, max_batch_size
+from autockpt.present import zoo
+from autockpt.runtime.rewrite import OptimizedModule
+
+
+class UnmodifiedSteps:
+    """Counts the ways an unmodified training step can run: the measured trace, ``measure_step`` of a module that is
+    not an optimized one, and a forward of the model itself with gradients on real tensors (an optimized module that
+    falls back to the original model)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> None:
+        self.count = 0
+        measured_trace, measure = sources.MeasuredTrace.trace, step.measure_step
+
+        def counted_trace(source: sources.MeasuredTrace, *args: object, **kwargs: object) -> object:
+            self.count += 1
+            return measured_trace(source, *args, **kwargs)
+
+        def counted_measure(module: nn.Module, *args: object, **kwargs: object) -> object:
+            if not isinstance(getattr(module, "_orig_mod", module), OptimizedModule):
+                self.count += 1
+            return measure(module, *args, **kwargs)
+
+        def forward_hook(module: nn.Module, inputs: tuple) -> None:
+            real = [t for t in inputs if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor)]
+            if torch.is_grad_enabled() and real:
+                self.count += 1
+
+        monkeypatch.setattr(sources.MeasuredTrace, "trace", counted_trace)
+        monkeypatch.setattr(step, "measure_step", counted_measure)
+        monkeypatch.setattr("autockpt.planning.planner.measure_step", counted_measure)
+        self.handle = model.register_forward_pre_hook(forward_hook)
+
+
+def _unmodified_peak(case: zoo.ZooCase) -> int:
+    return autockpt.measure_step(case.model, case.args, case.kwargs, case.loss_fn).peak_bytes
+
+
+def test_optimize_under_a_device_memory_below_the_unmodified_peak_runs_no_unmodified_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Item 3: the plan comes from the fake trace, only the optimized step is measured, it keeps the budget, and its
+    gradients are the unmodified model's (computed apart, on a copy)."""
+    case = zoo.build("transformer", "tiny")
+    reference = copy.deepcopy(case.model)
+    measured = autockpt.Planner.from_model(
+        reference, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn, trace="measured",
+    )
+    peak = measured.trace.baseline_peak_bytes  # the unmodified step, measured on a copy before counting
+    memory = int(peak * 0.8)
+    steps = UnmodifiedSteps(monkeypatch, case.model)
+    module = autockpt.optimize(
+        case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn,
+        device_memory_bytes=memory,
+    )
+    steps.handle.remove()
+    assert steps.count == 0
+    plan = autockpt.get_plan(module)
+    assert plan.provenance is not None and plan.provenance.trace == "fake"
+    assert "no unmodified step was run" in plan.provenance.reason
+    assert plan.budget_bytes == memory and plan.baseline_peak_bytes == peak
+    assert plan.measured_peak_bytes is not None and plan.measured_peak_bytes <= memory
+    monkeypatch.undo()
+    assert autockpt.measure_step(module, case.args, case.kwargs, case.loss_fn).peak_bytes <= memory
+
+    for param in (*case.model.parameters(), *reference.parameters()):
+        param.grad = None
+    torch.manual_seed(1)
+    case.loss_fn(module(*case.args, **case.kwargs)).backward()
+    torch.manual_seed(1)
+    case.loss_fn(reference(*case.args, **case.kwargs)).backward()
+    for (name, got), (_, want) in zip(case.model.named_parameters(), reference.named_parameters()):
+        assert torch.allclose(got.grad, want.grad, rtol=1e-5, atol=1e-7), name
+
+
+def test_auto_measures_a_step_that_fits_the_device_memory() -> None:
+    case = zoo.build("mlp", "tiny")
+    peak = _unmodified_peak(case)
+    planner = autockpt.Planner.from_model(
+        case.model, example_inputs=case.args, loss_fn=case.loss_fn, device_memory_bytes=2 * peak,
+    )
+    assert planner.provenance.trace == "measured" and "fits the device memory" in planner.provenance.reason
+    assert planner.provenance.timing == "measured"
+    assert planner.plan().budget_bytes == 2 * peak  # the device memory is the default budget
+    fake = autockpt.Planner.from_model(case.model, example_inputs=case.args, loss_fn=case.loss_fn, trace="fake")
+    assert fake.provenance.trace == "fake" and fake.provenance.reason == ""
+    assert fake.trace.baseline_peak_bytes == planner.trace.baseline_peak_bytes == peak
+
+
+def test_auto_falls_back_to_measuring_a_step_fakes_cannot_run() -> None:
+    case = zoo.build("control_flow", "tiny")
+    planner = autockpt.Planner.from_model(
+        case.model, example_inputs=case.args, loss_fn=case.loss_fn, device_memory_bytes=1,
+    )
+    assert planner.provenance.trace == "measured"
+    assert "fake trace cannot run this step" in planner.provenance.reason
+    with pytest.raises(FakeStepError, match="cannot run on fake tensors"):
+        autockpt.Planner.from_model(case.model, example_inputs=case.args, loss_fn=case.loss_fn, trace="fake")
+
+
+def test_a_meta_model_is_traced_on_fakes_and_refused_by_optimize() -> None:
+    with torch.device("meta"):
+        case = zoo.build("gpt2", "tiny")
+    plan = autockpt.plan(case.model, example_inputs=case.args, example_kwargs=case.kwargs, target="a100-80gb")
+    assert plan.provenance.trace == "fake" and plan.provenance.device == "a100-80gb"
+    assert plan.provenance.timing == "roofline" and plan.budget_bytes == 80 * 10**9
+    assert all(p.device.type == "meta" for p in case.model.parameters())
+    with pytest.raises(ValueError, match="trace='measured' runs the real step"):
+        autockpt.plan(case.model, 1.0, example_inputs=case.args, example_kwargs=case.kwargs, trace="measured")
+    with pytest.raises(ValueError, match="meta device: it has no weights to train"):
+        autockpt.optimize(case.model, 1.0, example_inputs=case.args, example_kwargs=case.kwargs)
+
+
+def test_bad_trace_arguments_say_what_was_expected() -> None:
+    case = zoo.build("mlp", "tiny")
+    with pytest.raises(ValueError, match="trace='exact': choose one of auto, fake, measured"):
+        autockpt.plan(case.model, 1.0, example_inputs=case.args, trace="exact")
+    with pytest.raises(ValueError, match="device_memory_bytes must be a positive int"):
+        autockpt.plan(case.model, 1.0, example_inputs=case.args, device_memory_bytes=-5)
+    with pytest.raises(ValueError, match="unknown device 'h900'"):
+        autockpt.plan(case.model, example_inputs=case.args, target="h900")
+
+
+def test_estimate_of_a_meta_model_equals_the_real_models() -> None:
+    with torch.device("meta"):
+        meta = zoo.build("llama", "tiny")
+    real = zoo.build("llama", "tiny")
+    on_meta = autockpt.estimate(meta.model, example_inputs=meta.args, example_kwargs=meta.kwargs, optimizer="adamw")
+    measured = autockpt.estimate(real.model, example_inputs=real.args, example_kwargs=real.kwargs, optimizer="adamw")
+    assert on_meta.rows() == measured.rows()
+    assert on_meta.provenance.trace == "fake" and measured.provenance.trace == "measured"
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+
+
+def _batch(size: int) -> ExampleBatch:
+    return ExampleBatch(args=(torch.randn(size, 64),))
+
+
+def test_max_batch_size_searches_on_fake_traces_and_measures_only_its_answer() -> None:
+    model = _mlp()
+    budget = autockpt.measure_step(model, _batch(40).args).peak_bytes
+    result = max_batch_size(lambda: model, _batch, budget_bytes=budget, strategy="none", start=16)
+    measured = [t for t in result.trials if t.measured]
+    assert [t.batch_size for t in measured] == [result.batch_size]
+    assert all(t.detail == "predicted" for t in result.trials if not t.measured)
+    assert result.measured_peak_bytes is not None and result.measured_peak_bytes <= budget
+    assert autockpt.measure_step(model, _batch(result.batch_size + 1).args).peak_bytes > budget  # exact
+    assert "searched on fake traces" in result.note and "the answer measured" in result.note
+    every = max_batch_size(lambda: model, _batch, budget_bytes=budget, strategy="none", start=16, trace="measured")
+    assert every.batch_size == result.batch_size and all(t.measured for t in every.trials)
+
+
+def test_max_batch_size_of_a_meta_model_is_a_prediction_and_says_so() -> None:
+    with torch.device("meta"):
+        model = _mlp()
+    budget = autockpt.measure_step(_mlp(), _batch(40).args).peak_bytes
+    result = max_batch_size(lambda: model, _batch, budget_bytes=budget, strategy="none", start=16)
+    assert result.batch_size >= 40 and result.measured_peak_bytes is None
+    assert "was not measured" in result.note and not any(t.measured for t in result.trials)

@@ -1,6 +1,6 @@
 """A big model planned without its GPU, then run on it: the CPU-made plan's predictions against CUDA's.
 
-    python experiments/probe_big_model_cuda.py --out DIR                  # Llama-2-7B, bf16, AdamW, 1 x 4096 (H100)
+    python experiments/probe_big_model_cuda.py --out DIR                  # Llama-2-7B, bf16, AdamW, 1 x 8192 (H100)
     python experiments/probe_big_model_cuda.py --out DIR --small --device cpu   # a smoke test of the script on CPU
 
 1. The Llama is built on the meta device and planned as a laptop would plan it (``trace="auto"``: fake CPU tensors,
@@ -48,8 +48,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--small", action="store_true", help="a 2-layer Llama (smoke test)")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--budgets", default="60,50", help="GB (10^9 bytes), besides the target's memory")
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--budgets", default="75,70", help="GB (10^9 bytes), besides the target's memory")
     args = parser.parse_args()
     sizes = SMALL if args.small else LLAMA2_7B
     seq = 128 if args.small else args.seq
@@ -122,11 +122,13 @@ def main() -> None:
             result["max_memory_reserved"] = torch.cuda.max_memory_reserved(device)
         return result
 
+    plans = {"unmodified": planner.plan_for_regions((), strategy="unmodified"), **plans}
     for budget, the_plan in plans.items():
         row: dict[str, Any] = {
             "model": "llama-2-7b" if not args.small else "llama-small", "device": str(device),
             "budget_bytes": the_plan.budget_bytes, "regions": len(the_plan.regions),
-            "plan": "unmodified" if not the_plan.regions else "autockpt",
+            "plan": "unmodified" if budget == "unmodified" else "autockpt",
+            "loop": the_plan.loop.describe() if the_plan.loop is not None else "",
             "predicted_peak_cpu_fake_bytes": the_plan.predicted_peak_bytes,
             "predicted_step_ms_roofline": round(the_plan.baseline_step_ms * (1 + the_plan.predicted_overhead), 1),
             "plan_wall_s": round(plan_s, 1),

@@ -27,24 +27,24 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--models", default="gpt2,llama,vit")
-    parser.add_argument("--fraction", type=float, default=0.7)
+    parser.add_argument("--fractions", default="0.7,0.8", help="device memory as fractions of the unmodified peak")
     args = parser.parse_args()
     device = torch.device(args.device)
     rows = []
-    for name in args.models.split(","):
+    for name, fraction in [(n, float(f)) for n in args.models.split(",") for f in args.fractions.split(",")]:
         case = zoo.build(name, "small", seed=0)
         model = case.model.to(device)
         inputs = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in case.args)
         kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in case.kwargs.items()}
         unmodified = autockpt.measure_step(model, inputs, kwargs, case.loss_fn).peak_bytes
-        memory = int(args.fraction * unmodified)
+        memory = int(fraction * unmodified)
         started = time.perf_counter()
         try:
             module = autockpt.optimize(model, example_inputs=inputs, example_kwargs=kwargs, loss_fn=case.loss_fn,
                                        device_memory_bytes=memory)
         except autockpt.InfeasibleBudgetError as error:
             rows.append({"model": name, "device": str(device), "unmodified_measured_bytes": unmodified,
-                         "device_memory_bytes": memory, "outcome": f"refused: {str(error)[:160]}"})
+                         "device_memory_bytes": memory, "outcome": f"refused: {str(error)[:600]}"})
             print(rows[-1], flush=True)
             continue
         plan = autockpt.get_plan(module)

@@ -90,6 +90,9 @@ class DeviceSpec:
     link_latency_us: float = GPU_LINK_LATENCY_US
     copies_overlap_compute: bool = True
     aliases: tuple[str, ...] = field(default=())
+    # the torch device type the device runs as ("cuda" for NVIDIA and ROCm GPUs): what torch's defaults follow, e.g.
+    # an optimizer's foreach implementation, whose temporaries a plan for the device counts
+    device_type: str = "cuda"
 
     def __post_init__(self) -> None:
         if not self.name:

@@ -64,6 +64,7 @@ def _calibrated(device: torch.device) -> DeviceSpec:
         op_overhead_us=overhead_us,
         link_latency_us=link.latency_ms * 1e3,
         copies_overlap_compute=link.overlaps_compute,
+        device_type=device.type,
         source=(
             ("memory", memory_source),
             ("peak_tflops", f"{what}: the fastest of a few {size}x{size} matmuls per dtype"),

@@ -154,16 +154,20 @@ class FakeTrace:
                 raise
             trace = with_foreign_bytes_counted(trace, fake.device, fake.graph.model, fake.args, fake.kwargs)
             trace = self._with_placeholder_times(dataclasses.replace(trace, times_measured=False))
-            cost = _fake_optimizer_step(fake, graph, request.optimizer) if request.optimizer is not None else None
+            cost = None
+            if request.optimizer is not None:
+                cost = _fake_optimizer_step(fake, graph, request.optimizer, request.planned_device_type)
         return in_the_loop(trace, cost, request)
 
-    def optimizer_step(self, graph: Graph, step: StepInputs, optimizer: Any) -> OptimizerStepCost:
+    def optimizer_step(
+        self, graph: Graph, step: StepInputs, optimizer: Any, planned_device_type: str | None = None
+    ) -> OptimizerStepCost:
         """The optimizer's states and step (``loop.measure_optimizer_step``) on fakes of the model's parameters:
         what ``trace`` adds for ``TraceRequest.optimizer``, alone (``autockpt.estimate`` reports both)."""
         mode = _CpuFakeTensorMode(allow_non_fake_inputs=True)
         fake = FakeStep.of(graph, step, mode, self.trace_device(step))
         with mode:
-            return _fake_optimizer_step(fake, graph, optimizer)
+            return _fake_optimizer_step(fake, graph, optimizer, planned_device_type)
 
     def _with_placeholder_times(self, trace: StepTrace) -> StepTrace:
         if self.flops_per_ms is None:
@@ -244,9 +248,16 @@ class FakeStep:
         return self.mode.from_tensor(value, static_shapes=True)
 
 
-def _fake_optimizer_step(fake: FakeStep, graph: Graph, optimizer: Any) -> OptimizerStepCost:
+def _fake_optimizer_step(
+    fake: FakeStep, graph: Graph, optimizer: Any, planned_device_type: str | None
+) -> OptimizerStepCost:
+    """The optimizer's step on the fakes, running torch's default implementation for the device planned for (the
+    fake step's own by default): torch picks the for-loop for any fake tensor, where real CUDA tensors get foreach."""
     try:
-        return measure_optimizer_step(fake.optimizer_factory(optimizer), fake.graph.model, fake.device)
+        return measure_optimizer_step(
+            fake.optimizer_factory(optimizer), fake.graph.model, fake.device,
+            implementation_of=planned_device_type or fake.device.type,
+        )
     except Exception as error:
         _raise_fake_step_error(error, graph, what="the optimizer's step")
         raise

@@ -143,10 +143,16 @@ def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def measure_optimizer_step(
-    make_optimizer: Callable[[], torch.optim.Optimizer], model: nn.Module, device: torch.device
+    make_optimizer: Callable[[], torch.optim.Optimizer], model: nn.Module, device: torch.device,
+    *, implementation_of: str | None = None,
 ) -> OptimizerStepCost:
     """Run two steps of a fresh optimizer on ``model``'s parameters with zero gradients and measure the bytes each
-    holds above the parameters and gradients; parameter values and gradients are put back afterwards."""
+    holds above the parameters and gradients; parameter values and gradients are put back afterwards.
+
+    ``implementation_of``: a device type ("cuda") whose default implementation the steps run where the optimizer
+    leaves the choice to torch (``foreach=None``): a step measured on CPU (or fake) tensors for a CUDA device runs
+    the foreach implementation torch picks there, whose temporaries (the size of all parameters) the for-loop one,
+    torch's choice on the CPU and for fake tensors, does not make."""
     params = [p for p in model.parameters() if p.requires_grad]
     grads = [p.grad for p in params]
     try:
@@ -154,6 +160,8 @@ def measure_optimizer_step(
             for param in params:
                 param.grad = torch.zeros_like(param)
             optimizer = make_optimizer()
+            if implementation_of is not None:
+                default_implementation_of(optimizer, implementation_of)
             extras = []
             for _ in range(2):  # the first step makes the states, a later one has them
                 states_before = state_tensors(optimizer)
@@ -172,6 +180,17 @@ def measure_optimizer_step(
         optimizer=description, state_bytes=state_bytes, first_step_extra_bytes=extras[0],
         later_step_extra_bytes=extras[1],
     )
+
+
+def default_implementation_of(optimizer: torch.optim.Optimizer, device_type: str) -> None:
+    """Make the groups that leave the implementation to torch (``foreach=None``, not fused) run what torch chooses for
+    tensors on ``device_type``: foreach where torch has foreach kernels for it (CUDA), the for-loop elsewhere."""
+    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+    foreach = device_type in _get_foreach_kernels_supported_devices()
+    for group in optimizer.param_groups:
+        if "foreach" in group and group["foreach"] is None and not group.get("fused") and not group.get("differentiable"):
+            group["foreach"] = foreach
 
 
 def _device_bytes(tensors: list[torch.Tensor], device: torch.device) -> int:

@@ -68,6 +68,9 @@ class TraceRequest:
     gradient_lifetimes: bool  # autockpt's own recompute is planned for: record when each parameter's gradient lands
     optimizer: OptimizerSpec | None = None  # the loop's optimizer: its states and step raise every event
     gradient_accumulation_steps: int = 1
+    # the device type the step is planned for, when it is not the traced tensors' own (a fake CPU trace for a CUDA
+    # target): the optimizer runs torch's default implementation for it (``loop.measure_optimizer_step``)
+    planned_device_type: str | None = None
 
 
 class TraceSource(Protocol):
@@ -96,7 +99,10 @@ class MeasuredTrace:
         if request.optimizer is None:
             return in_the_loop(trace, None, request)
         make_optimizer = optimizer_factory(step.model, request.optimizer)
-        return in_the_loop(trace, measure_optimizer_step(make_optimizer, step.model, step.device), request)
+        cost = measure_optimizer_step(
+            make_optimizer, step.model, step.device, implementation_of=request.planned_device_type
+        )
+        return in_the_loop(trace, cost, request)
 
 
 def with_foreign_bytes_counted(

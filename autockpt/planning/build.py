@@ -185,6 +185,7 @@ def planner_from_model(
             time_repeated_blocks_once=solves_by_blocks(options, graph),
             gradient_lifetimes=Action.RECOMPUTE_OWN in actions,
             optimizer=options.optimizer, gradient_accumulation_steps=options.gradient_accumulation_steps,
+            planned_device_type=spec.device_type if spec is not None else None,
         ), memory)
         if chosen.reason:
             logger.info("trace='auto' chose the %s trace: %s", chosen.source, chosen.reason)

@@ -161,7 +161,8 @@ def estimate_from_planner(planner: Planner, optimizer: OptimizerKind, depth: int
     make = named_optimizer(optimizer.value)
     cost = None
     if make is not None and planner.provenance is not None and planner.provenance.trace == "fake":
-        cost = FakeTrace().optimizer_step(planner.graph, planner.request, make)  # no real weights stepped
+        planned_for = planner.target.device_type if planner.target is not None else None
+        cost = FakeTrace().optimizer_step(planner.graph, planner.request, make, planned_for)  # no real weights
     elif make is not None:
         device = device_of(planner.model, planner.request.args, planner.request.kwargs)
         cost = measure_optimizer_step(optimizer_factory(planner.model, make), planner.model, device)

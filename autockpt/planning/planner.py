@@ -182,11 +182,11 @@ class Planner:
         step on the model's device) and price the actions there; then plan from those values. The keyword options
         are the friendly spelling of ``options`` (``PlanOptions``).
 
-        ``timing`` ("auto", "measured", "roofline", or a ``measure.timing.Timing``) gives the trace its times, for
-        ``target`` (a table name such as "h100-sxm-80gb" or an ``autockpt.DeviceSpec``; None: the model's device):
-        "roofline" times each unit from its FLOPs and bytes against the target (the model's device calibrated when
-        there is none) and prices offloading's link from it; "auto" is "measured" without a target, "roofline" with
-        one. The target's memory is ``plan()``'s budget when none is given. The plans' notes name the timing."""
+        ``timing`` ("auto", "measured", "roofline", "benchmark", or a ``measure.timing.Timing``) gives the trace its
+        times for ``target`` (a table name such as "h100-sxm-80gb" or a ``DeviceSpec``; None: the model's device):
+        "roofline" from FLOPs and bytes against it (else the model's device, calibrated), offloading's link priced
+        from it; "benchmark": each op alone on the local device; "auto": "roofline" with a target, else "measured", or
+        "benchmark" where the trace source timed nothing (``FakeTrace``). The target's memory: ``plan()``'s budget."""
         options = resolve_options(
             options, checkpoint=checkpoint, host_pool_gb=host_pool_gb, optimizer=optimizer,
             gradient_accumulation_steps=gradient_accumulation_steps, solver_options=solver_options,
@@ -213,7 +213,7 @@ class Planner:
             if offload and graph.kind is CaptureKind.MODULE:
                 _refuse_offload(options.host_pool_gb, step.model, graph)
             costs = calibrate(step.device, (*actions, *offload))
-            timed = with_timing(timing, target, graph, step, trace, costs)  # measured, or roofline on the target
+            timed = with_timing(timing, target, graph, step, trace, costs)  # measured, benchmarked or roofline
         planner = cls(
             graph, timed.trace, timed.costs, options, step=step, on_stage=on_stage, notes=(timed.note,),
             capture_time_s=captured - started, profile_time_s=time.perf_counter() - captured,

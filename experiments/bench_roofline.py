@@ -1,15 +1,19 @@
-"""Roofline times against measured ones, and plans chosen from each (issue 36, item 2).
+"""Roofline and benchmark times against measured ones, and plans chosen from each (issue 36, item 2).
 
     python experiments/bench_roofline.py --out experiments/results/roofline
+    python experiments/bench_roofline.py --smoke     # two tiny models, a few rounds; prints, writes nothing
 
 Per model (the zoo's mlp, cnn and transformer; Hugging Face GPT-2 and BERT, random-initialised): the step is traced
 and timed on this machine's CPU (``timing="measured"``), and the same trace is timed by the roofline of the CPU as
-``local_cpu_spec()`` calibrated it (``RooflineTiming``): step and forward times, their ratio, and the rank correlation
-of the unit times. Then, at budgets 0.2, 0.5 and 0.8 of the way from the smallest feasible peak to the unmodified one, a
-plan is made from each timing (same trace, same memory, same solver); where they differ, both are run against the
-unmodified model in alternating rounds in one process (median of the per-round ratios), and the roofline's plan is
-also scored with the measured times (what the simulator, with measured times, says choosing from the roofline cost).
-``--device cuda`` does the same on a GPU (the roofline of the calibrated GPU and of ``--target``, a table name).
+``local_cpu_spec()`` calibrated it (``RooflineTiming``) and by the op benchmark (``BenchmarkTiming``: each op run alone
+on random inputs at its shapes, what ``timing="auto"`` gives a fake trace; it reads only shapes and the repeated
+blocks, which the fake trace has the same as the measured one): step and forward times, their ratios, and the rank
+correlation of the unit times. Then, at budgets 0.2, 0.5 and 0.8 of the way from the smallest feasible peak to the
+unmodified one, a plan is made from each timing (same trace, same memory, same solver); the distinct plans are run
+against the unmodified model in alternating rounds in one process (median of the per-round ratios), and the
+roofline's and the benchmark's plans are also scored with the measured times (what the simulator, with measured
+times, says choosing from them cost). ``--device cuda`` does the same on a GPU (the roofline of the calibrated GPU
+and of ``--target``, a table name; with a target the benchmark, which times the local device only, is left out).
 The section ``bench_roofline`` of experiments/results/README.md is rewritten when ``--out`` lies under
 experiments/results.
 """
@@ -31,12 +35,13 @@ import autockpt
 from autockpt.core.roofline import unit_rooflines
 from autockpt.measure.devices_local import local_device_spec
 from autockpt.measure.step import alternating_step_seconds
-from autockpt.measure.timing import compute_dtype, parameter_read_bytes, with_timing
+from autockpt.measure.timing import BenchmarkTiming, compute_dtype, parameter_read_bytes, with_timing
 from autockpt.planning.planner import Planner
 from autockpt.present import zoo
 
 MODELS = (("mlp", "small"), ("cnn", "small"), ("transformer", "tiny"), ("gpt2", "small"), ("bert", "small"))
 FRACTIONS = (0.2, 0.5, 0.8)
+SMOKE_MODELS = "mlp:tiny,transformer:tiny"
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,12 @@ class TimeRow:
     memory_bound_units: int
     compute_bound_units: int
     overhead_bound_units: int
+    benchmark_step_ms: float  # nan: no benchmark (a target that is not this machine)
+    benchmark_forward_ms: float
+    benchmark_step_ratio: float  # benchmark / measured
+    benchmark_unit_rank_correlation: float
+    benchmark_ops_by_roofline: int  # units whose op could not run alone
+    benchmark_seconds: float  # what the benchmark took, shapes pass included
 
 
 @dataclass(frozen=True)
@@ -77,6 +88,11 @@ class PlanRow:
     roofline_plan_by_roofline_times: float
     step_ratio_measured_plan: float  # measured step time / unmodified, median of alternating rounds
     step_ratio_roofline_plan: float
+    same_plan_benchmark: bool  # the benchmark's plan is the measured times' plan
+    benchmark_regions: int
+    benchmark_action: str
+    benchmark_plan_by_measured_times: float  # nan: no benchmark
+    step_ratio_benchmark_plan: float
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -86,9 +102,16 @@ def spearman(a: list[float], b: list[float]) -> float:
     return float(np.corrcoef(*ranks)[0, 1])
 
 
-def time_row(case: zoo.ZooCase, size: str, planner: Planner, roofline: Planner, spec_name: str) -> TimeRow:
+def time_row(
+    case: zoo.ZooCase, size: str, planner: Planner, roofline: Planner, spec_name: str,
+    benchmark: tuple[Planner, BenchmarkTiming] | None,
+) -> TimeRow:
     measured, timed = planner.trace, roofline.trace
     own = [i for i, u in enumerate(measured.units) if u.forward_ms_timed_at is None]
+    nan = float("nan")
+    bench_trace = benchmark[0].trace if benchmark is not None else None
+    report = benchmark[1].report if benchmark is not None else None
+    bench_units = report.benchmarks if report is not None else None
     dtype = compute_dtype(planner.graph, planner.request)
     lines = unit_rooflines(measured, roofline.target or local_device_spec(planner.request.device), dtype,
                            parameter_read_bytes=parameter_read_bytes(planner.graph))
@@ -103,6 +126,14 @@ def time_row(case: zoo.ZooCase, size: str, planner: Planner, roofline: Planner, 
         overhead_share=sum(line.overhead_ms for line in lines) / max(timed.forward_ms, 1e-12),
         memory_bound_units=bounds.count("memory"), compute_bound_units=bounds.count("compute"),
         overhead_bound_units=bounds.count("overhead"),
+        benchmark_step_ms=bench_trace.step_ms if bench_trace else nan,
+        benchmark_forward_ms=bench_trace.forward_ms if bench_trace else nan,
+        benchmark_step_ratio=bench_trace.step_ms / measured.step_ms if bench_trace else nan,
+        benchmark_unit_rank_correlation=spearman(
+            [measured.units[i].forward_ms for i in own], [bench_trace.units[i].forward_ms for i in own]
+        ) if bench_trace else nan,
+        benchmark_ops_by_roofline=sum(t is None for t in bench_units.times) if bench_units else 0,
+        benchmark_seconds=bench_units.seconds if bench_units else nan,
     )
 
 
@@ -110,24 +141,47 @@ def roofline_planner(planner: Planner, target: str | None) -> Planner:
     """A planner over the same graph, trace and prices, its times the roofline's (never used to rewrite: the measured
     planner applies both planners' plans, whose fingerprints are the same)."""
     timed = with_timing("roofline", target, planner.graph, planner.request, planner.trace, planner.costs)
-    made = Planner(timed.graph, timed.trace, timed.costs, planner.options, step=planner.request)
+    made = Planner(planner.graph, timed.trace, timed.costs, planner.options, step=planner.request)
     made.target = timed.target
     return made
 
 
-def plan_rows(case: zoo.ZooCase, planner: Planner, roofline: Planner, rounds: int) -> list[PlanRow]:
+def benchmark_planner(planner: Planner) -> tuple[Planner, BenchmarkTiming]:
+    """A planner over the same graph, trace and prices, its times the op benchmark's (each op alone, on this device),
+    and the timing (its ``report``). The benchmark reads the trace's shapes and repeated blocks only, which a fake
+    trace has the same (``tests/measure/test_fake_trace.py``): these are the times ``FakeTrace`` + "auto" gives."""
+    timing = BenchmarkTiming()
+    timed = with_timing(timing, None, planner.graph, planner.request, planner.trace, planner.costs)
+    return Planner(planner.graph, timed.trace, timed.costs, planner.options, step=planner.request), timing
+
+
+def plan_rows(
+    case: zoo.ZooCase, planner: Planner, roofline: Planner, benchmark: Planner | None, rounds: int,
+    fractions: tuple[float, ...] = FRACTIONS,
+) -> list[PlanRow]:
     trace = planner.trace
     floor = planner.plan(budget_bytes=trace.baseline_peak_bytes).min_feasible_bytes
     rows = []
-    for fraction in FRACTIONS:
+    for fraction in fractions:
         budget = int(floor + fraction * (trace.baseline_peak_bytes - floor))
         by_measured, by_roofline = planner.plan(budget_bytes=budget), roofline.plan(budget_bytes=budget)
+        by_benchmark = benchmark.plan(budget_bytes=budget) if benchmark is not None else None
         same = by_measured.regions == by_roofline.regions and by_measured.planned_action == by_roofline.planned_action
         rescored = planner.plan_for_regions(by_roofline.regions, strategy="given", action=by_roofline.planned_action)
-        modules = [case.model, planner.apply(by_measured)] + ([] if same else [planner.apply(by_roofline)])
+        # each distinct plan runs once in the alternating rounds (the unmodified model first)
+        plans = [by_measured, by_roofline] + ([by_benchmark] if by_benchmark is not None else [])
+        keys = [(tuple(p.regions), p.planned_action) for p in plans]
+        distinct = list(dict.fromkeys(keys))
+        modules = [case.model] + [planner.apply(plans[keys.index(key)]) for key in distinct]
         seconds = alternating_step_seconds(modules, case.args, case.kwargs, case.loss_fn or autockpt.measure.loss.default_loss,
                                            rounds=rounds)
-        ratios = [statistics.median(t / b for t, b in zip(times, seconds[0])) for times in seconds[1:]]
+        distinct_ratios = [statistics.median(t / b for t, b in zip(times, seconds[0])) for times in seconds[1:]]
+        ratios = [distinct_ratios[distinct.index(key)] for key in keys]
+        nan = float("nan")
+        bench_rescored = (
+            planner.plan_for_regions(by_benchmark.regions, strategy="given", action=by_benchmark.planned_action)
+            if by_benchmark is not None else None
+        )
         rows.append(PlanRow(
             model=case.name, fraction=fraction, budget_bytes=budget, same_plan=same,
             measured_regions=len(by_measured.regions), roofline_regions=len(by_roofline.regions),
@@ -137,7 +191,12 @@ def plan_rows(case: zoo.ZooCase, planner: Planner, roofline: Planner, rounds: in
             predicted_overhead_measured=by_measured.predicted_overhead,
             roofline_plan_by_measured_times=rescored.predicted_overhead,
             roofline_plan_by_roofline_times=by_roofline.predicted_overhead,
-            step_ratio_measured_plan=ratios[0], step_ratio_roofline_plan=ratios[0] if same else ratios[1],
+            step_ratio_measured_plan=ratios[0], step_ratio_roofline_plan=ratios[1],
+            same_plan_benchmark=by_benchmark is not None and keys[2] == keys[0],
+            benchmark_regions=len(by_benchmark.regions) if by_benchmark is not None else 0,
+            benchmark_action=by_benchmark.planned_action.value if by_benchmark is not None else "",
+            benchmark_plan_by_measured_times=bench_rescored.predicted_overhead if bench_rescored is not None else nan,
+            step_ratio_benchmark_plan=ratios[2] if by_benchmark is not None else nan,
         ))
         print(rows[-1], flush=True)
     return rows
@@ -153,54 +212,79 @@ def markdown(time_rows: list[TimeRow], rows: list[PlanRow], spec: autockpt.Devic
         f"{spec.hbm_gb_per_s:.1f} GB/s, {spec.op_overhead_us:.1f} us per op. Roofline step = 3 x roofline forward "
         "(backward twice forward); measured: the trace's timed steps (median of 3). Ratio = roofline / measured. "
         "Rank correlation: Spearman, unit forward times, units timed on their own. Bound: units whose roofline is "
-        "set by memory / compute / op overhead."),
+        "set by memory / compute / op overhead. Benchmark (`BenchmarkTiming`, what a fake trace gets by default): "
+        "each op run alone on random inputs at its shapes, forward and backward, median of 3, repeated blocks once; "
+        "bench ratio = benchmark step / measured step; by roofline: ops that could not run alone."),
         "",
         ("| model | units | measured step ms | roofline step ms | step ratio | measured fwd ms | roofline fwd ms "
-         "| fwd ratio | measured bwd / fwd | unit rank corr. | overhead share | bound mem / comp / ovh |"),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+         "| fwd ratio | measured bwd / fwd | unit rank corr. | overhead share | bound mem / comp / ovh "
+         "| bench step ms | bench ratio | bench fwd ms | bench rank corr. | bench by roofline | bench s |"),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in time_rows:
         lines.append(
             f"| {r.model} ({r.size}) | {r.units} | {r.measured_step_ms:.2f} | {r.roofline_step_ms:.2f} | "
             f"{r.step_ratio:.2f} | {r.measured_forward_ms:.2f} | {r.roofline_forward_ms:.2f} | {r.forward_ratio:.2f} | "
             f"{r.measured_backward_per_forward:.1f} | {r.unit_rank_correlation:.2f} | {r.overhead_share:.2f} | {r.memory_bound_units} / "
-            f"{r.compute_bound_units} / {r.overhead_bound_units} |"
+            f"{r.compute_bound_units} / {r.overhead_bound_units} | {r.benchmark_step_ms:.2f} | "
+            f"{r.benchmark_step_ratio:.2f} | {r.benchmark_forward_ms:.2f} | {r.benchmark_unit_rank_correlation:.2f} | "
+            f"{r.benchmark_ops_by_roofline} | {r.benchmark_seconds:.1f} |"
         )
     if rows:
         lines += [
             "",
             ("Plans at equal budgets (fraction of the way from the smallest feasible peak to the unmodified peak), one "
-            "from measured times and one from roofline times, same trace and solver. Predicted overheads are "
-            "fractions of the measured step (the roofline's plan scored by the measured times too); measured: step "
-            "time / unmodified step time, median of alternating rounds in one process."),
+            "from measured times (m), one from roofline times (r) and one from benchmark times (b), same trace and "
+            "solver. Same plan: r / b the same as m. Predicted overheads are fractions of the measured step (the "
+            "roofline's and the benchmark's plans scored by the measured times too); measured: step time / "
+            "unmodified step time, median of alternating rounds in one process."),
             "",
-            ("| model | budget | same plan | regions m / r | action m / r | predicted m | roofline plan, by measured "
-             "times | measured step ratio, m plan | measured step ratio, r plan |"),
-            "|---|---:|---|---|---|---:|---:|---:|---:|",
+            ("| model | budget | same plan r / b | regions m / r / b | action m / r / b | predicted m | r plan, by "
+             "measured times | b plan, by measured times | measured step ratio, m plan | r plan | b plan |"),
+            "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|",
         ]
+        yes = {True: "yes", False: "no"}
         for p in rows:
             lines.append(
-                f"| {p.model} | {p.fraction:.1f} ({p.budget_bytes}) | {'yes' if p.same_plan else 'no'} | "
-                f"{p.measured_regions} / {p.roofline_regions} | {p.measured_action} / {p.roofline_action} | "
+                f"| {p.model} | {p.fraction:.1f} ({p.budget_bytes}) | {yes[p.same_plan]} / {yes[p.same_plan_benchmark]} | "
+                f"{p.measured_regions} / {p.roofline_regions} / {p.benchmark_regions} | "
+                f"{p.measured_action} / {p.roofline_action} / {p.benchmark_action or '-'} | "
                 f"{p.predicted_overhead_measured:+.3f} | {p.roofline_plan_by_measured_times:+.3f} | "
-                f"{p.step_ratio_measured_plan:.3f} | {p.step_ratio_roofline_plan:.3f} |"
+                f"{p.benchmark_plan_by_measured_times:+.3f} | {p.step_ratio_measured_plan:.3f} | "
+                f"{p.step_ratio_roofline_plan:.3f} | {p.step_ratio_benchmark_plan:.3f} |"
             )
-        differ = [p for p in rows if not p.same_plan]
-        if differ:
-            ratio = math.exp(statistics.fmean(
-                math.log(p.step_ratio_roofline_plan / p.step_ratio_measured_plan) for p in differ
-            ))
-            lost = statistics.fmean(p.roofline_plan_by_measured_times - p.predicted_overhead_measured for p in differ)
-            worse = sum(p.step_ratio_roofline_plan > p.step_ratio_measured_plan for p in differ)
-            lines += [
-                "",
-                (f"Summary: the two timings chose the same plan at {len(rows) - len(differ)} of {len(rows)} budgets. "
-                f"Where they differed ({len(differ)}), the roofline's plan ran {100 * (ratio - 1):+.1f}% against the "
-                f"measured-times plan (geometric mean of the measured step ratios; slower at {worse} of "
-                f"{len(differ)}), and the measured times predicted it {100 * lost:+.1f} points of overhead worse "
-                "on average."),
-            ]
+        lines += summary_lines(rows)
     return "\n".join(lines)
+
+
+def summary_lines(rows: list[PlanRow]) -> list[str]:
+    """Per timing (roofline, benchmark), how often it chose the measured times' plan and what its plans cost."""
+    lines = []
+    for label, same, ratio_of, predicted_of in (
+        ("roofline", lambda p: p.same_plan, lambda p: p.step_ratio_roofline_plan,
+         lambda p: p.roofline_plan_by_measured_times),
+        ("benchmark", lambda p: p.same_plan_benchmark, lambda p: p.step_ratio_benchmark_plan,
+         lambda p: p.benchmark_plan_by_measured_times),
+    ):
+        timed = [p for p in rows if not math.isnan(ratio_of(p))]
+        differ = [p for p in timed if not same(p)]
+        if not timed:
+            continue
+        if not differ:
+            lines += ["", f"Summary, {label}: the same plan as the measured times at all {len(timed)} budgets."]
+            continue
+        ratio = math.exp(statistics.fmean(math.log(ratio_of(p) / p.step_ratio_measured_plan) for p in differ))
+        lost = statistics.fmean(predicted_of(p) - p.predicted_overhead_measured for p in differ)
+        worse = sum(ratio_of(p) > p.step_ratio_measured_plan for p in differ)
+        lines += [
+            "",
+            (f"Summary, {label}: the same plan as the measured times at {len(timed) - len(differ)} of {len(timed)} "
+            f"budgets. Where they differed ({len(differ)}), the {label}'s plan ran {100 * (ratio - 1):+.1f}% against "
+            f"the measured-times plan (geometric mean of the measured step ratios; slower at {worse} of "
+            f"{len(differ)}), and the measured times predicted it {100 * lost:+.1f} points of overhead worse on "
+            "average."),
+        ]
+    return lines
 
 
 def main() -> None:
@@ -211,7 +295,12 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(f"{m}:{s}" for m, s in MODELS))
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--no-plans", action="store_true", help="step times only")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"check the script works: {SMOKE_MODELS}, 3 rounds, one budget; prints, writes nothing")
     args = parser.parse_args()
+    fractions = FRACTIONS
+    if args.smoke:
+        args.models, args.rounds, fractions = SMOKE_MODELS, 3, (0.5,)
     started = time.perf_counter()
     if args.device == "cpu":
         # one thread: the models are small, and on a busy machine a second OpenMP thread's barrier waits made steps of
@@ -231,10 +320,15 @@ def main() -> None:
         planner = Planner.from_model(case.model, example_inputs=case.args, example_kwargs=case.kwargs,
                                      loss_fn=case.loss_fn, timing="measured")
         roofline = roofline_planner(planner, args.target)
-        time_rows.append(time_row(case, size, planner, roofline, spec.name))
+        # the benchmark times this machine only: none against another device's table spec
+        benchmark = benchmark_planner(planner) if args.target is None else None
+        time_rows.append(time_row(case, size, planner, roofline, spec.name, benchmark))
         print(time_rows[-1], flush=True)
         if not args.no_plans:
-            rows += plan_rows(case, planner, roofline, args.rounds)
+            rows += plan_rows(case, planner, roofline, benchmark[0] if benchmark else None, args.rounds, fractions)
+    if args.smoke:  # a check that the script runs, on whatever machine: no results written
+        print(markdown(time_rows, rows, spec, time.perf_counter() - started, "bench_roofline.py --smoke"))
+        return
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from results_readme import write_csv, write_section
 

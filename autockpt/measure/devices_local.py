@@ -33,11 +33,27 @@ def local_cpu_spec() -> DeviceSpec:
 
 
 def local_device_spec(device: torch.device | str = "cpu") -> DeviceSpec:
-    """``device`` (this machine's CPU, or a local CUDA device) as a ``DeviceSpec``, measured once per process."""
+    """``device`` (this machine's CPU, or a local CUDA device; the meta device is the CPU) as a ``DeviceSpec``,
+    measured once per process."""
+    return _calibrated(local_device(device))
+
+
+def local_device(device: torch.device | str) -> torch.device:
+    """Where a step of a model on ``device`` runs here: the device itself, the CPU for the meta device (which has
+    no kernels), a CUDA device with its index."""
     device = torch.device(device)
+    if device.type == "meta":
+        return torch.device("cpu")
     if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return _calibrated(device)
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def local_spec_name(device: torch.device | str) -> str:
+    """The name ``local_device_spec(device)`` gives its spec ("local-cpu", "local-cuda0"), known without
+    calibrating."""
+    device = local_device(device)
+    return f"local-{device.type}" + (f"{device.index}" if device.type == "cuda" else "")
 
 
 @functools.cache
@@ -54,7 +70,7 @@ def _calibrated(device: torch.device) -> DeviceSpec:
     memory_bytes, memory_source = _memory_bytes(device)
     what = f"measured on this machine ({_device_name(device)}, torch {torch.__version__})"
     return DeviceSpec(
-        name=f"local-{device.type}" + (f"{device.index}" if on_cuda else ""),
+        name=local_spec_name(device),
         description=_device_name(device),
         memory_bytes=memory_bytes,
         peak_tflops=peaks,

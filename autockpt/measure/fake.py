@@ -9,7 +9,9 @@ event. The user's model is not touched: a model on the meta device stays there, 
 read (a fake tensor has only the metadata of the tensor it stands for).
 
 Times are not measured: a fake kernel takes none. Every unit time is 0, or proportional to the unit's FLOPs at a
-rate the caller gives (``flops_per_ms``); ``StepTrace.times_measured`` is False either way.
+rate the caller gives (``flops_per_ms``); ``StepTrace.times_measured`` is False either way. ``Planner.from_model``
+then gives the trace its times by its timing (``timing.py``): "auto" benchmarks each op alone on this machine
+("benchmark"), "roofline" uses a device's FLOPs and bytes; ``timing=MeasuredTiming()`` keeps these placeholders.
 
 A step whose Python code needs tensor values (``if x.mean() > 0``, ``float(loss)``, ``torch.nonzero``) cannot run on
 fake tensors: ``FakeStepError`` names the op and the line of the model that asked.
@@ -114,7 +116,8 @@ class FakeTrace:
     ``flops_per_ms``: unit times are not measured; None (the default) leaves every time 0, a rate makes each unit's
     forward time its FLOPs (``torch.utils.flop_counter``: matmuls, convolutions, attention; 0 for the rest) divided
     by it, and the step three times the forward (backward: twice the forward's FLOPs). Either way a placeholder, marked
-    by ``StepTrace.times_measured = False``: plans made from it choose by memory (and by FLOPs) alone.
+    by ``StepTrace.times_measured = False``: plans made from it choose by memory (and by FLOPs) alone. The planner's
+    default timing replaces them by benchmarked ones; ``timing=measure.timing.MeasuredTiming()`` keeps them.
     """
 
     name = "fake"

@@ -3,13 +3,16 @@
 A ``Timing`` takes the trace a trace source made (memory events, FLOPs, bytes) and gives it its times:
 
 * ``MeasuredTiming`` ("measured"): the times the trace source measured on the model's device, as autockpt always had;
+* ``BenchmarkTiming`` ("benchmark"): for a trace that ran no real step (``FakeTrace``), each op benchmarked alone on
+  the local device at its shapes, forward and backward, on random inputs (``benchmark.py``); repeated blocks once;
 * ``RooflineTiming(spec)`` ("roofline"): FLOPs and bytes moved against a ``DeviceSpec`` (``core/roofline.py``), so a
   step can be planned for a device it never ran on (``target="h100-sxm-80gb"``), and offloading is priced on the
   spec's host link.
 
-``timing_for(timing, target, device)`` chooses: "auto" is "measured" when the target is the model's own device (no
-target), and "roofline" for any other target. ``with_timing`` applies the choice to what ``Planner.from_model``
-captured, traced and priced, and names it in a note the planner gives every plan.
+``timing_for(timing, target, device, trace_measured=)`` chooses: "auto" is "measured" when the target is the model's
+own device (no target) and the trace source measured its times, "benchmark" when it measured none (a fake trace),
+and "roofline" for any other target. ``with_timing`` applies the choice to what ``Planner.from_model`` captured,
+traced and priced, and names it in a note the planner gives every plan.
 """
 
 from __future__ import annotations
@@ -21,13 +24,14 @@ from typing import Protocol
 import torch
 
 from autockpt.core.devices import DeviceSpec, device_spec
-from autockpt.core.roofline import link_price, roofline_trace
-from autockpt.measure.devices_local import local_device_spec
+from autockpt.core.roofline import BACKWARD_FACTOR, link_price, roofline_trace, unit_rooflines
+from autockpt.measure.benchmark import OpBenchmarks, benchmark_units
+from autockpt.measure.devices_local import local_device, local_device_spec, local_spec_name
 from autockpt.measure.sources import StepInputs
 from autockpt.runtime.fx_nodes import compute_nodes
 from autockpt.types import CaptureKind, CostModel, Graph, StepTrace
 
-TIMINGS = ("auto", "measured", "roofline")
+TIMINGS = ("auto", "measured", "roofline", "benchmark")
 
 
 class Timing(Protocol):
@@ -81,10 +85,107 @@ class RooflineTiming:
         return f"timing: roofline on {self.spec.describe()}"
 
 
-def timing_for(timing: str | Timing, target: str | DeviceSpec | None, device: torch.device) -> Timing:
-    """The timing ``timing`` names ("auto", "measured", "roofline", or a ``Timing``) for ``target`` (a table name,
-    a ``DeviceSpec``, or None: the model's device). "auto": measured without a target, roofline with one.
-    "roofline" without a target: the model's device, calibrated (``local_device_spec``)."""
+class BenchmarkTiming:
+    """Unit times from each op benchmarked alone on the local device (``device``; default the model's, the CPU for a
+    model on the meta device), without running the step: ``benchmark.benchmark_units`` (shapes from a fake copy,
+    random inputs and weights, forward and backward, median of ``repeats``; repeated blocks once, each instance's
+    unit k taking the first instance's unit k). An op that cannot run alone gets its roofline time on the local
+    device, calibrated (``local_device_spec``), backward ``BACKWARD_FACTOR`` times its forward; ``describe`` counts
+    them. A module-level capture has no op graph to benchmark: it is timed by that roofline whole, and says so.
+
+    The result: unit ``forward_ms`` (``forward_ms_timed_at`` at a first instance), ``forward_ms`` their sum,
+    ``step_ms`` the forward plus the benchmarked backwards (the loss function and autograd's own walk not counted),
+    memory events untouched, and ``times_measured`` True: the times are measured on the device, op by op, not
+    placeholders, so the plan's notes name this timing instead of calling them placeholders. ``report`` keeps what
+    the last ``timed`` did."""
+
+    name = "benchmark"
+
+    def __init__(self, device: torch.device | str | None = None, *, repeats: int = 3) -> None:
+        if repeats < 1:
+            raise ValueError(f"repeats must be at least 1, got {repeats!r}")
+        self.device = local_device(device) if device is not None else None
+        self.repeats = repeats
+        self.report: BenchmarkReport | None = None
+
+    def timed(self, trace: StepTrace, graph: Graph, step: StepInputs) -> StepTrace:
+        device = self.device if self.device is not None else local_device(step.device)
+        dtype = compute_dtype(graph, step)
+        if graph.kind is CaptureKind.MODULE:
+            spec = local_device_spec(device)
+            self.report = BenchmarkReport(device=str(device), units=len(trace.units), roofline_spec=spec.describe())
+            timed = roofline_trace(trace, spec, dtype, parameter_read_bytes=parameter_read_bytes(graph))
+            return dataclasses.replace(timed, times_measured=True)
+        bench = benchmark_units(graph, step, trace, device, repeats=self.repeats)
+        forward_ms = [t.forward_ms if t is not None else 0.0 for t in bench.times]
+        backward_ms = [t.backward_ms if t is not None else 0.0 for t in bench.times]
+        missing = [u for u, t in enumerate(bench.times) if t is None]
+        spec_text = None
+        if missing:  # calibrating the local device takes a second or two: only when an op did not run alone
+            spec = local_device_spec(device)
+            spec_text = spec.describe()
+            lines = unit_rooflines(trace, spec, dtype, parameter_read_bytes=parameter_read_bytes(graph))
+            for unit in missing:
+                forward_ms[unit] = lines[unit].forward_ms
+                backward_ms[unit] = BACKWARD_FACTOR * lines[unit].forward_ms
+        self.report = BenchmarkReport(
+            device=str(device), units=len(trace.units), benchmarks=bench, roofline_spec=spec_text,
+        )
+        units = tuple(
+            dataclasses.replace(
+                unit, forward_ms=forward_ms[unit.index],
+                forward_ms_timed_at=None if bench.timed_at[unit.index] == unit.index else bench.timed_at[unit.index],
+            )
+            for unit in trace.units
+        )
+        return dataclasses.replace(
+            trace, units=units, forward_ms=sum(forward_ms), step_ms=sum(forward_ms) + sum(backward_ms),
+            times_measured=True,
+        )
+
+    def priced(self, costs: CostModel) -> CostModel:
+        return costs  # the actions were priced on the model's device, the one benchmarked
+
+    def describe(self, trace: StepTrace) -> str:
+        report = self.report
+        if report is None:
+            return f"timing: benchmark of each op alone on {self.device or 'the local device'}"
+        if report.benchmarks is None:
+            return (
+                f"timing: benchmark not possible on a module-level capture (no op graph to run op by op): "
+                f"roofline on {report.roofline_spec} instead"
+            )
+        bench = report.benchmarks
+        by_roofline = sum(t is None for t in bench.times)
+        text = (
+            f"timing: benchmark on {report.device}: each op run alone at its shapes on random inputs, forward and "
+            f"backward, median of {self.repeats} ({bench.benchmarked} ops run for {report.units} units: repeated "
+            f"blocks once, {bench.seconds:.1f} s); {by_roofline} of {report.units} ops timed by roofline"
+        )
+        if not by_roofline:
+            return text
+        return f"{text} on {report.roofline_spec}, which could not run alone (first: {bench.failures[0][1]})"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class BenchmarkReport:
+    """What ``BenchmarkTiming.timed`` did: the device, the units, the op benchmarks (None: a module-level capture,
+    timed by roofline whole) and the roofline spec that timed what the benchmark could not (None: none needed)."""
+
+    device: str
+    units: int
+    benchmarks: OpBenchmarks | None = None
+    roofline_spec: str | None = None
+
+
+def timing_for(
+    timing: str | Timing, target: str | DeviceSpec | None, device: torch.device, *, trace_measured: bool = True
+) -> Timing:
+    """The timing ``timing`` names ("auto", "measured", "roofline", "benchmark", or a ``Timing``, used as it is) for
+    ``target`` (a table name, a ``DeviceSpec``, or None: the model's device), for a trace whose source measured its
+    times (``trace_measured``) or not (a fake trace). "auto": roofline with a target; without one, measured when the
+    trace has measured times, else benchmark. "roofline" without a target: the model's device, calibrated
+    (``local_device_spec``; the CPU for a model on the meta device). "benchmark" times the local device only."""
     if not isinstance(timing, str):
         if not callable(getattr(timing, "timed", None)):
             raise TypeError(f"timing must be one of {TIMINGS} or a Timing (name, timed), got {type(timing).__name__}")
@@ -98,9 +199,21 @@ def timing_for(timing: str | Timing, target: str | DeviceSpec | None, device: to
                 f"timing='measured' times the step on the model's device ({device}), not on target={spec.name!r}; "
                 "use timing='roofline' (or 'auto') to plan for another device"
             )
+        if not trace_measured:
+            raise ValueError(
+                "timing='measured': the trace source ran no real step and measured no times (a fake trace); use "
+                "timing='benchmark' (each op timed alone on this machine) or 'roofline' (FLOPs and bytes), or 'auto'"
+            )
         return MeasuredTiming()
+    if timing == "benchmark":
+        if spec is not None and spec.name != local_spec_name(device):
+            raise ValueError(
+                f"timing='benchmark' times each op on this machine's {local_device(device)}, not on "
+                f"target={spec.name!r}; use timing='roofline' (or 'auto') to plan for another device"
+            )
+        return BenchmarkTiming(local_device(device))
     if timing == "auto" and spec is None:
-        return MeasuredTiming()
+        return MeasuredTiming() if trace_measured else BenchmarkTiming(local_device(device))
     return RooflineTiming(spec if spec is not None else local_device_spec(device))
 
 
@@ -120,15 +233,18 @@ def with_timing(
     timing: str | Timing, target: str | DeviceSpec | None, graph: Graph, step: StepInputs, trace: StepTrace,
     costs: CostModel,
 ) -> TimedStep:
-    """Apply the timing ``timing_for(timing, target, step.device)`` to a captured, traced and priced step."""
-    timer = timing_for(timing, target, step.device)
+    """Apply the timing ``timing_for(timing, target, step.device, trace_measured=trace.times_measured)`` to a
+    captured, traced and priced step."""
+    timer = timing_for(timing, target, step.device, trace_measured=trace.times_measured)
     priced = getattr(timer, "priced", None)
     describe = getattr(timer, "describe", None)
+    timed = timer.timed(trace, graph, step)
+    # described after timing: a benchmark's note counts the ops it could not run alone
     note = describe(trace) if callable(describe) else f"timing: {timer.name}"
     return TimedStep(
-        trace=timer.timed(trace, graph, step),
+        trace=timed,
         costs=priced(costs) if callable(priced) else costs,
-        target=getattr(timer, "spec", None) if target is not None else None,
+        target=(getattr(timer, "spec", None) or device_spec(target)) if target is not None else None,
         note=note,
         timing="none" if timer.name == "measured" and not trace.times_measured else timer.name,
     )

@@ -16,6 +16,7 @@ import autockpt
 from autockpt.errors import FakeStepError, ProfileError
 from autockpt.measure.fake import FakeTrace, _CpuFakeTensorMode
 from autockpt.measure.sources import TraceRequest
+from autockpt.measure.timing import MeasuredTiming
 from autockpt.present import zoo
 from autockpt.runtime.model_state import preserved_model_state
 from autockpt.types import CaptureKind, StepTrace
@@ -90,7 +91,8 @@ def planners(name: str, bf16: bool) -> Planners:
     with autocast:
         measured = autockpt.Planner.from_model(case.model, **call)
         before = state_of(case.model)
-        fake = autockpt.Planner.from_model(case.model, **call, trace_source=FakeTrace())
+        # the fake trace's own times (placeholders) kept: MeasuredTiming given as a Timing, not "auto" (a benchmark)
+        fake = autockpt.Planner.from_model(case.model, **call, trace_source=FakeTrace(), timing=MeasuredTiming())
     assert_same_state(before, case.model)  # the fake trace leaves the model as it was
     return Planners(measured, fake)
 
@@ -139,7 +141,7 @@ def test_a_plan_from_placeholder_times_keeps_the_budget_and_says_times_were_not_
     plan = both.fake.plan(budget_bytes=budget)
     assert plan.regions and plan.predicted_peak_bytes <= budget
     assert plan.predicted_overhead == 0.0 and any("not measured" in note for note in plan.notes)
-    # its timing note does not claim measured times (the timing is "auto": the trace source's own)
+    # its timing note does not claim measured times (the timing is the trace source's own)
     assert "timing: none measured (the trace source ran no real step)" in plan.notes
     assert "timing: measured on the model's device" not in plan.notes
     assert not any("not measured" in note for note in both.measured.plan(budget_bytes=budget).notes)

@@ -258,8 +258,8 @@ class StepTrace:
     # workspaces), alive through the step and counted in every event: on CUDA what was allocated beyond the step's
     # own tensors when the trace was taken, until ``loop.with_foreign_bytes`` moves it to a later reading
     foreign_bytes: int = 0
-    # False: the unit and step times are placeholders, not measurements (``measure.fake.FakeTrace``: fake tensors
-    # take no time; 0, or FLOP-proportional at a given rate)
+    # False: the unit and step times are placeholders (``measure.fake.FakeTrace``: fake tensors take no time; 0, or
+    # FLOP-proportional at a given rate); True: measured on the step, benchmarked op by op, or a device's roofline
     times_measured: bool = True
 
     @property

@@ -55,7 +55,7 @@ def main() -> None:
             "measured_peak_bytes": plan.measured_peak_bytes, "measured_reserved_bytes": plan.measured_reserved_bytes,
             "kept_budget": plan.measured_peak_bytes is not None and plan.measured_peak_bytes <= memory,
             "regions": len(plan.regions), "optimize_s": round(time.perf_counter() - started, 1),
-            "notes": " | ".join(n for n in plan.notes if "tighten" in n or "measured" in n)[:300],
+            "notes": " | ".join(n for n in plan.notes if "tighten" in n or "measured" in n or "timing" in n)[:600],
         }
         print(row, flush=True)
         rows.append(row)

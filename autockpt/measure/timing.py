@@ -72,7 +72,8 @@ class RooflineTiming:
 
     def timed(self, trace: StepTrace, graph: Graph, step: StepInputs) -> StepTrace:
         dtype = self.dtype if self.dtype is not None else compute_dtype(graph, step)
-        return roofline_trace(trace, self.spec, dtype, parameter_read_bytes=parameter_read_bytes(graph))
+        timed = roofline_trace(trace, self.spec, dtype, parameter_read_bytes=parameter_read_bytes(graph))
+        return dataclasses.replace(timed, times_measured=True)  # estimates of the device's times, not placeholders
 
     def priced(self, costs: CostModel) -> CostModel:
         """``costs`` with offloading's host link priced from the spec (when the cost model has a link). The recompute

@@ -121,8 +121,9 @@ def test_a_model_on_the_meta_device_is_split_and_planned_without_a_real_step(mon
     assert steps.count == 0
     assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}
     assert all(p.grad is None for p in model.parameters())
-    assert len(pplan.stages) == 2 and pplan.cuts[0] in pplan.candidate_cuts
-    assert any("layers.1" in path for path in pplan.stages[1].module_paths)
+    first, last = pplan.stages
+    assert pplan.cuts[0] in pplan.candidate_cuts and (first.first_unit, first.last_unit + 1) == (0, last.first_unit)
+    assert "lm_head" in last.module_paths and last.last_unit == pplan.fingerprint.num_units - 1
     assert [(p.provenance.trace, p.provenance.timing, p.provenance.device) for p in pplan.stage_plans] == [
         ("fake", "roofline", _TARGET)
     ] * 2

@@ -12,6 +12,10 @@ last stage's with the user's loss) and finds the fastest recompute plan under th
 schedule's microbatches in flight (``types.PipelineSchedule.in_flight``) and the schedule's buffers. The split
 program (``solve/split.py``) then picks the stages. ``pipeline_run.pipeline_schedule`` runs the plan on
 ``torch.distributed.pipelining``.
+
+A model no device holds (built on the meta device, or predicted over the device memory) is planned on fake tensors:
+``trace=``, ``timing=``, ``target=`` and ``device_memory_bytes=`` mean what they mean for ``Planner.from_model``
+(``whole_step.py`` chooses for the whole step; the stage planners follow).
 """
 
 from __future__ import annotations
@@ -27,15 +31,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from autockpt.core.devices import DeviceSpec
 from autockpt.core.solve.base import SolverOptions
 from autockpt.core.solve.split import Split, SplitProblem, StageOption, exhaustive_split, solve_split, step_ms
 from autockpt.errors import CaptureError, InfeasibleBudgetError
 from autockpt.measure.capture import capture
+from autockpt.measure.timing import Timing
 from autockpt.pipeline.request import SPLIT_STRATEGIES, PipelineRequest
 from autockpt.pipeline.stage_graphs import (
     shared_parameters,
 )
 from autockpt.pipeline.stage_table import StageTable
+from autockpt.pipeline.whole_step import WholeStep, check_trace
 from autockpt.planning.options import UNSET, PlanOptions, resolve_options, unsupported
 from autockpt.record_types import PipelineRecord
 from autockpt.records import plan_io
@@ -67,11 +74,11 @@ class PipelinePlan(PipelineRecord):
         ))
 
     def summary(self) -> str:
-        lines = [
+        lines = [(
             f"pipeline plan ({self.strategy}): {self.num_stages} stages, {self.microbatches} microbatches, "
             f"schedule {self.schedule.value}; predicted step {self.predicted_step_ms:.2f} ms "
             f"(link priced at {self.link_gb_per_s:.1f} GB/s)"
-        ]
+        )]
         for stage, the_plan in zip(self.stages, self.stage_plans):
             modules = ", ".join(stage.module_paths[:4]) + (" ..." if len(stage.module_paths) > 4 else "")
             lines.append(
@@ -132,6 +139,10 @@ def plan_pipeline(
     max_cut_candidates: int = 16,
     link_gb_per_s: float | None = None,
     options: PlanOptions | None = None,
+    trace: str = "auto",
+    timing: str | Timing = "auto",
+    target: str | DeviceSpec | None = None,
+    device_memory_bytes: int | None = None,
     solver_options: Any = UNSET,
     checkpoint: Any = UNSET,
 ) -> PipelinePlan:
@@ -145,8 +156,19 @@ def plan_pipeline(
     (the split program), "exhaustive" (every split over the candidate cuts), "even-layers", "parameter-balanced", or
     the units to cut after. ``max_cut_candidates``: block boundaries the program and the exhaustive search choose
     from (spread over the model; given and baseline cuts are added). ``link_gb_per_s``: what sending activations
-    between stages is priced at (default: the device's copy bandwidth). Raises ``InfeasibleBudgetError`` with the
-    smallest per-device budget that a split keeps when none keeps the given one.
+    between stages is priced at (default: the device's copy bandwidth; a target's is its memory bandwidth over two).
+    Raises ``InfeasibleBudgetError`` with the smallest per-device budget that a split keeps when none keeps the given
+    one.
+
+    ``trace``, ``timing``, ``target``, ``device_memory_bytes``: as for ``Planner.from_model``. ``trace="auto"`` traces
+    the whole step on fake tensors (no real step, no weights read; exact memory) when the model or its inputs are on
+    the meta device (``with torch.device("meta"): model = ...``) or when the fake trace predicts the unmodified step
+    above the device memory (given, the target's, or on CUDA what is free), and then traces every stage on fakes
+    too; it measures on real values otherwise, as before. ``"fake"`` and ``"measured"`` choose (``"measured"`` on a
+    meta model is a ``ValueError``). Unit times come from ``timing``: measured (the median of three real steps),
+    roofline on a ``target`` such as "h100-sxm-80gb", or none from a fake trace without a target (the split and
+    the stages' plans are then chosen by memory). The user's model is left as it was (a meta model stays on meta);
+    the plan's notes say which trace and timing made it, and each stage plan's ``provenance`` too.
 
     ``options`` (``PlanOptions``; or its keyword spelling ``solver_options=``, ``checkpoint=``): the stages are
     planned with its checkpoint choice and solver options; an optimizer, host pool, gradient accumulation, strict or
@@ -156,7 +178,8 @@ def plan_pipeline(
         model, num_stages, budget_gb, splits=(split,), budget_bytes=budget_bytes, microbatches=microbatches,
         schedule=schedule, example_inputs=example_inputs, example_kwargs=example_kwargs, example_target=example_target,
         loss_fn=loss_fn, return_outputs=return_outputs, max_cut_candidates=max_cut_candidates,
-        link_gb_per_s=link_gb_per_s, options=options, solver_options=solver_options, checkpoint=checkpoint,
+        link_gb_per_s=link_gb_per_s, options=options, trace=trace, timing=timing, target=target,
+        device_memory_bytes=device_memory_bytes, solver_options=solver_options, checkpoint=checkpoint,
     ).values()
     if isinstance(result, InfeasibleBudgetError):
         raise result
@@ -180,6 +203,10 @@ def compare_pipeline_splits(
     max_cut_candidates: int = 16,
     link_gb_per_s: float | None = None,
     options: PlanOptions | None = None,
+    trace: str = "auto",
+    timing: str | Timing = "auto",
+    target: str | DeviceSpec | None = None,
+    device_memory_bytes: int | None = None,
     solver_options: Any = UNSET,
     checkpoint: Any = UNSET,
 ) -> dict[str, PipelinePlan | InfeasibleBudgetError]:
@@ -191,6 +218,7 @@ def compare_pipeline_splits(
     started = time.perf_counter()
     options = resolve_options(options, solver_options=solver_options, checkpoint=checkpoint)
     unsupported(options, "plan_pipeline", PIPELINE_UNSUPPORTED_OPTIONS)
+    check_trace(trace)
     request = PipelineRequest.check(
         model, num_stages, budget_gb, budget_bytes, microbatches, schedule, example_inputs, example_kwargs,
         example_target, loss_fn, splits, return_outputs,
@@ -204,8 +232,11 @@ def compare_pipeline_splits(
                 f"{type(model).__name__} could only be captured module by module ({'; '.join(graph.notes)}); a "
                 "pipeline split needs the whole forward as one graph (torch.fx or torch.export)"
             )
-        table = StageTable(request, graph, max_cut_candidates, options)
-        link = link_gb_per_s if link_gb_per_s is not None else _device_copy_gb_per_s(model)
+        whole = WholeStep.profile(
+            request, graph, trace=trace, timing=timing, target=target, device_memory_bytes=device_memory_bytes,
+        )
+        table = StageTable(request, graph, max_cut_candidates, options, whole)
+        link = link_gb_per_s if link_gb_per_s is not None else whole.link_gb_per_s()
         fingerprint = plan_io.model_fingerprint(model, graph, request.microbatch_args, request.microbatch_kwargs)
         for split in request.splits:
             chosen = _choose_split(table, split, link, options.solver)
@@ -221,7 +252,7 @@ def compare_pipeline_splits(
                 shared_parameters=shared_parameters(graphs), predicted_step_ms=chosen.predicted_step_ms,
                 link_gb_per_s=link, strategy=split if isinstance(split, str) else "given",
                 capture=graph.kind, fingerprint=fingerprint, candidate_cuts=table.candidates,
-                plan_time_s=time.perf_counter() - started, notes=graph.notes,
+                plan_time_s=time.perf_counter() - started, notes=(*graph.notes, *whole.notes),
             )
     return results
 
@@ -257,24 +288,6 @@ def _choose_split(
             return None
         chosen.append(match[0])
     return Split(cuts=tuple(cuts), options=tuple(chosen), predicted_step_ms=step_ms(problem, chosen))
-
-
-def _device_copy_gb_per_s(model: nn.Module) -> float:
-    """Copy bandwidth on the model's device, GB/s: what sends between stages are priced at when not given."""
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    source = torch.empty(16 * 2**20, dtype=torch.uint8, device=device)
-    target = torch.empty_like(source)
-    target.copy_(source)
-    timings = []
-    for _ in range(3):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        target.copy_(source)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        timings.append(time.perf_counter() - started)
-    return source.nbytes / min(timings) / 1e9
 
 
 def _infeasible(

@@ -14,7 +14,7 @@ A cut is possible only where everything crossing it is a tensor: pipelining send
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -207,8 +207,13 @@ def stage_graph(graph: Graph, first: int, last: int, *, index: int = 0) -> Stage
     )
 
 
-def crossing_tensors(graph: Graph, args: tuple, kwargs: dict, after_units: Sequence[int]) -> dict[str, torch.Tensor]:
-    """The tensors that cross a cut after each of these units on these inputs, detached, by fx node name."""
+def crossing_tensors(
+    graph: Graph, args: tuple, kwargs: dict, after_units: Sequence[int],
+    keep: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """The tensors that cross a cut after each of these units on these inputs, by fx node name: what ``keep`` makes
+    of each (default: a detached copy that requires grad as the value did)."""
+    keep = keep or (lambda tensor: tensor.detach().clone().requires_grad_(tensor.requires_grad))
     module = graph.executable
     assert isinstance(module, fx.GraphModule)
     wanted = {node.name for after in after_units for node in crossing(module, after)}
@@ -218,7 +223,7 @@ def crossing_tensors(graph: Graph, args: tuple, kwargs: dict, after_units: Seque
         def run_node(self, node: fx.Node) -> Any:
             result = super().run_node(node)
             if node.name in wanted and isinstance(result, torch.Tensor):
-                kept[node.name] = result.detach().clone().requires_grad_(result.requires_grad)
+                kept[node.name] = keep(result)
             return result
 
     with torch.random.fork_rng():

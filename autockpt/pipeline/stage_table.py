@@ -1,6 +1,8 @@
 """The stage table: every candidate stage (a run of units between two legal cuts) planned once with the
 single-device Planner on its own step, what it keeps for backward and its schedule buffers; and the cuts: block
-boundaries, baseline splits (even layers, parameter-balanced) and given cuts checked."""
+boundaries, baseline splits (even layers, parameter-balanced) and given cuts checked. The whole step's values, unit
+times and crossing tensors come from ``whole_step.py`` (real, or fake for a step no device runs); every stage planner
+is built as the whole step was traced (``WholeStep.planner_arguments``)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ import copy
 import dataclasses
 import itertools
 import logging
-import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,19 +20,15 @@ from torch import fx, nn
 from autockpt.core.simulate import memory_curve
 from autockpt.core.solve.split import SplitProblem, StageOption
 from autockpt.errors import InfeasibleBudgetError
-from autockpt.measure.loss import checked_loss
-from autockpt.measure.trace import trace_step, unique_storage_bytes
+from autockpt.measure.trace import unique_storage_bytes
 from autockpt.pipeline.request import PipelineRequest, tensors_in
-
-logger = logging.getLogger(__name__)
 from autockpt.pipeline.stage_graphs import (
     StageGraph,
     crossing,
-    crossing_tensors,
     cut_problem,
-    graph_values,
     stage_graph,
 )
+from autockpt.pipeline.whole_step import FakesBeside, WholeStep
 from autockpt.planning.options import PlanOptions
 from autockpt.planning.planner import Planner
 from autockpt.record_types import PipelineStageRecord
@@ -41,6 +38,8 @@ from autockpt.types import (
     Phase,
     RegionAction,
 )
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,15 +57,15 @@ class StageTable:
     """Candidate cuts, and per run of units between them and stage position, the stage's best plan."""
 
     def __init__(
-        self, request: PipelineRequest, graph: Graph, max_candidates: int, options: PlanOptions
+        self, request: PipelineRequest, graph: Graph, max_candidates: int, options: PlanOptions, whole: WholeStep
     ) -> None:
         self.request = request
         self.graph = graph
+        self.whole = whole
         self.options = options
         self.solver_options = options.solver
         self.num_units = len(graph.units)
-        args, kwargs = request.microbatch_args, request.microbatch_kwargs
-        values = graph_values(graph, args, kwargs)
+        values = whole.values
         assert isinstance(graph.executable, fx.GraphModule)
         self.values = values
         boundaries = block_boundaries(graph)
@@ -86,14 +85,11 @@ class StageTable:
         }
         given = {cut for cuts in self.given_cuts.values() for cut in cuts}
         self.candidates = tuple(sorted({*spread(list(self.legal_cuts), max_candidates), *given}))
-        self._crossing = crossing_tensors(graph, args, kwargs, self.candidates)
-        # stage times come from one trace of the whole step: timings of tiny stages traced one by one are noisy,
+        self._crossing = whole.crossing_tensors(self.candidates)
+        # stage times come from the whole step's unit times: timings of tiny stages traced one by one are noisy,
         # and every split must be compared on the same numbers
-        target, loss_fn = request.microbatch_target, request.loss_fn
-        # (the median of three: one trace on a busy machine gave the same split 13 ms and 3763 ms)
-        traces = [trace_step(graph, args, kwargs, checked_loss(lambda output: loss_fn(output, target))) for _ in range(3)]
-        self.unit_ms = [statistics.median(t.units[u].forward_ms for t in traces) for u in range(self.num_units)]
-        self.backward_ratio = max(statistics.median(t.step_ms / max(t.forward_ms, 1e-9) for t in traces) - 1.0, 0.0)
+        self.unit_ms = list(whole.unit_ms)
+        self.backward_ratio = whole.backward_ratio
         self._planners: dict[tuple[int, int], Planner] = {}
         self._entries: dict[tuple[int, int, int], StageEntry | None] = {}
         self._output_bytes: dict[int, tuple[int, int]] = {}  # per stage planner (live as long as the table)
@@ -130,11 +126,17 @@ class StageTable:
             stage = self.graph_of(first, last)
             args, kwargs = self.stage_inputs(stage)
             self._planners[key] = Planner.from_model(
-                stage.module, example_inputs=args, example_kwargs=kwargs, loss_fn=self.stage_loss(stage),
+                self.whole.stage_module(stage.module), example_inputs=args, example_kwargs=kwargs, loss_fn=self.stage_loss(stage),
                 # every microbatch after the first runs its backward with the step's gradients alive, and each
                 # accumulation makes a new gradient beside the old one: the loop of gradient accumulation
                 options=dataclasses.replace(self.options, gradient_accumulation_steps=self.request.microbatches),
+                **self.whole.planner_arguments(),  # on fakes when the whole step was, for the same device
             )
+            if self._planners[key]._device.type == "meta":
+                # Planner prices what it calibrates later (offload, for the pool an infeasible budget would need) on
+                # the model's device, which a meta model's is not: on the CPU, as build.py prices it (until the
+                # Planner does so itself)
+                self._planners[key]._device = torch.device("cpu")
         return self._planners[key]
 
     def stage_inputs(self, stage: StageGraph) -> tuple[tuple, dict]:
@@ -144,8 +146,8 @@ class StageTable:
 
     def stage_loss(self, stage: StageGraph) -> Callable[[Any], torch.Tensor]:
         if stage.last_unit == self.num_units - 1:
-            target, loss_fn = self.request.microbatch_target, self.request.loss_fn
-            return lambda output: loss_fn(output, target)
+            target, loss_fn = FakesBeside(self.request.microbatch_target), self.request.loss_fn
+            return lambda output: loss_fn(output, target(output))
         return seeded_backward(stage_outputs=[self._crossing[name] for name in stage.output_names])
 
     def entry(self, option: StageOption) -> StageEntry:
@@ -292,10 +294,10 @@ class StageTable:
         """The last stage's output and loss bytes for one microbatch; one forward per stage planner, remembered:
         every budget tried asks again."""
         if id(planner) not in self._output_bytes:
-            args, kwargs = planner.request.args, planner.request.kwargs
-            with torch.no_grad(), torch.random.fork_rng():
-                output = planner.model(*args, **kwargs)
-                loss = self.request.loss_fn(output, self.request.microbatch_target)
+            target, loss_fn = FakesBeside(self.request.microbatch_target), self.request.loss_fn
+            output, loss = self.whole.stage_forward(
+                planner.graph, planner.request, lambda output: loss_fn(output, target(output))
+            )
             self._output_bytes[id(planner)] = (
                 unique_storage_bytes(tensors_in(output)), unique_storage_bytes(tensors_in(loss))
             )
@@ -368,13 +370,16 @@ def seeded_backward(stage_outputs: Sequence[torch.Tensor]) -> Callable[[Any], to
     """A loss function for a stage that is not the last: backward starts from gradients of its outputs."""
     generator = torch.Generator().manual_seed(0)
     grads = tuple(
-        torch.randn(t.shape, generator=generator, dtype=t.dtype).to(t.device) if t.is_floating_point() else None
+        None if not t.is_floating_point()
+        else torch.empty(t.shape, dtype=t.dtype, device="meta") if t.device.type == "meta"  # a fake trace's stage
+        else torch.randn(t.shape, generator=generator, dtype=t.dtype).to(t.device)
         for t in stage_outputs
     )
+    seeds = FakesBeside(grads)
 
     def loss(output: Any) -> torch.Tensor:
         flat = output if isinstance(output, tuple) else (output,)
-        pairs = [(o, g) for o, g in zip(flat, grads) if g is not None and o.requires_grad]
+        pairs = [(o, g) for o, g in zip(flat, seeds(flat)) if g is not None and o.requires_grad]
         return SeededBackward.apply(tuple(g for _, g in pairs), *(o for o, _ in pairs))
 
     return loss
@@ -427,7 +432,7 @@ def checked_cuts(cuts: tuple[int, ...], graph: Graph, values: dict, legal: tuple
 
 def unit_pieces(cuts: list[int], num_units: int) -> list[tuple[int, int]]:
     bounds = [-1, *cuts, num_units - 1]
-    return [(a + 1, b) for a, b in zip(bounds, bounds[1:])]
+    return [(a + 1, b) for a, b in itertools.pairwise(bounds)]
 
 
 def parameter_bytes(table: StageTable, first: int, last: int) -> int:

@@ -132,11 +132,6 @@ class StageTable:
                 options=dataclasses.replace(self.options, gradient_accumulation_steps=self.request.microbatches),
                 **self.whole.planner_arguments(),  # on fakes when the whole step was, for the same device
             )
-            if self._planners[key]._device.type == "meta":
-                # Planner prices what it calibrates later (offload, for the pool an infeasible budget would need) on
-                # the model's device, which a meta model's is not: on the CPU, as build.py prices it (until the
-                # Planner does so itself)
-                self._planners[key]._device = torch.device("cpu")
         return self._planners[key]
 
     def stage_inputs(self, stage: StageGraph) -> tuple[tuple, dict]:

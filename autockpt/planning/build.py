@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -39,11 +39,8 @@ from autockpt.measure.trace import step_tensors
 from autockpt.planning.options import PlanOptions, checkpoint_choice
 from autockpt.record_types import Provenance
 from autockpt.runtime.model_state import enter_training_modes, preserved_model_state
-from autockpt.types import Action, CaptureKind, Graph, StepTrace
+from autockpt.types import Action, CaptureKind, CostModel, Graph, StepTrace
 from autockpt.units import format_bytes
-
-if TYPE_CHECKING:
-    from autockpt.planning.planner import Planner
 
 logger = logging.getLogger(__name__)
 
@@ -155,8 +152,22 @@ def _measured_or_fake(graph: Graph, step: StepInputs, request: TraceRequest, rea
         )
 
 
-def planner_from_model(
-    cls: type[Planner],
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class BuiltStep:
+    """What a planner is made from (``Planner(graph, trace, costs, options, ...)``): the captured graph, its timed
+    trace and the prices, the device planned for and how the step was known."""
+
+    graph: Graph
+    trace: StepTrace
+    costs: CostModel
+    target: DeviceSpec | None  # a device other than the model's (roofline timing), else None
+    provenance: Provenance
+    notes: tuple[str, ...]  # every plan carries them: how the times were made, why the trace was chosen
+    capture_time_s: float
+    profile_time_s: float
+
+
+def built_step(
     step: StepInputs,
     options: PlanOptions,
     *,
@@ -165,8 +176,8 @@ def planner_from_model(
     timing: str | Timing,
     target: str | DeviceSpec | None,
     device_memory_bytes: int | None,
-) -> Planner:
-    """``Planner.from_model``'s work on a checked step: capture, trace, time and price, then the planner."""
+) -> BuiltStep:
+    """``Planner.from_model``'s work on a checked step: capture, trace, time and price."""
     check_trace(trace)
     spec = device_spec(target) if target is not None else None
     memory = device_memory_for(step, device_memory_bytes, spec)
@@ -200,13 +211,11 @@ def planner_from_model(
         trace=chosen.source, timing=timed.timing, device=spec.name if spec is not None else str(price_device),
         device_memory_bytes=memory, reason=chosen.reason,
     )
-    planner = cls(
-        graph, timed.trace, timed.costs, options, step=step, on_stage=on_stage,
+    return BuiltStep(
+        graph=graph, trace=timed.trace, costs=timed.costs, target=timed.target, provenance=provenance,
         notes=(timed.note, *([f"trace: {chosen.source} ({chosen.reason})"] if chosen.reason else [])),
-        capture_time_s=captured - started, profile_time_s=time.perf_counter() - captured, provenance=provenance,
+        capture_time_s=captured - started, profile_time_s=time.perf_counter() - captured,
     )
-    planner.target = timed.target
-    return planner
 
 
 def solves_by_blocks(options: PlanOptions, graph: Graph) -> bool:

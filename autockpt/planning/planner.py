@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from autockpt.core.devices import DeviceSpec
@@ -44,7 +45,7 @@ from autockpt.measure.step import (
 )
 from autockpt.measure.timing import Timing
 from autockpt.measure.trace import step_tensors
-from autockpt.planning.build import planner_from_model, refuse_offload, solves_by_blocks
+from autockpt.planning.build import built_step, refuse_offload, solves_by_blocks
 from autockpt.planning.options import (
     UNSET,
     PlanOptions,
@@ -151,7 +152,8 @@ class Planner:
         # the recompute actions plans are made for, in order of preference on a tie
         self.actions = recompute_actions(checkpoint_choice(self.options), graph.kind)
         self._on_stage = on_stage or (lambda stage: None)
-        self._device = step.device
+        # a model on the meta device is planned for the CPU, where its fake step ran and actions are priced
+        self._device = torch.device("cpu") if step.device.type == "meta" else step.device
         if self.host_pool_bytes > 0:
             self._check_offload_possible(self.options.host_pool_gb)
         # the device as the step will find it: profiling held copies of the buffers and the user's gradients aside
@@ -206,10 +208,16 @@ class Planner:
                 raise ValueError(f"give trace={trace!r} or trace_source=..., not both (trace_source is trace's older name)")
             trace = trace_source
         step = StepInputs.check(model, example_inputs, example_kwargs, loss_fn)
-        return planner_from_model(
-            cls, step, options, on_stage=on_stage, trace=trace, timing=timing, target=target,
+        built = built_step(
+            step, options, on_stage=on_stage, trace=trace, timing=timing, target=target,
             device_memory_bytes=device_memory_bytes,
         )
+        planner = cls(
+            built.graph, built.trace, built.costs, options, step=step, on_stage=on_stage, notes=built.notes,
+            capture_time_s=built.capture_time_s, profile_time_s=built.profile_time_s, provenance=built.provenance,
+        )
+        planner.target = built.target
+        return planner
 
     @property
     def device_memory_bytes(self) -> int | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class AutockptError(Exception):
     """Base class of the errors autockpt raises on purpose."""
@@ -11,17 +13,41 @@ class InfeasibleBudgetError(AutockptError, ValueError):
     """The budget is below the smallest peak any plan can reach.
 
     ``min_feasible_bytes`` is the smallest predicted peak autockpt found; a budget at or above it is accepted.
+    A budget under the static bytes alone (parameters, gradients, optimizer states, buffers, inputs) is refused
+    before any floor is searched (``core/solve/refine.py``, ``refuse_static_over_budget``): then ``lower_bound_bytes``
+    is known at once (the static bytes and what the step still holds when it ends, a bound no plan goes under) and
+    ``min_feasible_bytes`` is searched when first read (the floor search the refusal skipped: seconds to a minute on
+    a model of billions of parameters), then kept.
     ``host_pool_bytes_needed``: a host pool (``host_pool_gb``) of that many bytes makes the budget feasible by
     offloading (None: no pool would, or it was not looked for).
     """
 
     def __init__(
-        self, message: str, *, budget_bytes: int, min_feasible_bytes: int, host_pool_bytes_needed: int | None = None
+        self,
+        message: str,
+        *,
+        budget_bytes: int,
+        min_feasible_bytes: int | Callable[[], int],
+        host_pool_bytes_needed: int | None = None,
+        lower_bound_bytes: int | None = None,
     ) -> None:
         super().__init__(message)
         self.budget_bytes = budget_bytes
-        self.min_feasible_bytes = min_feasible_bytes
+        self._min_feasible: int | Callable[[], int] = min_feasible_bytes
         self.host_pool_bytes_needed = host_pool_bytes_needed
+        # known without a search: min_feasible_bytes is at least this (None: min_feasible_bytes itself is known)
+        self.lower_bound_bytes = lower_bound_bytes
+
+    @property
+    def min_feasible_bytes(self) -> int:
+        """The smallest predicted peak found; searched now when the refusal did not search it (see the class)."""
+        if callable(self._min_feasible):
+            self._min_feasible = int(self._min_feasible())
+        return self._min_feasible
+
+    @min_feasible_bytes.setter
+    def min_feasible_bytes(self, value: int) -> None:
+        self._min_feasible = value
 
 
 class LossFunctionError(AutockptError, ValueError):

@@ -1,10 +1,10 @@
 """What a plan records: the values a plan and a pipeline plan are made of, written to and read from plan files.
 
-``PlanRecord`` (with its rows ``NodePlan``, the model's ``ModelFingerprint`` of ``TensorSpec``s and the budget sweep's
-``ParetoPoint``s) is what ``records/plan.py``, ``summary.py``, ``plan_io.py`` and the reports read;
-``PipelineRecord`` is a pipeline plan, with its stages (``PipelineStageRecord``) and tied parameters
-(``SharedParameter``). The values the stages pass to make them (graph, trace, costs, policy, timeline) are in
-``types.py``.
+``PlanRecord`` (with its rows ``NodePlan``, the model's ``ModelFingerprint`` of ``TensorSpec``s, the budget sweep's
+``ParetoPoint``s, the ``Provenance`` of its trace and timing and its ``MemoryBreakdown``s) is what ``records/plan.py``,
+``summary.py``, ``plan_io.py`` and the reports read; ``PipelineRecord`` is a pipeline plan, with its stages
+(``PipelineStageRecord``) and tied parameters (``SharedParameter``). The values the stages pass to make them (graph,
+trace, costs, policy, timeline) are in ``types.py``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from autockpt.types import (
     CaptureKind,
     Decision,
     MemoryCurve,
+    Phase,
     PipelineSchedule,
     PlanStatus,
     Policy,
@@ -25,6 +26,7 @@ from autockpt.types import (
     SolverStats,
     TrainingLoop,
 )
+from autockpt.units import format_bytes
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -64,9 +66,55 @@ class Provenance:
     reason: str = ""  # why trace="auto" chose this trace ("" when it was asked for)
 
     def describe(self) -> str:
-        memory = f", {self.device_memory_bytes:,} B of device memory" if self.device_memory_bytes is not None else ""
-        why = f" ({self.reason})" if self.reason else ""
+        """``fake trace, roofline timing, for h100-sxm-80gb with 80.000 GB (74.506 GiB) of device memory``, then
+        ``; auto: why`` when ``trace="auto"`` chose the trace."""
+        memory = (
+            f" with {format_bytes(self.device_memory_bytes)} of device memory"
+            if self.device_memory_bytes is not None else ""
+        )
+        why = f"; auto: {self.reason}" if self.reason else ""
         return f"{self.trace} trace, {self.timing} timing, for {self.device}{memory}{why}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryBreakdown:
+    """What one moment of a predicted step holds, by category (``core/breakdown.py`` says how each is found); the
+    categories add up to ``total_bytes`` exactly, which at a plan's peak is its predicted peak.
+
+    Static categories (parameters, buffers and inputs, optimizer states, other device memory) are the trace's;
+    gradients are those made so far; ``logits_bytes`` is the model's output and what the loss makes from it in
+    forward; ``activation_bytes`` every other tensor made in forward and still alive; ``temporary_bytes`` the rest.
+    """
+
+    event: int  # the event of the step's timeline (``StepTrace.events``)
+    phase: Phase
+    parameter_bytes: int
+    gradient_bytes: int  # parameter gradients made so far
+    optimizer_state_bytes: int
+    buffer_and_input_bytes: int
+    activation_bytes: int  # tensors made in forward still alive (saved for backward, or not yet freed), logits aside
+    logits_bytes: int  # the model's output (a language model's logits) and what the loss made from it in forward
+    recomputed_bytes: int = 0  # copies made by recomputation (and its burst), brought back from the host pool
+    other_device_bytes: int = 0  # device bytes the step does not own (``StepTrace.foreign_bytes``)
+    temporary_bytes: int  # everything else: backward temporaries, activation gradients, optimizer.step()'s
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(size for _, size in self.rows())
+
+    def rows(self) -> list[tuple[str, int]]:
+        """(category, bytes) in the order the summary and the report list them."""
+        return [
+            ("parameters", self.parameter_bytes),
+            ("gradients", self.gradient_bytes),
+            ("optimizer states", self.optimizer_state_bytes),
+            ("buffers and inputs", self.buffer_and_input_bytes),
+            ("activations", self.activation_bytes),
+            ("logits and loss", self.logits_bytes),
+            ("recomputed copies", self.recomputed_bytes),
+            ("other device memory", self.other_device_bytes),
+            ("temporaries", self.temporary_bytes),
+        ]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -149,6 +197,10 @@ class PlanRecord:
     # None on CPU or when nothing was measured
     measured_reserved_bytes: int | None = None
     provenance: Provenance | None = None  # which trace and timing made the plan, for which device (None: unknown)
+    # by category, at the predicted peak under this plan and at the unmodified step's peak (None: plan files of
+    # schema version 4 or older, or plans not made by autockpt's planner)
+    breakdown: MemoryBreakdown | None = None
+    baseline_breakdown: MemoryBreakdown | None = None
 
     @property
     def regions(self) -> tuple[Region, ...]:
@@ -246,4 +298,5 @@ class PipelineRecord:
     candidate_cuts: tuple[int, ...] = ()
     plan_time_s: float = 0.0
     notes: tuple[str, ...] = ()
+    provenance: Provenance | None = None  # how the stages' steps were traced and timed (every stage alike)
 

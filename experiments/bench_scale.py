@@ -18,17 +18,22 @@ for Llama 12 layers, ≤ 10 s for 48). Writes a CSV and a log-log plot of solve 
     python experiments/bench_scale.py --real-sizes                # Llama-2-7B, Llama-3-70B on meta, FakeTrace
 
 ``--real-sizes`` (issue 36): models of real size built on the meta device (no weights anywhere), bf16, AdamW, batch
-1 x 4096, traced with ``FakeTrace`` and planned at a budget given in GB (10^9 bytes), each in its own subprocess:
-wall seconds from building the model to the plan (or the refusal), the process's peak RSS, the predicted peak, the
-trace's static bytes by category (parameters, gradients, optimizer states; "above static" is the predicted peak less
-the static bytes: activations, the logits and the loss, at the peak) and the regions, or the refusal's message.
-Writes ``experiments/results/scale/bench_scale_real.csv``.
+1 x 4096, planned with ``Planner.from_model(..., trace="fake", target="h100-sxm-80gb")`` (a fake trace, roofline
+timing on the H100) at budgets given in GB (10^9 bytes), each model in its own subprocess. Per budget: wall seconds
+from the imports to this budget's plan or refusal, the process's peak RSS and the load average around it, the plan's
+``Plan.breakdown`` at its predicted peak and at the unmodified step's (parameters, gradients, optimizer states,
+buffers and inputs, activations, logits and loss, recomputed copies, other device memory, temporaries), the predicted
+step time and tokens per second (roofline: forward + backward + recomputation), the provenance; or the refusal's
+message, the bound it states (``InfeasibleBudgetError.lower_bound_bytes``: its floor is not searched) and how many
+devices of that memory the static bytes need. Writes ``experiments/results/scale/bench_scale_real.csv`` and its
+section of ``experiments/results/README.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import resource
 import subprocess
 import sys
@@ -220,20 +225,35 @@ def _flat_program(planner, budget: int, recompute_ms: float) -> dict:
 # real sizes: (layers, hidden, intermediate, heads, KV heads, vocabulary), budgets in GB
 REAL_SIZES = {
     "llama2-7b": ((32, 4096, 11008, 32, 32, 32000), (75, 60)),  # 60: under the unmodified peak
-    "llama3-70b": ((80, 8192, 28672, 64, 8, 128256), (80,)),
+    "llama3-70b": ((80, 8192, 28672, 64, 8, 128256), (80,)),  # static bytes alone are 7 H100s' memory
 }
 _REAL_SEQ = 4096
+_REAL_TARGET = "h100-sxm-80gb"
+# the categories of ``Plan.breakdown`` (``record_types.MemoryBreakdown``), as CSV columns
+_CATEGORIES = ("parameter", "gradient", "optimizer_state", "buffer_and_input", "activation", "logits", "recomputed",
+               "other_device", "temporary")
+
+
+def gb(value: float) -> str:
+    """GB (10^9 bytes) with two decimals; empty for NaN (a refused row's missing figure)."""
+    return "" if math.isnan(value) else f"{value / 1e9:.2f}"
+
+
+def _categories(prefix: str, breakdown) -> dict:
+    return {f"{prefix}{name}_bytes": getattr(breakdown, f"{name}_bytes") for name in _CATEGORIES}
 
 
 def run_real(name: str) -> list[dict]:
-    """One real-size Llama on the meta device: FakeTrace, AdamW, bf16, batch 1 x 4096; a row per budget."""
+    """One real-size Llama on the meta device: fake trace, roofline timing on an H100, AdamW, bf16, batch 1 x 4096;
+    a row per budget. A refusal's floor is not read (``min_feasible_bytes`` would search it): its bound is."""
+    import os
+
     started = time.perf_counter()
+    load_before = os.getloadavg()[0]
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import autockpt
-    from autockpt.measure.fake import FakeTrace
-    from autockpt.measure.timing import MeasuredTiming
     from autockpt.units import GB
 
     torch.set_num_threads(2)
@@ -246,20 +266,24 @@ def run_real(name: str) -> list[dict]:
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     ids = torch.randint(0, vocab, (1, _REAL_SEQ))
     planner = autockpt.Planner.from_model(
-        model, example_inputs=(ids,), example_kwargs={"labels": ids}, trace_source=FakeTrace(),
+        model, example_inputs=(ids,), example_kwargs={"labels": ids}, trace="fake", target=_REAL_TARGET,
         optimizer=torch.optim.AdamW,
-        # the fake trace's placeholder times, as recorded: memory planning at scale, not a CPU benchmark of 7B ops
-        timing=MeasuredTiming(),
     )
-    trace = planner.trace
+    setup_s = time.perf_counter() - started  # imports, build, capture, fake trace, roofline timing
+    trace, provenance = planner.trace, planner.provenance
     base = {
         "model": name, "parameters": sum(p.numel() for p in model.parameters()), "batch": 1, "seq": _REAL_SEQ,
         "capture": planner.graph.kind.value, "units": len(planner.graph.units),
-        "capture_s": round(planner.capture_time_s, 2), "profile_s": round(planner.profile_time_s, 2),
+        "setup_s": round(setup_s, 2), "capture_s": round(planner.capture_time_s, 2),
+        "trace_s": round(planner.profile_time_s, 2),
         "unmodified_peak_bytes": trace.baseline_peak_bytes, "static_bytes": trace.static_bytes,
-        "parameter_bytes": trace.parameter_bytes, "gradient_bytes": trace.gradient_bytes,
-        "optimizer_state_bytes": trace.optimizer_state_bytes, "buffer_bytes": trace.buffer_bytes,
-        "input_bytes": trace.input_bytes,
+        "trace_parameter_bytes": trace.parameter_bytes, "trace_gradient_bytes": trace.gradient_bytes,
+        "trace_optimizer_state_bytes": trace.optimizer_state_bytes, "trace_buffer_bytes": trace.buffer_bytes,
+        "trace_input_bytes": trace.input_bytes,
+        "unmodified_step_ms": round(trace.step_ms, 2),
+        "provenance_trace": provenance.trace, "provenance_timing": provenance.timing,
+        "provenance_device": provenance.device, "provenance_device_memory_bytes": provenance.device_memory_bytes,
+        "provenance_reason": provenance.reason, "provenance": provenance.describe(),
     }
     rows = []
     for budget_gb in budgets:
@@ -268,28 +292,41 @@ def run_real(name: str) -> list[dict]:
         try:
             plan = planner.plan(budget_bytes=int(budget_gb * GB))
         except autockpt.InfeasibleBudgetError as error:
-            row.update(feasible=False, min_feasible_bytes=error.min_feasible_bytes, message=str(error))
+            solve_s = time.perf_counter() - solve_started
+            row.update(
+                feasible=False, lower_bound_bytes=error.lower_bound_bytes, message=str(error),
+                devices_for_static=math.ceil(trace.static_bytes / int(budget_gb * GB)),
+            )
         else:
+            solve_s = time.perf_counter() - solve_started
+            step_ms = plan.baseline_step_ms * (1 + plan.predicted_overhead)
             row.update(
                 feasible=True, status=plan.status.value, predicted_peak_bytes=plan.predicted_peak_bytes,
-                above_static_bytes=plan.predicted_peak_bytes - trace.static_bytes,
                 min_feasible_bytes=plan.min_feasible_bytes, regions=len(plan.regions),
+                checkpoint=plan.planned_action.value, predicted_step_ms=round(step_ms, 2),
+                predicted_tokens_per_s=round(_REAL_SEQ / (step_ms / 1e3)),
+                **_categories("peak_", plan.breakdown), **_categories("unmodified_", plan.baseline_breakdown),
+                peak_phase=plan.breakdown.phase.value, unmodified_phase=plan.baseline_breakdown.phase.value,
             )
-        row["solve_s"] = round(time.perf_counter() - solve_started, 2)
-        row["wall_s"] = round(time.perf_counter() - started, 2)  # from the import of torch to this budget's answer
+        row["solve_s"] = round(solve_s, 3)
+        row["wall_s"] = round(setup_s + solve_s, 2)  # from the imports to this budget's answer, alone
         rows.append(row)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     for row in rows:
-        row["process_peak_rss_bytes"] = rss
+        row.update(process_peak_rss_bytes=rss, load_before=round(load_before, 2), load_after=round(os.getloadavg()[0], 2))
     return rows
 
 
 def real_sizes(names: list[str], out: Path) -> None:
+    import os
+
     import pandas as pd
 
     rows = []
     for name in names:
-        done = subprocess.run([sys.executable, __file__, "--one-real", name], capture_output=True, text=True)
+        done = subprocess.run(
+            [sys.executable, __file__, "--one-real", name], capture_output=True, text=True, check=False
+        )
         if done.returncode != 0:
             print(f"{name}: failed\n{done.stderr[-2000:]}", file=sys.stderr)
             continue
@@ -298,27 +335,50 @@ def real_sizes(names: list[str], out: Path) -> None:
     folder = out / "scale"
     folder.mkdir(parents=True, exist_ok=True)
     frame.to_csv(folder / "bench_scale_real.csv", index=False)
-    gb = lambda value: "" if value != value else f"{value / 1e9:.2f}"  # noqa: E731 (NaN: refused)
+    loads = {row["model"]: f"{row['load_before']:.1f} to {row['load_after']:.1f}" for row in rows}
     lines = [
-        "Real-size Llamas built on the meta device, bf16 weights, AdamW, batch 1 x 4096, `FakeTrace`, one subprocess "
-        "each on 2 CPU cores (`python experiments/bench_scale.py --real-sizes`). GB = 10^9 bytes; wall: build, "
-        "capture, fake trace and plan; RSS: the process's peak resident memory.", "",
-        "| model | budget GB | wall s (capture, trace, solve) | peak RSS GB | units | parameters GB | gradients GB "
-        "| optimizer states GB | static GB | unmodified peak GB | predicted peak GB | above static GB | regions |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        (
+            f"Real-size Llamas built on the meta device, bf16 weights, AdamW, batch 1 x {_REAL_SEQ}, "
+            f"`Planner.from_model(..., trace=\"fake\", target=\"{_REAL_TARGET}\", optimizer=torch.optim.AdamW)`: "
+            f"a fake trace, roofline timing on the H100; one subprocess each on a machine of {os.cpu_count()} CPU "
+            "cores shared with other work (1-minute load average when each started and ended: "
+            f"{'; '.join(f'{model} {load}' for model, load in loads.items())}) "
+            "(`python experiments/bench_scale.py --real-sizes`). GB = 10^9 bytes. Wall: the imports, building the "
+            "model, capture, fake trace and this budget's plan alone (target: at most 60 s); RSS: the process's peak "
+            "resident memory (target: at most 4 GB). The categories are `Plan.breakdown` in GB, at the predicted "
+            "peak under the plan (they add up to it); step time and tokens/s are the roofline's forward + backward + "
+            "recomputation on the H100 (optimizer.step() not timed)."
+        ),
+        "",
+        (
+            "| model | budget GB | wall s (capture, trace, solve) | peak RSS GB | units | peak GB | parameters "
+            "| gradients | optimizer states | buffers+inputs | activations | logits+loss | recomputed | temporaries "
+            "| regions | step ms (unmodified) | tokens/s |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        peak = gb(row["predicted_peak_bytes"]) if row["feasible"] else "refused"
-        lines.append(
-            f"| {row['model']} | {row['budget_gb']} | {row['wall_s']:.1f} ({row['capture_s']:.1f}, {row['profile_s']:.1f}, "
-            f"{row['solve_s']:.1f}) | {row['process_peak_rss_bytes'] / 1e9:.2f} | {row['units']} "
-            f"| {gb(row['parameter_bytes'])} | {gb(row['gradient_bytes'])} | {gb(row['optimizer_state_bytes'])} "
-            f"| {gb(row['static_bytes'])} | {gb(row['unmodified_peak_bytes'])} | {peak} "
-            f"| {gb(row['above_static_bytes']) if row['feasible'] else ''} | {row.get('regions', '') if row['feasible'] else ''} |"
-        )
+        timing = (f"{row['wall_s']:.1f} ({row['capture_s']:.1f}, {row['trace_s']:.1f}, {row['solve_s']:.2f}) "
+                  f"| {row['process_peak_rss_bytes'] / 1e9:.2f} | {row['units']}")
+        if row["feasible"]:
+            categories = " | ".join(gb(row[f"peak_{name}_bytes"]) for name in _CATEGORIES if name != "other_device")
+            lines.append(
+                f"| {row['model']} | {row['budget_gb']} | {timing} | {gb(row['predicted_peak_bytes'])} | {categories} "
+                f"| {row['regions']} | {row['predicted_step_ms']:.0f} ({row['unmodified_step_ms']:.0f}) "
+                f"| {row['predicted_tokens_per_s']:,} |"
+            )
+        else:
+            static = " | ".join(gb(row[f"trace_{name}_bytes"]) for name in ("parameter", "gradient", "optimizer_state"))
+            lines.append(
+                f"| {row['model']} | {row['budget_gb']} | {timing} | refused (at least {gb(row['lower_bound_bytes'])}) "
+                f"| {static} | {gb(row['trace_buffer_bytes'] + row['trace_input_bytes'])} | | | | | | | |"
+            )
+    lines += ["", f"Made from: {rows[0]['provenance']}." if rows else ""]
     for row in rows:
         if not row["feasible"]:
-            lines += ["", f"{row['model']} at {row['budget_gb']} GB, refused: {row['message']}"]
+            refused = (f"{row['model']} at {row['budget_gb']} GB, refused in {row['solve_s']:.3f} s after "
+                       f"{row['setup_s']:.1f} s of setup: {row['message']}")
+            lines += ["", refused]
     text = "\n".join(lines)
     print(text)
     from results_readme import write_section  # refresh this run's section of experiments/results/README.md

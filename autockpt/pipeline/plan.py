@@ -89,6 +89,8 @@ class PipelinePlan(PipelineRecord):
                 f"{format_bytes(stage.schedule_buffer_bytes)}); {len(the_plan.regions)} regions recomputed; "
                 f"{stage.predicted_microbatch_ms:.2f} ms per microbatch"
             )
+        if self.provenance is not None:
+            lines.append(f"  made from: {self.provenance.describe()} (every stage alike)")
         for shared in self.shared_parameters:
             lines.append(
                 f"  parameter {shared.name} ({format_bytes(shared.nbytes)}) is held by stages "
@@ -244,15 +246,17 @@ def compare_pipeline_splits(
                 results[split_name(split)] = _infeasible(table, request, link, split)
                 continue
             graphs = [table.graph_of(o.first_unit, o.last_unit, index=o.stage) for o in chosen.options]
+            stage_plans = tuple(table.entry(option).plan for option in chosen.options)
             results[split_name(split)] = PipelinePlan(
                 num_stages=request.num_stages, microbatches=request.microbatches, schedule=request.schedule,
                 return_outputs=request.return_outputs, cuts=chosen.cuts,
                 stages=tuple(table.record(option) for option in chosen.options),
-                stage_plans=tuple(table.entry(option).plan for option in chosen.options),
+                stage_plans=stage_plans,
                 shared_parameters=shared_parameters(graphs), predicted_step_ms=chosen.predicted_step_ms,
                 link_gb_per_s=link, strategy=split if isinstance(split, str) else "given",
                 capture=graph.kind, fingerprint=fingerprint, candidate_cuts=table.candidates,
                 plan_time_s=time.perf_counter() - started, notes=(*graph.notes, *whole.notes),
+                provenance=stage_plans[0].provenance,
             )
     return results
 

@@ -27,7 +27,7 @@ from autockpt.core.simulate import memory_curve, simulate
 from autockpt.core.solve.base import NO_PROGRAM, Problem, SolveResult, recompute_actions, region_actions
 from autockpt.core.solve.baselines import baseline_regions, baseline_seed_plans
 from autockpt.core.solve.candidates import candidate_regions
-from autockpt.core.solve.default import floor_by_bytes, solve_prepared
+from autockpt.core.solve.default import floor_by_bytes, refuse_static_over_budget, solve_prepared
 from autockpt.core.solve.joint import JointProblem, solve_joint, unbounded_pool
 from autockpt.core.solve.prepare import prepare
 from autockpt.core.structure import find_repeated_blocks
@@ -476,12 +476,13 @@ class Planner:
     def _solve_each(self, target_bytes: int) -> tuple[dict[Action, SolveResult], float]:
         """Per action with a plan under ``target_bytes``: its cheapest plan, and the seconds all of it took
         (preparing each action's problem the first time, floors, every action's solve). With a host pool, one joint
-        plan (each region its own action), keyed by the action of its recompute-only rival. Each result's
-        ``min_feasible_bytes`` is the lowest over all actions; raises ``InfeasibleBudgetError`` when no action has
-        a plan. The device bytes the step does not own are read again first: the plan is for the device as it is."""
+        plan keyed by the action of its recompute-only rival. Each result's ``min_feasible_bytes`` is the lowest over
+        all actions; raises ``InfeasibleBudgetError`` when no action has a plan (at once under the static bytes). The
+        device bytes the step does not own are read again first: the plan is for the device as it is."""
         self._on_stage("solve")
         started = time.perf_counter()
         self._follow_foreign_bytes()
+        refuse_static_over_budget(self.trace, target_bytes, lambda: self._solve_each(target_bytes))  # nothing prepared
         context = self.context
         results: dict[Action, SolveResult] = {}
         infeasible: list[InfeasibleBudgetError] = []
@@ -510,8 +511,7 @@ class Planner:
 
     def _follow_foreign_bytes(self) -> None:
         """Move the trace to the device bytes the step does not own now (``loop.with_foreign_bytes``: every event by
-        the difference, as the loop's optimizer states raise them); the prepared problems are made again when it
-        moved."""
+        the difference, as the loop's optimizer states raise them); the prepared problems are made again if it moved."""
         now = self.foreign_bytes_now()
         if now != self.trace.foreign_bytes:
             logger.info(

@@ -1,6 +1,7 @@
 """Policy: a solved (or given) set of regions -> the Policy the rewriter applies and the Plan a person reads.
 
-The plan records, per unit, what it costs and what was decided, and the predicted memory curves before and after.
+The plan records, per unit, what it costs and what was decided, the predicted memory curves before and after, and
+what each holds at its peak by category (``core/breakdown.py``).
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from autockpt.core.breakdown import memory_breakdown
 from autockpt.core.simulate import memory_curve, unit_regions
 from autockpt.core.solve.base import SolveResult
 from autockpt.record_types import ModelFingerprint, NodePlan, Provenance
@@ -92,6 +94,7 @@ def assemble_plan(
         for unit, cost in zip(graph.units, trace.units)
     )
     solved = result is not None
+    memory_after = memory_curve(trace, context.costs, policy.region_actions)
     return Plan(
         budget_bytes=budget_bytes,
         predicted_peak_bytes=timeline.peak_bytes,
@@ -121,10 +124,12 @@ def assemble_plan(
         fingerprint=context.fingerprint,
         solver_stats=result.stats if solved else None,
         memory_before=context.memory_before,
-        memory_after=memory_curve(trace, context.costs, policy.region_actions),
+        memory_after=memory_after,
         loop=trace.loop,
         foreign_bytes=trace.foreign_bytes,
         provenance=context.provenance,
+        breakdown=memory_breakdown(trace, memory_after),
+        baseline_breakdown=memory_breakdown(trace, context.memory_before),
     )
 
 

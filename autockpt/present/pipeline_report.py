@@ -289,6 +289,7 @@ def _headline(pplan: PipelineRecord) -> list[tuple[str, str]]:
                             "ms per microbatch + microbatches x the sends, both ways)")),
         ("link priced at", f"{pplan.link_gb_per_s:.2f} GB/s (GB = 10^9 bytes)"),
         ("outputs returned by the step", "yes" if pplan.return_outputs else "no"),
+        *([("made from (trace, timing, device)", pplan.provenance.describe())] if pplan.provenance is not None else []),
     ]
 
 

@@ -17,7 +17,15 @@ from autockpt.present.page import (
     write_page,
 )
 from autockpt.record_types import PlanRecord
-from autockpt.records.summary import decisions_line, floor_note, module_rows, overhead_breakdown, pool_line, region_rows
+from autockpt.records.summary import (
+    breakdown_rows,
+    decisions_line,
+    floor_note,
+    module_rows,
+    overhead_breakdown,
+    pool_line,
+    region_rows,
+)
 from autockpt.units import GB, format_bytes
 
 _LOG = logging.getLogger(__name__)
@@ -42,6 +50,8 @@ def _headline(plan: PlanRecord) -> list[tuple[str, str]]:
         ("predicted overhead", f"+{100 * plan.predicted_overhead:.1f}% of the step ({overhead_breakdown(plan)})"),
         ("recomputed", decisions_line(plan)),
     ]
+    if plan.provenance is not None:
+        rows.append(("made from (trace, timing, device)", plan.provenance.describe()))
     if plan.host_pool_bytes:
         rows.append(("host pool", pool_line(plan)))
     if plan.measured_peak_bytes is not None:
@@ -139,6 +149,9 @@ def report_html(plan: PlanRecord, *, depth: int = 2) -> str:
         parts.append(no_plot or f"<figure>{_timeline_svg(plan)}</figure>")
     else:
         parts.append("<p>No timeline in this plan (it was not made by autockpt's planner).</p>")
+    if breakdown_rows(plan):
+        parts.append("<h3>At the peak, by category</h3>")
+        parts.append(html_table(_breakdown_header(plan), _breakdown_table(plan)))
     parts.append(f"<h2>Per module (depth {depth})</h2>")
     parts.append(html_table(
         ["module", "activation bytes not kept", "recompute ms", "recomputed units"],
@@ -171,6 +184,24 @@ def report_html(plan: PlanRecord, *, depth: int = 2) -> str:
     return "\n".join(parts)
 
 
+def _breakdown_header(plan: PlanRecord) -> list[str]:
+    after, before = plan.breakdown, plan.baseline_breakdown
+    assert after is not None and before is not None
+    return ["category", f"this plan, at its predicted peak ({after.phase.value})",
+            f"unmodified step, at its peak ({before.phase.value})"]
+
+
+def _breakdown_table(plan: PlanRecord) -> list[tuple[str, ...]]:
+    """The summary's rows, and the host pool's occupancy at each peak (host memory, not in the totals)."""
+    rows: list[tuple[str, ...]] = list(breakdown_rows(plan))
+    after, before = plan.memory_after, plan.memory_before
+    if after is not None and after.host_pool_bytes and plan.breakdown is not None:
+        pool_before = before.host_pool_bytes[plan.baseline_breakdown.event] if before and before.host_pool_bytes else 0
+        rows.append(("host pool occupancy (host memory, not in the total)",
+                     format_bytes(after.host_pool_bytes[plan.breakdown.event]), format_bytes(pool_before)))
+    return rows
+
+
 def _pareto_rows(plan: PlanRecord) -> list[tuple[str, ...]]:
     return [
         (format_bytes(p.budget_bytes),
@@ -184,7 +215,10 @@ def report_markdown(plan: PlanRecord, *, depth: int = 2) -> str:
     """The report's tables in markdown (plots are in the HTML report)."""
     lines = ["# autockpt memory plan", "", "GB = 10^9 bytes, GiB = 2^30 bytes; figures are predicted unless said.", ""]
     lines += md_table(["", ""], _headline(plan))
-    if plan.memory_after is not None:
+    if breakdown_rows(plan):
+        lines += ["", "## At the peak, by category", ""]
+        lines += md_table(_breakdown_header(plan), _breakdown_table(plan))
+    elif plan.memory_after is not None:
         after = plan.memory_after
         peak_event = max(range(len(after.phases)), key=after.total_bytes.__getitem__)
         lines += ["", "## At the predicted peak", ""]

@@ -52,5 +52,5 @@ def presentation_writer(qualified_name: str) -> Callable[..., Any]:
 
 
 def load_plan(path: str | os.PathLike[str]) -> Plan:
-    """Read a plan written by ``Plan.save`` (or ``autockpt plan --out``); schema versions 1 and 2."""
+    """Read a plan written by ``Plan.save`` (or ``autockpt plan --out``); schema versions 1 to 5."""
     return plan_io.read_plan(path, Plan)

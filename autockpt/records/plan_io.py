@@ -5,7 +5,8 @@ graph (ops and module paths of every unit, in order), parameter names/shapes/dty
 made on one machine (say, the CLI on a laptop) applies on another without profiling or solving again, as long as the
 fingerprint matches; otherwise ``PlanMismatchError`` says what differs. The device is not part of the fingerprint.
 Integer and bool inputs also record the range of their values (schema version 3), so that ``plan_inputs.py`` can
-rebuild example inputs from the plan alone; the range is not part of what must match.
+rebuild example inputs from the plan alone; the range is not part of what must match. Version 5 adds the plan's
+provenance (trace, timing, device) and its memory breakdowns; a file of an older version reads with them None.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ from autockpt.record_types import ModelFingerprint, PlanRecord, TensorSpec
 from autockpt.types import Graph, Unit
 
 SCHEMA = "autockpt.plan"
+# 5: the provenance (which trace and timing made the plan, for which device) and the memory breakdowns at the peaks;
 # 4: the training loop the budget covers (optimizer step, gradient accumulation); 3: integer inputs' value ranges;
-# 2: a policy (per-region actions, placement) and per-action prices; 1: regions and one kind. Versions 2 and 3 read
-# as 4 without what they lack.
-SCHEMA_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
+# 2: a policy (per-region actions, placement) and per-action prices; 1: regions and one kind. Versions 2 to 4 read
+# as 5 without what they lack (provenance and breakdowns None).
+SCHEMA_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 PlanT = typing.TypeVar("PlanT", bound=PlanRecord)
 _MAX_LISTED = 5  # differences listed per kind in a mismatch message
 
@@ -168,8 +170,8 @@ def save_plan(plan: Any, path: str | os.PathLike[str], *, schema: str = SCHEMA) 
 
 def read_plan(path: str | os.PathLike[str], plan_type: type[PlanT], *, schema: str = SCHEMA) -> PlanT:
     """Read a plan file written by ``save_plan`` (``Plan.save``, ``autockpt plan --out``) as ``plan_type``; files of
-    schema version 1 (regions and one checkpoint kind) are read as version 2, and version 2 as 3 without the value
-    ranges of integer inputs."""
+    schema version 1 (regions and one checkpoint kind) are read as version 2, and versions 2 to 4 as 5 without what
+    they lack (the value ranges of integer inputs, the training loop, the provenance and the memory breakdowns)."""
     try:
         text = Path(path).read_text()
     except OSError as error:

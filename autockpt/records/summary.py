@@ -33,6 +33,7 @@ def plan_summary(plan: PlanRecord, *, max_regions: int = 12) -> str:
         f"  static (params, buffers, grads, inputs{', optimizer states' if _has_states(plan) else ''}) "
         f"{format_bytes(plan.static_bytes)}",
         f"  training loop          {plan.loop.describe() if plan.loop else 'forward + backward (no optimizer step)'}",
+        *([f"  made from              {plan.provenance.describe()}"] if plan.provenance is not None else []),
         *([f"  other device memory    {foreign_line(plan)}"] if plan.foreign_bytes else []),
         *([f"  measured peak          {measured_line(plan)}"] if plan.measured_peak_bytes is not None else []),
         f"  recomputed             {decisions_line(plan)}",
@@ -42,6 +43,7 @@ def plan_summary(plan: PlanRecord, *, max_regions: int = 12) -> str:
     ]
     if plan.host_pool_bytes:
         lines.append(f"  host pool              {pool_line(plan)}")
+    lines += breakdown_lines(plan)
     if plan.regions:
         lines.append("  regions (first unit .. last unit, module):")
         for row in region_rows(plan)[:max_regions]:
@@ -55,6 +57,34 @@ def plan_summary(plan: PlanRecord, *, max_regions: int = 12) -> str:
         lines.append("  nothing is recomputed: the unmodified step fits the budget")
     lines += [f"  note: {note}" for note in plan.notes]
     return "\n".join(lines)
+
+
+def breakdown_rows(plan: PlanRecord) -> list[tuple[str, str, str]]:
+    """(category, bytes at the predicted peak under the plan, bytes at the unmodified step's peak), the total last;
+    empty when the plan has no breakdown (plan files of schema version 4 or older)."""
+    after, before = plan.breakdown, plan.baseline_breakdown
+    if after is None or before is None:
+        return []
+    rows = [
+        (name, format_bytes(size), format_bytes(unmodified))
+        for (name, size), (_, unmodified) in zip(after.rows(), before.rows())
+        if size or unmodified
+    ]
+    return rows + [("total (the peak)", format_bytes(after.total_bytes), format_bytes(before.total_bytes))]
+
+
+def breakdown_lines(plan: PlanRecord) -> list[str]:
+    """The summary's table of what the peak holds, by category, under the plan and in the unmodified step."""
+    rows = breakdown_rows(plan)
+    if not rows:
+        return []
+    after, before = plan.breakdown, plan.baseline_breakdown
+    assert after is not None and before is not None
+    width = max(26, *(len(row[1]) + 2 for row in rows))
+    heading = f"this plan ({after.phase.value})"
+    lines = [f"  at the peak, by category {heading:<{width}}unmodified step ({before.phase.value})"]
+    lines += [f"    {name:<21}{size:<{width}}{unmodified}" for name, size, unmodified in rows]
+    return lines
 
 
 def foreign_line(plan: PlanRecord) -> str:

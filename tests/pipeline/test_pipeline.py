@@ -172,6 +172,16 @@ def test_an_infeasible_budget_names_the_smallest_one_and_that_one_plans(tmp_path
     assert placed[0].first_unit == 0 and [s.device for s in placed] == [f"rank {i}" for i in range(len(placed))]
 
 
+def test_a_pipeline_plan_says_how_its_stages_were_traced(tmp_path) -> None:
+    pplan = _plan(_CONFIG, budget_bytes=10**9, split="even-layers")
+    provenance = pplan.provenance
+    assert (provenance.trace, provenance.timing, provenance.device) == ("measured", "measured", "cpu")
+    assert all(the_plan.provenance == provenance for the_plan in pplan.stage_plans)
+    assert f"made from: {provenance.describe()} (every stage alike)" in pplan.summary()
+    pplan.save(tmp_path / "plan.json")
+    assert autockpt.load_pipeline_plan(tmp_path / "plan.json").provenance == provenance
+
+
 def test_the_split_program_finds_the_exhaustive_best() -> None:
     rng = random.Random(0)
     for trial in range(20):

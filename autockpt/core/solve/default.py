@@ -1,5 +1,8 @@
 """The default solver (``strategy="autockpt"``): every algorithm of this package, each where it does best.
 
+0. **Static memory** first: a budget under the static bytes (parameters, gradients, optimizer states, buffers,
+   inputs) is refused before any floor is searched; the error searches the floor when its ``min_feasible_bytes`` is
+   read (``refine.refuse_static_over_budget``).
 1. **Floor**, once per problem and options, in two steps. The quick floor: the block program's lowest peak and the
    seed plans, each lowered by local descent (``local.lower_floor_locally``); it proves a budget reachable in well
    under a second, and a budget at or above it is solved without the next step. The full floor, when a budget is
@@ -24,7 +27,13 @@ from autockpt.core.solve.greedy import greedy_regions
 from autockpt.core.solve.local import drop_unneeded_regions, lower_floor_locally, swap_for_cheaper
 from autockpt.core.solve.milp import solve_flat_program
 from autockpt.core.solve.pulp_tools import no_incumbent, solver_name
-from autockpt.core.solve.refine import check_reachable, identity_result, no_plan_error, refine
+from autockpt.core.solve.refine import (
+    check_reachable,
+    identity_result,
+    no_plan_error,
+    refine,
+    refuse_static_over_budget,
+)
 from autockpt.types import PlanStatus, Region, SolverStats, Timeline
 
 logger = logging.getLogger(__name__)
@@ -38,8 +47,11 @@ class DefaultSolver:
 
 
 def solve_prepared(problem: Problem, budget_bytes: int, options: SolverOptions | None = None) -> SolveResult:
-    """The cheapest plan under ``budget_bytes`` on a prepared problem (the floor is solved once per options)."""
+    """The cheapest plan under ``budget_bytes`` on a prepared problem (the floor is solved once per options). A
+    budget under the static bytes is refused first, the floor searched only when the error's ``min_feasible_bytes``
+    is read (``refine.refuse_static_over_budget``)."""
     options = options or SolverOptions()
+    refuse_static_over_budget(problem.trace, budget_bytes, lambda: solve_prepared(problem, budget_bytes, options))
     started = time.perf_counter()
     baseline = problem.baseline
     solver = solver_name(options)

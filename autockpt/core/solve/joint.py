@@ -36,7 +36,7 @@ from autockpt.core.solve.default import solve_prepared
 from autockpt.core.solve.local import drop_unneeded_regions, lower_floor_locally
 from autockpt.core.solve.milp import answer_flat_program, build_flat_program
 from autockpt.core.solve.pulp_tools import solver_name
-from autockpt.core.solve.refine import Plan3, check_reachable, refine
+from autockpt.core.solve.refine import Plan3, check_reachable, refine, refuse_static_over_budget
 from autockpt.errors import InfeasibleBudgetError
 from autockpt.types import Action, PlanStatus, Region, RegionAction, SolverStats, StepTrace, Timeline
 from autockpt.units import format_bytes
@@ -176,9 +176,10 @@ def solve_joint(joint: JointProblem, budget_bytes: int, options: SolverOptions |
 
     The recompute-only plans of the default solver (one per recompute action) are found first; the cheaper is kept
     unless the joint program finds a plan that fits and adds less predicted step time. ``min_feasible_bytes`` is the
-    lowest of the floors.
+    lowest of the floors. A budget under the static bytes is refused first (``refine.refuse_static_over_budget``).
     """
     options = options or SolverOptions()
+    refuse_static_over_budget(joint.trace, budget_bytes, lambda: solve_joint(joint, budget_bytes, options))
     started = time.perf_counter()
     solver = solver_name(options)
     alones: list[SolveResult] = []  # each recompute action's plan alone (the default solver's)

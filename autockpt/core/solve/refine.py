@@ -8,9 +8,10 @@ MILPs can; the block chain answers the same at the same budget), and keeps the c
 
 from __future__ import annotations
 
+import contextvars
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from autockpt.core.solve.base import (
@@ -92,7 +93,11 @@ def refine(
 def solve_with_program(
     problem: Problem, budget_bytes: int, options: SolverOptions, program: Program, *, name: str
 ) -> SolveResult:
-    """One program alone: its floor (``budget`` None), then ``refine`` at ``budget_bytes``."""
+    """One program alone: its floor (``budget`` None), then ``refine`` at ``budget_bytes``; a budget under the static
+    bytes refused first (``refuse_static_over_budget``)."""
+    refuse_static_over_budget(
+        problem.trace, budget_bytes, lambda: solve_with_program(problem, budget_bytes, options, program, name=name)
+    )
     started = time.perf_counter()
     solver = solver_name(options)
     programs: list[SolverStats] = []
@@ -127,19 +132,66 @@ def identity_result(
     )
 
 
-def static_over_budget(trace: StepTrace, budget_bytes: int, min_feasible_bytes: int) -> str:
-    """The refusal of a budget under the step's static bytes, which no checkpoint or offload plan lowers."""
+def static_over_budget(trace: StepTrace, budget_bytes: int, min_feasible_bytes: int | None) -> str:
+    """The refusal of a budget under the step's static bytes, which no checkpoint or offload plan lowers; with the
+    smallest peak found, or (None) the bound ``end_of_step_bytes`` when no floor was searched."""
     parts = [("parameters", trace.parameter_bytes), ("gradients", trace.gradient_bytes),
              ("optimizer states", trace.optimizer_state_bytes), ("buffers", trace.buffer_bytes),
              ("inputs", trace.input_bytes)]
     breakdown = " + ".join(f"{name} {format_bytes(size)}" for name, size in parts if size)
+    smallest = format_bytes(min_feasible_bytes) if min_feasible_bytes is not None else (
+        f"at least {format_bytes(end_of_step_bytes(trace))} (a bound, no floor was searched: the static memory and "
+        "what the step still holds when it ends, the model's output and optimizer.step()'s temporaries)"
+    )
+    devices = math.ceil(trace.static_bytes / max(budget_bytes, 1))
     return (
         f"budget {format_bytes(budget_bytes)} is below the smallest peak autockpt can reach for this model and input, "
-        f"{format_bytes(min_feasible_bytes)}, and below the static memory alone, {format_bytes(trace.static_bytes)} "
+        f"{smallest}, and below the static memory alone, {format_bytes(trace.static_bytes)} "
         f"({breakdown}), which is held through the whole step whatever is recomputed or offloaded: no plan fits one "
-        "device. Split the model into "
-        "pipeline stages (autockpt.plan_pipeline) or shard its parameters, gradients and optimizer states across "
-        "devices (FSDP, ZeRO); a smaller optimizer state (e.g. 8-bit or factored) lowers the static bytes too."
+        f"device. The static bytes alone need at least {devices:,} devices of {format_bytes(budget_bytes)}: split the "
+        f"model into at least {devices:,} pipeline stages (autockpt.plan_pipeline) or shard its parameters, gradients "
+        f"and optimizer states across at least {devices:,} devices (FSDP, ZeRO-3), each device then also holding its "
+        "activations; a smaller optimizer state (e.g. 8-bit or factored) lowers the static bytes too."
+    )
+
+
+def end_of_step_bytes(trace: StepTrace) -> int:
+    """What the step holds when it ends (the end marker event: parameters, buffers, inputs, gradients, optimizer
+    states, the model's output and ``optimizer.step()``'s peak). No plan changes that event (regions free and hold
+    tensors only until their backward is done), so no plan's peak is under it: a lower bound of the floor."""
+    return trace.events[-1].peak_bytes if trace.events else trace.static_bytes
+
+
+# True while a refusal's floor is searched: the solve it runs again takes the full path (it refuses nothing first)
+_SEARCHING_FLOOR: contextvars.ContextVar[bool] = contextvars.ContextVar("autockpt_searching_floor", default=False)
+
+
+def refuse_static_over_budget(trace: StepTrace, budget_bytes: int, search: Callable[[], object]) -> None:
+    """Refuse, before any problem is prepared or floor searched, a budget under the static bytes (and under
+    ``end_of_step_bytes``, a bound no plan goes under): a 70-billion-parameter model at one device's memory is then
+    refused in milliseconds instead of after a floor search of tens of seconds.
+
+    ``search`` is the refused solve (the call this check starts); run again while the refusal's floor is searched,
+    this check lets it through, so that it raises the ``InfeasibleBudgetError`` whose ``min_feasible_bytes`` (the
+    floor, searched) this refusal's gives when first read (``errors.InfeasibleBudgetError``).
+    """
+    bound = end_of_step_bytes(trace)
+    if budget_bytes >= min(trace.static_bytes, bound) or _SEARCHING_FLOOR.get():
+        return
+
+    def searched_floor() -> int:
+        searching = _SEARCHING_FLOOR.set(True)
+        try:
+            search()
+        except InfeasibleBudgetError as error:
+            return error.min_feasible_bytes
+        finally:
+            _SEARCHING_FLOOR.reset(searching)
+        raise RuntimeError(f"a plan was found under {bound} bytes, a bound no plan goes under: a simulator bug")
+
+    raise InfeasibleBudgetError(
+        static_over_budget(trace, budget_bytes, None), budget_bytes=budget_bytes, min_feasible_bytes=searched_floor,
+        lower_bound_bytes=bound,
     )
 
 

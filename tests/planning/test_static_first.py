@@ -1,0 +1,79 @@
+"""Issue 36: a budget under the static bytes alone is refused before any problem is prepared or floor searched (a
+Llama-3-70B at 80 GB took 27 s of floor search to be refused); the refusal's ``min_feasible_bytes`` is still the
+floor, searched when first read, and ``lower_bound_bytes`` a bound known at once."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import FREE_MACHINERY
+from random_graphs import modelled_costs, random_model
+
+import autockpt
+from autockpt.core.solve.base import SolverOptions
+from autockpt.core.solve.baselines import baseline_seed_plans
+from autockpt.core.solve.candidates import candidate_regions
+from autockpt.core.solve.default import solve_prepared
+from autockpt.core.solve.exact import ExactSolver
+from autockpt.core.solve.prepare import prepare
+from autockpt.core.solve.refine import end_of_step_bytes
+from autockpt.measure.capture import capture
+from autockpt.measure.loss import default_loss
+from autockpt.measure.trace import trace_step
+from autockpt.types import Action
+
+
+def _planner() -> autockpt.Planner:
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+    return autockpt.Planner.from_model(
+        model, example_inputs=(torch.randn(32, 64),), trace="fake", optimizer=torch.optim.AdamW
+    )
+
+
+def test_a_budget_under_the_static_bytes_is_refused_before_anything_is_prepared(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    planner = _planner()
+    trace = planner.trace
+    unmodified = planner.plan(budget_bytes=10**15)  # its full floor: the one a refusal states
+    planner = _planner()  # a fresh planner: nothing prepared yet
+    budget = trace.static_bytes // 3
+    with monkeypatch.context() as patched:
+        patched.setattr("autockpt.planning.planner.prepare", lambda *a, **k: pytest.fail("prepared a problem"))
+        with pytest.raises(autockpt.InfeasibleBudgetError) as refused:
+            planner.plan(budget_bytes=budget)
+    error = refused.value
+    devices = math.ceil(trace.static_bytes / budget)
+    message = str(error)
+    assert "below the static memory alone" in message and "no floor was searched" in message
+    for part in ("parameters", "gradients", "optimizer states"):
+        assert part in message
+    assert f"at least {devices} devices of {autockpt.units.format_bytes(budget)}" in message
+    assert f"at least {devices} pipeline stages (autockpt.plan_pipeline)" in message and "ZeRO" in message
+    assert error.lower_bound_bytes == end_of_step_bytes(trace) >= trace.static_bytes
+    # read, the floor is searched (problems prepared now) and is the planner's own
+    assert error.min_feasible_bytes == unmodified.min_feasible_bytes >= error.lower_bound_bytes
+    assert planner.plan(budget_bytes=error.min_feasible_bytes).predicted_peak_bytes <= error.min_feasible_bytes
+
+
+def test_the_solvers_refuse_first_and_state_the_exact_floor(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, x = random_model(6)
+    graph = capture(model, (x,), {})
+    trace = modelled_costs(trace_step(graph, (x,), {}, default_loss))
+    problem = prepare(
+        trace, FREE_MACHINERY, Action.RECOMPUTE_TORCH, *candidate_regions(graph, trace),
+        seed_plans=baseline_seed_plans(graph, trace),
+    )
+    with monkeypatch.context() as patched:
+        patched.setattr("autockpt.core.solve.default.floor_for", lambda *a, **k: pytest.fail("searched a floor"))
+        with pytest.raises(autockpt.InfeasibleBudgetError) as refused:
+            solve_prepared(problem, 1)
+    floor = refused.value.min_feasible_bytes  # searched now: the default solver's full floor
+    assert floor == solve_prepared(problem, 10**15).min_feasible_bytes
+    exact = ExactSolver().solve(problem, 10**15, SolverOptions()).min_feasible_bytes
+    assert refused.value.lower_bound_bytes <= exact <= floor
+    # a budget the static bytes fit is solved as before
+    budget = floor + (problem.baseline.peak_bytes - floor) // 2
+    assert solve_prepared(problem, budget).timeline.peak_bytes <= budget

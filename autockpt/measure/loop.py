@@ -187,10 +187,11 @@ def default_implementation_of(optimizer: torch.optim.Optimizer, device_type: str
     tensors on ``device_type``: foreach where torch has foreach kernels for it (CUDA), the for-loop elsewhere."""
     from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 
-    foreach = device_type in _get_foreach_kernels_supported_devices()
+    if device_type not in _get_foreach_kernels_supported_devices():
+        return  # the for-loop: what torch picks there, and for fake tensors anywhere
     for group in optimizer.param_groups:
         if "foreach" in group and group["foreach"] is None and not group.get("fused") and not group.get("differentiable"):
-            group["foreach"] = foreach
+            group["foreach"] = True
 
 
 def _device_bytes(tensors: list[torch.Tensor], device: torch.device) -> int:

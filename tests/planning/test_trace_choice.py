@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 import autockpt
 from autockpt.errors import FakeStepError
 from autockpt.measure import sources, step
-from autockpt.planning.batch_size import ExampleBatch, TrialOutcome, max_batch_size
+from autockpt.planning.batch_size import ExampleBatch, max_batch_size
 from autockpt.present import zoo
 from autockpt.runtime.rewrite import OptimizedModule
 

@@ -58,9 +58,9 @@ def fake_of(tensor: torch.Tensor, mode: FakeTensorMode, device: torch.device) ->
     fake storage). Elsewhere (meta): a fake over its meta metadata (views of one meta storage share it too), a
     parameter still a parameter, ``requires_grad`` as it was."""
     if isinstance(tensor, FakeTensor):
-        if tensor.fake_mode is not mode:
-            raise ValueError("example inputs are fake tensors of another FakeTensorMode: pass real or meta tensors")
-        return tensor
+        if tensor.fake_mode is mode:
+            return tensor
+        tensor = meta_of_fake(tensor)  # the user's fake (another mode): its metadata, as a meta tensor
     if tensor.device.type == device.type and device.index in (None, tensor.device.index):
         return mode.from_tensor(tensor, static_shapes=True)
     meta = tensor.detach() if tensor.device.type == "meta" else tensor.detach().to("meta")
@@ -69,6 +69,16 @@ def fake_of(tensor: torch.Tensor, mode: FakeTensorMode, device: torch.device) ->
         return nn.Parameter(made, requires_grad=tensor.requires_grad)
     return made.requires_grad_(tensor.requires_grad) if tensor.requires_grad else made
 
+
+
+def meta_of_fake(tensor: FakeTensor) -> torch.Tensor:
+    """A meta tensor with a fake tensor's shape, strides, dtype and requires_grad (its storage's size, not its
+    aliasing: fakes of one storage given as inputs become separate storages)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        meta = torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=tensor.dtype, device="meta")
+    return meta.requires_grad_(tensor.requires_grad)
 
 
 def module_tensors(module: nn.Module) -> list[torch.Tensor]:

@@ -63,6 +63,27 @@ def on_meta(step: StepInputs) -> bool:
     return any(t.device.type == "meta" for t in tensors)
 
 
+def with_fake_inputs_on_meta(step: StepInputs) -> StepInputs:
+    """``step`` with example inputs given as fake tensors (the user's own ``FakeTensorMode``) replaced by meta tensors
+    of their shapes, strides and dtypes: fakes of another mode cannot be captured or run, meta tensors can (on fakes)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from autockpt.measure.fake_copy import meta_of_fake
+
+    leaves = pytree.tree_leaves((step.args, step.kwargs))
+    if not any(isinstance(leaf, FakeTensor) for leaf in leaves):
+        return step
+    metas: dict[int, torch.Tensor] = {}  # one fake given twice (ids as input and as labels) stays one tensor
+
+    def meta(leaf: Any) -> Any:
+        if not isinstance(leaf, FakeTensor):
+            return leaf
+        return metas.setdefault(id(leaf), meta_of_fake(leaf))
+
+    args, kwargs = pytree.tree_map(meta, (step.args, step.kwargs))
+    return dataclasses.replace(step, args=args, kwargs=kwargs)
+
+
 def check_trace(trace: Any) -> None:
     if isinstance(trace, str):
         if trace not in TRACES:
@@ -179,6 +200,7 @@ def built_step(
 ) -> BuiltStep:
     """``Planner.from_model``'s work on a checked step: capture, trace, time and price."""
     check_trace(trace)
+    step = with_fake_inputs_on_meta(step)
     spec = device_spec(target) if target is not None else None
     memory = device_memory_for(step, device_memory_bytes, spec)
     stage = on_stage or (lambda name: None)

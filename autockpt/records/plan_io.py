@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch import nn
 from torch.utils import _pytree as pytree
 
@@ -86,6 +87,8 @@ def is_integral(dtype: torch.dtype) -> bool:
 
 def _value_range(tensor: torch.Tensor) -> tuple[int, int] | None:
     if not is_integral(tensor.dtype) or tensor.numel() == 0 or tensor.device.type == "meta":
+        return None
+    if isinstance(tensor, FakeTensor):  # a fake has no values to record (inputs given as fakes, for a fake trace)
         return None
     return int(tensor.min()), int(tensor.max())
 

@@ -199,3 +199,30 @@ def test_a_plan_from_the_fake_trace_measures_as_predicted_and_under_its_budget(n
     assert plan.provenance.trace == "fake" and plan.provenance.timing == "benchmark" and plan.regions
     assert measured <= budget
     assert abs(measured - plan.predicted_peak_bytes) <= 0.005 * plan.predicted_peak_bytes
+
+
+def test_example_inputs_as_fake_tensors_or_a_plan_files_specs() -> None:
+    """Item 1: a meta model planned on inputs that are fake tensors of the user's own FakeTensorMode, or rebuilt from
+    a plan file's input specs (meta tensors, on the model's device), gives the real inputs' plan."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autockpt.records.plan_inputs import recorded_inputs
+
+    real = zoo.build("gpt2", "tiny")
+    reference = autockpt.plan(real.model, budget_bytes=10**12, example_inputs=real.args, example_kwargs=real.kwargs, trace="fake")
+    with torch.device("meta"):
+        meta = zoo.build("gpt2", "tiny")
+    with FakeTensorMode() as mode:
+        fake_args = tuple(mode.from_tensor(a) for a in real.args)
+        fake_kwargs = {k: mode.from_tensor(v) for k, v in real.kwargs.items()}
+    from_fakes = autockpt.plan(meta.model, budget_bytes=10**12, example_inputs=fake_args, example_kwargs=fake_kwargs)
+    assert from_fakes.provenance.trace == "fake"
+    assert (from_fakes.baseline_peak_bytes, from_fakes.static_bytes) == (reference.baseline_peak_bytes, reference.static_bytes)
+    # a plan file records each input's shape and dtype, not that two inputs are one tensor (ids given as labels too)
+    args, kwargs = recorded_inputs(meta.model, reference)
+    assert all(t.device.type == "meta" for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor))
+    from_specs = autockpt.plan(meta.model, budget_bytes=10**12, example_inputs=args, example_kwargs=kwargs)
+    apart = autockpt.plan(real.model, budget_bytes=10**12, example_inputs=tuple(a.clone() for a in real.args),
+                          example_kwargs={k: v.clone() for k, v in real.kwargs.items()}, trace="fake")
+    assert from_specs.provenance.trace == "fake"
+    assert (from_specs.baseline_peak_bytes, from_specs.static_bytes) == (apart.baseline_peak_bytes, apart.static_bytes)

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
 from autockpt.errors import PlanFileError, PlanMismatchError

@@ -234,9 +234,9 @@ _CATEGORIES = ("parameter", "gradient", "optimizer_state", "buffer_and_input", "
                "other_device", "temporary")
 
 
-def gb(value: float) -> str:
-    """GB (10^9 bytes) with two decimals; empty for NaN (a refused row's missing figure)."""
-    return "" if math.isnan(value) else f"{value / 1e9:.2f}"
+def gb(value: float | None) -> str:
+    """GB (10^9 bytes) with two decimals; empty for None or NaN (a refused row's missing figure)."""
+    return "" if value is None or math.isnan(value) else f"{value / 1e9:.2f}"
 
 
 def _categories(prefix: str, breakdown) -> dict:
@@ -294,7 +294,10 @@ def run_real(name: str) -> list[dict]:
         except autockpt.InfeasibleBudgetError as error:
             solve_s = time.perf_counter() - solve_started
             row.update(
-                feasible=False, lower_bound_bytes=error.lower_bound_bytes, message=str(error),
+                # the bound of a refusal made before any floor search, else the searched floor itself
+                feasible=False, message=str(error),
+                lower_bound_bytes=error.lower_bound_bytes if error.lower_bound_bytes is not None
+                else error.min_feasible_bytes,
                 devices_for_static=math.ceil(trace.static_bytes / int(budget_gb * GB)),
             )
         else:

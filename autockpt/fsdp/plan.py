@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from autockpt.core.devices import device_spec
 from autockpt.core.structure import find_repeated_blocks
@@ -41,7 +42,7 @@ def plan_fsdp(
     example_inputs: Any = (), example_kwargs: Any = None, example_target: Any = None,
     loss_fn: Callable[..., Any] | None = None, optimizer: Any = "adamw", units: Sequence[str] | None = None,
     reshard_after_forward: bool = True, mp_policy: Any = None, target: Any = None, trace: str = "fake",
-    timing: str = "auto",
+    timing: Any = "auto",
 ) -> FSDPPlan:
     """Plan whole-unit checkpointing for ``model`` sharded by FSDP2 over ``world_size`` ranks, under a per-rank budget.
 
@@ -81,8 +82,15 @@ def plan_fsdp(
     args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
     kwargs = dict(example_kwargs or {})
 
+    if timing == "auto" and spec is not None and getattr(mp_policy, "param_dtype", None) is not None:
+        from autockpt.measure.timing import RooflineTiming
+
+        timing = RooflineTiming(spec, dtype=mp_policy.param_dtype)  # the dtype FSDP computes in, not the trace's
+    trace_target = pytree.tree_map_only(
+        torch.Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype) if t.device.type == "meta" else t, example_target
+    )  # the fake trace makes fakes of the inputs, not of what the loss closes over
     planner = Planner.from_model(
-        model, example_inputs=args, example_kwargs=kwargs, loss_fn=lambda out: step_loss(out, example_target),
+        model, example_inputs=args, example_kwargs=kwargs, loss_fn=lambda out: step_loss(out, trace_target),
         trace="fake", timing=timing, target=target,
     )
     unit_names = check_units(model, units) if units is not None else _default_units(model, planner.graph,
@@ -97,7 +105,6 @@ def plan_fsdp(
             model, world_size=world_size, units=unit_names, checkpointed=checkpointed,
             reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, inputs=(args, kwargs, example_target),
             step_loss=step_loss, make_optimizer=make_optimizer,
-            optimizer_foreach=(spec.device_type == "cuda") if spec is not None else None,
         )
 
     with fake_world(world_size):
@@ -120,6 +127,9 @@ def plan_fsdp(
         "collectives priced at 0 ms: no GPU-to-GPU link figure (give target=...)" if not gb_per_s else
         f"collectives priced over {gb_per_s:g} GB/s each way per GPU ({spec.name if spec else ''}), ring algorithms",
     ]
+    if make_optimizer is not None:
+        notes.append("optimizer step measured with its for-loop implementation: a foreach implementation's "
+                     "temporaries during optimizer.step() are not counted (docs/fsdp.md)")
     logger.info("FSDP plan: %d of %d units checkpointed, peak %s under %s", len(chosen), len(inner),
                 format_bytes(measured.peak_bytes), format_bytes(budget))
     return FSDPPlan(

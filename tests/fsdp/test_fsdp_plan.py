@@ -57,10 +57,11 @@ def test_a_budget_under_the_floor_names_the_floor_and_the_floor_plans(roomy) -> 
     assert floor.predicted_peak_bytes == roomy.min_feasible_bytes
 
 
-def test_a_meta_model_stays_on_meta_and_plans_as_the_real_one(roomy) -> None:
+def test_a_meta_model_on_meta_inputs_stays_on_meta_and_plans_as_the_real_one(roomy) -> None:
     with torch.device("meta"):
         model = build(CONFIG)
-    fplan = _plan(model)
+    ids, target = batch(CONFIG, rank=0, world=WORLD)
+    fplan = _plan(model, example_inputs=(ids.to("meta"),), example_target=target.to("meta"))
     assert all(p.device.type == "meta" for p in model.parameters())
     assert fplan.fingerprint == roomy.fingerprint
     assert fplan.baseline_peak_bytes == roomy.baseline_peak_bytes

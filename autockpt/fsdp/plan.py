@@ -121,6 +121,7 @@ def plan_fsdp(
         chosen, measured, tries = _fit(blocks, budget, baseline, floor, measure)
     kwargs_time = {"world_size": world_size, "gb_per_s": gb_per_s, "reshard_after_forward": reshard_after_forward}
     predicted, plain = step_time(root, blocks, set(chosen), **kwargs_time), step_time(root, blocks, set(), **kwargs_time)
+    full = step_time(root, blocks, set(inner), **kwargs_time)
     notes = [
         (f"{tries} fake-process-group measurement(s) of chosen sets; whole-unit decisions only (sub-unit regions and "
         "offload are later work)"),
@@ -139,7 +140,7 @@ def plan_fsdp(
         min_feasible_bytes=floor.peak_bytes,
         ranks=tuple(RankFigures(rank=r, peak_bytes=measured.peak_bytes, breakdown=measured.breakdown)
                     for r in range(world_size)),
-        predicted_step_ms=predicted.step_ms, baseline_step_ms=plain.step_ms,
+        predicted_step_ms=predicted.step_ms, baseline_step_ms=plain.step_ms, floor_step_ms=full.step_ms,
         exposed_collective_ms=predicted.exposed_collective_ms, interconnect_gb_per_s=gb_per_s,
         provenance=planner.provenance, fingerprint=fingerprint(model, unit_names), notes=tuple(notes),
     )

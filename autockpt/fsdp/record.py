@@ -49,7 +49,8 @@ class FSDPPlan:
     and ``min_feasible_bytes`` (every unit but the root checkpointed: the floor of whole-unit decisions) are the
     largest rank's peak over two training steps (forward, backward, optimizer step; the first step makes the states),
     inputs included, measured on the fake process group. ``predicted_step_ms``: the step time model (compute,
-    recomputation, exposed collectives; ``docs/fsdp.md``), ``overhead_pct`` against nothing checkpointed."""
+    recomputation, exposed collectives; ``docs/fsdp.md``), ``overhead_pct`` against nothing checkpointed
+    (``baseline_step_ms``); ``floor_step_ms`` is every unit checkpointed's, by the same model and times."""
 
     world_size: int
     units: tuple[str, ...]
@@ -63,6 +64,7 @@ class FSDPPlan:
     ranks: tuple[RankFigures, ...]
     predicted_step_ms: float
     baseline_step_ms: float
+    floor_step_ms: float  # every unit checkpointed (full checkpointing per block), by the same time model
     exposed_collective_ms: float
     interconnect_gb_per_s: float | None
     provenance: Provenance
@@ -85,7 +87,8 @@ class FSDPPlan:
             (f"  nothing checkpointed {format_bytes(self.baseline_peak_bytes)}; every unit checkpointed "
             f"{format_bytes(self.min_feasible_bytes)} (the floor of whole-unit decisions)"),
             (f"  predicted step    {self.predicted_step_ms:.3f} ms ({self.overhead_pct:+.1f} % against nothing "
-            f"checkpointed; {self.exposed_collective_ms:.3f} ms of collectives exposed)"),
+            f"checkpointed, {self.floor_step_ms:.3f} ms with every unit; {self.exposed_collective_ms:.3f} ms of "
+            "collectives exposed)"),
             f"  checkpointed      {', '.join(self.checkpointed) or '(none)'}",
             f"  known by          {self.provenance.describe()}",
             "  rank 0 at its peak: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.ranks[0].breakdown if v),

@@ -42,23 +42,33 @@ class RankMemory:
     breakdown: tuple[tuple[str, int], ...]  # ("Sharded Param", bytes), ("Activation", bytes), ...
 
 
+def existing_fake_group(world_size: int) -> bool:
+    """True when the fake process group of ``world_size`` ranks is already the default group, False when there is
+    none; a real process group, or a fake one of another size, is refused (planning is called before the step is
+    traced, so the refusal comes at once)."""
+    if not dist.is_initialized():
+        return False
+    backend = str(dist.get_backend())
+    if backend != "fake":
+        raise RuntimeError(
+            f"a real process group ({backend}, world size {dist.get_world_size()}) is initialised in this "
+            "process; plan_fsdp measures ranks on torch's fake process group, which must be the default one. "
+            "Plan before init_process_group (or in one process: fplan.save(path), then "
+            "autockpt.load_fsdp_plan(path) on every rank)"
+        )
+    if dist.get_world_size() != world_size:
+        raise RuntimeError(
+            f"a fake process group of world size {dist.get_world_size()} is already initialised; planning for "
+            f"world size {world_size} needs its own: destroy it first (dist.destroy_process_group())"
+        )
+    return True
+
+
 @contextlib.contextmanager
 def fake_world(world_size: int) -> Iterator[None]:
-    """The fake process group of ``world_size`` ranks as the default group, for the block's duration."""
-    if dist.is_initialized():
-        backend = str(dist.get_backend())
-        if backend != "fake":
-            raise RuntimeError(
-                f"a real process group ({backend}, world size {dist.get_world_size()}) is initialised in this "
-                "process; plan_fsdp measures ranks on torch's fake process group, which must be the default one. "
-                "Plan before init_process_group (or in one process: fplan.save(path), then "
-                "autockpt.load_fsdp_plan(path) on every rank)"
-            )
-        if dist.get_world_size() != world_size:
-            raise RuntimeError(
-                f"a fake process group of world size {dist.get_world_size()} is already initialised; planning for "
-                f"world size {world_size} needs its own: destroy it first (dist.destroy_process_group())"
-            )
+    """The fake process group of ``world_size`` ranks as the default group, for the block's duration (made and
+    destroyed here unless it existed before)."""
+    if existing_fake_group(world_size):
         yield
         return
     from torch.testing._internal.distributed.fake_pg import FakeStore

@@ -24,7 +24,7 @@ from autockpt.core.devices import device_spec
 from autockpt.core.structure import find_repeated_blocks
 from autockpt.errors import InfeasibleBudgetError
 from autockpt.fsdp.choose import UnitTimes, cheapest_cover, step_time
-from autockpt.fsdp.fake_world import RankMemory, fake_world, measure_sharded_step
+from autockpt.fsdp.fake_world import RankMemory, existing_fake_group, fake_world, measure_sharded_step
 from autockpt.fsdp.record import FSDPPlan, RankFigures
 from autockpt.fsdp.shard import ROOT, check_units, describe_mp_policy, fingerprint, is_sharded, unit_parameter_bytes
 from autockpt.measure.loop import NAMED_OPTIMIZERS
@@ -69,6 +69,7 @@ def plan_fsdp(
             f"{type(model).__name__} is already sharded (fully_shard was called on it or a submodule): plan the model "
             "as it is before fully_shard (a fresh instance, or one on the meta device)"
         )
+    existing_fake_group(world_size)  # a real process group is refused before anything is traced
     spec = device_spec(target) if target is not None else None
     if budget_gb is None and budget_bytes is None and spec is not None:
         budget = spec.memory_bytes

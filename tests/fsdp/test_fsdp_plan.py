@@ -172,3 +172,20 @@ def test_the_time_model_prices_collectives_and_hides_them_behind_compute() -> No
     assert cheapest_cover(blocks, 11) in (("b1",), ("b2",))
     assert len(cheapest_cover(blocks, 11, at_least_bytes=12)) == 2  # more than an earlier choice saved
     assert cheapest_cover(blocks, 10**6) is None
+
+
+def test_keeping_parameters_unsharded_after_forward_costs_memory(roomy) -> None:
+    kept = _plan(reshard_after_forward=False)
+    assert kept.reshard_after_forward is False
+    assert kept.baseline_peak_bytes > roomy.baseline_peak_bytes  # each unit's gathered parameters live to backward
+
+
+def test_planning_under_a_real_process_group_is_refused() -> None:
+    from torch.distributed import HashStore
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=HashStore())
+    try:
+        with pytest.raises(RuntimeError, match="a real process group .gloo, world size 1. is initialised"):
+            _plan()
+    finally:
+        dist.destroy_process_group()

@@ -7,6 +7,7 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import needs_transformers
 from fsdp_worker import CONFIG, batch, build, lm_loss
 
 import autockpt
@@ -189,3 +190,21 @@ def test_planning_under_a_real_process_group_is_refused() -> None:
             _plan()
     finally:
         dist.destroy_process_group()
+
+
+@needs_transformers
+def test_a_hugging_face_llama_on_meta_plans_its_decoder_layers() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(num_hidden_layers=3, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    ids = torch.randint(0, 256, (2, 128))
+    roomy = autockpt.plan_fsdp(model, world_size=4, budget_bytes=10**9, example_inputs=(ids,),
+                               example_kwargs={"labels": ids})
+    assert roomy.units == ("model.layers.0", "model.layers.1", "model.layers.2", "")
+    middle = (roomy.min_feasible_bytes + roomy.baseline_peak_bytes) // 2
+    fplan = autockpt.plan_fsdp(model, world_size=4, budget_bytes=middle, example_inputs=(ids,),
+                               example_kwargs={"labels": ids})
+    assert 0 < len(fplan.checkpointed) < 3 and fplan.predicted_peak_bytes <= middle

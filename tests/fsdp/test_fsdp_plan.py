@@ -192,6 +192,7 @@ def test_planning_under_a_real_process_group_is_refused() -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @needs_transformers
 def test_a_hugging_face_llama_on_meta_plans_its_decoder_layers() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM

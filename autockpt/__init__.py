@@ -17,6 +17,7 @@ from typing import Any
 from autockpt.core.devices import DeviceSpec
 from autockpt.core.solve.base import SolverOptions
 from autockpt.errors import AutockptError, InfeasibleBudgetError, PlanMismatchError
+from autockpt.fsdp import apply_fsdp, load_fsdp_plan, plan_fsdp
 from autockpt.measure.step import measure_step
 from autockpt.pipeline.plan import PipelinePlan, compare_pipeline_splits, load_pipeline_plan, plan_pipeline
 from autockpt.pipeline.run import pipeline_schedule
@@ -41,10 +42,12 @@ __all__ = [
     "PlanOptions",
     "Planner",
     "SolverOptions",
+    "apply_fsdp",
     "apply_plan",
     "compare_pipeline_splits",
     "estimate",
     "get_plan",
+    "load_fsdp_plan",
     "load_pipeline_plan",
     "load_plan",
     "max_batch_size",
@@ -52,6 +55,7 @@ __all__ = [
     "optimize",
     "pipeline_schedule",
     "plan",
+    "plan_fsdp",
     "plan_pipeline",
 ]
 

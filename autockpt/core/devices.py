@@ -93,6 +93,9 @@ class DeviceSpec:
     # the torch device type the device runs as ("cuda" for NVIDIA and ROCm GPUs): what torch's defaults follow, e.g.
     # an optimizer's foreach implementation, whose temporaries a plan for the device counts
     device_type: str = "cuda"
+    # the GPU-to-GPU link each way, per GPU (GB/s): what a ring all-gather or reduce-scatter among the node's GPUs
+    # moves through each one (FSDP's collectives, ``autockpt.fsdp``); None: not known (collectives priced at 0)
+    interconnect_gb_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -114,6 +117,12 @@ class DeviceSpec:
             value = getattr(self, figure)
             if not math.isfinite(value) or value <= 0:
                 raise ValueError(f"DeviceSpec {self.name!r}: {figure} must be positive, got {value!r}")
+        if self.interconnect_gb_per_s is not None and (
+                not math.isfinite(self.interconnect_gb_per_s) or self.interconnect_gb_per_s <= 0):
+            raise ValueError(
+                f"DeviceSpec {self.name!r}: interconnect_gb_per_s must be positive or None, got "
+                f"{self.interconnect_gb_per_s!r}"
+            )
         if self.op_overhead_us < 0 or self.link_latency_us < 0:
             raise ValueError(f"DeviceSpec {self.name!r}: op_overhead_us and link_latency_us must be >= 0")
 
@@ -152,17 +161,20 @@ class DeviceSpec:
 
 def _gpu(
     name: str, description: str, *, memory_gb: float, tflops: dict[str, float], hbm: float, link: float,
-    sources: dict[str, str], aliases: tuple[str, ...] = (),
+    sources: dict[str, str], aliases: tuple[str, ...] = (), interconnect: tuple[float, str] | None = None,
 ) -> DeviceSpec:
     link_source = _PCIE5 if link == PCIE5_GB_PER_S else _PCIE4
+    # without NVLink (or Infinity Fabric) the GPUs talk over their PCIe link
+    peer_gb_per_s, peer_source = interconnect or (link, f"no GPU-to-GPU link: over PCIe, {link_source}")
     return DeviceSpec(
         name=name, description=description, memory_bytes=int(memory_gb * GB),
         peak_tflops=tuple((d, tflops[d]) for d in DTYPES if d in tflops), hbm_gb_per_s=hbm,
         host_to_device_gb_per_s=link, device_to_host_gb_per_s=link,
         source=(*sources.items(), ("host_link", link_source),
                 ("op_overhead", (f"{GPU_OP_OVERHEAD_US:g} us per op: an asynchronous torch.add on an H100 SXM "
-                                 "host, measured 2026-11-26 (8.2 us)"))),
-        aliases=aliases,
+                                 "host, measured 2026-11-26 (8.2 us)")),
+                ("interconnect", peer_source)),
+        aliases=aliases, interconnect_gb_per_s=peer_gb_per_s,
     )
 
 
@@ -179,9 +191,15 @@ _MI300X = (
 _L4 = "https://resources.nvidia.com/en-us-data-center-overview/l4-gpu-datasheet"
 _A10G = "https://www.baseten.co/blog/nvidia-a10-vs-a10g-for-ml-model-inference/"
 _HALVED = "the datasheet's figure with sparsity, halved"
+_NVLINK4 = (450.0, f"NVLink 4: 900 GB/s per GPU, both ways together (18 links), 450 each way: {_H100}")
+_NVLINK4_H200 = (450.0, ("NVLink 4: 900 GB/s per GPU, both ways together, 450 each way: "
+                        "https://www.nvidia.com/en-us/data-center/h200/"))
+_NVLINK3 = (300.0, f"NVLink 3: 600 GB/s per GPU, both ways together (12 links), 300 each way: {_A100}")
+_INFINITY_FABRIC = (448.0, ("Infinity Fabric: 7 links of 128 GB/s both ways together (896 GB/s peer to peer), 448 each "
+                           f"way to all peers together (a single ring uses less): {_MI300X}"))
 
 DEVICE_SPECS: dict[str, DeviceSpec] = {spec.name: spec for spec in (
-    _gpu("h100-sxm-80gb", "NVIDIA H100 SXM5 80 GB", memory_gb=80, hbm=3350, link=PCIE5_GB_PER_S,
+    _gpu("h100-sxm-80gb", "NVIDIA H100 SXM5 80 GB", interconnect=_NVLINK4, memory_gb=80, hbm=3350, link=PCIE5_GB_PER_S,
          tflops={"float32": 66.9, "tfloat32": 494.7, "bfloat16": 989.4, "float16": 989.4},
          sources={"memory": f"80 GB HBM3: {_H100}", "hbm": f"3.35 TB/s: {_H100}",
                   "peak_tflops": f"BF16/FP16 1,979 and TF32 989 TFLOPS with sparsity, {_HALVED}; FP32 67: {_H100}; "
@@ -195,19 +213,19 @@ DEVICE_SPECS: dict[str, DeviceSpec] = {spec.name: spec for spec in (
                   "peak_tflops": f"BF16/FP16 1,513 and TF32 756 TFLOPS with sparsity, {_HALVED}; FP32 51: "
                                  f"{_H100_COPY}"},
          aliases=("h100-pcie-80gb",)),
-    _gpu("h200", "NVIDIA H200 SXM 141 GB", memory_gb=141, hbm=4800, link=PCIE5_GB_PER_S,
+    _gpu("h200", "NVIDIA H200 SXM 141 GB", interconnect=_NVLINK4_H200, memory_gb=141, hbm=4800, link=PCIE5_GB_PER_S,
          tflops={"float32": 66.9, "tfloat32": 494.7, "bfloat16": 989.4, "float16": 989.4},
          sources={"memory": "141 GB HBM3e: https://www.nvidia.com/en-us/data-center/h200/",
                   "hbm": "4.8 TB/s: https://www.nvidia.com/en-us/data-center/h200/",
                   "peak_tflops": "BF16/FP16 1,979 TFLOPS with sparsity (the H100 SXM's compute, same GH100), "
                                  f"{_HALVED}: https://www.nvidia.com/en-us/data-center/h200/"},
          aliases=("h200-sxm", "h200-141gb")),
-    _gpu("a100-80gb", "NVIDIA A100 SXM4 80 GB", memory_gb=80, hbm=2039, link=PCIE4_GB_PER_S,
+    _gpu("a100-80gb", "NVIDIA A100 SXM4 80 GB", interconnect=_NVLINK3, memory_gb=80, hbm=2039, link=PCIE4_GB_PER_S,
          tflops={"float32": 19.5, "tfloat32": 156.0, "bfloat16": 312.0, "float16": 312.0},
          sources={"memory": f"80 GB HBM2e: {_A100}", "hbm": f"2,039 GB/s (SXM): {_A100}",
                   "peak_tflops": f"BF16/FP16 312, TF32 156 (dense), FP32 19.5 TFLOPS: {_A100}"},
          aliases=("a100-sxm-80gb", "a100")),
-    _gpu("a100-40gb", "NVIDIA A100 SXM4 40 GB", memory_gb=40, hbm=1555, link=PCIE4_GB_PER_S,
+    _gpu("a100-40gb", "NVIDIA A100 SXM4 40 GB", interconnect=_NVLINK3, memory_gb=40, hbm=1555, link=PCIE4_GB_PER_S,
          tflops={"float32": 19.5, "tfloat32": 156.0, "bfloat16": 312.0, "float16": 312.0},
          sources={"memory": f"40 GB HBM2: {_A100}", "hbm": f"1,555 GB/s: {_A100}",
                   "peak_tflops": f"BF16/FP16 312, TF32 156 (dense), FP32 19.5 TFLOPS: {_A100}"},
@@ -227,7 +245,7 @@ DEVICE_SPECS: dict[str, DeviceSpec] = {spec.name: spec for spec in (
                   "peak_tflops": "BF16/FP16 tensor 165.2 TFLOPS with FP32 accumulate (dense; 330.4 with sparsity), "
                                  f"TF32 82.6, FP32 82.6 (Ada whitepaper, appendix table): {_ADA}"},
          aliases=("4090",)),
-    _gpu("mi300x", "AMD Instinct MI300X 192 GB", memory_gb=192, hbm=5300, link=PCIE5_GB_PER_S,
+    _gpu("mi300x", "AMD Instinct MI300X 192 GB", interconnect=_INFINITY_FABRIC, memory_gb=192, hbm=5300, link=PCIE5_GB_PER_S,
          tflops={"float32": 163.4, "tfloat32": 653.7, "bfloat16": 1307.4, "float16": 1307.4},
          sources={"memory": f"192 GB HBM3: {_MI300X}", "hbm": f"5.3 TB/s: {_MI300X}",
                   "peak_tflops": f"BF16/FP16 1,307.4 (dense; 2,614.9 with sparsity), TF32 653.7, FP32 matrix 163.4: "

@@ -13,7 +13,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "autockpt"  # the source beside these tests, wherever it is installed
 CORE = PACKAGE / "core"
-BELOW_CORE = ("runtime", "measure", "planning", "pipeline", "present", "records")
+BELOW_CORE = ("runtime", "measure", "planning", "pipeline", "fsdp", "present", "records")
 MAX_LINES = 600
 
 

@@ -1,0 +1,10 @@
+"""FSDP2: per-rank checkpointing plans for a model sharded by torch's ``fully_shard`` over N ranks, planned in one
+process on torch's fake process group (``plan.py``), run on every rank by ``apply_fsdp`` (``apply.py``)."""
+
+from __future__ import annotations
+
+from autockpt.fsdp.apply import apply_fsdp
+from autockpt.fsdp.plan import plan_fsdp
+from autockpt.fsdp.record import FSDPPlan, load_fsdp_plan
+
+__all__ = ["FSDPPlan", "apply_fsdp", "load_fsdp_plan", "plan_fsdp"]

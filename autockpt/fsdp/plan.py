@@ -1,0 +1,275 @@
+"""``plan_fsdp``: which FSDP2 units to checkpoint, per rank, for a model sharded by ``fully_shard`` over N ranks,
+planned in one process (``docs/fsdp.md``).
+
+1. The single-device step on one rank's batch is captured and traced (``Planner.from_model``, fake trace): each
+   unit's forward time and the bytes autograd saves inside it.
+2. On torch's fake process group (``fake_world.py``) the sharded step is measured twice: nothing checkpointed (the
+   baseline) and every unit but the root checkpointed (the floor of whole-unit decisions).
+3. The knapsack (``choose.py``) picks the units of least recomputation time whose share of the saved bytes covers
+   what the budget needs; the choice is measured on the fake process group, and while it overshoots the knapsack is
+   asked for more. The predicted peak is that measurement.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from autockpt.core.devices import device_spec
+from autockpt.core.structure import find_repeated_blocks
+from autockpt.errors import InfeasibleBudgetError
+from autockpt.fsdp.choose import UnitTimes, cheapest_cover, step_time
+from autockpt.fsdp.fake_world import RankMemory, existing_fake_group, fake_world, measure_sharded_step
+from autockpt.fsdp.record import FSDPPlan, RankFigures
+from autockpt.fsdp.shard import ROOT, check_units, describe_mp_policy, fingerprint, is_sharded, unit_parameter_bytes
+from autockpt.measure.loop import NAMED_OPTIMIZERS
+from autockpt.measure.loss import checked_loss, default_loss
+from autockpt.planning.options import budget_to_bytes
+from autockpt.planning.planner import Planner
+from autockpt.types import Graph, StepTrace, describe_value
+from autockpt.units import format_bytes
+
+logger = logging.getLogger(__name__)
+
+
+def plan_fsdp(
+    model: nn.Module, *, world_size: int, budget_gb: float | None = None, budget_bytes: int | None = None,
+    example_inputs: Any = (), example_kwargs: Any = None, example_target: Any = None,
+    loss_fn: Callable[..., Any] | None = None, optimizer: Any = "adamw", units: Sequence[str] | None = None,
+    reshard_after_forward: bool = True, mp_policy: Any = None, target: Any = None, trace: str = "fake",
+    timing: Any = "auto",
+) -> FSDPPlan:
+    """Plan whole-unit checkpointing for ``model`` sharded by FSDP2 over ``world_size`` ranks, under a per-rank budget.
+
+    ``example_inputs`` / ``example_kwargs`` / ``example_target``: ONE rank's batch (real or meta tensors; the model
+    may be on the meta device and is not changed). ``loss_fn(output, target)`` with a target, ``loss_fn(output)``
+    without (default: ``output.loss``, else the sum of the floating-point outputs). ``optimizer``: "adamw" (default),
+    "adam", "sgd", None (no step), or a function making one from a list of parameters (``torch.optim.AdamW``,
+    ``functools.partial(...)``); the budget covers forward, backward and two optimizer steps (the first makes the
+    states) and the rank's inputs. ``units``: the module names ``fully_shard`` wraps (default: the repeated blocks
+    autockpt finds in the traced step); the root is always sharded last and never checkpointed. ``mp_policy``: a
+    ``torch.distributed.fsdp.MixedPrecisionPolicy`` or None. ``target``: a device name ("h100-sxm-80gb") or
+    ``DeviceSpec``: roofline times and its GPU-to-GPU link for the collectives; its memory is the budget when none
+    is given. Raises ``InfeasibleBudgetError`` (``min_feasible_bytes``: every unit checkpointed) below the floor."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1 (the number of ranks), got {describe_value(world_size)}")
+    if trace != "fake":
+        raise ValueError(
+            f"plan_fsdp traces the step with trace='fake' only (no real step is run for N ranks); got trace={trace!r}"
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if is_sharded(model):
+        raise ValueError(
+            f"{type(model).__name__} is already sharded (fully_shard was called on it or a submodule): plan the model "
+            "as it is before fully_shard (a fresh instance, or one on the meta device)"
+        )
+    existing_fake_group(world_size)  # a real process group is refused before anything is traced
+    spec = device_spec(target) if target is not None else None
+    if budget_gb is None and budget_bytes is None and spec is not None:
+        budget = spec.memory_bytes
+    else:
+        budget = budget_to_bytes(budget_gb, budget_bytes)
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"reshard_after_forward must be True or False, got {describe_value(reshard_after_forward)}")
+    _check_mp_policy(mp_policy)
+    make_optimizer = _optimizer_factory(optimizer)
+    step_loss = _step_loss(loss_fn, example_target)
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    kwargs = dict(example_kwargs or {})
+
+    if timing == "auto" and spec is not None and getattr(mp_policy, "param_dtype", None) is not None:
+        from autockpt.measure.timing import RooflineTiming
+
+        timing = RooflineTiming(spec, dtype=mp_policy.param_dtype)  # the dtype FSDP computes in, not the trace's
+    trace_target = pytree.tree_map_only(
+        torch.Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype) if t.device.type == "meta" else t, example_target
+    )  # the fake trace makes fakes of the inputs, not of what the loss closes over
+    planner = Planner.from_model(
+        model, example_inputs=args, example_kwargs=kwargs, loss_fn=lambda out: step_loss(out, trace_target),
+        trace="fake", timing=timing, target=target,
+    )
+    unit_names = check_units(model, units) if units is not None else _default_units(model, planner.graph,
+                                                                                    planner.trace)
+    inner = [u for u in unit_names if u != ROOT]
+    times = _unit_times(model, unit_names, planner.graph, planner.trace, mp_policy)
+    root, blocks = times[ROOT], [times[u] for u in inner]
+    gb_per_s = spec.interconnect_gb_per_s if spec is not None else None
+
+    def measure(checkpointed: Sequence[str]) -> RankMemory:
+        return measure_sharded_step(
+            model, world_size=world_size, units=unit_names, checkpointed=checkpointed,
+            reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, inputs=(args, kwargs, example_target),
+            step_loss=step_loss, make_optimizer=make_optimizer,
+        )
+
+    with fake_world(world_size):
+        baseline = measure(())
+        floor = measure(inner) if inner else baseline
+        if budget < floor.peak_bytes:
+            raise InfeasibleBudgetError(
+                f"a per-rank budget of {format_bytes(budget)} is below the smallest peak whole-unit checkpointing "
+                f"reaches at world size {world_size}: {format_bytes(floor.peak_bytes)} with every one of the "
+                f"{len(inner)} units checkpointed. Give budget_bytes >= {floor.peak_bytes}, more ranks, or a "
+                "smaller per-rank batch (sub-unit regions and offload are not planned for FSDP yet)",
+                budget_bytes=budget, min_feasible_bytes=floor.peak_bytes,
+            )
+        chosen, measured, tries = _fit(blocks, budget, baseline, floor, measure)
+    kwargs_time = {"world_size": world_size, "gb_per_s": gb_per_s, "reshard_after_forward": reshard_after_forward}
+    predicted, plain = step_time(root, blocks, set(chosen), **kwargs_time), step_time(root, blocks, set(), **kwargs_time)
+    full = step_time(root, blocks, set(inner), **kwargs_time)
+    notes = [
+        (f"{tries} fake-process-group measurement(s) of chosen sets; whole-unit decisions only (sub-unit regions and "
+        "offload are later work)"),
+        "collectives priced at 0 ms: no GPU-to-GPU link figure (give target=...)" if not gb_per_s else
+        f"collectives priced over {gb_per_s:g} GB/s each way per GPU ({spec.name if spec else ''}), ring algorithms",
+    ]
+    if make_optimizer is not None:
+        notes.append("optimizer step measured with its for-loop implementation: a foreach implementation's "
+                     "temporaries during optimizer.step() are not counted (docs/fsdp.md)")
+    logger.info("FSDP plan: %d of %d units checkpointed, peak %s under %s", len(chosen), len(inner),
+                format_bytes(measured.peak_bytes), format_bytes(budget))
+    return FSDPPlan(
+        world_size=world_size, units=tuple(unit_names), checkpointed=tuple(chosen),
+        reshard_after_forward=reshard_after_forward, mixed_precision=describe_mp_policy(mp_policy),
+        budget_bytes=budget, predicted_peak_bytes=measured.peak_bytes, baseline_peak_bytes=baseline.peak_bytes,
+        min_feasible_bytes=floor.peak_bytes,
+        ranks=tuple(RankFigures(rank=r, peak_bytes=measured.peak_bytes, breakdown=measured.breakdown)
+                    for r in range(world_size)),
+        predicted_step_ms=predicted.step_ms, baseline_step_ms=plain.step_ms, floor_step_ms=full.step_ms,
+        exposed_collective_ms=predicted.exposed_collective_ms, interconnect_gb_per_s=gb_per_s,
+        provenance=planner.provenance, fingerprint=fingerprint(model, unit_names), notes=tuple(notes),
+    )
+
+
+def _fit(
+    blocks: list[UnitTimes], budget: int, baseline: RankMemory, floor: RankMemory,
+    measure: Callable[[Sequence[str]], RankMemory],
+) -> tuple[tuple[str, ...], RankMemory, int]:
+    """The least-recomputation set that measures under ``budget``: the knapsack on each unit's share of the saved
+    bytes, measured, asked again for more while it overshoots; every unit in the end (the floor, which fits)."""
+    if baseline.peak_bytes <= budget:
+        return (), baseline, 0
+    total_saved = sum(u.saved_bytes for u in blocks)
+    freed = baseline.peak_bytes - floor.peak_bytes  # what checkpointing every unit frees, measured
+    everything = tuple(u.name for u in blocks)
+    need, at_least, tries = float(baseline.peak_bytes - budget), 0.0, 0
+    while True:
+        scale = total_saved / freed if freed > 0 else 0.0
+        chosen = cheapest_cover(blocks, need * scale, at_least_bytes=at_least)
+        if chosen is None or set(chosen) == set(everything):
+            return everything, floor, tries
+        tries += 1
+        measured = measure(chosen)
+        if measured.peak_bytes <= budget:
+            return chosen, measured, tries
+        need += measured.peak_bytes - budget  # the overshoot, taken off the next answer
+        at_least = sum(u.saved_bytes for u in blocks if u.name in chosen)
+
+
+def _default_units(model: nn.Module, graph: Graph, trace: StepTrace) -> tuple[str, ...]:
+    """The modules that hold the repeated blocks found in the traced step (each instance's units' deepest common
+    module), then the root; refused when no block is found."""
+    modules = dict(model.named_modules())
+    found: list[str] = []
+    for family in find_repeated_blocks(graph, trace).families:
+        names = []
+        for instance in family.instances:
+            paths = [graph.units[i].module_path.split(".") for i in range(instance.first_unit, instance.last_unit + 1)]
+            common: list[str] = []
+            for parts in zip(*paths):
+                if len(set(parts)) != 1:
+                    break
+                common.append(parts[0])
+            names.append(".".join(common))
+        if all(n and n in modules for n in names) and len(set(names)) == len(names):
+            found += names
+    if not found:
+        raise ValueError(
+            f"no repeated blocks were found in {type(model).__name__}'s step to shard as FSDP units: give "
+            "units=[...] (module names from model.named_modules(), e.g. ['layers.0', 'layers.1', ...])"
+        )
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    return check_units(model, sorted(set(found), key=order.__getitem__))
+
+
+def _unit_times(
+    model: nn.Module, units: Sequence[str], graph: Graph, trace: StepTrace, mp_policy: Any,
+) -> dict[str, UnitTimes]:
+    """Each unit's forward time and saved bytes (the traced units under its module path; the root has the rest)
+    and the bytes of its all-gather and reduce-scatter."""
+    inner = [u for u in units if u != ROOT]
+    forward = dict.fromkeys((*inner, ROOT), 0.0)
+    saved = dict.fromkeys((*inner, ROOT), 0)
+    for unit, cost in zip(graph.units, trace.units):
+        path = unit.module_path or ""
+        owner = next((u for u in inner if path == u or path.startswith(u + ".")), ROOT)
+        forward[owner] += cost.forward_ms
+        saved[owner] += cost.saved_bytes
+    param_dtype = getattr(mp_policy, "param_dtype", None)
+    reduce_dtype = getattr(mp_policy, "reduce_dtype", None) or param_dtype
+    owned = unit_parameter_bytes(model, units)
+
+    def in_dtype(numel: int, nbytes: int, dtype: torch.dtype | None) -> int:
+        return nbytes if dtype is None else numel * torch.empty((), dtype=dtype).element_size()
+
+    return {
+        name: UnitTimes(
+            name=name, forward_ms=forward[name], saved_bytes=saved[name],
+            all_gather_bytes=in_dtype(*owned[name], param_dtype), reduce_scatter_bytes=in_dtype(*owned[name],
+                                                                                               reduce_dtype),
+        )
+        for name in (*inner, ROOT)
+    }
+
+
+def _check_mp_policy(mp_policy: Any) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy or None, got {describe_value(mp_policy)}"
+        )
+
+
+def _optimizer_factory(optimizer: Any) -> Callable[[list], Any] | None:
+    if optimizer is None or optimizer == "none":
+        return None
+    if isinstance(optimizer, str):
+        if optimizer not in NAMED_OPTIMIZERS:
+            raise ValueError(
+                f"optimizer must be one of {', '.join([*NAMED_OPTIMIZERS, 'none'])} or a function making one from a "
+                f"list of parameters (torch.optim.AdamW); got {optimizer!r}"
+            )
+        return NAMED_OPTIMIZERS[optimizer]
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer: give a function making one from the sharded parameters (e.g. torch.optim.AdamW or "
+            f"functools.partial(torch.optim.AdamW, lr=...)), not an instance ({type(optimizer).__name__}): FSDP "
+            "shards the parameters, so the optimizer is made over the sharded ones"
+        )
+    if not callable(optimizer):
+        raise TypeError(f"optimizer must be a name, None or a callable, got {describe_value(optimizer)}")
+    return optimizer
+
+
+def _step_loss(loss_fn: Any, example_target: Any) -> Callable[[Any, Any], torch.Tensor]:
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {describe_value(loss_fn)}")
+    if example_target is not None and loss_fn is None:
+        raise ValueError(
+            "example_target was given without loss_fn: give loss_fn(output, target) (e.g. "
+            "lambda logits, target: F.cross_entropy(logits.flatten(0, 1), target.flatten()))"
+        )
+    if loss_fn is None:
+        plain = checked_loss(default_loss)
+        return lambda output, target: plain(output)
+    if example_target is None:
+        checked = checked_loss(loss_fn)
+        return lambda output, target: checked(output)
+    return lambda output, target: checked_loss(lambda out: loss_fn(out, target))(output)

@@ -1,0 +1,174 @@
+"""``FSDPPlan``: what ``plan_fsdp`` decided for a model sharded by FSDP2 over N ranks, with ``summary()``, ``save()``
+(JSON, schema "autockpt.fsdp_plan" version 1, never pickle), ``report()`` (markdown or HTML) and ``load_fsdp_plan``.
+
+Bytes are ``int`` bytes per rank; GB = 10^9 bytes and GiB = 2^30 bytes, both written wherever a size is shown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from autockpt.errors import PlanFileError
+from autockpt.record_types import Provenance
+from autockpt.units import format_bytes
+
+logger = logging.getLogger(__name__)
+
+SCHEMA = "autockpt.fsdp_plan"
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankFigures:
+    """One rank's predicted peak and what it holds then, by ``FSDPMemTracker``'s categories ("Sharded Param",
+    "Unsharded Param", "Sharded Grad", "Unsharded Grad", "Activation", "Temp", "All Gather", "Reduce Scatter",
+    "OptState", "Inputs", "Buffer"), summing to ``peak_bytes``.
+
+    Measured in one process on torch's fake process group, which shows every rank rank 0's view. FSDP2 pads every
+    rank's shard to rank 0's size, so parameters, gradients and the collectives' buffers are the same on every rank;
+    the optimizer's states follow the unpadded shard, largest on rank 0. Each rank's figures are rank 0's: exact for
+    every byte but the optimizer states, an upper bound by less than one row per parameter for those."""
+
+    rank: int
+    peak_bytes: int
+    breakdown: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FSDPPlan:
+    """Per-rank checkpointing of FSDP units for ``world_size`` ranks (``autockpt.plan_fsdp``); ``apply_fsdp`` runs it.
+
+    ``units``: the modules ``fully_shard`` wraps, the root ("") last; ``checkpointed``: those whose whole forward is
+    recomputed in backward. ``predicted_peak_bytes`` (the plan's), ``baseline_peak_bytes`` (nothing checkpointed)
+    and ``min_feasible_bytes`` (every unit but the root checkpointed: the floor of whole-unit decisions) are the
+    largest rank's peak over two training steps (forward, backward, optimizer step; the first step makes the states),
+    inputs included, measured on the fake process group. ``predicted_step_ms``: the step time model (compute,
+    recomputation, exposed collectives; ``docs/fsdp.md``), ``overhead_pct`` against nothing checkpointed
+    (``baseline_step_ms``); ``floor_step_ms`` is every unit checkpointed's, by the same model and times."""
+
+    world_size: int
+    units: tuple[str, ...]
+    checkpointed: tuple[str, ...]
+    reshard_after_forward: bool
+    mixed_precision: str
+    budget_bytes: int
+    predicted_peak_bytes: int
+    baseline_peak_bytes: int
+    min_feasible_bytes: int
+    ranks: tuple[RankFigures, ...]
+    predicted_step_ms: float
+    baseline_step_ms: float
+    floor_step_ms: float  # every unit checkpointed (full checkpointing per block), by the same time model
+    exposed_collective_ms: float
+    interconnect_gb_per_s: float | None
+    provenance: Provenance
+    fingerprint: str
+    notes: tuple[str, ...] = ()
+
+    @property
+    def overhead_pct(self) -> float:
+        """Predicted step time above nothing checkpointed's, in percent."""
+        return 100.0 * (self.predicted_step_ms / self.baseline_step_ms - 1.0) if self.baseline_step_ms > 0 else 0.0
+
+    def summary(self) -> str:
+        inner = [u for u in self.units if u]
+        lines = [
+            (f"FSDP2 plan for world size {self.world_size}: {len(self.checkpointed)} of {len(inner)} units "
+            f"checkpointed (and the root sharded), reshard_after_forward={self.reshard_after_forward}, mixed "
+            f"precision: {self.mixed_precision}"),
+            f"  per-rank budget   {format_bytes(self.budget_bytes)}",
+            f"  predicted peak    {format_bytes(self.predicted_peak_bytes)} (largest rank, fake process group)",
+            (f"  nothing checkpointed {format_bytes(self.baseline_peak_bytes)}; every unit checkpointed "
+            f"{format_bytes(self.min_feasible_bytes)} (the floor of whole-unit decisions)"),
+            (f"  predicted step    {self.predicted_step_ms:.3f} ms ({self.overhead_pct:+.1f} % against nothing "
+            f"checkpointed, {self.floor_step_ms:.3f} ms with every unit; {self.exposed_collective_ms:.3f} ms of "
+            "collectives exposed)"),
+            f"  checkpointed      {', '.join(self.checkpointed) or '(none)'}",
+            f"  known by          {self.provenance.describe()}",
+            "  rank 0 at its peak: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.ranks[0].breakdown if v),
+        ]
+        lines += [f"  note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(plan_to_json(self), indent=1))
+        logger.info("FSDP plan saved to %s", path)
+        return path
+
+    def report(self, path: str | Path) -> Path:
+        """A report file: HTML when ``path`` ends in .html, else markdown; the per-rank breakdown against the budget."""
+        path = Path(path)
+        path.write_text(report_text(self, html_page=path.suffix.lower() in (".html", ".htm")))
+        return path
+
+
+def plan_to_json(fplan: FSDPPlan) -> dict[str, Any]:
+    data = dataclasses.asdict(fplan)
+    data["ranks"] = [{"rank": r.rank, "peak_bytes": r.peak_bytes, "breakdown": dict(r.breakdown)} for r in fplan.ranks]
+    return {"schema": SCHEMA, "version": SCHEMA_VERSION, **data}
+
+
+def load_fsdp_plan(path: str | Path) -> FSDPPlan:
+    """Read a plan written by ``FSDPPlan.save``."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise PlanFileError(f"could not read an FSDP plan from {path}: {error}; give a file FSDPPlan.save wrote") \
+            from error
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise PlanFileError(
+            f"{path} is not an autockpt FSDP plan (schema {data.get('schema') if isinstance(data, dict) else None!r},"
+            f" expected {SCHEMA!r}): give a file FSDPPlan.save wrote (a single-device plan loads with "
+            "autockpt.load_plan)"
+        )
+    if data.get("version") != SCHEMA_VERSION:
+        raise PlanFileError(
+            f"{path} has FSDP plan schema version {data.get('version')!r}; this autockpt reads version "
+            f"{SCHEMA_VERSION}: plan again with this version"
+        )
+    try:
+        fields = {k: v for k, v in data.items() if k not in ("schema", "version")}
+        fields["units"] = tuple(fields["units"])
+        fields["checkpointed"] = tuple(fields["checkpointed"])
+        fields["notes"] = tuple(fields.get("notes", ()))
+        fields["provenance"] = Provenance(**fields["provenance"])
+        fields["ranks"] = tuple(
+            RankFigures(rank=r["rank"], peak_bytes=r["peak_bytes"], breakdown=tuple(r["breakdown"].items()))
+            for r in fields["ranks"]
+        )
+        return FSDPPlan(**fields)
+    except (KeyError, TypeError) as error:
+        raise PlanFileError(f"{path} is an FSDP plan with a missing or wrong field ({error}): plan again") from error
+
+
+def report_text(fplan: FSDPPlan, *, html_page: bool) -> str:
+    """The per-rank breakdown table with the budget line, as markdown or a small HTML page."""
+    categories = [k for k, _ in fplan.ranks[0].breakdown]
+    header = ["rank", *categories, "peak", "budget", "headroom"]
+    rows = []
+    for r in fplan.ranks:
+        values = dict(r.breakdown)
+        rows.append([str(r.rank), *(format_bytes(values[c]) for c in categories), format_bytes(r.peak_bytes),
+                     format_bytes(fplan.budget_bytes), format_bytes(fplan.budget_bytes - r.peak_bytes)])
+    intro = fplan.summary().splitlines()
+    if not html_page:
+        table = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        table += ["| " + " | ".join(row) + " |" for row in rows]
+        return "\n".join(["# autockpt FSDP2 plan", "", "```", *intro, "```", "", "## Per rank at its peak", "",
+                          *table, ""])
+    cells = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return (
+        "<!doctype html><meta charset='utf-8'><title>autockpt FSDP2 plan</title>"
+        "<style>body{font-family:sans-serif}td,th{padding:2px 8px;text-align:right}</style>"
+        f"<h1>autockpt FSDP2 plan</h1><pre>{html.escape(chr(10).join(intro))}</pre>"
+        f"<h2>Per rank at its peak</h2><table><tr>{cells}</tr>{body}</table>"
+    )

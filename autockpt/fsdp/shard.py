@@ -1,0 +1,135 @@
+"""What ``apply_fsdp`` and the fake-world measurement both do to a model: checkpoint whole FSDP units and call torch's
+own ``fully_shard`` on the units, then on the root (torchtitan's order).
+
+Checkpointing patches the unit's ``forward`` on the instance (``torch.utils.checkpoint``, non-reentrant): parameter
+names do not change (``checkpoint_wrapper`` would add ``_checkpoint_wrapped_module.`` to them), and FSDP2's hooks, which
+``fully_shard`` registers on the module's ``__call__`` (all-gather before forward and, from the output's backward
+hook, before backward), run around the checkpointed forward exactly as around the plain one: the recomputation in
+backward runs after the unit's pre-backward all-gather.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+logger = logging.getLogger(__name__)
+
+ROOT = ""  # the root module's name among the units ("" as in named_modules())
+_PATCHED = "_autockpt_checkpointed_forward"
+
+
+def checkpoint_forward(module: nn.Module) -> None:
+    """Make ``module``'s forward run under non-reentrant ``torch.utils.checkpoint`` (patched on the instance; the
+    parameters keep their names). Patching twice is a no-op."""
+    if getattr(module, _PATCHED, False):
+        return
+    plain = module.forward
+
+    @functools.wraps(plain)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(plain, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward
+    setattr(module, _PATCHED, True)
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    return bool(getattr(module, _PATCHED, False))
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True when ``fully_shard`` was already called on ``model`` or one of its submodules."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def check_units(model: nn.Module, units: Sequence[str]) -> tuple[str, ...]:
+    """``units`` as module names of ``model``, the root last (added when missing); a name that is not a module, or a
+    unit inside another unit, is refused with the names that exist."""
+    if isinstance(units, str) or not all(isinstance(u, str) for u in units):
+        raise TypeError(f"units must be a list of module names (e.g. ['layers.0', 'layers.1']), got {units!r}")
+    names = dict(model.named_modules())
+    missing = [u for u in units if u not in names]
+    if missing:
+        shown = ", ".join(repr(n) for n in list(names)[1:13])
+        raise ValueError(
+            f"unit(s) {missing} are not modules of {type(model).__name__}: give names from model.named_modules() "
+            f"(it has {shown}, ...)"
+        )
+    inner = [u for u in units if u != ROOT]
+    if len(set(inner)) != len(inner):
+        raise ValueError(f"units name a module twice: {inner}")
+    for a in inner:
+        for b in inner:
+            if a != b and a.startswith(b + "."):
+                raise ValueError(
+                    f"unit {a!r} lies inside unit {b!r}: FSDP units here do not nest (except in the root); drop one"
+                )
+    return (*inner, ROOT)
+
+
+def unit_parameter_bytes(model: nn.Module, units: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """Per unit (the root last): (number of parameter elements, bytes) it owns, a parameter counted in the innermost
+    unit that holds it (as ``fully_shard`` groups them); shared parameters once."""
+    inner = [u for u in units if u != ROOT]
+    owned: dict[str, list[int]] = {u: [0, 0] for u in (*inner, ROOT)}
+    seen: set[int] = set()
+    for name, param in model.named_parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        owner = next((u for u in inner if name.startswith(u + ".")), ROOT)
+        owned[owner][0] += param.numel()
+        owned[owner][1] += param.numel() * param.element_size()
+    return {u: (n, b) for u, (n, b) in owned.items()}
+
+
+def shard(
+    model: nn.Module, units: Sequence[str], checkpointed: Sequence[str], mesh: Any, *,
+    reshard_after_forward: bool, mp_policy: Any,
+) -> nn.Module:
+    """Checkpoint the ``checkpointed`` units' forward, then ``fully_shard`` every unit and the root on ``mesh``."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    modules = dict(model.named_modules())
+    for name in checkpointed:
+        checkpoint_forward(modules[name])
+    extra = {"mp_policy": mp_policy} if mp_policy is not None else {"mp_policy": MixedPrecisionPolicy()}
+    for name in units:
+        if name != ROOT:
+            fully_shard(modules[name], mesh=mesh, reshard_after_forward=reshard_after_forward, **extra)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, **extra)
+    logger.debug("sharded %d units (%d checkpointed) over a mesh of %s", len(units), len(checkpointed), mesh)
+    return model
+
+
+def fingerprint(model: nn.Module, units: Sequence[str]) -> str:
+    """sha256 of the parameter names, shapes and dtypes and the unit names: what decides whether a plan fits a
+    model (values and devices are not read, so a meta model has the fingerprint of its real self)."""
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        digest.update(f"{name}:{tuple(param.shape)}:{str(param.dtype).removeprefix('torch.')};".encode())
+    digest.update(("units:" + ",".join(units)).encode())
+    return digest.hexdigest()[:32]
+
+
+def describe_mp_policy(mp_policy: Any) -> str:
+    """``param bfloat16, reduce float32, output -, cast forward inputs`` or ``none`` (parameters' own dtype)."""
+    if mp_policy is None:
+        return "none"
+
+    def name(dtype: torch.dtype | None) -> str:
+        return "-" if dtype is None else str(dtype).removeprefix("torch.")
+
+    cast = ", cast forward inputs" if getattr(mp_policy, "cast_forward_inputs", False) else ""
+    return (f"param {name(mp_policy.param_dtype)}, reduce {name(mp_policy.reduce_dtype)}, "
+            f"output {name(mp_policy.output_dtype)}{cast}")

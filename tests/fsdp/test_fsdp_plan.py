@@ -1,0 +1,211 @@
+"""FSDP2 plans (issue 38), in one process on torch's fake process group: budgets, the floor, errors, plan files."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import needs_transformers
+from fsdp_worker import CONFIG, batch, build, lm_loss
+
+import autockpt
+from autockpt.errors import InfeasibleBudgetError, PlanFileError, PlanMismatchError
+from autockpt.fsdp.choose import UnitTimes, cheapest_cover, link_ms, step_time
+from autockpt.fsdp.record import FSDPPlan
+
+WORLD = 2
+
+
+def _plan(model=None, **kwargs) -> FSDPPlan:
+    ids, target = batch(CONFIG, rank=0, world=WORLD)
+    options = {"world_size": WORLD, "example_inputs": (ids,), "example_target": target, "loss_fn": lm_loss,
+               "budget_bytes": 10**9} | kwargs
+    return autockpt.plan_fsdp(model if model is not None else build(CONFIG), **options)
+
+
+@pytest.fixture(scope="module")
+def roomy() -> FSDPPlan:
+    return _plan()
+
+
+def test_a_roomy_budget_checkpoints_nothing_and_names_the_blocks_as_units(roomy) -> None:
+    assert roomy.units == ("layers.0", "layers.1", "layers.2", "layers.3", "")
+    assert roomy.checkpointed == ()
+    assert roomy.predicted_peak_bytes == roomy.baseline_peak_bytes > roomy.min_feasible_bytes
+    assert len(roomy.ranks) == WORLD and all(r.peak_bytes == roomy.predicted_peak_bytes for r in roomy.ranks)
+    assert sum(v for _, v in roomy.ranks[0].breakdown) == roomy.predicted_peak_bytes
+    assert not dist.is_initialized(), "the fake process group made for planning is destroyed"
+
+
+def test_a_budget_between_floor_and_baseline_checkpoints_some_units_under_it(roomy) -> None:
+    budget = (roomy.min_feasible_bytes + roomy.baseline_peak_bytes) // 2
+    fplan = _plan(budget_bytes=budget)
+    assert 0 < len(fplan.checkpointed) < 4
+    assert fplan.predicted_peak_bytes <= budget
+    assert fplan.predicted_step_ms > fplan.baseline_step_ms and fplan.overhead_pct > 0
+    assert "per-rank budget" in fplan.summary()
+
+
+def test_a_budget_under_the_floor_names_the_floor_and_the_floor_plans(roomy) -> None:
+    with pytest.raises(InfeasibleBudgetError) as refused:
+        _plan(budget_bytes=roomy.min_feasible_bytes - 1)
+    assert refused.value.min_feasible_bytes == roomy.min_feasible_bytes
+    assert "budget_bytes >=" in str(refused.value)
+    floor = _plan(budget_bytes=roomy.min_feasible_bytes)
+    assert floor.checkpointed == ("layers.0", "layers.1", "layers.2", "layers.3")
+    assert floor.predicted_peak_bytes == roomy.min_feasible_bytes
+
+
+def test_a_meta_model_on_meta_inputs_stays_on_meta_and_plans_as_the_real_one(roomy) -> None:
+    with torch.device("meta"):
+        model = build(CONFIG)
+    ids, target = batch(CONFIG, rank=0, world=WORLD)
+    fplan = _plan(model, example_inputs=(ids.to("meta"),), example_target=target.to("meta"))
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert fplan.fingerprint == roomy.fingerprint
+    assert fplan.baseline_peak_bytes == roomy.baseline_peak_bytes
+
+
+def test_the_model_is_left_as_it_was(roomy) -> None:
+    model = build(CONFIG)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _plan(model, budget_bytes=roomy.min_feasible_bytes)
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    assert all(p.grad is None for p in model.parameters())
+    assert not any(hasattr(m, "_autockpt_checkpointed_forward") for m in model.modules())
+
+
+def test_save_and_load_give_the_same_plan(roomy, tmp_path) -> None:
+    fplan = _plan(budget_bytes=(roomy.min_feasible_bytes + roomy.baseline_peak_bytes) // 2)
+    assert autockpt.load_fsdp_plan(fplan.save(tmp_path / "plan.json")) == fplan
+    assert "| rank |" in fplan.report(tmp_path / "plan.md").read_text()
+    assert "<table>" in fplan.report(tmp_path / "plan.html").read_text()
+    (tmp_path / "other.json").write_text('{"schema": "autockpt.plan"}')
+    with pytest.raises(PlanFileError, match="not an autockpt FSDP plan"):
+        autockpt.load_fsdp_plan(tmp_path / "other.json")
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"world_size": 0}, ValueError, "world_size must be an integer >= 1"),
+    ({"budget_bytes": None}, ValueError, "give exactly one of budget_gb"),
+    ({"trace": "measured"}, ValueError, "trace='fake' only"),
+    ({"units": ["layers.9"]}, ValueError, "not modules of Decoder"),
+    ({"units": ["layers", "layers.0"]}, ValueError, "lies inside unit"),
+    ({"loss_fn": None}, ValueError, "example_target was given without loss_fn"),
+    ({"optimizer": "lion"}, ValueError, "optimizer must be one of"),
+    ({"mp_policy": "bf16"}, TypeError, "MixedPrecisionPolicy"),
+])
+def test_bad_requests_say_what_to_do(kwargs, error, match) -> None:
+    with pytest.raises(error, match=match):
+        _plan(**kwargs)
+
+
+def test_given_units_and_a_mixed_precision_policy_are_kept() -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fplan = _plan(units=["layers.0", "layers.2"], mp_policy=policy, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                  target="h100-sxm-80gb")
+    assert fplan.units == ("layers.0", "layers.2", "")
+    assert fplan.mixed_precision.startswith("param bfloat16, reduce float32")
+    assert fplan.interconnect_gb_per_s == 450.0 and fplan.provenance.timing == "roofline"
+
+
+def test_apply_refuses_what_the_plan_was_not_made_for(roomy) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    other = build({**CONFIG, "model": {**CONFIG["model"], "width": 16}})
+    with pytest.raises(PlanMismatchError, match="made for another model"):
+        autockpt.apply_fsdp(other, roomy)
+    with pytest.raises(TypeError, match="FSDPPlan"):
+        autockpt.apply_fsdp(build(CONFIG), object())
+    dist.init_process_group("fake", rank=0, world_size=3, store=FakeStore())
+    try:
+        with pytest.raises(ValueError, match="world size 2, this process group has 3"):
+            autockpt.apply_fsdp(build(CONFIG), roomy)
+        mesh2d = init_device_mesh("cpu", (3, 1))
+        with pytest.raises(ValueError, match="HSDP and 2-D meshes are later work"):
+            autockpt.apply_fsdp(build(CONFIG), roomy, mesh=mesh2d)
+        with pytest.raises(RuntimeError, match="fake process group of world size 3"):
+            _plan()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_names_and_sharding_of_an_applied_plan_on_a_meta_model(roomy) -> None:
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    fplan = _plan(budget_bytes=(roomy.min_feasible_bytes + roomy.baseline_peak_bytes) // 2)
+    with torch.device("meta"):
+        model = build(CONFIG)
+    names = [n for n, _ in model.named_parameters()]
+    dist.init_process_group("fake", rank=0, world_size=WORLD, store=FakeStore())
+    try:
+        sharded = autockpt.apply_fsdp(model, fplan)
+        assert [n for n, _ in sharded.named_parameters()] == names
+        assert all(isinstance(p, DTensor) and p.device.type == "meta" for p in sharded.parameters())
+        patched = [n for n, m in sharded.named_modules() if hasattr(m, "_autockpt_checkpointed_forward")]
+        assert tuple(patched) == fplan.checkpointed
+        with pytest.raises(ValueError, match="already sharded"):
+            autockpt.apply_fsdp(sharded, fplan)
+        with pytest.raises(ValueError, match="already sharded"):
+            autockpt.plan_fsdp(sharded, world_size=WORLD, budget_bytes=10**9)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_time_model_prices_collectives_and_hides_them_behind_compute() -> None:
+    assert link_ms(2 * 10**9, 2, 100.0) == pytest.approx(10.0)  # 1 GB through the link at 100 GB/s
+    assert link_ms(10**9, 1, 100.0) == 0.0 and link_ms(10**9, 8, None) == 0.0
+    root = UnitTimes(name="", forward_ms=1.0, all_gather_bytes=0, reduce_scatter_bytes=0, saved_bytes=0)
+    blocks = [UnitTimes(name=f"b{i}", forward_ms=2.0, all_gather_bytes=4 * 10**8, reduce_scatter_bytes=4 * 10**8,
+                        saved_bytes=10 + i) for i in range(3)]
+    fast = step_time(root, blocks, set(), world_size=2, gb_per_s=1000.0, reshard_after_forward=True)
+    assert fast.compute_ms == pytest.approx(21.0)
+    slow = step_time(root, blocks, set(), world_size=2, gb_per_s=10.0, reshard_after_forward=True)
+    recomputed = step_time(root, blocks, {"b2"}, world_size=2, gb_per_s=10.0, reshard_after_forward=True)
+    assert slow.exposed_collective_ms > fast.exposed_collective_ms > 0
+    assert recomputed.exposed_collective_ms < slow.exposed_collective_ms  # recomputation hides more of the link
+    assert cheapest_cover(blocks, 11) in (("b1",), ("b2",))
+    assert len(cheapest_cover(blocks, 11, at_least_bytes=12)) == 2  # more than an earlier choice saved
+    assert cheapest_cover(blocks, 10**6) is None
+
+
+def test_keeping_parameters_unsharded_after_forward_costs_memory(roomy) -> None:
+    kept = _plan(reshard_after_forward=False)
+    assert kept.reshard_after_forward is False
+    assert kept.baseline_peak_bytes > roomy.baseline_peak_bytes  # each unit's gathered parameters live to backward
+
+
+def test_planning_under_a_real_process_group_is_refused() -> None:
+    from torch.distributed import HashStore
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=HashStore())
+    try:
+        with pytest.raises(RuntimeError, match="a real process group .gloo, world size 1. is initialised"):
+            _plan()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@needs_transformers
+def test_a_hugging_face_llama_on_meta_plans_its_decoder_layers() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(num_hidden_layers=3, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    ids = torch.randint(0, 256, (2, 128))
+    roomy = autockpt.plan_fsdp(model, world_size=4, budget_bytes=10**9, example_inputs=(ids,),
+                               example_kwargs={"labels": ids})
+    assert roomy.units == ("model.layers.0", "model.layers.1", "model.layers.2", "")
+    middle = (roomy.min_feasible_bytes + roomy.baseline_peak_bytes) // 2
+    fplan = autockpt.plan_fsdp(model, world_size=4, budget_bytes=middle, example_inputs=(ids,),
+                               example_kwargs={"labels": ids})
+    assert 0 < len(fplan.checkpointed) < 3 and fplan.predicted_peak_bytes <= middle

@@ -1,0 +1,173 @@
+"""One rank of an FSDP2 test (issue 38): loads the plan, ``apply_fsdp`` on a model built on the meta device, then
+``to_empty`` and the seeded weights, trains two steps with AdamW on its part of the global batch under gloo, and
+writes its losses, full gradients and the peak ``FSDPMemTracker`` measured (real tensors).
+
+Spawned by tests/fsdp/test_fsdp_gloo.py (``torch.multiprocessing.start_processes``); the model is rebuilt from a seed
+on every rank, as a torchrun script would build it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pipeline_worker import Decoder, lm_loss
+from torch import nn
+
+__all__ = ["CONFIG", "batch", "build", "lm_loss", "run_rank", "time_alternating", "tracked_peak"]
+
+# activations dominate the step: what checkpointing a unit frees shows in the peak
+CONFIG: dict[str, Any] = {"seed": 0, "model": {"vocab": 256, "width": 64, "layers": 4}, "batch": 4, "seq": 128}
+LR = 1e-2
+
+
+def build(config: dict[str, Any]) -> nn.Module:
+    torch.manual_seed(config["seed"])
+    return Decoder(**config["model"])
+
+
+def batch(config: dict[str, Any], rank: int | None = None, world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch (``config["batch"]`` rows per rank, ``world`` ranks), or rank ``rank``'s rows of it."""
+    generator = torch.Generator().manual_seed(1)
+    vocab, rows = config["model"]["vocab"], config["batch"]
+    ids = torch.randint(0, vocab, (rows * world, config["seq"]), generator=generator)
+    target = torch.randint(0, vocab, (rows * world, config["seq"]), generator=generator)
+    if rank is None:
+        return ids, target
+    # copies: a slice would keep the global batch's storage, which FSDPMemTracker counts as the rank's input
+    return ids[rank * rows:(rank + 1) * rows].clone(), target[rank * rows:(rank + 1) * rows].clone()
+
+
+def reference(config: dict[str, Any], world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The single-process model on the global batch: two AdamW steps' losses, the first step's gradients."""
+    model = build(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    ids, target = batch(config, world=world)
+    losses, grads = [], {}
+    for step in range(2):
+        loss = lm_loss(model(ids), target)
+        loss.backward()
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, grads
+
+
+def _sharded(config: dict[str, Any], fplan: Any) -> nn.Module:
+    """meta -> apply_fsdp -> to_empty -> the seeded weights, each rank its chunk (FSDP2 shards on dim 0)."""
+    import autockpt
+
+    with torch.device("meta"):
+        model = build(config)
+    autockpt.apply_fsdp(model, fplan)
+    model.to_empty(device="cpu")
+    full = build(config).state_dict()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            local = param.to_local()
+            chunk = torch.chunk(full[name], world, dim=0)[rank] if rank < len(torch.chunk(full[name], world)) else None
+            if chunk is not None and chunk.numel():
+                local.copy_(chunk)
+    return model
+
+
+def tracked_peak(config: dict[str, Any], fplan: Any, ids: torch.Tensor, target: torch.Tensor) -> tuple[int, dict]:
+    """This rank's peak over two AdamW steps of a freshly sharded model, by FSDPMemTracker on real tensors, and its
+    breakdown by the tracker's categories."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    model = _sharded(config, fplan)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    tracker = FSDPMemTracker(model, optimizer)
+    tracker.track_inputs(((ids,), {}, target))
+    with tracker:
+        for step in range(2):
+            lm_loss(model(ids), target).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 0:
+                tracker.reset_mod_stats()
+    snapshot = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    return int(snapshot["Total"]), {getattr(k, "value", str(k)): int(v) for k, v in snapshot.items() if k != "Total"}
+
+
+def run_rank(rank: int, world: int, config: dict[str, Any], plan_path: str, out_dir: str, init_file: str) -> None:
+
+    import autockpt
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        fplan = autockpt.load_fsdp_plan(plan_path)
+        ids, target = batch(config, rank, world)
+        # 1. losses and gradients
+        model = _sharded(config, fplan)
+        names = [n for n, _ in model.named_parameters()]
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        losses, grads = [], {}
+        for step in range(2):
+            loss = lm_loss(model(ids), target)
+            loss.backward()
+            if step == 0:
+                grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach().clone())
+        for value in losses:  # each rank's loss is its half's mean: the global one is their mean
+            dist.all_reduce(value, op=dist.ReduceOp.AVG)
+        del model, optimizer
+        # 2. the peak, on a fresh model: FSDPMemTracker on real tensors, two steps as the plan counts them
+        peak, breakdown = tracked_peak(config, fplan, ids, target)
+        result = {
+            "losses": [v.item() for v in losses], "grads": grads, "names": names,
+            "peak_bytes": peak, "breakdown": breakdown,
+        }
+        with open(f"{out_dir}/rank{rank}.pkl", "wb") as out:
+            pickle.dump(result, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def time_alternating(rank: int, world: int, config: dict[str, Any], plan_paths: list[str], out_dir: str,
+                     init_file: str) -> None:
+    """Step time and peak of several FSDP plans of one model in one process group: each rank measures each plan's
+    peak (``tracked_peak``), then shards a model per plan, runs two untimed steps of each, then ``config["rounds"]``
+    rounds that step each plan once in turn (the slower rank's time is the step's)."""
+    import time
+
+    import autockpt
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        ids, target = batch(config, rank, world)
+        plans = [autockpt.load_fsdp_plan(path) for path in plan_paths]
+        peaks = [tracked_peak(config, fplan, ids, target)[0] for fplan in plans]
+        models = [_sharded(config, fplan) for fplan in plans]
+        optimizers = [torch.optim.AdamW(m.parameters(), lr=LR) for m in models]
+        seconds: list[list[float]] = [[] for _ in plans]
+        for round_index in range(2 + config["rounds"]):
+            for index, (model, optimizer) in enumerate(zip(models, optimizers)):
+                dist.barrier()
+                started = time.perf_counter()
+                lm_loss(model(ids), target).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                elapsed = torch.tensor([time.perf_counter() - started])
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                if round_index >= 2:
+                    seconds[index].append(elapsed.item())
+        with open(f"{out_dir}/alternating{rank}.pkl", "wb") as handle:
+            pickle.dump({"seconds": seconds, "peaks": peaks}, handle)
+    finally:
+        dist.destroy_process_group()

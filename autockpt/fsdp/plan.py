@@ -29,6 +29,7 @@ from autockpt.fsdp.record import FSDPPlan, RankFigures
 from autockpt.fsdp.shard import ROOT, check_units, describe_mp_policy, fingerprint, is_sharded, unit_parameter_bytes
 from autockpt.measure.loop import NAMED_OPTIMIZERS
 from autockpt.measure.loss import checked_loss, default_loss
+from autockpt.measure.sources import example_arguments
 from autockpt.planning.options import budget_to_bytes
 from autockpt.planning.planner import Planner
 from autockpt.types import Graph, StepTrace, describe_value
@@ -80,8 +81,7 @@ def plan_fsdp(
     _check_mp_policy(mp_policy)
     make_optimizer = _optimizer_factory(optimizer)
     step_loss = _step_loss(loss_fn, example_target)
-    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    kwargs = dict(example_kwargs or {})
+    args, kwargs = example_arguments(example_inputs, example_kwargs)  # a list is the arguments, as everywhere
 
     if timing == "auto" and spec is not None and getattr(mp_policy, "param_dtype", None) is not None:
         from autockpt.measure.timing import RooflineTiming
@@ -159,10 +159,11 @@ def _fit(
     freed = baseline.peak_bytes - floor.peak_bytes  # what checkpointing every unit frees, measured
     everything = tuple(u.name for u in blocks)
     need, at_least, tries = float(baseline.peak_bytes - budget), 0.0, 0
+    if total_saved <= 0 or freed <= 0:  # no share of the saved bytes to go by: the floor, which fits
+        return everything, floor, tries
     while True:
-        scale = total_saved / freed if freed > 0 else 0.0
-        chosen = cheapest_cover(blocks, need * scale, at_least_bytes=at_least)
-        if chosen is None or set(chosen) == set(everything):
+        chosen = cheapest_cover(blocks, need * total_saved / freed, at_least_bytes=at_least)
+        if not chosen or set(chosen) == set(everything):  # nothing more to ask for: the floor
             return everything, floor, tries
         tries += 1
         measured = measure(chosen)

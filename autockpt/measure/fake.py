@@ -306,7 +306,7 @@ def _raise_fake_step_error(error: BaseException, graph: Graph, *, what: str = "t
     raise FakeStepError(
         f"{what} of {type(graph.model).__name__} ({graph.kind.value} capture) cannot run on fake tensors, which have "
         f"shapes but no values: {reason}{f', at {where}' if where else ''}. Trace it on real tensors instead "
-        "(the default trace source, MeasuredTrace).",
+        "(trace='measured', which a model on the meta device cannot be: it needs real weights and inputs).",
         op=op,
     ) from error
 

@@ -59,6 +59,11 @@ class StepInputs:
     def device(self) -> torch.device:
         return device_of(self.model, self.args, self.kwargs)
 
+    @property
+    def model_device(self) -> torch.device:
+        """The device of the model's first parameter (or buffer); the CPU for a model without either."""
+        return next((t.device for t in (*self.model.parameters(), *self.model.buffers())), torch.device("cpu"))
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class TraceRequest:

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
-from autockpt.core.devices import device_spec
 from autockpt.measure.capture import capture
 from autockpt.measure.sources import StepInputs, TraceSource
 from autockpt.measure.timing import Timing
@@ -142,9 +142,8 @@ def plan(
     the step is traced on fake tensors (``trace="auto"``), timed by the roofline of the target, and the budget
     defaults to the target's memory (or ``device_memory_bytes``). ``Plan.provenance`` says which trace and timing
     made the plan and for which device."""
-    if budget_gb is None and budget_bytes is None:
-        budget_bytes = device_memory_bytes if device_memory_bytes is not None else _target_memory(target)
-    budget = budget_to_bytes(budget_gb, budget_bytes)
+    if budget_gb is not None or budget_bytes is not None:
+        budget_to_bytes(budget_gb, budget_bytes)  # checked before anything is traced
     options = resolve_options(
         options, solver_options=solver_options, checkpoint=checkpoint, host_pool_gb=host_pool_gb, optimizer=optimizer,
         gradient_accumulation_steps=gradient_accumulation_steps,
@@ -154,7 +153,7 @@ def plan(
         model, example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn, options=options,
         trace=trace, timing=timing, target=target, device_memory_bytes=device_memory_bytes,
     )
-    return planner.plan(budget_bytes=budget)
+    return planner.plan(budget_gb, budget_bytes=budget_bytes)  # no budget: the device's memory, when known
 
 
 def refuse_meta(model: Any, example_inputs: Any, example_kwargs: Any) -> None:
@@ -164,16 +163,13 @@ def refuse_meta(model: Any, example_inputs: Any, example_kwargs: Any) -> None:
         return  # StepInputs.check says what was expected
     tensors = [*model.parameters(), *model.buffers()]
     tensors += [t for t in pytree.tree_leaves((example_inputs, example_kwargs)) if isinstance(t, torch.Tensor)]
-    if any(t.device.type == "meta" for t in tensors):
+    if any(t.device.type == "meta" or isinstance(t, FakeTensor) for t in tensors):
         raise ValueError(
-            f"{type(model).__name__} (or its example inputs) is on the meta device: it has no weights to train and "
-            "no step to measure. Plan it with autockpt.plan(model, ..., target=...) (no real step runs), save the "
-            "plan, and apply it (autockpt.apply_plan) to the materialised model on the device that trains it"
+            f"{type(model).__name__} or its example inputs are on the meta device (or fake tensors): there are no "
+            "weights to train and no step to measure. Plan it with autockpt.plan(model, ..., target=...) (no real "
+            "step runs), save the plan, and apply it (autockpt.apply_plan) to the materialised model and real inputs"
         )
 
-
-def _target_memory(target: Any) -> int | None:
-    return device_spec(target).memory_bytes if target is not None else None
 
 
 def apply_plan(

@@ -300,6 +300,8 @@ class _Searcher:
             try:
                 planner = self._make_planner(batch)
                 self.planners[size] = (planner, batch, "")
+            except FakeStepError:
+                raise  # the step cannot run on fakes (trace="fake", or a meta model): no batch can be judged
             except (RuntimeError, MemoryError) as failure:
                 self.planners[size] = (None, batch, f"capture/profile failed: {type(failure).__name__}: {failure}"[:200])
             # keep memory bounded: planners of sizes far from the frontier are not needed again

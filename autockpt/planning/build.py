@@ -18,24 +18,25 @@ with a fake trace on the local device, roofline times for another device (``targ
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
 from autockpt.core.devices import DeviceSpec, device_spec
 from autockpt.core.solve.base import recompute_actions
-from autockpt.errors import FakeStepError
+from autockpt.errors import FakeStepError, ProfileError
 from autockpt.measure.capture import capture
 from autockpt.measure.costs import calibrate
 from autockpt.measure.fake import FakeTrace
+from autockpt.measure.fake_copy import meta_of_fake
 from autockpt.measure.sources import MeasuredTrace, StepInputs, TraceRequest, TraceSource
-from autockpt.measure.step import owned_bytes
 from autockpt.measure.timing import Timing, with_timing
-from autockpt.measure.trace import step_tensors
 from autockpt.planning.options import PlanOptions, checkpoint_choice
 from autockpt.record_types import Provenance
 from autockpt.runtime.model_state import enter_training_modes, preserved_model_state
@@ -57,31 +58,61 @@ class ChosenTrace:
 
 
 def on_meta(step: StepInputs) -> bool:
-    """Whether the model or any example input is on the meta device: no real step can run."""
-    tensors = [*step.model.parameters(), *step.model.buffers()]
-    tensors += [t for t in pytree.tree_leaves((step.args, step.kwargs)) if isinstance(t, torch.Tensor)]
-    return any(t.device.type == "meta" for t in tensors)
+    """Whether the model or any example input is on the meta device (or a fake tensor): no real step can run."""
+    return model_on_meta(step.model) or any(
+        t.device.type == "meta" or isinstance(t, FakeTensor)
+        for t in pytree.tree_leaves((step.args, step.kwargs)) if isinstance(t, torch.Tensor)
+    )
 
 
-def with_fake_inputs_on_meta(step: StepInputs) -> StepInputs:
-    """``step`` with example inputs given as fake tensors (the user's own ``FakeTensorMode``) replaced by meta tensors
-    of their shapes, strides and dtypes: fakes of another mode cannot be captured or run, meta tensors can (on fakes)."""
-    from torch._subclasses.fake_tensor import FakeTensor
+def model_on_meta(model: torch.nn.Module) -> bool:
+    return any(t.device.type == "meta" for t in (*model.parameters(), *model.buffers()))
 
-    from autockpt.measure.fake_copy import meta_of_fake
 
-    leaves = pytree.tree_leaves((step.args, step.kwargs))
-    if not any(isinstance(leaf, FakeTensor) for leaf in leaves):
-        return step
-    metas: dict[int, torch.Tensor] = {}  # one fake given twice (ids as input and as labels) stays one tensor
+def aligned_step(step: StepInputs) -> StepInputs:
+    """``step`` with example inputs the capture can run beside the model (one tensor given twice stays one tensor):
 
-    def meta(leaf: Any) -> Any:
-        if not isinstance(leaf, FakeTensor):
+    * beside a model on the meta device, every input tensor becomes a meta tensor of its shape, strides and dtype
+      (fx and export check a graph by running it: real CPU token ids beside meta weights fail there);
+    * beside a real model, inputs given as meta or fake tensors (of the user's own ``FakeTensorMode``) become tensors
+      of their shapes on the model's device, floating ones random and the others zeros (in range for any embedding):
+      they are captured and traced on fakes, never run for real (``trace="measured"`` on them is refused).
+    """
+    on_meta_device = model_on_meta(step.model)
+    device = step.model_device
+    made: dict[int, torch.Tensor] = {}
+
+    def aligned(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
             return leaf
-        return metas.setdefault(id(leaf), meta_of_fake(leaf))
+        if on_meta_device:
+            if leaf.device.type == "meta" and not isinstance(leaf, FakeTensor):
+                return leaf
+        elif leaf.device.type != "meta" and not isinstance(leaf, FakeTensor):
+            return leaf
+        if id(leaf) not in made:
+            meta = meta_of_fake(leaf) if isinstance(leaf, FakeTensor) else _meta_like(leaf)
+            made[id(leaf)] = meta if on_meta_device else _placeholder_like(meta, device)
+        return made[id(leaf)]
 
-    args, kwargs = pytree.tree_map(meta, (step.args, step.kwargs))
+    args, kwargs = pytree.tree_map(aligned, (step.args, step.kwargs))
+    if not made:
+        return step
     return dataclasses.replace(step, args=args, kwargs=kwargs)
+
+
+def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
+    meta = torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=tensor.dtype, device="meta")
+    return meta.requires_grad_(tensor.requires_grad)
+
+
+def _placeholder_like(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A real tensor of ``meta``'s shape and dtype on ``device``: random if floating, else zeros."""
+    if meta.is_floating_point() or meta.is_complex():
+        made = torch.randn(tuple(meta.shape), dtype=meta.dtype, device=device)
+    else:
+        made = torch.zeros(tuple(meta.shape), dtype=meta.dtype, device=device)
+    return made.requires_grad_(meta.requires_grad)
 
 
 def check_trace(trace: Any) -> None:
@@ -100,7 +131,7 @@ def device_memory_for(
     step: StepInputs, device_memory_bytes: int | None, target: DeviceSpec | None
 ) -> int | None:
     """The device memory to plan for: ``device_memory_bytes`` as given, else the target's, else on CUDA what is free
-    now plus what the step's own tensors already hold there; None on a CPU without either."""
+    now plus what this process's allocator holds (``local_memory_bytes``); None on a CPU without either."""
     if device_memory_bytes is not None:
         if isinstance(device_memory_bytes, bool) or not isinstance(device_memory_bytes, int) or device_memory_bytes <= 0:
             raise ValueError(
@@ -111,18 +142,20 @@ def device_memory_for(
         return target.memory_bytes
     device = step.device
     if device.type == "cuda":
-        free_bytes, _ = torch.cuda.mem_get_info(device)
-        return free_bytes + owned_bytes(device, step_tensors(step.model, step.args, step.kwargs))
+        return local_memory_bytes(step)
     return None
 
 
 def traced_step(
-    trace: str | TraceSource, graph: Graph, step: StepInputs, request: TraceRequest, device_memory_bytes: int | None
+    trace: str | TraceSource, graph: Graph, step: StepInputs, request: TraceRequest, device_memory_bytes: int | None,
+    *, without_values: bool | None = None,
 ) -> ChosenTrace:
-    """The step traced as ``trace`` says (module docstring): ``"auto"``'s choice with its reason."""
+    """The step traced as ``trace`` says (module docstring): ``"auto"``'s choice with its reason. ``without_values``:
+    the model or the example inputs have no values (meta or fake tensors; default: read from ``step``). A step run
+    for real must also fit the local device (``local_memory_bytes``), whatever device it is planned for."""
     if not isinstance(trace, str):
         return ChosenTrace(trace=trace.trace(graph, step, request), source=trace.name)
-    meta = on_meta(step)
+    meta = on_meta(step) if without_values is None else without_values
     if trace == "measured":
         if meta:
             raise ValueError(
@@ -135,42 +168,72 @@ def traced_step(
     if meta:
         return ChosenTrace(
             trace=FakeTrace().trace(graph, step, request), source="fake",
-            reason="the model or its inputs are on the meta device",
+            reason="the model or its inputs are on the meta device (or fake tensors)",
         )
-    if device_memory_bytes is None:
+    if device_memory_bytes is None:  # nothing known of the memory (a CPU, no target): measured, as always
         return _measured_or_fake(graph, step, request, "")
+    local = local_memory_bytes(step)  # a real step must fit where it runs too (a target's memory may be larger)
+    memory = device_memory_bytes if local is None else min(device_memory_bytes, local)
     try:
         fake = FakeTrace().trace(graph, step, request)
     except FakeStepError as error:
         logger.info("trace='auto': the fake trace cannot run this step (%s); measuring it", error.op)
         return _measured_or_fake(graph, step, request, f"the fake trace cannot run this step ({error.op})")
     peak = fake.baseline_peak_bytes
-    if peak > device_memory_bytes:
+    which = "the device memory" if memory == device_memory_bytes else f"this machine's free {step.device.type} memory"
+    if peak > memory:
         return ChosenTrace(
             trace=fake, source="fake",
             reason=(
-                f"the unmodified step's predicted peak ({format_bytes(peak)}) is above the device memory "
-                f"({format_bytes(device_memory_bytes)}): no unmodified step was run"
+                f"the unmodified step's predicted peak ({format_bytes(peak)}) is above {which} "
+                f"({format_bytes(memory)}): no unmodified step was run"
             ),
         )
     return _measured_or_fake(
         graph, step, request,
-        f"the unmodified step's predicted peak ({format_bytes(peak)}) fits the device memory "
-        f"({format_bytes(device_memory_bytes)})",
+        f"the unmodified step's predicted peak ({format_bytes(peak)}) fits {which} ({format_bytes(memory)})",
     )
 
 
+def local_memory_bytes(step: StepInputs) -> int | None:
+    """What a real step may use where it would run: on CUDA the free memory plus what this process's allocator holds
+    (the trace counts everything allocated, the step's and the rest); on the CPU the host memory available now."""
+    device = step.device
+    if device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        return free_bytes + torch.cuda.memory_reserved(device)
+    if device.type == "cpu":
+        from autockpt.runtime.offload import available_host_bytes
+
+        return available_host_bytes()
+    return None
+
+
 def _measured_or_fake(graph: Graph, step: StepInputs, request: TraceRequest, reason: str) -> ChosenTrace:
-    """The measured trace; on CUDA, the fake one when the real step runs out of memory."""
+    """The measured trace; the fake one when the real step runs out of memory (``trace_step`` wraps the error in a
+    ``ProfileError``). The fake trace starts after the failed step's tensors are gone: it counts what is allocated."""
     try:
         return ChosenTrace(trace=MeasuredTrace().trace(graph, step, request), source="measured", reason=reason)
-    except torch.OutOfMemoryError as error:
+    except (torch.OutOfMemoryError, ProfileError) as error:
+        if not _out_of_memory(error):
+            raise
+        logger.warning("trace='auto': the unmodified step ran out of memory (%s); tracing it on fakes", error)
+    gc.collect()
+    if torch.cuda.is_available():
         torch.cuda.empty_cache()
-        logger.warning("trace='auto': the unmodified step ran out of device memory (%s); tracing it on fakes", error)
-        return ChosenTrace(
-            trace=FakeTrace().trace(graph, step, request), source="fake",
-            reason="the unmodified step ran out of device memory when measured",
-        )
+    return ChosenTrace(
+        trace=FakeTrace().trace(graph, step, request), source="fake",
+        reason="the unmodified step ran out of device memory when measured",
+    )
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    cause: BaseException | None = error
+    while cause is not None:
+        if isinstance(cause, torch.OutOfMemoryError):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -178,6 +241,8 @@ class BuiltStep:
     """What a planner is made from (``Planner(graph, trace, costs, options, ...)``): the captured graph, its timed
     trace and the prices, the device planned for and how the step was known."""
 
+    step: StepInputs  # the step as captured (inputs aligned with the model: ``aligned_step``)
+    example_values: bool  # False: the model or the inputs had no values (meta, fake): no real step can be measured
     graph: Graph
     trace: StepTrace
     costs: CostModel
@@ -200,7 +265,8 @@ def built_step(
 ) -> BuiltStep:
     """``Planner.from_model``'s work on a checked step: capture, trace, time and price."""
     check_trace(trace)
-    step = with_fake_inputs_on_meta(step)
+    without_values = on_meta(step)  # before the inputs are aligned: placeholders stand for no values
+    step = aligned_step(step)
     spec = device_spec(target) if target is not None else None
     memory = device_memory_for(step, device_memory_bytes, spec)
     stage = on_stage or (lambda name: None)
@@ -219,7 +285,7 @@ def built_step(
             gradient_lifetimes=Action.RECOMPUTE_OWN in actions,
             optimizer=options.optimizer, gradient_accumulation_steps=options.gradient_accumulation_steps,
             planned_device_type=spec.device_type if spec is not None else None,
-        ), memory)
+        ), memory, without_values=without_values)
         if chosen.reason:
             logger.info("trace='auto' chose the %s trace: %s", chosen.source, chosen.reason)
         if chosen.trace.loop is not None:
@@ -234,6 +300,7 @@ def built_step(
         device_memory_bytes=memory, reason=chosen.reason,
     )
     return BuiltStep(
+        step=step, example_values=not without_values,
         graph=graph, trace=timed.trace, costs=timed.costs, target=timed.target, provenance=provenance,
         notes=(timed.note, *([f"trace: {chosen.source} ({chosen.reason})"] if chosen.reason else [])),
         capture_time_s=captured - started, profile_time_s=time.perf_counter() - captured,

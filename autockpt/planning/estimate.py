@@ -165,7 +165,10 @@ def estimate_from_planner(planner: Planner, optimizer: OptimizerKind, depth: int
         cost = FakeTrace().optimizer_step(planner.graph, planner.request, make, planned_for)  # no real weights
     elif make is not None:
         device = device_of(planner.model, planner.request.args, planner.request.kwargs)
-        cost = measure_optimizer_step(optimizer_factory(planner.model, make), planner.model, device)
+        cost = measure_optimizer_step(
+            optimizer_factory(planner.model, make), planner.model, device,
+            implementation_of=planner.target.device_type if planner.target is not None else None,
+        )
     in_loop = step_in_loop(measured, TrainingLoop(optimizer=cost)) if cost is not None else measured
     return MemoryEstimate(
         model_class=type(planner.model).__name__,

@@ -145,6 +145,7 @@ class Planner:
         self.notes = tuple(notes)  # every plan carries them (from_model: how the times were made)
         self.provenance = provenance  # which trace and timing, for which device: every plan records it
         self.target: DeviceSpec | None = None  # from_model's target: the device planned for (roofline timing)
+        self.example_values = True  # False: made from a meta model or meta/fake inputs: no real step can be measured
         self.gradient_accumulation_steps = self.options.gradient_accumulation_steps
         self.optimizer = self.options.optimizer  # what measure_step copies to step the loop as it runs
         self.host_pool_bytes = pool_bytes_of(self.options.host_pool_gb, available_host_bytes)
@@ -213,10 +214,10 @@ class Planner:
             device_memory_bytes=device_memory_bytes,
         )
         planner = cls(
-            built.graph, built.trace, built.costs, options, step=step, on_stage=on_stage, notes=built.notes,
+            built.graph, built.trace, built.costs, options, step=built.step, on_stage=on_stage, notes=built.notes,
             capture_time_s=built.capture_time_s, profile_time_s=built.profile_time_s, provenance=built.provenance,
         )
-        planner.target = built.target
+        planner.target, planner.example_values = built.target, built.example_values
         return planner
 
     @property
@@ -323,6 +324,12 @@ class Planner:
             raise ValueError(
                 f"Planner.optimize does not compile (options.compiled={self.options.compiled!r}); use "
                 "autockpt.optimize(model, ..., compiled=True), which measures the compiled step"
+            )
+        if not self.example_values:
+            raise ValueError(
+                f"Planner.optimize measures the optimized step, but this planner was made from a model or example "
+                f"inputs without values (meta device or fake tensors): {type(self.model).__name__} has no step to "
+                "measure. Use planner.plan(...) and save it, then autockpt.apply_plan on the real model and inputs"
             )
         if budget_gb is None and budget_bytes is None and self.device_memory_bytes is not None:
             budget_bytes = self.device_memory_bytes

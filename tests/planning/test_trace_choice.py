@@ -123,7 +123,7 @@ def test_a_meta_model_is_traced_on_fakes_and_refused_by_optimize() -> None:
     assert all(p.device.type == "meta" for p in case.model.parameters())
     with pytest.raises(ValueError, match="trace='measured' runs the real step"):
         autockpt.plan(case.model, 1.0, example_inputs=case.args, example_kwargs=case.kwargs, trace="measured")
-    with pytest.raises(ValueError, match="meta device: it has no weights to train"):
+    with pytest.raises(ValueError, match="no weights to train"):
         autockpt.optimize(case.model, 1.0, example_inputs=case.args, example_kwargs=case.kwargs)
 
 
@@ -226,3 +226,48 @@ def test_example_inputs_as_fake_tensors_or_a_plan_files_specs() -> None:
                           example_kwargs={k: v.clone() for k, v in real.kwargs.items()}, trace="fake")
     assert from_specs.provenance.trace == "fake"
     assert (from_specs.baseline_peak_bytes, from_specs.static_bytes) == (apart.baseline_peak_bytes, apart.static_bytes)
+
+
+def test_a_meta_model_with_real_token_ids_is_captured_as_a_graph_and_planned_as_the_real_one() -> None:
+    """The usual way: weights on meta, token ids on the CPU. The inputs join the model on meta for the capture (fx
+    and export check a graph by running it, which fails on two devices), so the plan is a graph's, with the real
+    model's bytes; such a planner cannot measure (optimize refuses, saying why)."""
+    real = zoo.build("llama", "tiny")
+    with torch.device("meta"):
+        meta = zoo.build("llama", "tiny").model
+    planner = autockpt.Planner.from_model(meta, example_inputs=real.args, example_kwargs=real.kwargs)
+    reference = autockpt.Planner.from_model(
+        real.model, example_inputs=real.args, example_kwargs=real.kwargs, trace="fake"
+    )
+    assert planner.graph.kind.value in ("fx", "export") and not planner.example_values
+    assert planner.trace.baseline_peak_bytes == reference.trace.baseline_peak_bytes
+    assert planner.trace.static_bytes == reference.trace.static_bytes
+    with pytest.raises(ValueError, match="no step to measure"):
+        planner.optimize(budget_bytes=planner.trace.baseline_peak_bytes)
+
+
+def test_auto_traces_on_fakes_when_the_measured_step_runs_out_of_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """trace_step wraps the out-of-memory error of a real step in a ProfileError: "auto" still falls back."""
+    from autockpt.errors import ProfileError
+    from autockpt.measure import trace as trace_module
+
+    case = zoo.build("mlp", "tiny")
+    real_trace_step = trace_module.trace_step
+
+    def out_of_memory(graph: object, args: tuple, kwargs: dict, *rest: object, **options: object) -> object:
+        if not any(isinstance(t, FakeTensor) for t in args):
+            raise ProfileError("the step failed") from torch.OutOfMemoryError("no room")
+        return real_trace_step(graph, args, kwargs, *rest, **options)
+
+    monkeypatch.setattr(sources, "trace_step", out_of_memory)
+    planner = autockpt.Planner.from_model(
+        case.model, example_inputs=case.args, loss_fn=case.loss_fn, device_memory_bytes=10**12,
+    )
+    assert planner.provenance.trace == "fake" and "ran out of device memory" in planner.provenance.reason
+
+
+def test_max_batch_size_on_fakes_says_the_step_cannot_run_there() -> None:
+    case = zoo.build("control_flow", "tiny")
+    with pytest.raises(FakeStepError):
+        max_batch_size(lambda: case.model, lambda n: ExampleBatch(args=(torch.randn(n, *case.args[0].shape[1:]),)),
+                       budget_gb=1.0, strategy="none", trace="fake", limit=8)

@@ -79,20 +79,18 @@ def aligned_step(step: StepInputs) -> StepInputs:
       they are captured and traced on fakes, never run for real (``trace="measured"`` on them is refused).
     """
     on_meta_device = model_on_meta(step.model)
-    device = step.model_device
+    target_device = torch.device("meta") if on_meta_device else step.model_device
     made: dict[int, torch.Tensor] = {}
+    storages: dict[Any, torch.UntypedStorage] = {}  # views of one storage stay views of one storage
 
     def aligned(leaf: Any) -> Any:
         if not isinstance(leaf, torch.Tensor):
             return leaf
-        if on_meta_device:
-            if leaf.device.type == "meta" and not isinstance(leaf, FakeTensor):
-                return leaf
-        elif leaf.device.type != "meta" and not isinstance(leaf, FakeTensor):
+        without_values = leaf.device.type == "meta" or isinstance(leaf, FakeTensor)
+        if (leaf.device.type == "meta" and not isinstance(leaf, FakeTensor)) if on_meta_device else not without_values:
             return leaf
         if id(leaf) not in made:
-            meta = meta_of_fake(leaf) if isinstance(leaf, FakeTensor) else _meta_like(leaf)
-            made[id(leaf)] = meta if on_meta_device else _placeholder_like(meta, device)
+            made[id(leaf)] = _same_layout_on(leaf, target_device, storages)
         return made[id(leaf)]
 
     args, kwargs = pytree.tree_map(aligned, (step.args, step.kwargs))
@@ -101,18 +99,27 @@ def aligned_step(step: StepInputs) -> StepInputs:
     return dataclasses.replace(step, args=args, kwargs=kwargs)
 
 
-def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
-    meta = torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=tensor.dtype, device="meta")
-    return meta.requires_grad_(tensor.requires_grad)
-
-
-def _placeholder_like(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A real tensor of ``meta``'s shape and dtype on ``device``: random if floating, else zeros."""
-    if meta.is_floating_point() or meta.is_complex():
-        made = torch.randn(tuple(meta.shape), dtype=meta.dtype, device=device)
-    else:
-        made = torch.zeros(tuple(meta.shape), dtype=meta.dtype, device=device)
-    return made.requires_grad_(meta.requires_grad)
+def _same_layout_on(
+    tensor: torch.Tensor, device: torch.device, storages: dict[Any, torch.UntypedStorage]
+) -> torch.Tensor:
+    """A tensor on ``device`` laid out as ``tensor`` in a storage of the same bytes (a microbatch sliced from a batch
+    keeps the batch's storage, as the trace counts it); values random if floating, zeros otherwise (token ids in
+    range for any embedding). Views of one storage share the new one."""
+    if isinstance(tensor, FakeTensor):
+        tensor = meta_of_fake(tensor)
+    source = tensor.untyped_storage()
+    key = id(source) if device.type == "meta" or source.device.type == "meta" else source.data_ptr()
+    if key not in storages:
+        storages[key] = torch.UntypedStorage(source.nbytes(), device=device)
+        if device.type != "meta":
+            filler = torch.empty(0, dtype=tensor.dtype, device=device).set_(
+                storages[key], 0, (source.nbytes() // tensor.element_size(),), (1,)
+            )
+            with torch.no_grad():
+                filler.normal_() if tensor.is_floating_point() or tensor.is_complex() else filler.zero_()
+    made = torch.empty(0, dtype=tensor.dtype, device=device)
+    made.set_(storages[key], tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
+    return made.requires_grad_(tensor.requires_grad)
 
 
 def check_trace(trace: Any) -> None:

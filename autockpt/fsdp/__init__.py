@@ -5,6 +5,6 @@ from __future__ import annotations
 
 from autockpt.fsdp.apply import apply_fsdp
 from autockpt.fsdp.plan import plan_fsdp
-from autockpt.fsdp.record import FSDPPlan, load_fsdp_plan
+from autockpt.fsdp.record import FSDPPlan, UnitDecision, load_fsdp_plan
 
-__all__ = ["FSDPPlan", "apply_fsdp", "load_fsdp_plan", "plan_fsdp"]
+__all__ = ["FSDPPlan", "UnitDecision", "apply_fsdp", "load_fsdp_plan", "plan_fsdp"]

@@ -99,10 +99,11 @@ def measure_sharded_step(
     model: nn.Module, *, world_size: int, units: Sequence[str], checkpointed: Sequence[str],
     reshard_after_forward: bool, mp_policy: Any, inputs: Any,
     step_loss: Callable[[Any, Any], torch.Tensor], make_optimizer: Callable[[list], Any] | None,
+    selective: Sequence[str] = (),
 ) -> RankMemory:
     """Rank 0's peak over two training steps of ``model`` sharded over ``world_size`` ranks, the ``checkpointed``
-    units under checkpoint. ``inputs``: (args, kwargs, target), one rank's batch (real or meta tensors: the step
-    runs on fakes of them); ``step_loss(output, target)`` the loss. Runs inside ``fake_world(world_size)``.
+    units under checkpoint, the ``selective`` ones under selective checkpoint. ``inputs``: (args, kwargs, target),
+    one rank's batch (real or meta tensors: the step runs on fakes of them); ``step_loss(output, target)`` the loss. Runs inside ``fake_world(world_size)``.
 
     The optimizer steps with its for-loop implementation (``foreach=False``; fused kept): under FakeTensorMode,
     ``FSDPMemTracker`` never sees the foreach implementation's temporaries freed (torch 2.13: 130 MB of optimizer
@@ -115,7 +116,7 @@ def measure_sharded_step(
     device = "cpu"
     mesh = init_device_mesh(device, (world_size,))  # outside FakeTensorMode
     sharded = shard(meta_copy(model), units, checkpointed, mesh,
-                    reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+                    reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, selective=selective)
     with FakeTensorMode(allow_non_fake_inputs=True):
         sharded.to_empty(device=device)
         args, kwargs, target = pytree.tree_map_only(
@@ -143,6 +144,6 @@ def measure_sharded_step(
     breakdown = tuple((getattr(key, "value", str(key)), int(value)) for key, value in snapshot.items()
                       if key != "Total")
     peak = int(snapshot["Total"])
-    logger.debug("world %d, %d of %d units checkpointed: rank peak %d B", world_size, len(checkpointed),
-                 len(units), peak)
+    logger.debug("world %d, %d of %d units checkpointed, %d selective: rank peak %d B", world_size, len(checkpointed),
+                 len(units), len(selective), peak)
     return RankMemory(peak_bytes=peak, breakdown=breakdown)

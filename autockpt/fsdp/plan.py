@@ -1,13 +1,15 @@
-"""``plan_fsdp``: which FSDP2 units to checkpoint, per rank, for a model sharded by ``fully_shard`` over N ranks,
-planned in one process (``docs/fsdp.md``).
+"""``plan_fsdp``: per FSDP2 unit, keep, checkpoint selectively or checkpoint whole, per rank, for a model sharded by
+``fully_shard`` over N ranks, planned in one process (``docs/fsdp.md``).
 
 1. The single-device step on one rank's batch is captured and traced (``Planner.from_model``, fake trace): each
-   unit's forward time and the bytes autograd saves inside it.
-2. On torch's fake process group (``fake_world.py``) the sharded step is measured twice: nothing checkpointed (the
-   baseline) and every unit but the root checkpointed (the floor of whole-unit decisions).
-3. The knapsack (``choose.py``) picks the units of least recomputation time whose share of the saved bytes covers
-   what the budget needs; the choice is measured on the fake process group, and while it overshoots the knapsack is
-   asked for more. The predicted peak is that measurement.
+   unit's forward time, the part of it that is not matmuls or attention (what selective checkpointing recomputes),
+   and the bytes autograd saves inside it.
+2. On torch's fake process group (``fake_world.py``) the sharded step is measured three times: nothing checkpointed
+   (the baseline), every unit but the root selective, and every unit but the root checkpointed whole (the floor).
+3. The multiple-choice knapsack (``choose.py``) gives each unit keep, selective or full at the least recomputation
+   time whose estimated bytes freed (the unit's share of the saved bytes times the measured baseline-to-all-full and
+   baseline-to-all-selective differences) cover what the budget needs; the choice is measured on the fake process
+   group, and while it overshoots the knapsack is asked for more. The predicted peak is that measurement.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch.utils import _pytree as pytree
 from autockpt.core.devices import device_spec
 from autockpt.core.structure import find_repeated_blocks
 from autockpt.errors import InfeasibleBudgetError
-from autockpt.fsdp.choose import UnitTimes, cheapest_cover, step_time
+from autockpt.fsdp.choose import UnitTimes, cheapest_choice, step_time
 from autockpt.fsdp.fake_world import RankMemory, existing_fake_group, fake_world, measure_sharded_step
 from autockpt.fsdp.record import FSDPPlan, RankFigures
 from autockpt.fsdp.shard import ROOT, check_units, describe_mp_policy, fingerprint, is_sharded, unit_parameter_bytes
@@ -45,7 +47,8 @@ def plan_fsdp(
     reshard_after_forward: bool = True, mp_policy: Any = None, target: Any = None, trace: str = "fake",
     timing: Any = "auto",
 ) -> FSDPPlan:
-    """Plan whole-unit checkpointing for ``model`` sharded by FSDP2 over ``world_size`` ranks, under a per-rank budget.
+    """Plan checkpointing per FSDP unit (keep, selective or whole) for ``model`` sharded by FSDP2 over ``world_size``
+    ranks, under a per-rank budget.
 
     ``example_inputs`` / ``example_kwargs`` / ``example_target``: ONE rank's batch (real or meta tensors; the model
     may be on the meta device and is not changed). ``loss_fn(output, target)`` with a target, ``loss_fn(output)``
@@ -101,9 +104,9 @@ def plan_fsdp(
     root, blocks = times[ROOT], [times[u] for u in inner]
     gb_per_s = spec.interconnect_gb_per_s if spec is not None else None
 
-    def measure(checkpointed: Sequence[str]) -> RankMemory:
+    def measure(checkpointed: Sequence[str], selective: Sequence[str] = ()) -> RankMemory:
         return measure_sharded_step(
-            model, world_size=world_size, units=unit_names, checkpointed=checkpointed,
+            model, world_size=world_size, units=unit_names, checkpointed=checkpointed, selective=selective,
             reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, inputs=(args, kwargs, example_target),
             step_loss=step_loss, make_optimizer=make_optimizer,
         )
@@ -113,29 +116,33 @@ def plan_fsdp(
         floor = measure(inner) if inner else baseline
         if budget < floor.peak_bytes:
             raise InfeasibleBudgetError(
-                f"a per-rank budget of {format_bytes(budget)} is below the smallest peak whole-unit checkpointing "
-                f"reaches at world size {world_size}: {format_bytes(floor.peak_bytes)} with every one of the "
-                f"{len(inner)} units checkpointed. Give budget_bytes >= {floor.peak_bytes}, more ranks, or a "
-                "smaller per-rank batch (sub-unit regions and offload are not planned for FSDP yet)",
+                f"a per-rank budget of {format_bytes(budget)} is below the smallest peak checkpointing reaches at "
+                f"world size {world_size}: {format_bytes(floor.peak_bytes)} with every one of the {len(inner)} units "
+                f"checkpointed whole. Give budget_bytes >= {floor.peak_bytes}, more ranks, or a smaller per-rank "
+                "batch (offload is not planned for FSDP yet)",
                 budget_bytes=budget, min_feasible_bytes=floor.peak_bytes,
             )
-        chosen, measured, tries = _fit(blocks, budget, baseline, floor, measure)
+        everything_selective = _measure_selective(measure, inner) if inner else baseline
+        chosen, selective, measured, tries = _fit(blocks, budget, baseline, floor, everything_selective, measure)
     kwargs_time = {"world_size": world_size, "gb_per_s": gb_per_s, "reshard_after_forward": reshard_after_forward}
-    predicted, plain = step_time(root, blocks, set(chosen), **kwargs_time), step_time(root, blocks, set(), **kwargs_time)
+    predicted = step_time(root, blocks, set(chosen), selective=set(selective), **kwargs_time)
+    plain = step_time(root, blocks, set(), **kwargs_time)
     full = step_time(root, blocks, set(inner), **kwargs_time)
+    all_selective = step_time(root, blocks, set(), selective=set(inner), **kwargs_time)
     notes = [
-        (f"{tries} fake-process-group measurement(s) of chosen sets; whole-unit decisions only (sub-unit regions and "
-        "offload are later work)"),
+        (f"{tries} fake-process-group measurement(s) of chosen sets; per unit keep, selective (matmul and attention "
+        "outputs saved) or full (offload is later work)"),
         "collectives priced at 0 ms: no GPU-to-GPU link figure (give target=...)" if not gb_per_s else
         f"collectives priced over {gb_per_s:g} GB/s each way per GPU ({spec.name if spec else ''}), ring algorithms",
     ]
     if make_optimizer is not None:
         notes.append("optimizer step measured with its for-loop implementation: a foreach implementation's "
                      "temporaries during optimizer.step() are not counted (docs/fsdp.md)")
-    logger.info("FSDP plan: %d of %d units checkpointed, peak %s under %s", len(chosen), len(inner),
-                format_bytes(measured.peak_bytes), format_bytes(budget))
+    logger.info("FSDP plan: of %d units %d checkpointed whole, %d selectively, peak %s under %s", len(inner),
+                len(chosen), len(selective), format_bytes(measured.peak_bytes), format_bytes(budget))
     return FSDPPlan(
-        world_size=world_size, units=tuple(unit_names), checkpointed=tuple(chosen),
+        world_size=world_size, units=tuple(unit_names), checkpointed=tuple(chosen), selective=tuple(selective),
+        selective_peak_bytes=everything_selective.peak_bytes, selective_step_ms=all_selective.step_ms,
         reshard_after_forward=reshard_after_forward, mixed_precision=describe_mp_policy(mp_policy),
         budget_bytes=budget, predicted_peak_bytes=measured.peak_bytes, baseline_peak_bytes=baseline.peak_bytes,
         min_feasible_bytes=floor.peak_bytes,
@@ -147,30 +154,54 @@ def plan_fsdp(
     )
 
 
+def _measure_selective(measure: Callable[..., RankMemory], inner: Sequence[str]) -> RankMemory:
+    """Every unit selective, measured; torch's refusal when a unit's recomputation differs from its forward (a
+    key/value cache it appended to, a random op) said in plan terms."""
+    try:
+        return measure((), inner)
+    except RuntimeError as error:
+        if "not found in storage" not in str(error):
+            raise
+        raise RuntimeError(
+            "selective checkpointing of the units failed: a unit's recomputation in backward did not repeat its "
+            "forward (it reads state its forward changed, e.g. a key/value cache: give example_kwargs="
+            "{'use_cache': False} or set model.config.use_cache = False for a Hugging Face model; or random ops). "
+            f"torch said: {str(error).splitlines()[0]}"
+        ) from error
+
+
 def _fit(
-    blocks: list[UnitTimes], budget: int, baseline: RankMemory, floor: RankMemory,
-    measure: Callable[[Sequence[str]], RankMemory],
-) -> tuple[tuple[str, ...], RankMemory, int]:
-    """The least-recomputation set that measures under ``budget``: the knapsack on each unit's share of the saved
-    bytes, measured, asked again for more while it overshoots; every unit in the end (the floor, which fits)."""
+    blocks: list[UnitTimes], budget: int, baseline: RankMemory, floor: RankMemory, selective: RankMemory,
+    measure: Callable[[Sequence[str], Sequence[str]], RankMemory],
+) -> tuple[tuple[str, ...], tuple[str, ...], RankMemory, int]:
+    """The least-recomputation choice per unit (full units, selective units) that measures under ``budget``: the
+    multiple-choice knapsack on each unit's share of the saved bytes times what every unit full (``floor``) and every
+    unit selective (``selective``) free, measured; asked again for more while it overshoots; every unit full in the
+    end (the floor, which fits)."""
     if baseline.peak_bytes <= budget:
-        return (), baseline, 0
+        return (), (), baseline, 0
     total_saved = sum(u.saved_bytes for u in blocks)
-    freed = baseline.peak_bytes - floor.peak_bytes  # what checkpointing every unit frees, measured
     everything = tuple(u.name for u in blocks)
+    if total_saved <= 0 or baseline.peak_bytes <= floor.peak_bytes:  # no share to go by: the floor, which fits
+        return everything, (), floor, 0
+    share = {u.name: u.saved_bytes / total_saved for u in blocks}
+    full_bytes = {n: f * (baseline.peak_bytes - floor.peak_bytes) for n, f in share.items()}
+    selective_bytes = {n: f * (baseline.peak_bytes - selective.peak_bytes) for n, f in share.items()}
+    known = {((), everything): selective}  # measured already
     need, at_least, tries = float(baseline.peak_bytes - budget), 0.0, 0
-    if total_saved <= 0 or freed <= 0:  # no share of the saved bytes to go by: the floor, which fits
-        return everything, floor, tries
     while True:
-        chosen = cheapest_cover(blocks, need * total_saved / freed, at_least_bytes=at_least)
-        if not chosen or set(chosen) == set(everything):  # nothing more to ask for: the floor
-            return everything, floor, tries
-        tries += 1
-        measured = measure(chosen)
+        choice = cheapest_choice(blocks, full_bytes, selective_bytes, need, at_least_bytes=at_least)
+        if choice is None or set(choice[0]) == set(everything):  # nothing more to ask for: the floor
+            return everything, (), floor, tries
+        chosen, chosen_selective = choice
+        if (chosen, chosen_selective) not in known:
+            tries += 1
+            known[chosen, chosen_selective] = measure(chosen, chosen_selective)
+        measured = known[chosen, chosen_selective]
         if measured.peak_bytes <= budget:
-            return chosen, measured, tries
+            return chosen, chosen_selective, measured, tries
         need += measured.peak_bytes - budget  # the overshoot, taken off the next answer
-        at_least = sum(u.saved_bytes for u in blocks if u.name in chosen)
+        at_least = sum(full_bytes[n] for n in chosen) + sum(selective_bytes[n] for n in chosen_selective)
 
 
 def _default_units(model: nn.Module, graph: Graph, trace: StepTrace) -> tuple[str, ...]:
@@ -202,16 +233,21 @@ def _default_units(model: nn.Module, graph: Graph, trace: StepTrace) -> tuple[st
 def _unit_times(
     model: nn.Module, units: Sequence[str], graph: Graph, trace: StepTrace, mp_policy: Any,
 ) -> dict[str, UnitTimes]:
-    """Each unit's forward time and saved bytes (the traced units under its module path; the root has the rest)
-    and the bytes of its all-gather and reduce-scatter."""
+    """Each unit's forward time, the part of it that is not matmuls or attention (``_is_saved_op``), its saved bytes
+    (the traced units under its module path; the root has the rest) and the bytes of its all-gather and
+    reduce-scatter."""
     inner = [u for u in units if u != ROOT]
     forward = dict.fromkeys((*inner, ROOT), 0.0)
+    recomputed = dict.fromkeys((*inner, ROOT), 0.0)
     saved = dict.fromkeys((*inner, ROOT), 0)
+    modules = dict(model.named_modules())
     for unit, cost in zip(graph.units, trace.units):
         path = unit.module_path or ""
         owner = next((u for u in inner if path == u or path.startswith(u + ".")), ROOT)
         forward[owner] += cost.forward_ms
         saved[owner] += cost.saved_bytes
+        if not _is_saved_op(unit.op, modules.get(path)):
+            recomputed[owner] += cost.forward_ms
     param_dtype = getattr(mp_policy, "param_dtype", None)
     reduce_dtype = getattr(mp_policy, "reduce_dtype", None) or param_dtype
     owned = unit_parameter_bytes(model, units)
@@ -221,12 +257,31 @@ def _unit_times(
 
     return {
         name: UnitTimes(
-            name=name, forward_ms=forward[name], saved_bytes=saved[name],
+            name=name, forward_ms=forward[name], saved_bytes=saved[name], selective_recompute_ms=recomputed[name],
             all_gather_bytes=in_dtype(*owned[name], param_dtype), reduce_scatter_bytes=in_dtype(*owned[name],
                                                                                                reduce_dtype),
         )
         for name in (*inner, ROOT)
     }
+
+
+# traced units whose outputs selective checkpointing keeps (shard.SAVED_OPS at the aten level): by the name of a
+# function unit, or a leaf module that is one matmul (nn.Linear) or attention
+_SAVED_UNIT_OPS = frozenset({
+    "linear", "matmul", "__matmul__", "mm", "bmm", "addmm", "baddbmm", "einsum", "scaled_dot_product_attention",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+})
+
+
+def _is_saved_op(op: str, module: nn.Module | None) -> bool:
+    """True for a traced unit that is a matmul or attention: its forward is not recomputed under selective
+    checkpointing. ``op``: "module:<path>" for a leaf module (then ``module`` decides), else a function's name
+    ("gelu", "aten.mm.default", "torch.matmul")."""
+    if op.startswith("module:"):
+        return isinstance(module, (nn.Linear, nn.MultiheadAttention))
+    name = op.removeprefix("aten.").removeprefix("torch.").removeprefix("nn.functional.").removeprefix("F.")
+    return name.split(".")[0] in _SAVED_UNIT_OPS
 
 
 def _check_mp_policy(mp_policy: Any) -> None:

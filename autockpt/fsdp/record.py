@@ -1,5 +1,6 @@
-"""``FSDPPlan``: what ``plan_fsdp`` decided for a model sharded by FSDP2 over N ranks, with ``summary()``, ``save()``
-(JSON, schema "autockpt.fsdp_plan" version 1, never pickle), ``report()`` (markdown or HTML) and ``load_fsdp_plan``.
+"""``FSDPPlan``: what ``plan_fsdp`` decided for a model sharded by FSDP2 over N ranks (``UnitDecision`` per unit),
+with ``summary()``, ``save()`` (JSON, schema "autockpt.fsdp_plan" version 2, never pickle; version 1 files, whole-unit
+plans, still load), ``report()`` (markdown or HTML) and ``load_fsdp_plan``.
 
 Bytes are ``int`` bytes per rank; GB = 10^9 bytes and GiB = 2^30 bytes, both written wherever a size is shown.
 """
@@ -11,6 +12,7 @@ import html
 import json
 import logging
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,17 @@ from autockpt.units import format_bytes
 logger = logging.getLogger(__name__)
 
 SCHEMA = "autockpt.fsdp_plan"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1: whole-unit plans, no ``selective`` units
+
+
+class UnitDecision(str, Enum):
+    """What a plan does with one FSDP unit's activations: keep them all, recompute all but the outputs of matmuls
+    and attention (torch's selective activation checkpointing, torchtitan's op list), or recompute the whole unit."""
+
+    KEEP = "keep"
+    SELECTIVE = "selective"
+    FULL = "full"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,8 +57,11 @@ class FSDPPlan:
     """Per-rank checkpointing of FSDP units for ``world_size`` ranks (``autockpt.plan_fsdp``); ``apply_fsdp`` runs it.
 
     ``units``: the modules ``fully_shard`` wraps, the root ("") last; ``checkpointed``: those whose whole forward is
-    recomputed in backward. ``predicted_peak_bytes`` (the plan's), ``baseline_peak_bytes`` (nothing checkpointed)
-    and ``min_feasible_bytes`` (every unit but the root checkpointed: the floor of whole-unit decisions) are the
+    recomputed in backward; ``selective``: those checkpointed selectively (the outputs of matmuls and attention saved,
+    the rest recomputed); ``decision(unit)`` gives either as a ``UnitDecision``. ``selective_peak_bytes`` and
+    ``selective_step_ms``: every unit selective (torchtitan's selective op list per block), measured and predicted as
+    the others (None in plans of schema version 1). ``predicted_peak_bytes`` (the plan's), ``baseline_peak_bytes``
+    (nothing checkpointed) and ``min_feasible_bytes`` (every unit but the root checkpointed whole: the floor) are the
     largest rank's peak over two training steps (forward, backward, optimizer step; the first step makes the states),
     inputs included, measured on the fake process group. ``predicted_step_ms``: the step time model (compute,
     recomputation, exposed collectives; ``docs/fsdp.md``), ``overhead_pct`` against nothing checkpointed
@@ -70,6 +85,26 @@ class FSDPPlan:
     provenance: Provenance
     fingerprint: str
     notes: tuple[str, ...] = ()
+    selective: tuple[str, ...] = ()  # units under selective checkpointing (disjoint from ``checkpointed``)
+    selective_peak_bytes: int | None = None  # every unit selective, measured on the fake process group
+    selective_step_ms: float | None = None  # every unit selective, by the same time model
+
+    def __post_init__(self) -> None:
+        both = set(self.checkpointed) & set(self.selective)
+        if both:
+            raise ValueError(
+                f"units {sorted(both)} are both fully and selectively checkpointed: give each one decision"
+            )
+        if "" in self.checkpointed or "" in self.selective:
+            raise ValueError("the root unit ('') is never checkpointed: take it out of checkpointed / selective")
+
+    def decision(self, unit: str) -> UnitDecision:
+        """``unit``'s decision: FULL (in ``checkpointed``), SELECTIVE (in ``selective``) or KEEP."""
+        if unit not in self.units:
+            raise KeyError(f"{unit!r} is not a unit of this plan (units: {', '.join(map(repr, self.units))})")
+        if unit in self.checkpointed:
+            return UnitDecision.FULL
+        return UnitDecision.SELECTIVE if unit in self.selective else UnitDecision.KEEP
 
     @property
     def overhead_pct(self) -> float:
@@ -79,17 +114,20 @@ class FSDPPlan:
     def summary(self) -> str:
         inner = [u for u in self.units if u]
         lines = [
-            (f"FSDP2 plan for world size {self.world_size}: {len(self.checkpointed)} of {len(inner)} units "
-            f"checkpointed (and the root sharded), reshard_after_forward={self.reshard_after_forward}, mixed "
-            f"precision: {self.mixed_precision}"),
+            (f"FSDP2 plan for world size {self.world_size}: of {len(inner)} units {len(self.checkpointed)} "
+            f"checkpointed whole, {len(self.selective)} selectively (and the root sharded), "
+            f"reshard_after_forward={self.reshard_after_forward}, mixed precision: {self.mixed_precision}"),
             f"  per-rank budget   {format_bytes(self.budget_bytes)}",
             f"  predicted peak    {format_bytes(self.predicted_peak_bytes)} (largest rank, fake process group)",
             (f"  nothing checkpointed {format_bytes(self.baseline_peak_bytes)}; every unit checkpointed "
-            f"{format_bytes(self.min_feasible_bytes)} (the floor of whole-unit decisions)"),
+            f"{format_bytes(self.min_feasible_bytes)} (the floor)"
+            + (f"; every unit selective {format_bytes(self.selective_peak_bytes)}"
+               if self.selective_peak_bytes is not None else "")),
             (f"  predicted step    {self.predicted_step_ms:.3f} ms ({self.overhead_pct:+.1f} % against nothing "
             f"checkpointed, {self.floor_step_ms:.3f} ms with every unit; {self.exposed_collective_ms:.3f} ms of "
             "collectives exposed)"),
             f"  checkpointed      {', '.join(self.checkpointed) or '(none)'}",
+            f"  selective         {', '.join(self.selective) or '(none)'}",
             f"  known by          {self.provenance.describe()}",
             "  rank 0 at its peak: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.ranks[0].breakdown if v),
         ]
@@ -129,15 +167,16 @@ def load_fsdp_plan(path: str | Path) -> FSDPPlan:
             f" expected {SCHEMA!r}): give a file FSDPPlan.save wrote (a single-device plan loads with "
             "autockpt.load_plan)"
         )
-    if data.get("version") != SCHEMA_VERSION:
+    if data.get("version") not in READABLE_VERSIONS:
         raise PlanFileError(
-            f"{path} has FSDP plan schema version {data.get('version')!r}; this autockpt reads version "
-            f"{SCHEMA_VERSION}: plan again with this version"
+            f"{path} has FSDP plan schema version {data.get('version')!r}; this autockpt reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}: plan again with this version"
         )
     try:
         fields = {k: v for k, v in data.items() if k not in ("schema", "version")}
         fields["units"] = tuple(fields["units"])
         fields["checkpointed"] = tuple(fields["checkpointed"])
+        fields["selective"] = tuple(fields.get("selective", ()))  # version 1: whole-unit decisions only
         fields["notes"] = tuple(fields.get("notes", ()))
         fields["provenance"] = Provenance(**fields["provenance"])
         fields["ranks"] = tuple(
@@ -145,7 +184,7 @@ def load_fsdp_plan(path: str | Path) -> FSDPPlan:
             for r in fields["ranks"]
         )
         return FSDPPlan(**fields)
-    except (KeyError, TypeError) as error:
+    except (KeyError, TypeError, ValueError) as error:
         raise PlanFileError(f"{path} is an FSDP plan with a missing or wrong field ({error}): plan again") from error
 
 

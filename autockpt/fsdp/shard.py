@@ -1,5 +1,10 @@
-"""What ``apply_fsdp`` and the fake-world measurement both do to a model: checkpoint whole FSDP units and call torch's
-own ``fully_shard`` on the units, then on the root (torchtitan's order).
+"""What ``apply_fsdp`` and the fake-world measurement both do to a model: checkpoint FSDP units, whole or selectively,
+and call torch's own ``fully_shard`` on the units, then on the root (torchtitan's order).
+
+Selective checkpointing is torch's own (``create_selective_checkpoint_contexts``): in forward the outputs of matmuls
+and attention are saved (``CheckpointPolicy.MUST_SAVE``, torchtitan's op list: ``SAVED_OPS``), everything else is
+recomputed in backward (``PREFER_RECOMPUTE``). torchtitan also saves every other matmul only and a few collectives
+and reductions; this list saves every matmul.
 
 Checkpointing patches the unit's ``forward`` on the instance (``torch.utils.checkpoint``, non-reentrant): parameter
 names do not change (``checkpoint_wrapper`` would add ``_checkpoint_wrapped_module.`` to them), and FSDP2's hooks, which
@@ -18,31 +23,57 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 logger = logging.getLogger(__name__)
 
 ROOT = ""  # the root module's name among the units ("" as in named_modules())
-_PATCHED = "_autockpt_checkpointed_forward"
+_PATCHED = "_autockpt_checkpointed_forward"  # on a patched module: "full" or "selective"
+
+# the aten ops whose outputs selective checkpointing saves: matmuls and attention (on CPU, scaled_dot_product_attention
+# dispatches to _scaled_dot_product_flash_attention_for_cpu; on CUDA to the flash, efficient or cuDNN kernels)
+_SAVED_OP_NAMES = (
+    "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+)
+SAVED_OPS: frozenset[Any] = frozenset(
+    getattr(torch.ops.aten, name) for name in _SAVED_OP_NAMES if hasattr(torch.ops.aten, name)
+)
 
 
-def checkpoint_forward(module: nn.Module) -> None:
+def _selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    packet = getattr(func, "overloadpacket", func)
+    return CheckpointPolicy.MUST_SAVE if packet in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts() -> Any:
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+def checkpoint_forward(module: nn.Module, *, selective: bool = False) -> None:
     """Make ``module``'s forward run under non-reentrant ``torch.utils.checkpoint`` (patched on the instance; the
-    parameters keep their names). Patching twice is a no-op."""
-    if getattr(module, _PATCHED, False):
+    parameters keep their names): the whole forward recomputed, or with ``selective`` all but the outputs of
+    ``SAVED_OPS``. Patching twice is a no-op; patching a module with the other kind is refused."""
+    mode = "selective" if selective else "full"
+    done = getattr(module, _PATCHED, None)
+    if done == mode:
         return
+    if done is not None:
+        raise ValueError(f"{type(module).__name__} is already checkpointed ({done}); it cannot also be {mode}")
     plain = module.forward
+    extra = {"context_fn": _selective_contexts} if selective else {}
 
     @functools.wraps(plain)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(plain, *args, use_reentrant=False, **kwargs)
+        return checkpoint(plain, *args, use_reentrant=False, **extra, **kwargs)
 
     module.forward = forward
-    setattr(module, _PATCHED, True)
+    setattr(module, _PATCHED, mode)
 
 
-def is_checkpointed(module: nn.Module) -> bool:
-    return bool(getattr(module, _PATCHED, False))
+def checkpoint_kind(module: nn.Module) -> str | None:
+    """"full", "selective", or None for a module whose forward is not patched."""
+    return getattr(module, _PATCHED, None)
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -95,20 +126,24 @@ def unit_parameter_bytes(model: nn.Module, units: Sequence[str]) -> dict[str, tu
 
 def shard(
     model: nn.Module, units: Sequence[str], checkpointed: Sequence[str], mesh: Any, *,
-    reshard_after_forward: bool, mp_policy: Any,
+    reshard_after_forward: bool, mp_policy: Any, selective: Sequence[str] = (),
 ) -> nn.Module:
-    """Checkpoint the ``checkpointed`` units' forward, then ``fully_shard`` every unit and the root on ``mesh``."""
+    """Checkpoint the ``checkpointed`` units' forward whole and the ``selective`` units' selectively, then
+    ``fully_shard`` every unit and the root on ``mesh``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     modules = dict(model.named_modules())
     for name in checkpointed:
         checkpoint_forward(modules[name])
+    for name in selective:
+        checkpoint_forward(modules[name], selective=True)
     extra = {"mp_policy": mp_policy} if mp_policy is not None else {"mp_policy": MixedPrecisionPolicy()}
     for name in units:
         if name != ROOT:
             fully_shard(modules[name], mesh=mesh, reshard_after_forward=reshard_after_forward, **extra)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, **extra)
-    logger.debug("sharded %d units (%d checkpointed) over a mesh of %s", len(units), len(checkpointed), mesh)
+    logger.debug("sharded %d units (%d checkpointed, %d selective) over a mesh of %s", len(units), len(checkpointed),
+                 len(selective), mesh)
     return model
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 
 import pytest
 import torch
@@ -12,8 +14,11 @@ from fsdp_worker import CONFIG, batch, build, lm_loss
 
 import autockpt
 from autockpt.errors import InfeasibleBudgetError, PlanFileError, PlanMismatchError
-from autockpt.fsdp.choose import UnitTimes, cheapest_cover, link_ms, step_time
-from autockpt.fsdp.record import FSDPPlan
+from autockpt.fsdp.choose import UnitTimes, cheapest_choice, link_ms, step_time
+from autockpt.fsdp.fake_world import fake_world, measure_sharded_step
+from autockpt.fsdp.record import FSDPPlan, UnitDecision
+from autockpt.fsdp.shard import checkpoint_kind
+from autockpt.measure.loop import NAMED_OPTIMIZERS
 
 WORLD = 2
 
@@ -42,10 +47,35 @@ def test_a_roomy_budget_checkpoints_nothing_and_names_the_blocks_as_units(roomy)
 def test_a_budget_between_floor_and_baseline_checkpoints_some_units_under_it(roomy) -> None:
     budget = (roomy.min_feasible_bytes + roomy.baseline_peak_bytes) // 2
     fplan = _plan(budget_bytes=budget)
-    assert 0 < len(fplan.checkpointed) < 4
+    assert 0 < len(fplan.checkpointed) + len(fplan.selective) and len(fplan.checkpointed) < 4
     assert fplan.predicted_peak_bytes <= budget
     assert fplan.predicted_step_ms > fplan.baseline_step_ms and fplan.overhead_pct > 0
     assert "per-rank budget" in fplan.summary()
+
+
+def test_a_budget_between_all_selective_and_the_baseline_checkpoints_some_units_selectively(roomy) -> None:
+    """torchtitan's selective op list per unit: the all-selective peak lies between the floor and the baseline; a
+    budget above it is kept with some units selective (none whole), and the plan measures under it when measured
+    again on the fake process group."""
+    assert roomy.min_feasible_bytes < roomy.selective_peak_bytes < roomy.baseline_peak_bytes
+    assert roomy.selective_step_ms < roomy.floor_step_ms
+    budget = (roomy.selective_peak_bytes + roomy.baseline_peak_bytes) // 2
+    fplan = _plan(budget_bytes=budget)
+    assert fplan.checkpointed == () and 0 < len(fplan.selective) < 4
+    assert fplan.decision(fplan.selective[0]) is UnitDecision.SELECTIVE
+    assert fplan.predicted_peak_bytes <= budget
+    assert fplan.baseline_step_ms < fplan.predicted_step_ms < fplan.selective_step_ms
+    ids, target = batch(CONFIG, rank=0, world=WORLD)
+    with fake_world(WORLD):
+        again = measure_sharded_step(
+            build(CONFIG), world_size=WORLD, units=fplan.units, checkpointed=fplan.checkpointed,
+            selective=fplan.selective, reshard_after_forward=True, mp_policy=None, inputs=((ids,), {}, target),
+            step_loss=lm_loss, make_optimizer=NAMED_OPTIMIZERS["adamw"],
+        )
+    assert again.peak_bytes == fplan.predicted_peak_bytes <= budget
+    between = _plan(budget_bytes=(roomy.selective_peak_bytes + roomy.min_feasible_bytes) // 2)
+    assert between.checkpointed and between.predicted_peak_bytes <= between.budget_bytes
+    assert {between.decision(u) for u in between.units if u} <= set(UnitDecision)
 
 
 def test_a_budget_under_the_floor_names_the_floor_and_the_floor_plans(roomy) -> None:
@@ -82,6 +112,19 @@ def test_save_and_load_give_the_same_plan(roomy, tmp_path) -> None:
     assert autockpt.load_fsdp_plan(fplan.save(tmp_path / "plan.json")) == fplan
     assert "| rank |" in fplan.report(tmp_path / "plan.md").read_text()
     assert "<table>" in fplan.report(tmp_path / "plan.html").read_text()
+    mixed = dataclasses.replace(fplan, checkpointed=fplan.units[:1], selective=fplan.units[1:2])
+    assert autockpt.load_fsdp_plan(mixed.save(tmp_path / "mixed.json")) == mixed
+    data = json.loads((tmp_path / "plan.json").read_text())  # a version 1 file: whole units only
+    for key in ("selective", "selective_peak_bytes", "selective_step_ms"):
+        del data[key]
+    (tmp_path / "v1.json").write_text(json.dumps({**data, "version": 1}))
+    old = autockpt.load_fsdp_plan(tmp_path / "v1.json")
+    assert old.selective == () and old.checkpointed == fplan.checkpointed and old.selective_peak_bytes is None
+    (tmp_path / "v9.json").write_text(json.dumps({**data, "version": 9}))
+    with pytest.raises(PlanFileError, match="reads versions 1, 2"):
+        autockpt.load_fsdp_plan(tmp_path / "v9.json")
+    with pytest.raises(ValueError, match="both fully and selectively"):
+        dataclasses.replace(fplan, checkpointed=fplan.units[:1], selective=fplan.units[:1])
     (tmp_path / "other.json").write_text('{"schema": "autockpt.plan"}')
     with pytest.raises(PlanFileError, match="not an autockpt FSDP plan"):
         autockpt.load_fsdp_plan(tmp_path / "other.json")
@@ -148,8 +191,9 @@ def test_names_and_sharding_of_an_applied_plan_on_a_meta_model(roomy) -> None:
         sharded = autockpt.apply_fsdp(model, fplan)
         assert [n for n, _ in sharded.named_parameters()] == names
         assert all(isinstance(p, DTensor) and p.device.type == "meta" for p in sharded.parameters())
-        patched = [n for n, m in sharded.named_modules() if hasattr(m, "_autockpt_checkpointed_forward")]
-        assert tuple(patched) == fplan.checkpointed
+        kinds = {n: checkpoint_kind(m) for n, m in sharded.named_modules() if checkpoint_kind(m)}
+        assert {n for n, k in kinds.items() if k == "full"} == set(fplan.checkpointed)
+        assert {n for n, k in kinds.items() if k == "selective"} == set(fplan.selective)
         with pytest.raises(ValueError, match="already sharded"):
             autockpt.apply_fsdp(sharded, fplan)
         with pytest.raises(ValueError, match="already sharded"):
@@ -170,9 +214,19 @@ def test_the_time_model_prices_collectives_and_hides_them_behind_compute() -> No
     recomputed = step_time(root, blocks, {"b2"}, world_size=2, gb_per_s=10.0, reshard_after_forward=True)
     assert slow.exposed_collective_ms > fast.exposed_collective_ms > 0
     assert recomputed.exposed_collective_ms < slow.exposed_collective_ms  # recomputation hides more of the link
-    assert cheapest_cover(blocks, 11) in (("b1",), ("b2",))
-    assert len(cheapest_cover(blocks, 11, at_least_bytes=12)) == 2  # more than an earlier choice saved
-    assert cheapest_cover(blocks, 10**6) is None
+    full_bytes = {u.name: float(u.saved_bytes) for u in blocks}
+    none_selective = dict.fromkeys(full_bytes, 0.0)
+    assert cheapest_choice(blocks, full_bytes, none_selective, 11) in ((("b1",), ()), (("b2",), ()))
+    chosen, _ = cheapest_choice(blocks, full_bytes, none_selective, 11, at_least_bytes=12)
+    assert len(chosen) == 2  # more than an earlier choice saved
+    assert cheapest_choice(blocks, full_bytes, none_selective, 10**6) is None
+    selective = [dataclasses.replace(u, selective_recompute_ms=0.5) for u in blocks]
+    half = {u.name: u.saved_bytes / 2 for u in blocks}
+    assert cheapest_choice(selective, full_bytes, half, 10) == ((), ("b1", "b2"))  # 2 x 0.5 ms beat 2 ms
+    assert cheapest_choice(selective, full_bytes, half, 30) == (("b0", "b1", "b2"), ())  # only all full reaches 30
+    mixed = step_time(root, selective, {"b0"}, selective={"b1"}, world_size=2, gb_per_s=None,
+                      reshard_after_forward=True)
+    assert mixed.recompute_ms == pytest.approx(2.5)
 
 
 def test_keeping_parameters_unsharded_after_forward_costs_memory(roomy) -> None:
@@ -202,10 +256,15 @@ def test_a_hugging_face_llama_on_meta_plans_its_decoder_layers() -> None:
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     ids = torch.randint(0, 256, (2, 128))
+    with pytest.raises(RuntimeError, match="use_cache"):  # its key/value cache grows between forward and backward
+        autockpt.plan_fsdp(model, world_size=4, budget_bytes=10**9, example_inputs=(ids,),
+                           example_kwargs={"labels": ids})
+    model.config.use_cache = False
     roomy = autockpt.plan_fsdp(model, world_size=4, budget_bytes=10**9, example_inputs=(ids,),
                                example_kwargs={"labels": ids})
     assert roomy.units == ("model.layers.0", "model.layers.1", "model.layers.2", "")
     middle = (roomy.min_feasible_bytes + roomy.baseline_peak_bytes) // 2
     fplan = autockpt.plan_fsdp(model, world_size=4, budget_bytes=middle, example_inputs=(ids,),
                                example_kwargs={"labels": ids})
-    assert 0 < len(fplan.checkpointed) < 3 and fplan.predicted_peak_bytes <= middle
+    assert 0 < len(fplan.checkpointed) + len(fplan.selective) and fplan.predicted_peak_bytes <= middle
+    assert roomy.min_feasible_bytes < roomy.selective_peak_bytes < roomy.baseline_peak_bytes

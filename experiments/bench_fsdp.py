@@ -1,22 +1,27 @@
-"""FSDP2 plans (issue 38): autockpt's whole-unit checkpointing against no checkpointing and full checkpointing per
-block, measured on two gloo ranks on CPU, and a Llama-3-8B plan for 8 H100s made on this machine.
+"""FSDP2 plans (issue 38): autockpt's per-unit choice (keep, selective or full checkpointing) against no
+checkpointing, full checkpointing per block and torchtitan's selective op list per block, at equal measured per-rank
+peaks, on two gloo ranks on CPU; and a Llama-3-8B plan for 8 H100s made on this machine.
 
     python experiments/bench_fsdp.py --out experiments/results/fsdp
 
-Part 1, measured (CPU, world 2, one gloo rank per core): the 4-layer decoder of ``tests/fsdp_worker.py`` widened
-(``CONFIG`` below), planned here on the fake process group with a per-rank budget 40 % of the way from the floor
-(every block checkpointed) to the baseline (nothing checkpointed). Three plans: "none" (nothing checkpointed: over
-the budget, the reference), "full" (every block) and "autockpt". Each rank measures each plan's peak with
-``FSDPMemTracker`` on real tensors (two AdamW steps), then steps the three in turn for ``--rounds`` rounds in one
-process group; a step's time is the slower rank's, the median is reported (``time_alternating``). The predicted step
-times are all the autockpt plan's (one benchmark timing of the step: baseline, floor and its own) and have no link
-figure on a CPU (collectives priced at 0): the CPU ratios compare compute and recomputation.
+Part 1, measured (CPU, world 2, one gloo rank per core): the Llama-style decoder of ``tests/pipeline_worker.py``
+(RMSNorm, causal attention with rotary positions, SwiGLU; ``CONFIG`` below), planned here on the fake process group.
+Baselines: "none" (nothing checkpointed), "full per block" and "selective per block" (torchtitan's op list on every
+block: the outputs of matmuls and attention saved, the rest recomputed). autockpt is given the budget each of the two
+checkpointing baselines measures (their fake-process-group peaks, equal to the gloo-measured ones to the byte in every
+run so far), and one halfway between them, where no baseline but full fits. Each rank measures each plan's peak with
+``FSDPMemTracker`` on real tensors (two AdamW steps), then steps the plans in turn for ``--rounds`` rounds in one
+process group; a step's time is the slower rank's; the median step and the median of per-round ratios are reported
+(``time_alternating``). Predicted ratios come from one plan_fsdp call each (one benchmark timing of the step prices
+the plan and the baselines); on a CPU there is no link figure (collectives priced at 0), so the ratios compare
+compute and recomputation, and the timing of single ops on this CPU (shared by two ranks and other work) says little
+about a GPU, where matmuls and attention are a larger share of the step.
 
 Part 2, predicted (no GPU here): a Llama-3-8B configuration (transformers ``LlamaForCausalLM``: 32 layers, hidden
-4096, intermediate 14336, 32 heads, 8 KV heads, vocabulary 128256) on the meta device, world 8, 1 x 8192 tokens per
-rank, ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``, fp32 AdamW states,
+4096, intermediate 14336, 32 heads, 8 KV heads, vocabulary 128256, ``use_cache=False``) on the meta device, world 8,
+1 x 8192 tokens per rank, ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``, fp32 AdamW states,
 ``target="h100-sxm-80gb"`` (roofline times in bfloat16, NVLink 4 at 450 GB/s each way) and a per-rank budget of 70
-GB (65.2 GiB): the plan, its per-rank breakdown, and predicted tokens/s per GPU against full checkpointing.
+GB (65.2 GiB): the plan, and predicted tokens/s per GPU against full and selective checkpointing per block.
 """
 
 from __future__ import annotations
@@ -39,9 +44,13 @@ from fsdp_worker import batch, build, lm_loss, time_alternating
 import autockpt
 from autockpt.units import GB, format_bytes
 
-CONFIG = {"seed": 0, "model": {"vocab": 512, "width": 128, "layers": 4}, "batch": 4, "seq": 256, "rounds": 15}
+CONFIG = {"seed": 0, "kind": "llama", "model": {"vocab": 512, "width": 128, "layers": 4, "heads": 4}, "batch": 4,
+          "seq": 256, "rounds": 15}
 WORLD = 2
-BUDGET_FRACTION = 0.4
+# the measured plans: (name, the baseline it is compared with at equal peak, or None)
+NONE, FULL, SELECTIVE = "none", "full per block", "selective per block"
+AT_FULL, AT_SELECTIVE, BETWEEN = "autockpt at full's peak", "autockpt at selective's peak", "autockpt halfway"
+COMPARED = {AT_FULL: FULL, AT_SELECTIVE: SELECTIVE, BETWEEN: FULL}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +59,7 @@ class Row:
     plan: str
     world_size: int
     checkpointed_units: int
+    selective_units: int
     units: int
     budget_bytes: int
     predicted_peak_bytes: int
@@ -60,28 +70,50 @@ class Row:
     plan_time_s: float
 
 
-def _plans(tmp: Path) -> tuple[dict[str, autockpt.FSDPPlan] | None, int, dict[str, float]]:
+def _plans() -> tuple[dict[str, autockpt.FSDPPlan], dict[str, float]]:
+    """The six plans; the baselines are the roomy plan with every block full or selective (what plan_fsdp measured
+    for them on the fake process group: its floor and its all-selective peak)."""
     ids, target = batch(CONFIG, rank=0, world=WORLD)
     common = {"world_size": WORLD, "example_inputs": (ids,), "example_target": target, "loss_fn": lm_loss}
     seconds = {}
-    started = time.perf_counter()
-    none = autockpt.plan_fsdp(build(CONFIG), budget_bytes=10**12, **common)
-    seconds["none"] = time.perf_counter() - started
-    budget = int(none.min_feasible_bytes + BUDGET_FRACTION * (none.baseline_peak_bytes - none.min_feasible_bytes))
-    started = time.perf_counter()
-    full = autockpt.plan_fsdp(build(CONFIG), budget_bytes=none.min_feasible_bytes, **common)
-    seconds["full"] = time.perf_counter() - started
-    started = time.perf_counter()
-    auto = autockpt.plan_fsdp(build(CONFIG), budget_bytes=budget, **common)
-    seconds["autockpt"] = time.perf_counter() - started
-    return {"none": none, "full": full, "autockpt": auto}, budget, seconds
+
+    def planned(name: str, budget: int) -> autockpt.FSDPPlan:
+        started = time.perf_counter()
+        fplan = autockpt.plan_fsdp(build(CONFIG), budget_bytes=budget, **common)
+        seconds[name] = time.perf_counter() - started
+        return fplan
+
+    none = planned(NONE, 10**12)
+    inner = tuple(u for u in none.units if u)
+    full = dataclasses.replace(none, budget_bytes=none.min_feasible_bytes, checkpointed=inner,
+                               predicted_peak_bytes=none.min_feasible_bytes, predicted_step_ms=none.floor_step_ms,
+                               ranks=())
+    selective = dataclasses.replace(none, budget_bytes=none.selective_peak_bytes, selective=inner,
+                                    predicted_peak_bytes=none.selective_peak_bytes,
+                                    predicted_step_ms=none.selective_step_ms, ranks=())
+    seconds[FULL] = seconds[SELECTIVE] = 0.0
+    plans = {NONE: none, FULL: full, SELECTIVE: selective,
+             AT_FULL: planned(AT_FULL, none.min_feasible_bytes),
+             AT_SELECTIVE: planned(AT_SELECTIVE, none.selective_peak_bytes),
+             BETWEEN: planned(BETWEEN, (none.min_feasible_bytes + none.selective_peak_bytes) // 2)}
+    return plans, seconds
 
 
-def measured_part(tmp: Path) -> list[Row]:
-    plans, budget, seconds = _plans(tmp)
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """An autockpt plan against the baseline whose measured peak was its budget."""
+
+    plan: str
+    baseline: str
+    round_ratios: tuple[float, ...]  # per alternating round: the plan's step over the baseline's
+    predicted_ratio: float  # one plan_fsdp call's timing prices both
+
+
+def measured_part(tmp: Path) -> tuple[list[Row], list[Comparison]]:
+    plans, seconds = _plans()
     paths = []
-    for name, fplan in plans.items():
-        paths.append(str(fplan.save(tmp / f"{name}.json")))
+    for index, fplan in enumerate(plans.values()):
+        paths.append(str(fplan.save(tmp / f"plan{index}.json")))
     context = mp.start_processes(time_alternating, args=(WORLD, CONFIG, paths, str(tmp), str(tmp / "init")),
                                  nprocs=WORLD, join=False, start_method="spawn")
     deadline = time.monotonic() + 600
@@ -92,18 +124,27 @@ def measured_part(tmp: Path) -> list[Row]:
             raise RuntimeError("the gloo ranks did not finish within 600 s")
     ranks = [pickle.loads((tmp / f"alternating{r}.pkl").read_bytes()) for r in range(WORLD)]
     tokens = CONFIG["batch"] * CONFIG["seq"]
-    auto = plans["autockpt"]  # its one timing prices all three (each plan_fsdp call times the step anew)
-    predicted = {"none": auto.baseline_step_ms, "full": auto.floor_step_ms, "autockpt": auto.predicted_step_ms}
     rows = []
     for index, (name, fplan) in enumerate(plans.items()):
         step_s = statistics.median(ranks[0]["seconds"][index])
         rows.append(Row(
             part="gloo-cpu", plan=name, world_size=WORLD, checkpointed_units=len(fplan.checkpointed),
-            units=len(fplan.units) - 1, budget_bytes=budget, predicted_peak_bytes=fplan.predicted_peak_bytes,
-            measured_peak_bytes=max(r["peaks"][index] for r in ranks), predicted_step_ms=predicted[name],
+            selective_units=len(fplan.selective), units=len(fplan.units) - 1, budget_bytes=fplan.budget_bytes,
+            predicted_peak_bytes=fplan.predicted_peak_bytes,
+            measured_peak_bytes=max(r["peaks"][index] for r in ranks), predicted_step_ms=fplan.predicted_step_ms,
             measured_step_ms=1e3 * step_s, tokens_per_s_per_rank=tokens / step_s, plan_time_s=seconds[name],
         ))
-    return rows
+    names, seconds_of = list(plans), ranks[0]["seconds"]
+    comparisons = [
+        Comparison(
+            plan=plan, baseline=base,
+            round_ratios=tuple(a / b for a, b in zip(seconds_of[names.index(plan)], seconds_of[names.index(base)])),
+            predicted_ratio=plans[plan].predicted_step_ms / (plans[plan].floor_step_ms if base == FULL
+                                                             else plans[plan].selective_step_ms),
+        )
+        for plan, base in COMPARED.items()
+    ]
+    return rows, comparisons
 
 
 def llama8b_part() -> tuple[list[Row], autockpt.FSDPPlan]:
@@ -111,7 +152,7 @@ def llama8b_part() -> tuple[list[Row], autockpt.FSDPPlan]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192)
+                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, use_cache=False)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     tokens = 8192
@@ -130,58 +171,71 @@ def llama8b_part() -> tuple[list[Row], autockpt.FSDPPlan]:
     inner = [u for u in fplan.units if u]
     rows = [
         Row(part="llama3-8b-h100x8", plan="autockpt", world_size=8, checkpointed_units=len(fplan.checkpointed),
-            units=len(inner), budget_bytes=fplan.budget_bytes, predicted_peak_bytes=fplan.predicted_peak_bytes,
+            selective_units=len(fplan.selective), units=len(inner), budget_bytes=fplan.budget_bytes, predicted_peak_bytes=fplan.predicted_peak_bytes,
             measured_peak_bytes=None, predicted_step_ms=fplan.predicted_step_ms, measured_step_ms=None,
             tokens_per_s_per_rank=tokens / fplan.predicted_step_ms * 1e3, plan_time_s=plan_s),
-        Row(part="llama3-8b-h100x8", plan="full", world_size=8, checkpointed_units=len(inner), units=len(inner),
-            budget_bytes=fplan.budget_bytes, predicted_peak_bytes=fplan.min_feasible_bytes, measured_peak_bytes=None,
-            predicted_step_ms=fplan.floor_step_ms, measured_step_ms=None,
-            tokens_per_s_per_rank=tokens / fplan.floor_step_ms * 1e3,
-            plan_time_s=plan_s),
+        Row(part="llama3-8b-h100x8", plan=FULL, world_size=8, checkpointed_units=len(inner), selective_units=0,
+            units=len(inner), budget_bytes=fplan.budget_bytes, predicted_peak_bytes=fplan.min_feasible_bytes,
+            measured_peak_bytes=None, predicted_step_ms=fplan.floor_step_ms, measured_step_ms=None,
+            tokens_per_s_per_rank=tokens / fplan.floor_step_ms * 1e3, plan_time_s=plan_s),
+        Row(part="llama3-8b-h100x8", plan=SELECTIVE, world_size=8, checkpointed_units=0, selective_units=len(inner),
+            units=len(inner), budget_bytes=fplan.budget_bytes, predicted_peak_bytes=fplan.selective_peak_bytes,
+            measured_peak_bytes=None, predicted_step_ms=fplan.selective_step_ms, measured_step_ms=None,
+            tokens_per_s_per_rank=tokens / fplan.selective_step_ms * 1e3, plan_time_s=plan_s),
     ]
     return rows, fplan
 
 
-def markdown(rows: list[Row], fplan: autockpt.FSDPPlan | None, command: str, elapsed_s: float) -> str:
+def markdown(rows: list[Row], comparisons: list[Comparison], fplan: autockpt.FSDPPlan | None, command: str,
+             elapsed_s: float) -> str:
     lines = [(f"`{command}`, {time.strftime('%Y-%m-%d', time.gmtime())}, {elapsed_s:.0f} s. GB = 10^9 bytes, "
              "GiB = 2^30 bytes."), ""]
     measured = [r for r in rows if r.part == "gloo-cpu"]
     if measured:
         c = CONFIG
         lines += [
-            (f"**Measured, CPU gloo world {WORLD}**: decoder of {c['model']['layers']} blocks, width "
-            f"{c['model']['width']}, vocabulary {c['model']['vocab']}, {c['batch']} x {c['seq']} tokens per rank, "
-            f"AdamW; budget {BUDGET_FRACTION:.0%} of the way from the floor to the baseline; median of "
-            f"{c['rounds']} alternating rounds (slower rank)."), "",
-            ("| plan | checkpointed | predicted peak | measured peak (max rank) | under budget | predicted step ms | "
-            "measured step ms | measured / none |"), "|---|---|---|---|---|---|---|---|",
+            (f"**Measured, CPU gloo world {WORLD}**: Llama-style decoder of {c['model']['layers']} blocks, width "
+            f"{c['model']['width']}, {c['model']['heads']} heads, vocabulary {c['model']['vocab']}, {c['batch']} x "
+            f"{c['seq']} tokens per rank, AdamW; median of {c['rounds']} alternating rounds (slower rank). "
+            "Units: full / selective of all."), "",
+            ("| plan | full / selective | budget | predicted peak | measured peak (max rank) | under budget | "
+            "predicted step ms | measured step ms | measured / none |"), "|---|---|---|---|---|---|---|---|---|",
         ]
-        none = next(r for r in measured if r.plan == "none")
+        none = next(r for r in measured if r.plan == NONE)
         for r in measured:
+            budget = "-" if r.plan == NONE else f"{r.budget_bytes:,} B"
+            fits = "-" if r.plan == NONE else ("yes" if r.measured_peak_bytes <= r.budget_bytes else "no")
             lines.append(
-                f"| {r.plan} | {r.checkpointed_units}/{r.units} | {r.predicted_peak_bytes:,} B | "
-                f"{r.measured_peak_bytes:,} B | {'yes' if r.measured_peak_bytes <= r.budget_bytes else 'no'} | "
-                f"{r.predicted_step_ms:.1f} | {r.measured_step_ms:.1f} | "
-                f"{r.measured_step_ms / none.measured_step_ms:.3f} |"
+                f"| {r.plan} | {r.checkpointed_units} / {r.selective_units} of {r.units} | {budget} | "
+                f"{r.predicted_peak_bytes:,} B | {r.measured_peak_bytes:,} B | {fits} | {r.predicted_step_ms:.1f} | "
+                f"{r.measured_step_ms:.1f} | {r.measured_step_ms / none.measured_step_ms:.3f} |"
             )
-        auto = next(r for r in measured if r.plan == "autockpt")
-        full = next(r for r in measured if r.plan == "full")
-        lines += ["", (f"Budget {auto.budget_bytes:,} B per rank. autockpt / full measured step "
-                      f"{auto.measured_step_ms / full.measured_step_ms:.3f} (predicted "
-                      f"{auto.predicted_step_ms / full.predicted_step_ms:.3f})."), ""]
+        lines += ["", "At equal per-rank peaks (autockpt given the baseline's measured peak as its budget):", "",
+                  "| autockpt plan | against | measured step ratio, median of rounds (min-max) | predicted ratio |",
+                  "|---|---|---|---|"]
+        for c in comparisons:
+            ratios = c.round_ratios
+            lines.append(f"| {c.plan} | {c.baseline} | {statistics.median(ratios):.3f} ({min(ratios):.3f}-"
+                         f"{max(ratios):.3f}) | {c.predicted_ratio:.3f} |")
+        lines += ["", ("CPU caveat: two ranks share this machine's cores (and other work); single-op timings on a CPU "
+                      "say little about a GPU, and a plan identical to its baseline shows the noise of the ratio."),
+                  ""]
     if fplan is not None:
         big = {r.plan: r for r in rows if r.part == "llama3-8b-h100x8"}
-        auto, full = big["autockpt"], big["full"]
+        auto, full, selective = big["autockpt"], big[FULL], big[SELECTIVE]
         lines += [
             ("**Predicted, Llama-3-8B at world 8 on H100 SXM** (1 x 8192 tokens per rank, bf16 params, fp32 reduce, "
             f"fp32 AdamW, per-rank budget {format_bytes(fplan.budget_bytes)}), planned here in "
             f"{auto.plan_time_s:.0f} s:"), "",
             "```", fplan.summary(), "```", "",
-            (f"Predicted tokens/s per GPU: autockpt {auto.tokens_per_s_per_rank:,.0f} ({auto.checkpointed_units} of "
-            f"{auto.units} blocks checkpointed) against full checkpointing {full.tokens_per_s_per_rank:,.0f} "
-            f"({auto.tokens_per_s_per_rank / full.tokens_per_s_per_rank - 1:+.1%}); peaks "
-            f"{auto.predicted_peak_bytes / GB:.2f} GB and {full.predicted_peak_bytes / GB:.2f} GB. Not measured: no "
-            "GPU cluster here; roofline times are optimistic (docs/ARCHITECTURE.md, devices.py)."),
+            (f"Predicted tokens/s per GPU: autockpt {auto.tokens_per_s_per_rank:,.0f} ({auto.checkpointed_units} "
+            f"full, {auto.selective_units} selective of {auto.units} blocks) against full checkpointing "
+            f"{full.tokens_per_s_per_rank:,.0f} ({auto.tokens_per_s_per_rank / full.tokens_per_s_per_rank - 1:+.1%})"
+            f" and selective per block {selective.tokens_per_s_per_rank:,.0f} "
+            f"({auto.tokens_per_s_per_rank / selective.tokens_per_s_per_rank - 1:+.1%}); peaks "
+            f"{auto.predicted_peak_bytes / GB:.2f} GB, {full.predicted_peak_bytes / GB:.2f} GB and "
+            f"{selective.predicted_peak_bytes / GB:.2f} GB. Not measured: no GPU cluster here; roofline times are "
+            "optimistic (docs/ARCHITECTURE.md, devices.py)."),
         ]
     return "\n".join(lines)
 
@@ -194,10 +248,12 @@ def main() -> None:
     args = parser.parse_args()
     started = time.perf_counter()
     rows: list[Row] = []
+    comparisons: list[Comparison] = []
     fplan = None
     if not args.skip_measured:
         with tempfile.TemporaryDirectory() as tmp:
-            rows += measured_part(Path(tmp))
+            measured, comparisons = measured_part(Path(tmp))
+            rows += measured
     if not args.skip_llama:
         big, fplan = llama8b_part()
         rows += big
@@ -206,7 +262,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / "fsdp.csv", rows)
     command = ("python experiments/bench_fsdp.py " + " ".join(sys.argv[1:])).strip()
-    text = markdown(rows, fplan, command, time.perf_counter() - started)
+    text = markdown(rows, comparisons, fplan, command, time.perf_counter() - started)
     (args.out / "fsdp.md").write_text(text + "\n")
     write_section("bench_fsdp", text, output=args.out)
     print(text)

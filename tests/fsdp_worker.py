@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from pipeline_worker import Decoder, lm_loss
+from pipeline_worker import MODELS, lm_loss
 from torch import nn
 
 __all__ = ["CONFIG", "batch", "build", "lm_loss", "run_rank", "time_alternating", "tracked_peak"]
@@ -25,8 +25,10 @@ LR = 1e-2
 
 
 def build(config: dict[str, Any]) -> nn.Module:
+    """``config["kind"]``: "decoder" (default: LayerNorm and GELU MLP blocks, no attention), "llama" (RMSNorm,
+    causal attention with rotary positions, SwiGLU) or "gpt2" (``pipeline_worker.MODELS``)."""
     torch.manual_seed(config["seed"])
-    return Decoder(**config["model"])
+    return MODELS[config.get("kind", "decoder")](**config["model"])
 
 
 def batch(config: dict[str, Any], rank: int | None = None, world: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -171,7 +171,8 @@ def llama8b_part() -> tuple[list[Row], autockpt.FSDPPlan]:
     inner = [u for u in fplan.units if u]
     rows = [
         Row(part="llama3-8b-h100x8", plan="autockpt", world_size=8, checkpointed_units=len(fplan.checkpointed),
-            selective_units=len(fplan.selective), units=len(inner), budget_bytes=fplan.budget_bytes, predicted_peak_bytes=fplan.predicted_peak_bytes,
+            selective_units=len(fplan.selective), units=len(inner), budget_bytes=fplan.budget_bytes,
+            predicted_peak_bytes=fplan.predicted_peak_bytes,
             measured_peak_bytes=None, predicted_step_ms=fplan.predicted_step_ms, measured_step_ms=None,
             tokens_per_s_per_rank=tokens / fplan.predicted_step_ms * 1e3, plan_time_s=plan_s),
         Row(part="llama3-8b-h100x8", plan=FULL, world_size=8, checkpointed_units=len(inner), selective_units=0,

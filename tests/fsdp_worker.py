@@ -68,9 +68,13 @@ def _sharded(config: dict[str, Any], fplan: Any) -> nn.Module:
         model = build(config)
     autockpt.apply_fsdp(model, fplan)
     model.to_empty(device="cpu")
-    full = build(config).state_dict()
+    built = build(config)
+    full = built.state_dict()
     rank, world = dist.get_rank(), dist.get_world_size()
     with torch.no_grad():
+        made = dict(built.named_buffers())  # non-persistent ones too (LlamaStyle's inv_freq): not in state_dict
+        for name, buffer in model.named_buffers():
+            buffer.copy_(made[name])
         for name, param in model.named_parameters():
             local = param.to_local()
             chunk = torch.chunk(full[name], world, dim=0)[rank] if rank < len(torch.chunk(full[name], world)) else None

@@ -4,8 +4,8 @@ Time model of one rank's step (``docs/fsdp.md``): compute is the single-device t
 backward twice forward (as the roofline takes it), plus the forward time of each checkpointed unit again
 (recomputation); a selectively checkpointed unit recomputes its forward but its matmuls and attention
 (``selective_recompute_ms``). Collectives are priced from bytes over the link, ring algorithms: an all-gather or a
-reduce-scatter of ``b`` bytes over ``N`` ranks moves ``b (N - 1) / N`` bytes through each rank's link, at ``interconnect_gb_per_s``
-each way. Forward: the root's all-gather first (exposed), then each unit's all-gather hides behind the previous
+reduce-scatter of ``b`` bytes over ``N`` ranks moves ``b (N - 1) / N`` bytes through each rank's link, at
+``interconnect_gb_per_s`` each way. Forward: the root's all-gather first (exposed), then each unit's all-gather hides behind the previous
 unit's forward compute (FSDP2's prefetch) and is exposed by what it is longer. Backward, units in reverse: a unit's
 all-gather (again, with ``reshard_after_forward``) and the next unit's reduce-scatter hide behind that next unit's
 backward compute (recomputation included); the last reduce-scatters are exposed. No link figure: collectives cost 0.

@@ -103,7 +103,8 @@ def measure_sharded_step(
 ) -> RankMemory:
     """Rank 0's peak over two training steps of ``model`` sharded over ``world_size`` ranks, the ``checkpointed``
     units under checkpoint, the ``selective`` ones under selective checkpoint. ``inputs``: (args, kwargs, target),
-    one rank's batch (real or meta tensors: the step runs on fakes of them); ``step_loss(output, target)`` the loss. Runs inside ``fake_world(world_size)``.
+    one rank's batch (real or meta tensors: the step runs on fakes of them); ``step_loss(output, target)`` the loss.
+    Runs inside ``fake_world(world_size)``.
 
     The optimizer steps with its for-loop implementation (``foreach=False``; fused kept): under FakeTensorMode,
     ``FSDPMemTracker`` never sees the foreach implementation's temporaries freed (torch 2.13: 130 MB of optimizer

@@ -23,9 +23,11 @@ WORLD = 2
 # budgets halfway between two of the measured peaks: nothing checkpointed ("baseline"), every unit selective
 # ("selective"), every unit whole ("floor"); and the decisions each budget gives the decoder's 4 blocks
 CASES = {
-    "selective-baseline": (256, ("selective", "baseline"), {"keep", "selective"}),
-    "floor-selective": (256, ("floor", "selective"), {"full", "selective"}),
-    "floor-baseline-uneven": (257, ("floor", "baseline"), None),
+    "selective-baseline": ("decoder", 256, ("selective", "baseline"), {"keep", "selective"}),
+    "floor-selective": ("decoder", 256, ("floor", "selective"), {"full", "selective"}),
+    "floor-baseline-uneven": ("decoder", 257, ("floor", "baseline"), None),
+    # RMSNorm, rotary causal attention (CPU SDPA: _scaled_dot_product_flash_attention_for_cpu, saved), SwiGLU
+    "llama-floor-selective": ("llama", 256, ("floor", "selective"), None),
 }
 
 
@@ -35,8 +37,10 @@ def test_two_ranks_give_the_single_process_losses_and_gradients_under_the_budget
     """Plans with units kept, selective and full. With a vocabulary of 257 the embedding and head shard 129 / 128
     rows: FSDP2 pads rank 1's parameters to rank 0's size, but its optimizer states follow its 128 rows, so rank 1
     holds a little less than the plan's figure."""
-    vocab, (low, high), decisions = CASES[case]
-    config = {**CONFIG, "model": {**CONFIG["model"], "vocab": vocab}}
+    kind, vocab, (low, high), decisions = CASES[case]
+    config = {**CONFIG, "kind": kind, "model": {**CONFIG["model"], "vocab": vocab}}
+    if kind == "llama":
+        config["model"]["heads"] = 4
     ids, target = batch(config, rank=0, world=WORLD)
     common = {"world_size": WORLD, "example_inputs": (ids,), "example_target": target, "loss_fn": lm_loss}
     roomy = autockpt.plan_fsdp(build(config), budget_bytes=10**9, **common)

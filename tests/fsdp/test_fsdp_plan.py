@@ -78,6 +78,42 @@ def test_a_budget_between_all_selective_and_the_baseline_checkpoints_some_units_
     assert {between.decision(u) for u in between.units if u} <= set(UnitDecision)
 
 
+def test_selective_checkpointing_saves_the_matmul_and_attention_kernels_cpu_runs() -> None:
+    """torchtitan's op list, as torch dispatches it here: linear is addmm (or mm), scaled_dot_product_attention is
+    _scaled_dot_product_flash_attention_for_cpu on CPU; the patched forward saves those and recomputes the rest."""
+    from pipeline_worker import CausalSelfAttention
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from autockpt.fsdp.shard import _selective_policy, checkpoint_forward
+
+    class Record(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    attention = CausalSelfAttention(16, 2, bias=True)
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    with Record() as seen:
+        attention(x)
+    saved = {op for op in seen.ops if _selective_policy(None, op) is CheckpointPolicy.MUST_SAVE}
+    cpu_attention = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+    assert {str(op) for op in saved} >= {"aten.addmm.default", cpu_attention}
+    expected = torch.autograd.grad(attention(x).square().sum(), [x, *attention.parameters()])
+    checkpoint_forward(attention, selective=True)
+    assert checkpoint_kind(attention) == "selective"
+    got = torch.autograd.grad(attention(x).square().sum(), [x, *attention.parameters()])
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="already checkpointed .selective."):
+        checkpoint_forward(attention)
+
+
 def test_a_budget_under_the_floor_names_the_floor_and_the_floor_plans(roomy) -> None:
     with pytest.raises(InfeasibleBudgetError) as refused:
         _plan(budget_bytes=roomy.min_feasible_bytes - 1)

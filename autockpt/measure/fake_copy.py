@@ -71,9 +71,9 @@ def fake_of(tensor: torch.Tensor, mode: FakeTensorMode, device: torch.device) ->
 
 
 
-def meta_of_fake(tensor: FakeTensor) -> torch.Tensor:
-    """A meta tensor with a fake tensor's shape, strides, dtype and requires_grad (its storage's size, not its
-    aliasing: fakes of one storage given as inputs become separate storages)."""
+def meta_of_fake(tensor: torch.Tensor) -> torch.Tensor:
+    """A meta tensor with a (fake) tensor's shape, strides, dtype and requires_grad, read without leaving fake mode
+    (its storage's size, not its aliasing: fakes of one storage given as inputs become separate storages)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():

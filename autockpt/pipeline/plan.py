@@ -168,8 +168,8 @@ def plan_pipeline(
     above the device memory (given, the target's, or on CUDA what is free), and then traces every stage on fakes
     too; it measures on real values otherwise, as before. ``"fake"`` and ``"measured"`` choose (``"measured"`` on a
     meta model is a ``ValueError``). Unit times come from ``timing``: measured (the median of three real steps),
-    roofline on a ``target`` such as "h100-sxm-80gb", or none from a fake trace without a target (the split and
-    the stages' plans are then chosen by memory). The user's model is left as it was (a meta model stays on meta);
+    roofline on a ``target`` such as "h100-sxm-80gb", or each op benchmarked alone on this machine for a fake trace
+    without a target. The user's model is left as it was (a meta model stays on meta);
     the plan's notes say which trace and timing made it, and each stage plan's ``provenance`` too.
 
     ``options`` (``PlanOptions``; or its keyword spelling ``solver_options=``, ``checkpoint=``): the stages are

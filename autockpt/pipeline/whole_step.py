@@ -6,7 +6,8 @@ runs the whole step on the model's device, "fake" on fake tensors (``measure/fak
 model or its inputs are on the meta device or when the fake trace predicts the unmodified step above the device
 memory (one device cannot run it), measured otherwise. The timing gives the unit times (``measure/timing.py``'s
 ``with_timing``): measured times are the median of three measured traces (one trace on a busy machine gave the same
-split 13 ms and 3763 ms), other timings (roofline for a target) time the one trace.
+split 13 ms and 3763 ms), other timings (roofline for a target, each op benchmarked alone for a fake trace without
+one) time the one trace.
 
 On a measured trace the graph runs on the real microbatch, as autockpt always did, and the crossing tensors are
 detached copies of the real ones. On a fake trace everything runs on fake copies of the model and the microbatch
@@ -25,12 +26,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from autockpt.core.devices import DeviceSpec, device_spec
 from autockpt.measure.fake import FakeStep, FakeTrace
-from autockpt.measure.fake_copy import fake_copies, fake_of
+from autockpt.measure.fake_copy import fake_copies, fake_of, meta_of_fake
 from autockpt.measure.sources import StepInputs, TraceRequest
 from autockpt.measure.timing import with_timing
 from autockpt.measure.trace import trace_step
@@ -171,10 +172,7 @@ def _meta_of(tensor: torch.Tensor) -> torch.Tensor:
 
 def _meta_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A meta tensor laid out as a detached copy of this (fake) tensor would be: the same storage bytes."""
-    copied = tensor.detach().clone()
-    with unset_fake_temporarily():
-        meta = torch.empty_strided(copied.shape, copied.stride(), dtype=copied.dtype, device="meta")
-    return meta.requires_grad_(tensor.requires_grad)
+    return meta_of_fake(tensor.detach().clone()).requires_grad_(tensor.requires_grad)
 
 
 class FakesBeside:

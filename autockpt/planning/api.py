@@ -13,12 +13,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils import _pytree as pytree
 
 from autockpt.measure.capture import capture
 from autockpt.measure.sources import StepInputs, TraceSource
 from autockpt.measure.timing import Timing
+from autockpt.planning.build import without_values
 from autockpt.planning.compiled import compiled_module
 from autockpt.planning.options import UNSET, PlanOptions, budget_to_bytes, resolve_options, unsupported
 from autockpt.planning.planner import Planner
@@ -161,9 +160,7 @@ def refuse_meta(model: Any, example_inputs: Any, example_kwargs: Any) -> None:
     nor a step to measure."""
     if not isinstance(model, nn.Module):
         return  # StepInputs.check says what was expected
-    tensors = [*model.parameters(), *model.buffers()]
-    tensors += [t for t in pytree.tree_leaves((example_inputs, example_kwargs)) if isinstance(t, torch.Tensor)]
-    if any(t.device.type == "meta" or isinstance(t, FakeTensor) for t in tensors):
+    if without_values(model, example_inputs, example_kwargs):
         raise ValueError(
             f"{type(model).__name__} or its example inputs are on the meta device (or fake tensors): there are no "
             "weights to train and no step to measure. Plan it with autockpt.plan(model, ..., target=...) (no real "

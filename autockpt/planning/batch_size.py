@@ -35,7 +35,7 @@ from autockpt.core.solve.base import SolverOptions
 from autockpt.core.solve.baselines import parse_strategy
 from autockpt.errors import FakeStepError, InfeasibleBudgetError
 from autockpt.measure.step import measure_step
-from autockpt.planning.build import TRACES
+from autockpt.planning.build import TRACES, model_on_meta
 from autockpt.planning.options import budget_to_bytes
 from autockpt.planning.planner import Planner, baseline_plan
 from autockpt.records.plan import Plan
@@ -264,7 +264,7 @@ class _Searcher:
         predicted = sorted({t.batch_size for t in trials if t.outcome is TrialOutcome.FITS}, reverse=True)
         searched = f"searched on fake traces ({len(trials)} batches predicted, none run)"
         first_over = high
-        if on_meta_device(self.model):
+        if model_on_meta(self.model):
             size = predicted[0]
             fit = next(t for t in trials if t.batch_size == size and t.outcome is TrialOutcome.FITS)
             planner = self._planner(size)[0]
@@ -323,7 +323,7 @@ class _Searcher:
         try:
             return make("fake")
         except FakeStepError as error:
-            if self.trace == "fake" or on_meta_device(self.model):
+            if self.trace == "fake" or model_on_meta(self.model):
                 raise
             logger.info("max_batch_size: the fake trace cannot run the step (%s); measuring every batch", error.op)
             self.trace = "measured"
@@ -341,10 +341,6 @@ class _Searcher:
         logger.info("batch %d, %s: %s (peak %s bytes, budget %d)", size, strategy, outcome.value, peak, self.budget)
         self.on_trial(trial)
         return trial
-
-
-def on_meta_device(model: nn.Module) -> bool:
-    return any(t.device.type == "meta" for t in (*model.parameters(), *model.buffers()))
 
 
 def _as_batch(value: ExampleBatch | tuple, size: int) -> ExampleBatch:

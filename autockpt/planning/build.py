@@ -59,14 +59,22 @@ class ChosenTrace:
 
 def on_meta(step: StepInputs) -> bool:
     """Whether the model or any example input is on the meta device (or a fake tensor): no real step can run."""
-    return model_on_meta(step.model) or any(
-        t.device.type == "meta" or isinstance(t, FakeTensor)
-        for t in pytree.tree_leaves((step.args, step.kwargs)) if isinstance(t, torch.Tensor)
+    return without_values(step.model, step.args, step.kwargs)
+
+
+def without_values(model: torch.nn.Module, args: Any, kwargs: Any) -> bool:
+    """``on_meta`` for a model and example inputs not checked yet (``StepInputs.check``)."""
+    return model_on_meta(model) or any(
+        _has_no_values(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
     )
 
 
 def model_on_meta(model: torch.nn.Module) -> bool:
     return any(t.device.type == "meta" for t in (*model.parameters(), *model.buffers()))
+
+
+def _has_no_values(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "meta" or isinstance(tensor, FakeTensor)
 
 
 def aligned_step(step: StepInputs) -> StepInputs:
@@ -86,8 +94,8 @@ def aligned_step(step: StepInputs) -> StepInputs:
     def aligned(leaf: Any) -> Any:
         if not isinstance(leaf, torch.Tensor):
             return leaf
-        without_values = leaf.device.type == "meta" or isinstance(leaf, FakeTensor)
-        if (leaf.device.type == "meta" and not isinstance(leaf, FakeTensor)) if on_meta_device else not without_values:
+        plain_meta = leaf.device.type == "meta" and not isinstance(leaf, FakeTensor)
+        if plain_meta if on_meta_device else not _has_no_values(leaf):  # already where the model is
             return leaf
         if id(leaf) not in made:
             made[id(leaf)] = _same_layout_on(leaf, target_device, storages)
@@ -108,7 +116,8 @@ def _same_layout_on(
     if isinstance(tensor, FakeTensor):
         tensor = meta_of_fake(tensor)
     source = tensor.untyped_storage()
-    key = id(source) if device.type == "meta" or source.device.type == "meta" else source.data_ptr()
+    # real storages are told apart by address; a meta one has none, so each meta input keeps a storage of its own
+    key = source.data_ptr() if source.device.type != "meta" else object()
     if key not in storages:
         storages[key] = torch.UntypedStorage(source.nbytes(), device=device)
         if device.type != "meta":

@@ -88,13 +88,19 @@ def bench_model(name: str, size: str, fractions: list[float], repeats: int) -> l
 
 
 def markdown_table(table: pd.DataFrame) -> str:
-    def cell(value: object) -> str:
+    def cell(column: str, value: object) -> str:
         if isinstance(value, float):
-            return "" if value != value else f"{value:.3f}"
+            if value != value:
+                return ""
+            # bytes stay whole numbers (a refused row's blanks make pandas store the column as floats)
+            return f"{value:.0f}" if column.endswith("_bytes") else f"{value:.3f}"
         return str(value)
 
     lines = ["| " + " | ".join(table.columns) + " |", "|" + "---|" * len(table.columns)]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in table.itertuples(index=False)]
+    lines += [
+        "| " + " | ".join(cell(c, v) for c, v in zip(table.columns, row)) + " |"
+        for row in table.itertuples(index=False)
+    ]
     return "\n".join(lines)
 
 

@@ -88,6 +88,8 @@ def tracked_peak(config: dict[str, Any], fplan: Any, ids: torch.Tensor, target: 
     breakdown by the tracker's categories."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
+    from autockpt.fsdp import unit_pool
+
     model = _sharded(config, fplan)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     tracker = FSDPMemTracker(model, optimizer)
@@ -100,7 +102,12 @@ def tracked_peak(config: dict[str, Any], fplan: Any, ids: torch.Tensor, target: 
             if step == 0:
                 tracker.reset_mod_stats()
     snapshot = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
-    return int(snapshot["Total"]), {getattr(k, "value", str(k)): int(v) for k, v in snapshot.items() if k != "Total"}
+    # on the CPU the host pool of offloaded units is a CPU buffer the tracker counts (from the first forward on):
+    # it is host memory, which the plan's device peak leaves out (beside a GPU no tracker of the device counts it)
+    pool = unit_pool(model)
+    pool_bytes = pool.capacity_bytes if pool is not None else 0
+    return int(snapshot["Total"]) - pool_bytes, {getattr(k, "value", str(k)): int(v) for k, v in snapshot.items()
+                                                 if k != "Total"}
 
 
 def run_rank(rank: int, world: int, config: dict[str, Any], plan_path: str, out_dir: str, init_file: str) -> None:

@@ -1,5 +1,6 @@
-"""``apply_fsdp``: run an ``FSDPPlan`` on every rank: checkpoint the plan's units, whole or selectively (their
-``forward`` patched, names unchanged) and call torch's own ``fully_shard`` on the units, then the root. Works on a
+"""``apply_fsdp``: run an ``FSDPPlan`` on every rank: checkpoint the plan's units, whole or selectively, run the
+offloaded ones in a host pool (their ``forward`` patched, names unchanged: ``offload.py``) and call torch's own
+``fully_shard`` on the units, then the root. Works on a
 model on the meta device (meta -> ``apply_fsdp`` -> ``to_empty`` -> the user's initialisation, torchtitan's order)."""
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def apply_fsdp(model: nn.Module, fplan: FSDPPlan, mesh: Any = None) -> nn.Module
             "to the model as built, before any fully_shard"
         )
     modules = dict(model.named_modules())
-    unknown = [u for u in (*fplan.units, *fplan.checkpointed, *fplan.selective) if u != ROOT and u not in modules]
+    unknown = [u for u in (*fplan.units, *fplan.checkpointed, *fplan.selective, *fplan.offloaded)
+               if u != ROOT and u not in modules]
     if unknown:
         raise PlanMismatchError(
             f"the plan's unit(s) {unknown} are not modules of {type(model).__name__}: apply the plan to the model it "
@@ -79,9 +81,10 @@ def apply_fsdp(model: nn.Module, fplan: FSDPPlan, mesh: Any = None) -> nn.Module
         )
     mp_policy = _mp_policy(fplan.mixed_precision)
     shard(model, fplan.units, fplan.checkpointed, mesh, reshard_after_forward=fplan.reshard_after_forward,
-          mp_policy=mp_policy, selective=fplan.selective)
-    logger.info("applied FSDP plan: %d units sharded, %d checkpointed whole, %d selectively", len(fplan.units),
-                len(fplan.checkpointed), len(fplan.selective))
+          mp_policy=mp_policy, selective=fplan.selective, offloaded=fplan.offloaded,
+          host_pool_bytes=fplan.host_pool_bytes)
+    logger.info("applied FSDP plan: %d units sharded, %d checkpointed whole, %d selectively, %d offloaded",
+                len(fplan.units), len(fplan.checkpointed), len(fplan.selective), len(fplan.offloaded))
     return model
 
 

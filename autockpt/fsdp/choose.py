@@ -1,19 +1,23 @@
-"""Which FSDP units to checkpoint, whole or selectively, and what a choice costs in time: values only (no torch).
+"""Which FSDP units to checkpoint, whole or selectively, or offload, and what a choice costs in time: values only
+(no torch).
 
 Time model of one rank's step (``docs/fsdp.md``): compute is the single-device trace's forward time of every unit,
 backward twice forward (as the roofline takes it), plus the forward time of each checkpointed unit again
 (recomputation); a selectively checkpointed unit recomputes its forward but its matmuls and attention
 (``selective_recompute_ms``). Collectives are priced from bytes over the link, ring algorithms: an all-gather or a
 reduce-scatter of ``b`` bytes over ``N`` ranks moves ``b (N - 1) / N`` bytes through each rank's link, at
-``interconnect_gb_per_s`` each way. Forward: the root's all-gather first (exposed), then each unit's all-gather hides behind the previous
-unit's forward compute (FSDP2's prefetch) and is exposed by what it is longer. Backward, units in reverse: a unit's
+``interconnect_gb_per_s`` each way. Forward: the root's all-gather first (exposed), then each unit's all-gather hides
+behind the previous unit's forward compute (FSDP2's prefetch) and is exposed by what it is longer. Backward, units in reverse: a unit's
 all-gather (again, with ``reshard_after_forward``) and the next unit's reduce-scatter hide behind that next unit's
 backward compute (recomputation included); the last reduce-scatters are exposed. No link figure: collectives cost 0.
 
-The choice is a multiple-choice knapsack (PuLP, ``cheapest_choice``): each unit exactly one of keep, selective or
-full, each with its estimated bytes freed and its recomputation time; the least recomputation time whose bytes freed
-reach what the budget needs. The caller measures the choice on the fake process group and asks again, needing more,
-until it fits.
+Offloading adds the copies to and from the host (``offload_copy_ms``, over the target's host link or the one measured here),
+hidden behind a neighbouring unit's compute where copies overlap it (CUDA), exposed where they do not (CPU).
+
+The choice is a multiple-choice knapsack (PuLP, ``cheapest_choice``): each unit exactly one of keep, selective,
+full, offload or full with its inputs offloaded, each with its estimated bytes freed, the time it adds and the host
+pool it needs; the least added time whose bytes freed reach what the budget needs, within the host pool's bound.
+The caller measures the choice on the fake process group and asks again, needing more, until it fits.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import pulp
 
 from autockpt.core.solve.base import SolverOptions
 from autockpt.core.solve.pulp_tools import has_solution, make_solver, solver_name
+from autockpt.fsdp.record import UnitDecision
+from autockpt.types import LinkPrice
 
 logger = logging.getLogger(__name__)
 
@@ -56,14 +62,17 @@ class StepTime:
     compute_ms: float
     recompute_ms: float
     exposed_collective_ms: float
+    exposed_copy_ms: float = 0.0  # offloaded units' copies to and from the host the compute waits for
 
 
 def step_time(
-    root: UnitTimes, units: Sequence[UnitTimes], checkpointed: set[str], *, world_size: int,
+    root: UnitTimes, units: Sequence[UnitTimes], checkpointed: AbstractSet[str], *, world_size: int,
     gb_per_s: float | None, reshard_after_forward: bool, selective: AbstractSet[str] = frozenset(),
+    copies_ms: Mapping[str, float] | None = None,
 ) -> StepTime:
     """The time model of the module docstring; ``units`` the inner units in forward order, ``checkpointed`` those
-    recomputed whole, ``selective`` those recomputed selectively."""
+    recomputed whole, ``selective`` those recomputed selectively, ``copies_ms`` the exposed copy time of the
+    offloaded ones (``offload_copy_ms``)."""
     ag = {u.name: link_ms(u.all_gather_bytes, world_size, gb_per_s) for u in (root, *units)}
     rs = {u.name: link_ms(u.reduce_scatter_bytes, world_size, gb_per_s) for u in (root, *units)}
     forward = root.forward_ms + sum(u.forward_ms for u in units)
@@ -87,42 +96,66 @@ def step_time(
         later = unit
     exposed += (rs[later.name] if later is not None else 0.0) + rs[root.name]
     compute = 3 * forward
-    return StepTime(step_ms=compute + recompute + exposed, compute_ms=compute, recompute_ms=recompute,
-                    exposed_collective_ms=exposed)
+    copies = sum((copies_ms or {}).values())
+    return StepTime(step_ms=compute + recompute + exposed + copies, compute_ms=compute, recompute_ms=recompute,
+                    exposed_collective_ms=exposed, exposed_copy_ms=copies)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UnitOption:
+    """One way to treat one unit other than keeping it: its estimated bytes freed at the rank's peak, what it adds
+    to the step (recomputation, exposed copies) and the host pool it needs."""
+
+    decision: UnitDecision
+    freed_bytes: float
+    cost_ms: float  # recomputation plus ``copy_ms``
+    pool_bytes: int = 0
+    copy_ms: float = 0.0  # offloading's exposed copies to and from the host (``offload_copy_ms``)
 
 
 def cheapest_choice(
-    units: Sequence[UnitTimes], full_bytes: Mapping[str, float], selective_bytes: Mapping[str, float],
-    need_bytes: float, *, at_least_bytes: float = 0.0,
-) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
-    """The multiple-choice knapsack: each unit kept, selective or full, the least recomputation time (``forward_ms``
-    for full, ``selective_recompute_ms`` for selective) among choices whose estimated bytes freed (``full_bytes``,
-    ``selective_bytes`` per unit) reach ``need_bytes`` and exceed ``at_least_bytes`` (what an earlier choice was
-    estimated to free, when it did not fit). Returns (full units, selective units), or None when even every unit
-    full does not reach it. A selective option that frees nothing (0 bytes or less) is left out."""
+    units: Sequence[str], options: Mapping[str, Sequence[UnitOption]], need_bytes: float, *,
+    at_least_bytes: float = 0.0, pool_limit_bytes: int | None = None,
+) -> dict[str, UnitDecision] | None:
+    """The multiple-choice knapsack: each unit kept or given one of its ``options``, the least added time
+    (``cost_ms``) among choices whose estimated bytes freed reach ``need_bytes`` and exceed ``at_least_bytes`` (what
+    an earlier choice was estimated to free, when it did not fit) and whose pool bytes stay within
+    ``pool_limit_bytes``. Returns the decision of every unit not kept, or None when no choice reaches it. An option
+    that frees nothing is left out."""
     need = max(need_bytes, at_least_bytes + 1 if at_least_bytes > 0 else 0.0)
     if need <= 0:
-        return (), ()
-    if need > sum(max(full_bytes[u.name], selective_bytes[u.name], 0.0) for u in units):
+        return {}
+    usable = {u: [o for o in options.get(u, ()) if o.freed_bytes > 0
+                  and (pool_limit_bytes is None or o.pool_bytes <= pool_limit_bytes)] for u in units}
+    if need > sum(max((o.freed_bytes for o in usable[u]), default=0.0) for u in units):
         return None
     prob = pulp.LpProblem("fsdp_unit_choices", pulp.LpMinimize)
-    full = [pulp.LpVariable(f"f{i}", cat="Binary") for i in range(len(units))]
-    sel = [pulp.LpVariable(f"s{i}", cat="Binary") for i in range(len(units))]
+    picks = {(u, k): pulp.LpVariable(f"x{i}_{k}", cat="Binary") for i, u in enumerate(units)
+             for k in range(len(usable[u]))}
     n = len(units)
     # ties (identical blocks) go to the units whose recomputation hides the most: a tiny tilt to the later ones
-    prob += pulp.lpSum(f * (u.forward_ms + 1e-9 * (n - i)) + s * (u.selective_recompute_ms + 1e-9 * (n - i))
-                       for i, (f, s, u) in enumerate(zip(full, sel, units)))
-    for f, s, u in zip(full, sel, units):
-        prob += f + s <= 1  # keep when neither
-        if selective_bytes[u.name] <= 0:
-            prob += s == 0
-    prob += pulp.lpSum(f * full_bytes[u.name] + s * selective_bytes[u.name]
-                       for f, s, u in zip(full, sel, units)) >= need
-    options = SolverOptions()
-    prob.solve(make_solver(solver_name(options), options))
+    prob += pulp.lpSum(x * (usable[u][k].cost_ms + 1e-9 * (n - units.index(u))) for (u, k), x in picks.items())
+    for u in units:
+        prob += pulp.lpSum(picks[u, k] for k in range(len(usable[u]))) <= 1  # kept when none
+    prob += pulp.lpSum(x * usable[u][k].freed_bytes for (u, k), x in picks.items()) >= need
+    if pool_limit_bytes is not None:
+        prob += pulp.lpSum(x * usable[u][k].pool_bytes for (u, k), x in picks.items()) <= pool_limit_bytes
+    options_ = SolverOptions()
+    prob.solve(make_solver(solver_name(options_), options_))
     if not has_solution(prob):
         return None
-    chosen_full = tuple(u.name for f, u in zip(full, units) if (f.value() or 0) > 0.5)
-    chosen_sel = tuple(u.name for s, u in zip(sel, units) if (s.value() or 0) > 0.5)
-    logger.debug("multiple-choice knapsack: need %.0f B, full %s, selective %s", need, chosen_full, chosen_sel)
-    return chosen_full, chosen_sel
+    chosen = {u: usable[u][k].decision for (u, k), x in picks.items() if (x.value() or 0) > 0.5}
+    logger.debug("multiple-choice knapsack: need %.0f B: %s", need, {u: d.value for u, d in chosen.items()})
+    return chosen
+
+
+def offload_copy_ms(moved_bytes: int, storages: int, link: LinkPrice, hide_forward_ms: float, hide_backward_ms: float) -> float:
+    """What offloading a unit adds to the step: its storages copied to the host in forward and back in backward.
+    With copies beside the compute (CUDA's streams) each direction hides behind a neighbour's compute
+    (``hide_*_ms``: the pool runs one region ahead of the host in forward and restores one region ahead in backward);
+    synchronous copies (the CPU) are all exposed."""
+    out = storages * link.latency_ms + moved_bytes / (link.device_to_host_gb_per_s * 1e6)
+    back = storages * link.latency_ms + moved_bytes / (link.host_to_device_gb_per_s * 1e6)
+    if not link.overlaps_compute:
+        return out + back
+    return max(0.0, out - hide_forward_ms) + max(0.0, back - hide_backward_ms)

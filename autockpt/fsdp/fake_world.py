@@ -29,9 +29,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from autockpt.fsdp.offload import unit_pool
 from autockpt.fsdp.shard import shard
 
 logger = logging.getLogger(__name__)
+
+
+_UNBOUNDED_POOL_BYTES = 2**62  # the fake world's pool: a meta buffer, as large as the units need
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -40,6 +44,8 @@ class RankMemory:
 
     peak_bytes: int
     breakdown: tuple[tuple[str, int], ...]  # ("Sharded Param", bytes), ("Activation", bytes), ...
+    host_pool_bytes: int = 0  # the host pool one step needs (slot bytes), when units were offloaded
+    moved: tuple[tuple[str, int, int], ...] = ()  # per offloaded unit: (name, slot bytes, storages moved)
 
 
 def existing_fake_group(world_size: int) -> bool:
@@ -99,10 +105,11 @@ def measure_sharded_step(
     model: nn.Module, *, world_size: int, units: Sequence[str], checkpointed: Sequence[str],
     reshard_after_forward: bool, mp_policy: Any, inputs: Any,
     step_loss: Callable[[Any, Any], torch.Tensor], make_optimizer: Callable[[list], Any] | None,
-    selective: Sequence[str] = (),
+    selective: Sequence[str] = (), offloaded: Sequence[str] = (),
 ) -> RankMemory:
     """Rank 0's peak over two training steps of ``model`` sharded over ``world_size`` ranks, the ``checkpointed``
-    units under checkpoint, the ``selective`` ones under selective checkpoint. ``inputs``: (args, kwargs, target),
+    units under checkpoint, the ``selective`` ones under selective checkpoint, the ``offloaded`` ones in a host pool
+    (autockpt's own, measuring fakes: ``HostPool(fake_tensors=True)``, as large as they need). ``inputs``: (args, kwargs, target),
     one rank's batch (real or meta tensors: the step runs on fakes of them); ``step_loss(output, target)`` the loss.
     Runs inside ``fake_world(world_size)``.
 
@@ -116,8 +123,9 @@ def measure_sharded_step(
 
     device = "cpu"
     mesh = init_device_mesh(device, (world_size,))  # outside FakeTensorMode
-    sharded = shard(meta_copy(model), units, checkpointed, mesh,
-                    reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, selective=selective)
+    sharded = shard(meta_copy(model), units, checkpointed, mesh, reshard_after_forward=reshard_after_forward,
+                    mp_policy=mp_policy, selective=selective, offloaded=offloaded, host_pool_bytes=_UNBOUNDED_POOL_BYTES,
+                    fake_tensors=True)
     with FakeTensorMode(allow_non_fake_inputs=True):
         sharded.to_empty(device=device)
         args, kwargs, target = pytree.tree_map_only(
@@ -145,6 +153,14 @@ def measure_sharded_step(
     breakdown = tuple((getattr(key, "value", str(key)), int(value)) for key, value in snapshot.items()
                       if key != "Total")
     peak = int(snapshot["Total"])
-    logger.debug("world %d, %d of %d units checkpointed, %d selective: rank peak %d B", world_size, len(checkpointed),
-                 len(units), len(selective), peak)
-    return RankMemory(peak_bytes=peak, breakdown=breakdown)
+    logger.debug("world %d, %d of %d units checkpointed, %d selective, %d offloaded: rank peak %d B", world_size,
+                 len(checkpointed), len(units), len(selective), len(offloaded), peak)
+    pool = unit_pool(sharded)
+    if pool is None:
+        return RankMemory(peak_bytes=peak, breakdown=breakdown)
+    moved = {name: [0, 0] for name in offloaded}
+    for slot in pool.step_slots():  # the second step's: the same as the first's
+        moved[units[slot.region_index]][0] += slot.slot_bytes
+        moved[units[slot.region_index]][1] += 1
+    return RankMemory(peak_bytes=peak, breakdown=breakdown, host_pool_bytes=pool.stats().peak_occupancy_bytes,
+                      moved=tuple((name, b, n) for name, (b, n) in moved.items()))

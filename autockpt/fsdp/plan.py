@@ -1,21 +1,23 @@
-"""``plan_fsdp``: per FSDP2 unit, keep, checkpoint selectively or checkpoint whole, per rank, for a model sharded by
-``fully_shard`` over N ranks, planned in one process (``docs/fsdp.md``).
+"""``plan_fsdp``: per FSDP2 unit, keep, checkpoint selectively, checkpoint whole or (with a host pool) offload, per
+rank, for a model sharded by ``fully_shard`` over N ranks, planned in one process (``docs/fsdp.md``).
 
 1. The single-device step on one rank's batch is captured and traced (``Planner.from_model``, fake trace): each
    unit's forward time, the part of it that is not matmuls or attention (what selective checkpointing recomputes),
    and the bytes autograd saves inside it.
-2. On torch's fake process group (``fake_world.py``) the sharded step is measured three times: nothing checkpointed
-   (the baseline), every unit but the root selective, and every unit but the root checkpointed whole (the floor).
-3. The multiple-choice knapsack (``choose.py``) gives each unit keep, selective or full at the least recomputation
-   time whose estimated bytes freed (the unit's share of the saved bytes times the measured baseline-to-all-full and
-   baseline-to-all-selective differences) cover what the budget needs; the choice is measured on the fake process
-   group, and while it overshoots the knapsack is asked for more. The predicted peak is that measurement.
+2. On torch's fake process group (``fake_world.py``) the sharded step is measured with every unit but the root
+   treated alike: nothing checkpointed (the baseline), every unit whole (the floor), every unit selective and, with a
+   host pool, every unit offloaded and every unit whole with its inputs offloaded (the floor when lower and the pool
+   holds it). Offloading runs autockpt's own host pool on the fakes (``HostPool(fake_tensors=True)``).
+3. The multiple-choice knapsack (``choose.py``) gives each unit one decision at the least added time (recomputation,
+   exposed copies) whose estimated bytes freed (the unit's share of what every unit so treated frees, measured) cover
+   what the budget needs, within the host pool's bound; the choice is measured on the fake process group, and while
+   it overshoots the knapsack is asked for more. The predicted peak and host pool are that measurement.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,18 +25,20 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from autockpt.core.devices import device_spec
+from autockpt.core.roofline import link_price
 from autockpt.core.structure import find_repeated_blocks
 from autockpt.errors import InfeasibleBudgetError
-from autockpt.fsdp.choose import UnitTimes, cheapest_choice, step_time
+from autockpt.fsdp.choose import UnitOption, UnitTimes, cheapest_choice, offload_copy_ms, step_time
 from autockpt.fsdp.fake_world import RankMemory, existing_fake_group, fake_world, measure_sharded_step
-from autockpt.fsdp.record import FSDPPlan, RankFigures
+from autockpt.fsdp.record import FSDPPlan, RankFigures, UnitDecision
 from autockpt.fsdp.shard import ROOT, check_units, describe_mp_policy, fingerprint, is_sharded, unit_parameter_bytes
+from autockpt.measure.costs import calibrate
 from autockpt.measure.loop import NAMED_OPTIMIZERS
 from autockpt.measure.loss import checked_loss, default_loss
 from autockpt.measure.sources import example_arguments
 from autockpt.planning.options import budget_to_bytes
 from autockpt.planning.planner import Planner
-from autockpt.types import Graph, StepTrace, describe_value
+from autockpt.types import Graph, LinkPrice, StepTrace, describe_value
 from autockpt.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -45,7 +49,7 @@ def plan_fsdp(
     example_inputs: Any = (), example_kwargs: Any = None, example_target: Any = None,
     loss_fn: Callable[..., Any] | None = None, optimizer: Any = "adamw", units: Sequence[str] | None = None,
     reshard_after_forward: bool = True, mp_policy: Any = None, target: Any = None, trace: str = "fake",
-    timing: Any = "auto",
+    timing: Any = "auto", host_pool_gb: float | None = None,
 ) -> FSDPPlan:
     """Plan checkpointing per FSDP unit (keep, selective or whole) for ``model`` sharded by FSDP2 over ``world_size``
     ranks, under a per-rank budget.
@@ -59,7 +63,10 @@ def plan_fsdp(
     autockpt finds in the traced step); the root is always sharded last and never checkpointed. ``mp_policy``: a
     ``torch.distributed.fsdp.MixedPrecisionPolicy`` or None. ``target``: a device name ("h100-sxm-80gb") or
     ``DeviceSpec``: roofline times and its GPU-to-GPU link for the collectives; its memory is the budget when none
-    is given. Raises ``InfeasibleBudgetError`` (``min_feasible_bytes``: every unit checkpointed) below the floor."""
+    is given. ``host_pool_gb``: a host pool per rank (GB = 10^9 bytes) that units may be offloaded into (keep or
+    checkpoint whole, with what they save, or their inputs, moved to the host between forward and backward); None
+    (default): nothing offloaded. Raises ``InfeasibleBudgetError`` (``min_feasible_bytes``: every unit checkpointed,
+    with its inputs offloaded when the pool holds them) below the floor."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1 (the number of ranks), got {describe_value(world_size)}")
     if trace != "fake":
@@ -82,6 +89,7 @@ def plan_fsdp(
     if not isinstance(reshard_after_forward, bool):
         raise TypeError(f"reshard_after_forward must be True or False, got {describe_value(reshard_after_forward)}")
     _check_mp_policy(mp_policy)
+    pool_limit = _pool_limit_bytes(host_pool_gb)
     make_optimizer = _optimizer_factory(optimizer)
     step_loss = _step_loss(loss_fn, example_target)
     args, kwargs = example_arguments(example_inputs, example_kwargs)  # a list is the arguments, as everywhere
@@ -104,45 +112,70 @@ def plan_fsdp(
     root, blocks = times[ROOT], [times[u] for u in inner]
     gb_per_s = spec.interconnect_gb_per_s if spec is not None else None
 
-    def measure(checkpointed: Sequence[str], selective: Sequence[str] = ()) -> RankMemory:
+    def measure(decisions: Mapping[str, UnitDecision]) -> RankMemory:
         return measure_sharded_step(
-            model, world_size=world_size, units=unit_names, checkpointed=checkpointed, selective=selective,
-            reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, inputs=(args, kwargs, example_target),
-            step_loss=step_loss, make_optimizer=make_optimizer,
+            model, world_size=world_size, units=unit_names, reshard_after_forward=reshard_after_forward,
+            mp_policy=mp_policy, inputs=(args, kwargs, example_target), step_loss=step_loss,
+            make_optimizer=make_optimizer, **_as_sets(decisions),
         )
 
     with fake_world(world_size):
-        baseline = measure(())
-        floor = measure(inner) if inner else baseline
+        baseline = measure({})
+        every = {
+            decision: measure(dict.fromkeys(inner, decision)) if inner else baseline
+            for decision in (UnitDecision.FULL, *([UnitDecision.OFFLOAD, UnitDecision.FULL_OFFLOAD]
+                                                  if pool_limit is not None else []))
+        }
+        floor_decision = UnitDecision.FULL
+        if (UnitDecision.FULL_OFFLOAD in every and every[UnitDecision.FULL_OFFLOAD].host_pool_bytes <= pool_limit
+                and every[UnitDecision.FULL_OFFLOAD].peak_bytes < every[UnitDecision.FULL].peak_bytes):
+            floor_decision = UnitDecision.FULL_OFFLOAD
+        floor = every[floor_decision]
         if budget < floor.peak_bytes:
+            offload_hint = " (or host_pool_gb=... to offload units' inputs to the host)" if pool_limit is None else ""
             raise InfeasibleBudgetError(
                 f"a per-rank budget of {format_bytes(budget)} is below the smallest peak checkpointing reaches at "
                 f"world size {world_size}: {format_bytes(floor.peak_bytes)} with every one of the {len(inner)} units "
-                f"checkpointed whole. Give budget_bytes >= {floor.peak_bytes}, more ranks, or a smaller per-rank "
-                "batch (offload is not planned for FSDP yet)",
+                f"checkpointed whole{' and its inputs offloaded' if floor_decision is UnitDecision.FULL_OFFLOAD else ''}"
+                f". Give budget_bytes >= {floor.peak_bytes}, more ranks, or a smaller per-rank batch{offload_hint}",
                 budget_bytes=budget, min_feasible_bytes=floor.peak_bytes,
             )
-        everything_selective = _measure_selective(measure, inner) if inner else baseline
-        chosen, selective, measured, tries = _fit(blocks, budget, baseline, floor, everything_selective, measure)
+        every[UnitDecision.SELECTIVE] = _measure_selective(measure, inner) if inner else baseline
+        link = _link(spec) if pool_limit is not None else None
+        options = _unit_options(blocks, baseline, every, link)
+        known = {frozenset(dict.fromkeys(inner, d).items()): m for d, m in every.items()}  # measured already
+        decisions, measured, tries = _fit([u.name for u in blocks], options, budget, baseline, floor,
+                                          dict.fromkeys(inner, floor_decision), measure, pool_limit, known)
+    chosen = _as_sets(decisions)
     kwargs_time = {"world_size": world_size, "gb_per_s": gb_per_s, "reshard_after_forward": reshard_after_forward}
-    predicted = step_time(root, blocks, set(chosen), selective=set(selective), **kwargs_time)
+    copies = {u: o.copy_ms for u, d in decisions.items() for o in options[u] if o.decision is d}
+    predicted = step_time(root, blocks, set(chosen["checkpointed"]), selective=set(chosen["selective"]),
+                          copies_ms=copies, **kwargs_time)
     plain = step_time(root, blocks, set(), **kwargs_time)
     full = step_time(root, blocks, set(inner), **kwargs_time)
     all_selective = step_time(root, blocks, set(), selective=set(inner), **kwargs_time)
     notes = [
         (f"{tries} fake-process-group measurement(s) of chosen sets; per unit keep, selective (matmul and attention "
-        "outputs saved) or full (offload is later work)"),
+         "outputs saved), full" + (", offload or full with its inputs offloaded" if pool_limit is not None else
+                                   " (host_pool_gb=None: nothing offloaded)")),
         "collectives priced at 0 ms: no GPU-to-GPU link figure (give target=...)" if not gb_per_s else
         f"collectives priced over {gb_per_s:g} GB/s each way per GPU ({spec.name if spec else ''}), ring algorithms",
     ]
+    if link is not None:
+        notes.append(f"host copies priced at {link.device_to_host_gb_per_s:.3g} / {link.host_to_device_gb_per_s:.3g} "
+                     f"GB/s to / from the host ({spec.name if spec else 'measured on this machine'}), "
+                     + ("hidden behind a neighbouring unit's compute" if link.overlaps_compute else "synchronous"))
     if make_optimizer is not None:
         notes.append("optimizer step measured with its for-loop implementation: a foreach implementation's "
                      "temporaries during optimizer.step() are not counted (docs/fsdp.md)")
-    logger.info("FSDP plan: of %d units %d checkpointed whole, %d selectively, peak %s under %s", len(inner),
-                len(chosen), len(selective), format_bytes(measured.peak_bytes), format_bytes(budget))
+    logger.info("FSDP plan: of %d units %d checkpointed whole, %d selectively, %d offloaded, peak %s under %s",
+                len(inner), len(chosen["checkpointed"]), len(chosen["selective"]), len(chosen["offloaded"]),
+                format_bytes(measured.peak_bytes), format_bytes(budget))
     return FSDPPlan(
-        world_size=world_size, units=tuple(unit_names), checkpointed=tuple(chosen), selective=tuple(selective),
-        selective_peak_bytes=everything_selective.peak_bytes, selective_step_ms=all_selective.step_ms,
+        world_size=world_size, units=tuple(unit_names), checkpointed=chosen["checkpointed"],
+        selective=chosen["selective"], offloaded=chosen["offloaded"], host_pool_bytes=measured.host_pool_bytes,
+        host_pool_limit_bytes=pool_limit, exposed_copy_ms=predicted.exposed_copy_ms,
+        selective_peak_bytes=every[UnitDecision.SELECTIVE].peak_bytes, selective_step_ms=all_selective.step_ms,
         reshard_after_forward=reshard_after_forward, mixed_precision=describe_mp_policy(mp_policy),
         budget_bytes=budget, predicted_peak_bytes=measured.peak_bytes, baseline_peak_bytes=baseline.peak_bytes,
         min_feasible_bytes=floor.peak_bytes,
@@ -154,11 +187,66 @@ def plan_fsdp(
     )
 
 
+def _as_sets(decisions: Mapping[str, UnitDecision]) -> dict[str, tuple[str, ...]]:
+    """Decisions per unit as ``shard``'s arguments: checkpointed (whole), selective, offloaded."""
+    def having(*kinds: UnitDecision) -> tuple[str, ...]:
+        return tuple(u for u, d in decisions.items() if d in kinds)
+
+    return {"checkpointed": having(UnitDecision.FULL, UnitDecision.FULL_OFFLOAD),
+            "selective": having(UnitDecision.SELECTIVE),
+            "offloaded": having(UnitDecision.OFFLOAD, UnitDecision.FULL_OFFLOAD)}
+
+
+def _unit_options(
+    blocks: Sequence[UnitTimes], baseline: RankMemory, every: Mapping[UnitDecision, RankMemory],
+    link: LinkPrice | None,
+) -> dict[str, list[UnitOption]]:
+    """Each unit's options but keep: bytes freed estimated as the unit's share of what every unit so treated frees
+    (measured): by its saved bytes in the single-device trace for checkpointing, by the slot bytes it moved for
+    offloading; time added: its recomputation and its exposed copies (``offload_copy_ms``); pool bytes: the slots it moved."""
+    total_saved = sum(u.saved_bytes for u in blocks)
+    options: dict[str, list[UnitOption]] = {u.name: [] for u in blocks}
+    for decision, measured in every.items():
+        freed = baseline.peak_bytes - measured.peak_bytes
+        moved = {name: (nbytes, storages) for name, nbytes, storages in measured.moved}
+        total_moved = sum(b for b, _ in moved.values())
+        for unit in blocks:
+            if decision in (UnitDecision.OFFLOAD, UnitDecision.FULL_OFFLOAD):
+                nbytes, storages = moved.get(unit.name, (0, 0))
+                share = nbytes / total_moved if total_moved else 0.0
+                copies = offload_copy_ms(nbytes, storages, link, unit.forward_ms, 2 * unit.forward_ms) if link else 0.0
+            else:
+                nbytes, share, copies = 0, unit.saved_bytes / total_saved if total_saved else 0.0, 0.0
+            recompute = {UnitDecision.FULL: unit.forward_ms, UnitDecision.FULL_OFFLOAD: unit.forward_ms,
+                         UnitDecision.SELECTIVE: unit.selective_recompute_ms}.get(decision, 0.0)
+            options[unit.name].append(UnitOption(decision=decision, freed_bytes=share * freed,
+                                                 cost_ms=recompute + copies, pool_bytes=nbytes, copy_ms=copies))
+    return options
+
+
+def _link(spec: Any) -> LinkPrice:
+    """The host link offloading is priced over: the target's, else the one measured on this machine."""
+    if spec is not None:
+        return link_price(spec)
+    return calibrate(torch.device("cpu"), (), link=True).link
+
+
+def _pool_limit_bytes(host_pool_gb: Any) -> int | None:
+    if host_pool_gb is None:
+        return None
+    if isinstance(host_pool_gb, bool) or not isinstance(host_pool_gb, (int, float)) or not host_pool_gb > 0:
+        raise ValueError(
+            f"host_pool_gb must be a positive number of GB (10^9 bytes) per rank, or None for no offload; got "
+            f"{describe_value(host_pool_gb)}"
+        )
+    return int(host_pool_gb * 1e9)
+
+
 def _measure_selective(measure: Callable[..., RankMemory], inner: Sequence[str]) -> RankMemory:
     """Every unit selective, measured; torch's refusal when a unit's recomputation differs from its forward (a
     key/value cache it appended to, a random op) said in plan terms."""
     try:
-        return measure((), inner)
+        return measure(dict.fromkeys(inner, UnitDecision.SELECTIVE))
     except RuntimeError as error:
         if "not found in storage" not in str(error):
             raise
@@ -171,37 +259,32 @@ def _measure_selective(measure: Callable[..., RankMemory], inner: Sequence[str])
 
 
 def _fit(
-    blocks: list[UnitTimes], budget: int, baseline: RankMemory, floor: RankMemory, selective: RankMemory,
-    measure: Callable[[Sequence[str], Sequence[str]], RankMemory],
-) -> tuple[tuple[str, ...], tuple[str, ...], RankMemory, int]:
-    """The least-recomputation choice per unit (full units, selective units) that measures under ``budget``: the
-    multiple-choice knapsack on each unit's share of the saved bytes times what every unit full (``floor``) and every
-    unit selective (``selective``) free, measured; asked again for more while it overshoots; every unit full in the
-    end (the floor, which fits)."""
+    units: list[str], options: Mapping[str, Sequence[UnitOption]], budget: int, baseline: RankMemory,
+    floor: RankMemory, floor_decisions: dict[str, UnitDecision],
+    measure: Callable[[Mapping[str, UnitDecision]], RankMemory], pool_limit: int | None,
+    known: dict[frozenset, RankMemory],
+) -> tuple[dict[str, UnitDecision], RankMemory, int]:
+    """The least-time decisions per unit that measure under ``budget``: the multiple-choice knapsack on the
+    estimated bytes freed (``_unit_options``), measured; asked again for more while it overshoots; the floor in the
+    end (which fits). ``known``: decisions measured already."""
     if baseline.peak_bytes <= budget:
-        return (), (), baseline, 0
-    total_saved = sum(u.saved_bytes for u in blocks)
-    everything = tuple(u.name for u in blocks)
-    if total_saved <= 0 or baseline.peak_bytes <= floor.peak_bytes:  # no share to go by: the floor, which fits
-        return everything, (), floor, 0
-    share = {u.name: u.saved_bytes / total_saved for u in blocks}
-    full_bytes = {n: f * (baseline.peak_bytes - floor.peak_bytes) for n, f in share.items()}
-    selective_bytes = {n: f * (baseline.peak_bytes - selective.peak_bytes) for n, f in share.items()}
-    known = {((), everything): selective}  # measured already
+        return {}, baseline, 0
+    if baseline.peak_bytes <= floor.peak_bytes:  # nothing to go by: the floor, which fits
+        return floor_decisions, floor, 0
     need, at_least, tries = float(baseline.peak_bytes - budget), 0.0, 0
     while True:
-        choice = cheapest_choice(blocks, full_bytes, selective_bytes, need, at_least_bytes=at_least)
-        if choice is None or set(choice[0]) == set(everything):  # nothing more to ask for: the floor
-            return everything, (), floor, tries
-        chosen, chosen_selective = choice
-        if (chosen, chosen_selective) not in known:
+        choice = cheapest_choice(units, options, need, at_least_bytes=at_least, pool_limit_bytes=pool_limit)
+        if choice is None or choice == floor_decisions:  # nothing more to ask for: the floor
+            return floor_decisions, floor, tries
+        key = frozenset(choice.items())
+        if key not in known:
             tries += 1
-            known[chosen, chosen_selective] = measure(chosen, chosen_selective)
-        measured = known[chosen, chosen_selective]
-        if measured.peak_bytes <= budget:
-            return chosen, chosen_selective, measured, tries
-        need += measured.peak_bytes - budget  # the overshoot, taken off the next answer
-        at_least = sum(full_bytes[n] for n in chosen) + sum(selective_bytes[n] for n in chosen_selective)
+            known[key] = measure(choice)
+        measured = known[key]
+        if measured.peak_bytes <= budget and (pool_limit is None or measured.host_pool_bytes <= pool_limit):
+            return choice, measured, tries
+        need += max(measured.peak_bytes - budget, 1)  # the overshoot, taken off the next answer
+        at_least = sum(o.freed_bytes for u, d in choice.items() for o in options[u] if o.decision is d)
 
 
 def _default_units(model: nn.Module, graph: Graph, trace: StepTrace) -> tuple[str, ...]:

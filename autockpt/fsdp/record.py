@@ -1,6 +1,6 @@
 """``FSDPPlan``: what ``plan_fsdp`` decided for a model sharded by FSDP2 over N ranks (``UnitDecision`` per unit),
-with ``summary()``, ``save()`` (JSON, schema "autockpt.fsdp_plan" version 2, never pickle; version 1 files, whole-unit
-plans, still load), ``report()`` (markdown or HTML) and ``load_fsdp_plan``.
+with ``summary()``, ``save()`` (JSON, schema "autockpt.fsdp_plan" version 3, never pickle; files of versions 1 and 2,
+without offloaded units, still load), ``report()`` (markdown or HTML) and ``load_fsdp_plan``.
 
 Bytes are ``int`` bytes per rank; GB = 10^9 bytes and GiB = 2^30 bytes, both written wherever a size is shown.
 """
@@ -23,17 +23,21 @@ from autockpt.units import format_bytes
 logger = logging.getLogger(__name__)
 
 SCHEMA = "autockpt.fsdp_plan"
-SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # version 1: whole-unit plans, no ``selective`` units
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # version 1: whole-unit plans, no ``selective`` units; 1 and 2: no ``offloaded`` ones
 
 
 class UnitDecision(str, Enum):
     """What a plan does with one FSDP unit's activations: keep them all, recompute all but the outputs of matmuls
-    and attention (torch's selective activation checkpointing, torchtitan's op list), or recompute the whole unit."""
+    and attention (torch's selective activation checkpointing, torchtitan's op list), recompute the whole unit,
+    keep them all in the host pool between forward and backward (offload), or recompute the whole unit with its
+    inputs in the host pool (full_offload)."""
 
     KEEP = "keep"
     SELECTIVE = "selective"
     FULL = "full"
+    OFFLOAD = "offload"
+    FULL_OFFLOAD = "full_offload"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,7 +64,9 @@ class FSDPPlan:
     recomputed in backward; ``selective``: those checkpointed selectively (the outputs of matmuls and attention saved,
     the rest recomputed); ``decision(unit)`` gives either as a ``UnitDecision``. ``selective_peak_bytes`` and
     ``selective_step_ms``: every unit selective (torchtitan's selective op list per block), measured and predicted as
-    the others (None in plans of schema version 1). ``predicted_peak_bytes`` (the plan's), ``baseline_peak_bytes``
+    the others (None in plans of schema version 1). ``offloaded``: units run in the host pool (``host_pool_bytes`` per
+rank, within ``host_pool_limit_bytes``): all they save for backward, or only their inputs when also in
+``checkpointed``. ``predicted_peak_bytes`` (the plan's), ``baseline_peak_bytes``
     (nothing checkpointed) and ``min_feasible_bytes`` (every unit but the root checkpointed whole: the floor) are the
     largest rank's peak over two training steps (forward, backward, optimizer step; the first step makes the states),
     inputs included, measured on the fake process group. ``predicted_step_ms``: the step time model (compute,
@@ -88,6 +94,10 @@ class FSDPPlan:
     selective: tuple[str, ...] = ()  # units under selective checkpointing (disjoint from ``checkpointed``)
     selective_peak_bytes: int | None = None  # every unit selective, measured on the fake process group
     selective_step_ms: float | None = None  # every unit selective, by the same time model
+    offloaded: tuple[str, ...] = ()  # units run in the host pool: their activations, or if checkpointed their inputs
+    host_pool_bytes: int = 0  # the host pool per rank the offloaded units need (slot bytes of one step)
+    host_pool_limit_bytes: int | None = None  # the bound the plan was given (``host_pool_gb``); None: no offload
+    exposed_copy_ms: float = 0.0  # the offloaded units' copies the step waits for, by the time model
 
     def __post_init__(self) -> None:
         both = set(self.checkpointed) & set(self.selective)
@@ -95,15 +105,27 @@ class FSDPPlan:
             raise ValueError(
                 f"units {sorted(both)} are both fully and selectively checkpointed: give each one decision"
             )
-        if "" in self.checkpointed or "" in self.selective:
-            raise ValueError("the root unit ('') is never checkpointed: take it out of checkpointed / selective")
+        if "" in self.checkpointed or "" in self.selective or "" in self.offloaded:
+            raise ValueError(
+                "the root unit ('') is never checkpointed or offloaded: take it out of checkpointed / selective / "
+                "offloaded"
+            )
+        if set(self.offloaded) & set(self.selective):
+            raise ValueError(
+                f"units {sorted(set(self.offloaded) & set(self.selective))} are both selective and offloaded: a "
+                "selective unit is not offloaded"
+            )
 
     def decision(self, unit: str) -> UnitDecision:
-        """``unit``'s decision: FULL (in ``checkpointed``), SELECTIVE (in ``selective``) or KEEP."""
+        """``unit``'s decision: FULL (in ``checkpointed``), FULL_OFFLOAD (in ``checkpointed`` and ``offloaded``),
+        OFFLOAD (in ``offloaded``), SELECTIVE (in ``selective``) or KEEP."""
         if unit not in self.units:
             raise KeyError(f"{unit!r} is not a unit of this plan (units: {', '.join(map(repr, self.units))})")
+        offloaded = unit in self.offloaded
         if unit in self.checkpointed:
-            return UnitDecision.FULL
+            return UnitDecision.FULL_OFFLOAD if offloaded else UnitDecision.FULL
+        if offloaded:
+            return UnitDecision.OFFLOAD
         return UnitDecision.SELECTIVE if unit in self.selective else UnitDecision.KEEP
 
     @property
@@ -115,7 +137,8 @@ class FSDPPlan:
         inner = [u for u in self.units if u]
         lines = [
             (f"FSDP2 plan for world size {self.world_size}: of {len(inner)} units {len(self.checkpointed)} "
-            f"checkpointed whole, {len(self.selective)} selectively (and the root sharded), "
+            f"checkpointed whole, {len(self.selective)} selectively, {len(self.offloaded)} offloaded (and the root "
+            "sharded), "
             f"reshard_after_forward={self.reshard_after_forward}, mixed precision: {self.mixed_precision}"),
             f"  per-rank budget   {format_bytes(self.budget_bytes)}",
             f"  predicted peak    {format_bytes(self.predicted_peak_bytes)} (largest rank, fake process group)",
@@ -128,6 +151,10 @@ class FSDPPlan:
             "collectives exposed)"),
             f"  checkpointed      {', '.join(self.checkpointed) or '(none)'}",
             f"  selective         {', '.join(self.selective) or '(none)'}",
+            (f"  offloaded         {', '.join(self.offloaded) or '(none)'}: a host pool of "
+             f"{format_bytes(self.host_pool_bytes)} per rank (bound {format_bytes(self.host_pool_limit_bytes)}), "
+             f"{self.exposed_copy_ms:.3f} ms of copies exposed" if self.host_pool_limit_bytes is not None
+             else "  offloaded         (no host pool given: host_pool_gb=None)"),
             f"  known by          {self.provenance.describe()}",
             "  rank 0 at its peak: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.ranks[0].breakdown if v),
         ]
@@ -177,6 +204,7 @@ def load_fsdp_plan(path: str | Path) -> FSDPPlan:
         fields["units"] = tuple(fields["units"])
         fields["checkpointed"] = tuple(fields["checkpointed"])
         fields["selective"] = tuple(fields.get("selective", ()))  # version 1: whole-unit decisions only
+        fields["offloaded"] = tuple(fields.get("offloaded", ()))  # versions 1 and 2: nothing offloaded
         fields["notes"] = tuple(fields.get("notes", ()))
         fields["provenance"] = Provenance(**fields["provenance"])
         fields["ranks"] = tuple(

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from autockpt.fsdp.offload import offload_units, start_steps
+
 logger = logging.getLogger(__name__)
 
 ROOT = ""  # the root module's name among the units ("" as in named_modules())
@@ -126,10 +128,12 @@ def unit_parameter_bytes(model: nn.Module, units: Sequence[str]) -> dict[str, tu
 
 def shard(
     model: nn.Module, units: Sequence[str], checkpointed: Sequence[str], mesh: Any, *,
-    reshard_after_forward: bool, mp_policy: Any, selective: Sequence[str] = (),
+    reshard_after_forward: bool, mp_policy: Any, selective: Sequence[str] = (), offloaded: Sequence[str] = (),
+    host_pool_bytes: int = 0, fake_tensors: bool = False,
 ) -> nn.Module:
-    """Checkpoint the ``checkpointed`` units' forward whole and the ``selective`` units' selectively, then
-    ``fully_shard`` every unit and the root on ``mesh``."""
+    """Checkpoint the ``checkpointed`` units' forward whole and the ``selective`` units' selectively, run the
+    ``offloaded`` units' forward in a host pool of ``host_pool_bytes`` (``offload.py``; ``fake_tensors``: the
+    planner's fake world), then ``fully_shard`` every unit and the root on ``mesh``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     modules = dict(model.named_modules())
@@ -137,13 +141,17 @@ def shard(
         checkpoint_forward(modules[name])
     for name in selective:
         checkpoint_forward(modules[name], selective=True)
+    holder = offload_units(model, list(units), list(offloaded), host_pool_bytes, fake_tensors=fake_tensors) \
+        if offloaded else None
     extra = {"mp_policy": mp_policy} if mp_policy is not None else {"mp_policy": MixedPrecisionPolicy()}
     for name in units:
         if name != ROOT:
             fully_shard(modules[name], mesh=mesh, reshard_after_forward=reshard_after_forward, **extra)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, **extra)
-    logger.debug("sharded %d units (%d checkpointed, %d selective) over a mesh of %s", len(units), len(checkpointed),
-                 len(selective), mesh)
+    if holder is not None:
+        start_steps(model, holder)
+    logger.debug("sharded %d units (%d checkpointed, %d selective, %d offloaded) over a mesh of %s", len(units),
+                 len(checkpointed), len(selective), len(offloaded), mesh)
     return model
 
 

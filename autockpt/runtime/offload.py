@@ -134,9 +134,11 @@ class SlotRecord:
     source_data_ptr: int  # the device storage's address when it was packed
 
 
-def moves(tensor: torch.Tensor, device: torch.device) -> bool:
-    """Whether a pool on ``device`` moves ``tensor`` when a region saves it (the rules above)."""
-    if type(tensor) is not torch.Tensor or tensor.device != device:  # Parameter included: it is kept
+def moves(tensor: torch.Tensor, device: torch.device, *, fake: bool = False) -> bool:
+    """Whether a pool on ``device`` moves ``tensor`` when a region saves it (the rules above); ``fake``: a pool
+    measuring under ``FakeTensorMode``, where a plain tensor is a ``FakeTensor``."""
+    plain = type(tensor) is torch.Tensor or (fake and type(tensor) is _fake_tensor_type())
+    if not plain or tensor.device != device:  # Parameter included: it is kept
         return False
     if tensor.layout != torch.strided or tensor.is_nested or tensor.is_quantized or tensor.is_neg():
         return False
@@ -151,6 +153,12 @@ def moves(tensor: torch.Tensor, device: torch.device) -> bool:
         return tensor.untyped_storage().nbytes() >= MIN_STORAGE_BYTES
     except (RuntimeError, NotImplementedError):  # wrappers without a storage of their own (functorch's)
         return False
+
+
+def _fake_tensor_type() -> type:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return FakeTensor
 
 
 def _is_parameter_cast(tensor: torch.Tensor) -> bool:
@@ -217,14 +225,22 @@ class _Packed:
 class HostPool:
     """One host buffer of ``capacity_bytes``, allocated once (page-locked with ``cudaHostRegister`` when the device
     is CUDA) and reused every step, that regions' saved tensors are moved into between their forward and their
-    backward."""
+    backward.
 
-    def __init__(self, capacity_bytes: int, device: torch.device | str) -> None:
+    ``fake_tensors``: a pool that measures a step run under ``FakeTensorMode`` on the CPU (the FSDP planner's fake
+    world): it moves fakes by the same rules, its buffer is on the meta device (so a tracker of the CPU's bytes does
+    not count it, as none counts host memory beside a GPU), and it knows storages by their ``StorageImpl`` instead
+    of their address, which fakes do not have."""
+
+    def __init__(self, capacity_bytes: int, device: torch.device | str, *, fake_tensors: bool = False) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.capacity_bytes = int(capacity_bytes)
         self.device = _normalized(device)
         self._cuda = self.device.type == "cuda"
+        self._fake = fake_tensors
+        if fake_tensors and self._cuda:
+            raise ValueError("a HostPool for fake tensors measures a CPU step: give device='cpu'")
         self._host = self._allocate()
         if self._cuda:
             self._d2h_stream = torch.cuda.Stream(self.device)
@@ -244,7 +260,7 @@ class HostPool:
     def _allocate(self) -> torch.Tensor:
         kind = "pinned host" if self._cuda else "host"
         try:
-            host = torch.empty(self.capacity_bytes, dtype=torch.uint8)
+            host = torch.empty(self.capacity_bytes, dtype=torch.uint8, device="meta" if self._fake else "cpu")
             if self._cuda and self.capacity_bytes:
                 # pinned by hand: torch's pinned allocator (``pin_memory=True``) rounds every allocation up to a
                 # power of two, so a 9 GB pool would lock 16 GB of host memory
@@ -278,7 +294,7 @@ class HostPool:
 
         ``kept``: tensors whose storages this step never moves, whatever saves them: what existed before the step
         (its inputs, the model's buffers), which the plan's trace does not count among the storages it moves."""
-        self._kept = {t.untyped_storage().data_ptr() for t in kept if isinstance(t, torch.Tensor)}
+        self._kept = {self._address(t.untyped_storage()) for t in kept if isinstance(t, torch.Tensor)}
         if self._cuda:
             self._release_stored(wait=True)
             # the new step's copies overwrite slots that earlier restores read, and restored storages the pool drops
@@ -325,7 +341,7 @@ class HostPool:
             self._fetch(region)
 
     def _pack(self, tensor: torch.Tensor, region: _Region, entry_stored: list[torch.cuda.Event | None]) -> object:
-        if not moves(tensor, self.device) or tensor.untyped_storage().data_ptr() in self._kept:
+        if not moves(tensor, self.device, fake=self._fake) or self._address(tensor.untyped_storage()) in self._kept:
             self._kept_count += 1
             # an alias without autograd history: a tensor its own node saves (an output) would otherwise hold that
             # node, which holds this hook's result, a cycle that keeps a graph dropped without backward forever
@@ -335,7 +351,7 @@ class HostPool:
         if (
             slot is None
             or slot.version != tensor._version
-            or slot.record.source_data_ptr != storage.data_ptr()
+            or slot.record.source_data_ptr != self._address(storage)
             or slot.record.storage_bytes != storage.nbytes()
         ):
             slot = self._store(storage, tensor._version, region.index)
@@ -348,6 +364,10 @@ class HostPool:
             slot=slot, region=region, dtype=tensor.dtype, size=tuple(tensor.size()), stride=tuple(tensor.stride()),
             storage_offset=tensor.storage_offset(), conj=tensor.is_conj(),
         )
+
+    def _address(self, storage: torch.UntypedStorage) -> int:
+        """What tells storages apart: the address, or for fakes (which have none) the ``StorageImpl``."""
+        return storage._cdata if self._fake else storage.data_ptr()
 
     def _store(self, storage: torch.UntypedStorage, version: int, region_index: int) -> _Slot:
         """A new slot for ``storage``, its bytes copied (or being copied) into the host buffer."""
@@ -364,11 +384,13 @@ class HostPool:
             )
         record = SlotRecord(
             region_index=region_index, offset_bytes=offset, storage_bytes=nbytes, slot_bytes=size,
-            source_data_ptr=storage.data_ptr(),
+            source_data_ptr=self._address(storage),
         )
         slot = _Slot(record=record, step=self._step, version=version, storage_ref=StorageWeakRef(storage))
-        host, source = self._host[offset : offset + nbytes], _byte_view(storage)
-        if self._cuda:
+        if self._fake:
+            pass  # no data to copy; and a view made by ``set_`` would keep the fake storage counted as alive
+        elif self._cuda:
+            host, source = self._host[offset : offset + nbytes], _byte_view(storage)
             self._release_stored()
             self._d2h_stream.wait_stream(torch.cuda.current_stream(self.device))  # the tensor is written by then
             with torch.cuda.stream(self._d2h_stream):
@@ -377,7 +399,7 @@ class HostPool:
                 slot.stored.record(self._d2h_stream)
             self._in_flight.append((slot.stored, source))  # the storage lives until its copy is done
         else:
-            host.copy_(source)
+            self._host[offset : offset + nbytes].copy_(_byte_view(storage))
         self._used_bytes += size
         self._peak_bytes = max(self._peak_bytes, self._used_bytes)
         self._bytes_in += nbytes
@@ -418,9 +440,12 @@ class HostPool:
             if self._cuda:
                 assert slot.ready is not None
                 torch.cuda.current_stream(self.device).wait_event(slot.ready)
-            tensor = torch.empty(0, dtype=packed.dtype, device=self.device).set_(
-                slot.restored.untyped_storage(), packed.storage_offset, packed.size, packed.stride
-            )
+            if self._fake:  # a view: a tensor made by ``set_`` keeps a fake storage counted after it is freed
+                tensor = slot.restored.view(packed.dtype).as_strided(packed.size, packed.stride, packed.storage_offset)
+            else:
+                tensor = torch.empty(0, dtype=packed.dtype, device=self.device).set_(
+                    slot.restored.untyped_storage(), packed.storage_offset, packed.size, packed.stride
+                )
         if not packed.unpacked:
             packed.unpacked = True
             slot.pending_unpacks -= 1
@@ -444,7 +469,9 @@ class HostPool:
         # memory the allocator just handed back is no longer being read or written there
         restored = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         host = self._host[offset : offset + nbytes]
-        if self._cuda:
+        if self._fake:
+            pass  # a fake has no data to restore
+        elif self._cuda:
             assert slot.stored is not None
             self._h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
             self._h2d_stream.wait_event(slot.stored)

@@ -28,6 +28,9 @@ CASES = {
     "floor-baseline-uneven": ("decoder", 257, ("floor", "baseline"), None),
     # RMSNorm, rotary causal attention (CPU SDPA: _scaled_dot_product_flash_attention_for_cpu, saved), SwiGLU
     "llama-floor-selective": ("llama", 256, ("floor", "selective"), None),
+    # with a host pool: under what every unit checkpointed whole reaches (full checkpointing per block), above what
+    # every unit whole with its inputs in the pool reaches
+    "offloaded-under-the-floor": ("decoder", 256, ("pool floor", "floor"), {"full_offload"}),
 }
 
 
@@ -46,11 +49,17 @@ def test_two_ranks_give_the_single_process_losses_and_gradients_under_the_budget
     roomy = autockpt.plan_fsdp(build(config), budget_bytes=10**9, **common)
     peaks = {"baseline": roomy.baseline_peak_bytes, "selective": roomy.selective_peak_bytes,
              "floor": roomy.min_feasible_bytes}
+    if low == "pool floor":
+        common["host_pool_gb"] = 1.0
+        peaks[low] = autockpt.plan_fsdp(build(config), budget_bytes=10**9, **common).min_feasible_bytes
+        assert peaks[low] < peaks["floor"]
     budget = (peaks[low] + peaks[high]) // 2
     fplan = autockpt.plan_fsdp(build(config), budget_bytes=budget, **common)
     made = {fplan.decision(u).value for u in fplan.units if u}
     assert made != {"keep"} and (decisions is None or made == decisions), made
-    logger.warning("%s: checkpointed %s, selective %s", case, fplan.checkpointed, fplan.selective)
+    assert (fplan.host_pool_bytes > 0) == ("host_pool_gb" in common)
+    logger.warning("%s: checkpointed %s, selective %s, offloaded %s", case, fplan.checkpointed, fplan.selective,
+                   fplan.offloaded)
     fplan.save(tmp_path / "plan.json")
 
     context = mp.start_processes(

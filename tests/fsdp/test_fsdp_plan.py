@@ -14,13 +14,15 @@ from fsdp_worker import CONFIG, batch, build, lm_loss
 
 import autockpt
 from autockpt.errors import InfeasibleBudgetError, PlanFileError, PlanMismatchError
-from autockpt.fsdp.choose import UnitTimes, cheapest_choice, link_ms, step_time
+from autockpt.fsdp.choose import UnitOption, UnitTimes, cheapest_choice, link_ms, offload_copy_ms, step_time
 from autockpt.fsdp.fake_world import fake_world, measure_sharded_step
 from autockpt.fsdp.record import FSDPPlan, UnitDecision
 from autockpt.fsdp.shard import checkpoint_kind
 from autockpt.measure.loop import NAMED_OPTIMIZERS
+from autockpt.types import LinkPrice
 
 WORLD = 2
+FULL, SELECTIVE, OFFLOAD = UnitDecision.FULL, UnitDecision.SELECTIVE, UnitDecision.OFFLOAD
 
 
 def _plan(model=None, **kwargs) -> FSDPPlan:
@@ -33,6 +35,12 @@ def _plan(model=None, **kwargs) -> FSDPPlan:
 @pytest.fixture(scope="module")
 def roomy() -> FSDPPlan:
     return _plan()
+
+
+@pytest.fixture(scope="module")
+def pooled() -> FSDPPlan:
+    """A plan with a host pool of 1 GB per rank at the lowest budget it keeps."""
+    return _plan(budget_bytes=_plan(host_pool_gb=1.0).min_feasible_bytes, host_pool_gb=1.0)
 
 
 def test_a_roomy_budget_checkpoints_nothing_and_names_the_blocks_as_units(roomy) -> None:
@@ -124,6 +132,30 @@ def test_a_budget_under_the_floor_names_the_floor_and_the_floor_plans(roomy) -> 
     assert floor.predicted_peak_bytes == roomy.min_feasible_bytes
 
 
+def test_with_a_host_pool_a_budget_full_checkpointing_per_block_cannot_keep_is_kept(roomy, pooled) -> None:
+    """Every unit checkpointed whole with its inputs in the host pool reaches under every unit checkpointed whole;
+    a budget between the two is refused without a pool (the error says so) and kept with one."""
+    assert pooled.min_feasible_bytes < roomy.min_feasible_bytes
+    assert {pooled.decision(u) for u in pooled.units if u} == {UnitDecision.FULL_OFFLOAD}
+    assert pooled.predicted_peak_bytes == pooled.min_feasible_bytes
+    assert 0 < pooled.host_pool_bytes <= pooled.host_pool_limit_bytes == 10**9
+    assert "offloaded" in pooled.summary() and pooled.exposed_copy_ms > 0  # synchronous copies on the CPU
+    budget = (pooled.min_feasible_bytes + roomy.min_feasible_bytes) // 2
+    with pytest.raises(InfeasibleBudgetError, match="host_pool_gb"):
+        _plan(budget_bytes=budget)
+    ids, target = batch(CONFIG, rank=0, world=WORLD)
+    with fake_world(WORLD):  # the plan's figures are its measurement on the fake process group
+        again = measure_sharded_step(
+            build(CONFIG), world_size=WORLD, units=pooled.units, checkpointed=pooled.checkpointed,
+            offloaded=pooled.offloaded, reshard_after_forward=True, mp_policy=None, inputs=((ids,), {}, target),
+            step_loss=lambda out, t: lm_loss(out, t), make_optimizer=NAMED_OPTIMIZERS["adamw"],
+        )
+    assert again.peak_bytes == pooled.predicted_peak_bytes and again.host_pool_bytes == pooled.host_pool_bytes
+    # a bound no unit's slots fit: nothing offloaded, the floor is full checkpointing's
+    bounded = _plan(budget_bytes=roomy.min_feasible_bytes, host_pool_gb=1e-6)
+    assert bounded.offloaded == () and bounded.min_feasible_bytes == roomy.min_feasible_bytes
+
+
 def test_a_meta_model_on_meta_inputs_stays_on_meta_and_plans_as_the_real_one(roomy) -> None:
     with torch.device("meta"):
         model = build(CONFIG)
@@ -150,8 +182,16 @@ def test_save_and_load_give_the_same_plan(roomy, tmp_path) -> None:
     assert "<table>" in fplan.report(tmp_path / "plan.html").read_text()
     mixed = dataclasses.replace(fplan, checkpointed=fplan.units[:1], selective=fplan.units[1:2])
     assert autockpt.load_fsdp_plan(mixed.save(tmp_path / "mixed.json")) == mixed
-    data = json.loads((tmp_path / "plan.json").read_text())  # a version 1 file: whole units only
-    for key in ("selective", "selective_peak_bytes", "selective_step_ms"):
+    offloaded = dataclasses.replace(fplan, checkpointed=fplan.units[:2], selective=(), offloaded=fplan.units[1:3],
+                                    host_pool_bytes=12_345, host_pool_limit_bytes=10**9, exposed_copy_ms=0.5)
+    assert autockpt.load_fsdp_plan(offloaded.save(tmp_path / "offloaded.json")) == offloaded
+    assert [offloaded.decision(u).value for u in fplan.units] == ["full", "full_offload", "offload", "keep", "keep"]
+    data = json.loads((tmp_path / "plan.json").read_text())  # a version 2 file: nothing offloaded
+    for key in ("offloaded", "host_pool_bytes", "host_pool_limit_bytes", "exposed_copy_ms"):
+        del data[key]
+    (tmp_path / "v2.json").write_text(json.dumps({**data, "version": 2}))
+    assert autockpt.load_fsdp_plan(tmp_path / "v2.json") == fplan
+    for key in ("selective", "selective_peak_bytes", "selective_step_ms"):  # a version 1 file: whole units only
         del data[key]
     (tmp_path / "v1.json").write_text(json.dumps({**data, "version": 1}))
     old = autockpt.load_fsdp_plan(tmp_path / "v1.json")
@@ -161,6 +201,10 @@ def test_save_and_load_give_the_same_plan(roomy, tmp_path) -> None:
         autockpt.load_fsdp_plan(tmp_path / "v9.json")
     with pytest.raises(ValueError, match="both fully and selectively"):
         dataclasses.replace(fplan, checkpointed=fplan.units[:1], selective=fplan.units[:1])
+    with pytest.raises(ValueError, match="both selective and offloaded"):
+        dataclasses.replace(fplan, offloaded=fplan.units[:1], selective=fplan.units[:1])
+    with pytest.raises(ValueError, match="never checkpointed or offloaded"):
+        dataclasses.replace(fplan, offloaded=("",))
     (tmp_path / "other.json").write_text('{"schema": "autockpt.plan"}')
     with pytest.raises(PlanFileError, match="not an autockpt FSDP plan"):
         autockpt.load_fsdp_plan(tmp_path / "other.json")
@@ -175,6 +219,7 @@ def test_save_and_load_give_the_same_plan(roomy, tmp_path) -> None:
     ({"loss_fn": None}, ValueError, "example_target was given without loss_fn"),
     ({"optimizer": "lion"}, ValueError, "optimizer must be one of"),
     ({"mp_policy": "bf16"}, TypeError, "MixedPrecisionPolicy"),
+    ({"host_pool_gb": -1}, ValueError, "host_pool_gb must be a positive number of GB"),
 ])
 def test_bad_requests_say_what_to_do(kwargs, error, match) -> None:
     with pytest.raises(error, match=match):
@@ -230,10 +275,29 @@ def test_names_and_sharding_of_an_applied_plan_on_a_meta_model(roomy) -> None:
         kinds = {n: checkpoint_kind(m) for n, m in sharded.named_modules() if checkpoint_kind(m)}
         assert {n for n, k in kinds.items() if k == "full"} == set(fplan.checkpointed)
         assert {n for n, k in kinds.items() if k == "selective"} == set(fplan.selective)
+        assert not any(hasattr(m, "_autockpt_offloaded_region") for m in sharded.modules())
         with pytest.raises(ValueError, match="already sharded"):
             autockpt.apply_fsdp(sharded, fplan)
         with pytest.raises(ValueError, match="already sharded"):
             autockpt.plan_fsdp(sharded, world_size=WORLD, budget_bytes=10**9)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_applied_plan_runs_its_offloaded_units_in_one_pool_made_at_the_first_forward(pooled) -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autockpt.fsdp import unit_pool
+
+    with torch.device("meta"):
+        model = build(CONFIG)
+    dist.init_process_group("fake", rank=0, world_size=WORLD, store=FakeStore())
+    try:
+        sharded = autockpt.apply_fsdp(model, pooled)
+        regions = {n: m._autockpt_offloaded_region for n, m in sharded.named_modules()
+                   if hasattr(m, "_autockpt_offloaded_region")}
+        assert regions == {u: i for i, u in enumerate(pooled.units) if u in pooled.offloaded}
+        assert unit_pool(sharded) is None  # made on the first forward, on the device of its inputs
     finally:
         dist.destroy_process_group()
 
@@ -250,19 +314,33 @@ def test_the_time_model_prices_collectives_and_hides_them_behind_compute() -> No
     recomputed = step_time(root, blocks, {"b2"}, world_size=2, gb_per_s=10.0, reshard_after_forward=True)
     assert slow.exposed_collective_ms > fast.exposed_collective_ms > 0
     assert recomputed.exposed_collective_ms < slow.exposed_collective_ms  # recomputation hides more of the link
-    full_bytes = {u.name: float(u.saved_bytes) for u in blocks}
-    none_selective = dict.fromkeys(full_bytes, 0.0)
-    assert cheapest_choice(blocks, full_bytes, none_selective, 11) in ((("b1",), ()), (("b2",), ()))
-    chosen, _ = cheapest_choice(blocks, full_bytes, none_selective, 11, at_least_bytes=12)
-    assert len(chosen) == 2  # more than an earlier choice saved
-    assert cheapest_choice(blocks, full_bytes, none_selective, 10**6) is None
+    names = [u.name for u in blocks]
+    full = {u.name: [UnitOption(decision=FULL, freed_bytes=u.saved_bytes, cost_ms=u.forward_ms)] for u in blocks}
+    assert cheapest_choice(names, full, 11) in ({"b1": FULL}, {"b2": FULL})
+    assert len(cheapest_choice(names, full, 11, at_least_bytes=12)) == 2  # more than an earlier choice saved
+    assert cheapest_choice(names, full, 10**6) is None
     selective = [dataclasses.replace(u, selective_recompute_ms=0.5) for u in blocks]
-    half = {u.name: u.saved_bytes / 2 for u in blocks}
-    assert cheapest_choice(selective, full_bytes, half, 10) == ((), ("b1", "b2"))  # 2 x 0.5 ms beat 2 ms
-    assert cheapest_choice(selective, full_bytes, half, 30) == (("b0", "b1", "b2"), ())  # only all full reaches 30
+    both = {u.name: [*full[u.name], UnitOption(decision=SELECTIVE, freed_bytes=u.saved_bytes / 2, cost_ms=0.5)]
+            for u in blocks}
+    assert cheapest_choice(names, both, 10) == {"b1": SELECTIVE, "b2": SELECTIVE}  # 2 x 0.5 ms beat 2 ms
+    assert cheapest_choice(names, both, 30) == dict.fromkeys(names, FULL)  # only all full reaches 30
+    # offloading: cheaper than recomputing here, but the host pool's bound keeps it to one unit
+    offload = {u.name: [*both[u.name], UnitOption(decision=OFFLOAD, freed_bytes=u.saved_bytes, cost_ms=0.1,
+                                                  pool_bytes=100)] for u in blocks}
+    assert cheapest_choice(names, offload, 30) == dict.fromkeys(names, OFFLOAD)
+    limited = cheapest_choice(names, offload, 21, pool_limit_bytes=150)  # one offloaded, two selective: 1.1 ms
+    assert sorted(d.value for d in limited.values()) == ["offload", "selective", "selective"]
     mixed = step_time(root, selective, {"b0"}, selective={"b1"}, world_size=2, gb_per_s=None,
-                      reshard_after_forward=True)
-    assert mixed.recompute_ms == pytest.approx(2.5)
+                      reshard_after_forward=True, copies_ms={"b2": 0.25})
+    assert mixed.recompute_ms == pytest.approx(2.5) and mixed.exposed_copy_ms == pytest.approx(0.25)
+    assert mixed.step_ms == pytest.approx(mixed.compute_ms + 2.75)
+    # 1 GB each way at 10 GB/s: 100 ms + 100 ms, all exposed when copies are synchronous; beside compute, what the
+    # neighbour's 60 ms forward and 120 ms backward do not hide
+    synchronous = LinkPrice(device_to_host_gb_per_s=10, host_to_device_gb_per_s=10, latency_ms=0.0,
+                            overlaps_compute=False)
+    assert offload_copy_ms(10**9, 1, synchronous, 60.0, 120.0) == pytest.approx(200.0)
+    beside = dataclasses.replace(synchronous, overlaps_compute=True)
+    assert offload_copy_ms(10**9, 1, beside, 60.0, 120.0) == pytest.approx(40.0)
 
 
 def test_keeping_parameters_unsharded_after_forward_costs_memory(roomy) -> None:

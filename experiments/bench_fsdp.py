@@ -1,6 +1,6 @@
-"""FSDP2 plans (issue 38): autockpt's per-unit choice (keep, selective or full checkpointing) against no
-checkpointing, full checkpointing per block and torchtitan's selective op list per block, at equal measured per-rank
-peaks, on two gloo ranks on CPU; and a Llama-3-8B plan for 8 H100s made on this machine.
+"""FSDP2 plans (issue 38): autockpt's per-unit choice (keep, selective or full checkpointing; with a host pool,
+offload) against no checkpointing, full checkpointing per block and torchtitan's selective op list per block, at
+equal measured per-rank peaks, on two gloo ranks on CPU; and a Llama-3-8B plan for 8 H100s made on this machine.
 
     python experiments/bench_fsdp.py --out experiments/results/fsdp
 
@@ -9,7 +9,9 @@ Part 1, measured (CPU, world 2, one gloo rank per core): the Llama-style decoder
 Baselines: "none" (nothing checkpointed), "full per block" and "selective per block" (torchtitan's op list on every
 block: the outputs of matmuls and attention saved, the rest recomputed). autockpt is given the budget each of the two
 checkpointing baselines measures (their fake-process-group peaks, equal to the gloo-measured ones to the byte in every
-run so far), and one halfway between them, where no baseline but full fits. Each rank measures each plan's peak with
+run so far), one halfway between them, where no baseline but full fits, and, with a host pool of 1 GB, one halfway
+between full checkpointing's peak and the floor of every block whole with its inputs offloaded, which no baseline
+reaches. Each rank measures each plan's peak with
 ``FSDPMemTracker`` on real tensors (two AdamW steps), then steps the plans in turn for ``--rounds`` rounds in one
 process group; a step's time is the slower rank's; the median step and the median of per-round ratios are reported
 (``time_alternating``). Predicted ratios come from one plan_fsdp call each (one benchmark timing of the step prices
@@ -50,6 +52,8 @@ WORLD = 2
 # the measured plans: (name, the baseline it is compared with at equal peak, or None)
 NONE, FULL, SELECTIVE = "none", "full per block", "selective per block"
 AT_FULL, AT_SELECTIVE, BETWEEN = "autockpt at full's peak", "autockpt at selective's peak", "autockpt halfway"
+# under what full checkpointing per block reaches: only offloading units' inputs into a host pool gets there
+POOLED = "autockpt + host pool, under full's peak"
 COMPARED = {AT_FULL: FULL, AT_SELECTIVE: SELECTIVE, BETWEEN: FULL}
 
 
@@ -60,6 +64,8 @@ class Row:
     world_size: int
     checkpointed_units: int
     selective_units: int
+    offloaded_units: int
+    host_pool_bytes: int
     units: int
     budget_bytes: int
     predicted_peak_bytes: int
@@ -77,9 +83,9 @@ def _plans() -> tuple[dict[str, autockpt.FSDPPlan], dict[str, float]]:
     common = {"world_size": WORLD, "example_inputs": (ids,), "example_target": target, "loss_fn": lm_loss}
     seconds = {}
 
-    def planned(name: str, budget: int) -> autockpt.FSDPPlan:
+    def planned(name: str, budget: int, **extra: float) -> autockpt.FSDPPlan:
         started = time.perf_counter()
-        fplan = autockpt.plan_fsdp(build(CONFIG), budget_bytes=budget, **common)
+        fplan = autockpt.plan_fsdp(build(CONFIG), budget_bytes=budget, **common, **extra)
         seconds[name] = time.perf_counter() - started
         return fplan
 
@@ -96,6 +102,8 @@ def _plans() -> tuple[dict[str, autockpt.FSDPPlan], dict[str, float]]:
              AT_FULL: planned(AT_FULL, none.min_feasible_bytes),
              AT_SELECTIVE: planned(AT_SELECTIVE, none.selective_peak_bytes),
              BETWEEN: planned(BETWEEN, (none.min_feasible_bytes + none.selective_peak_bytes) // 2)}
+    pool_floor = autockpt.plan_fsdp(build(CONFIG), budget_bytes=10**12, host_pool_gb=1.0, **common).min_feasible_bytes
+    plans[POOLED] = planned(POOLED, (pool_floor + none.min_feasible_bytes) // 2, host_pool_gb=1.0)
     return plans, seconds
 
 
@@ -129,7 +137,8 @@ def measured_part(tmp: Path) -> tuple[list[Row], list[Comparison]]:
         step_s = statistics.median(ranks[0]["seconds"][index])
         rows.append(Row(
             part="gloo-cpu", plan=name, world_size=WORLD, checkpointed_units=len(fplan.checkpointed),
-            selective_units=len(fplan.selective), units=len(fplan.units) - 1, budget_bytes=fplan.budget_bytes,
+            selective_units=len(fplan.selective), offloaded_units=len(fplan.offloaded),
+            host_pool_bytes=fplan.host_pool_bytes, units=len(fplan.units) - 1, budget_bytes=fplan.budget_bytes,
             predicted_peak_bytes=fplan.predicted_peak_bytes,
             measured_peak_bytes=max(r["peaks"][index] for r in ranks), predicted_step_ms=fplan.predicted_step_ms,
             measured_step_ms=1e3 * step_s, tokens_per_s_per_rank=tokens / step_s, plan_time_s=seconds[name],
@@ -142,12 +151,12 @@ def measured_part(tmp: Path) -> tuple[list[Row], list[Comparison]]:
             predicted_ratio=plans[plan].predicted_step_ms / (plans[plan].floor_step_ms if base == FULL
                                                              else plans[plan].selective_step_ms),
         )
-        for plan, base in COMPARED.items()
+        for plan, base in {**COMPARED, POOLED: FULL}.items()
     ]
     return rows, comparisons
 
 
-def llama8b_part() -> tuple[list[Row], autockpt.FSDPPlan]:
+def llama8b_part() -> tuple[list[Row], autockpt.FSDPPlan, autockpt.FSDPPlan]:
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -161,34 +170,45 @@ def llama8b_part() -> tuple[list[Row], autockpt.FSDPPlan]:
     def loss(out, target):
         return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1).float(), target.flatten())
 
+    common = {"world_size": 8, "example_inputs": (ids,), "example_target": ids, "loss_fn": loss,
+              "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+              "target": "h100-sxm-80gb"}
     started = time.perf_counter()
-    fplan = autockpt.plan_fsdp(
-        model, world_size=8, budget_gb=70, example_inputs=(ids,), example_target=ids, loss_fn=loss,
-        mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-        target="h100-sxm-80gb",
-    )
+    fplan = autockpt.plan_fsdp(model, budget_gb=70, **common)
     plan_s = time.perf_counter() - started
+    # with a host pool: halfway between full checkpointing's peak and every block whole with its inputs offloaded
+    pool_floor = autockpt.plan_fsdp(model, budget_gb=70, host_pool_gb=64, **common).min_feasible_bytes
+    started = time.perf_counter()
+    pooled = autockpt.plan_fsdp(model, budget_bytes=(pool_floor + fplan.min_feasible_bytes) // 2, host_pool_gb=64,
+                                **common)
+    pooled_s = time.perf_counter() - started
     inner = [u for u in fplan.units if u]
+    part = {"part": "llama3-8b-h100x8", "world_size": 8, "units": len(inner), "measured_peak_bytes": None,
+            "measured_step_ms": None}
     rows = [
-        Row(part="llama3-8b-h100x8", plan="autockpt", world_size=8, checkpointed_units=len(fplan.checkpointed),
-            selective_units=len(fplan.selective), units=len(inner), budget_bytes=fplan.budget_bytes,
-            predicted_peak_bytes=fplan.predicted_peak_bytes,
-            measured_peak_bytes=None, predicted_step_ms=fplan.predicted_step_ms, measured_step_ms=None,
-            tokens_per_s_per_rank=tokens / fplan.predicted_step_ms * 1e3, plan_time_s=plan_s),
-        Row(part="llama3-8b-h100x8", plan=FULL, world_size=8, checkpointed_units=len(inner), selective_units=0,
-            units=len(inner), budget_bytes=fplan.budget_bytes, predicted_peak_bytes=fplan.min_feasible_bytes,
-            measured_peak_bytes=None, predicted_step_ms=fplan.floor_step_ms, measured_step_ms=None,
-            tokens_per_s_per_rank=tokens / fplan.floor_step_ms * 1e3, plan_time_s=plan_s),
-        Row(part="llama3-8b-h100x8", plan=SELECTIVE, world_size=8, checkpointed_units=0, selective_units=len(inner),
-            units=len(inner), budget_bytes=fplan.budget_bytes, predicted_peak_bytes=fplan.selective_peak_bytes,
-            measured_peak_bytes=None, predicted_step_ms=fplan.selective_step_ms, measured_step_ms=None,
-            tokens_per_s_per_rank=tokens / fplan.selective_step_ms * 1e3, plan_time_s=plan_s),
+        Row(plan="autockpt", checkpointed_units=len(fplan.checkpointed), selective_units=len(fplan.selective),
+            offloaded_units=0, host_pool_bytes=0, budget_bytes=fplan.budget_bytes,
+            predicted_peak_bytes=fplan.predicted_peak_bytes, predicted_step_ms=fplan.predicted_step_ms,
+            tokens_per_s_per_rank=tokens / fplan.predicted_step_ms * 1e3, plan_time_s=plan_s, **part),
+        Row(plan=FULL, checkpointed_units=len(inner), selective_units=0, offloaded_units=0, host_pool_bytes=0,
+            budget_bytes=fplan.budget_bytes, predicted_peak_bytes=fplan.min_feasible_bytes,
+            predicted_step_ms=fplan.floor_step_ms, tokens_per_s_per_rank=tokens / fplan.floor_step_ms * 1e3,
+            plan_time_s=plan_s, **part),
+        Row(plan=SELECTIVE, checkpointed_units=0, selective_units=len(inner), offloaded_units=0, host_pool_bytes=0,
+            budget_bytes=fplan.budget_bytes, predicted_peak_bytes=fplan.selective_peak_bytes,
+            predicted_step_ms=fplan.selective_step_ms, tokens_per_s_per_rank=tokens / fplan.selective_step_ms * 1e3,
+            plan_time_s=plan_s, **part),
+        Row(plan=POOLED, checkpointed_units=len(pooled.checkpointed), selective_units=len(pooled.selective),
+            offloaded_units=len(pooled.offloaded), host_pool_bytes=pooled.host_pool_bytes,
+            budget_bytes=pooled.budget_bytes, predicted_peak_bytes=pooled.predicted_peak_bytes,
+            predicted_step_ms=pooled.predicted_step_ms, tokens_per_s_per_rank=tokens / pooled.predicted_step_ms * 1e3,
+            plan_time_s=pooled_s, **part),
     ]
-    return rows, fplan
+    return rows, fplan, pooled
 
 
-def markdown(rows: list[Row], comparisons: list[Comparison], fplan: autockpt.FSDPPlan | None, command: str,
-             elapsed_s: float) -> str:
+def markdown(rows: list[Row], comparisons: list[Comparison], fplan: autockpt.FSDPPlan | None,
+             pooled: autockpt.FSDPPlan | None, command: str, elapsed_s: float) -> str:
     lines = [(f"`{command}`, {time.strftime('%Y-%m-%d', time.gmtime())}, {elapsed_s:.0f} s. GB = 10^9 bytes, "
              "GiB = 2^30 bytes."), ""]
     measured = [r for r in rows if r.part == "gloo-cpu"]
@@ -198,20 +218,24 @@ def markdown(rows: list[Row], comparisons: list[Comparison], fplan: autockpt.FSD
             (f"**Measured, CPU gloo world {WORLD}**: Llama-style decoder of {c['model']['layers']} blocks, width "
             f"{c['model']['width']}, {c['model']['heads']} heads, vocabulary {c['model']['vocab']}, {c['batch']} x "
             f"{c['seq']} tokens per rank, AdamW; median of {c['rounds']} alternating rounds (slower rank). "
-            "Units: full / selective of all."), "",
-            ("| plan | full / selective | budget | predicted peak | measured peak (max rank) | under budget | "
-            "predicted step ms | measured step ms | measured / none |"), "|---|---|---|---|---|---|---|---|---|",
+            "Units: full / selective / offloaded of all; peaks are device bytes (the CPU host pool, a second CPU "
+            "buffer here, taken off: its own column)."), "",
+            ("| plan | full / selective / offloaded | host pool | budget | predicted peak | measured peak (max rank) | "
+            "under budget | predicted step ms | measured step ms | measured / none |"),
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         none = next(r for r in measured if r.plan == NONE)
         for r in measured:
             budget = "-" if r.plan == NONE else f"{r.budget_bytes:,} B"
             fits = "-" if r.plan == NONE else ("yes" if r.measured_peak_bytes <= r.budget_bytes else "no")
             lines.append(
-                f"| {r.plan} | {r.checkpointed_units} / {r.selective_units} of {r.units} | {budget} | "
+                f"| {r.plan} | {r.checkpointed_units} / {r.selective_units} / {r.offloaded_units} of {r.units} | "
+                f"{r.host_pool_bytes:,} B | {budget} | "
                 f"{r.predicted_peak_bytes:,} B | {r.measured_peak_bytes:,} B | {fits} | {r.predicted_step_ms:.1f} | "
                 f"{r.measured_step_ms:.1f} | {r.measured_step_ms / none.measured_step_ms:.3f} |"
             )
-        lines += ["", "At equal per-rank peaks (autockpt given the baseline's measured peak as its budget):", "",
+        lines += ["", ("At equal per-rank peaks (autockpt given the baseline's measured peak as its budget; the host "
+                       "pool row is under full's peak, which no baseline reaches):"), "",
                   "| autockpt plan | against | measured step ratio, median of rounds (min-max) | predicted ratio |",
                   "|---|---|---|---|"]
         for c in comparisons:
@@ -223,7 +247,7 @@ def markdown(rows: list[Row], comparisons: list[Comparison], fplan: autockpt.FSD
                   ""]
     if fplan is not None:
         big = {r.plan: r for r in rows if r.part == "llama3-8b-h100x8"}
-        auto, full, selective = big["autockpt"], big[FULL], big[SELECTIVE]
+        auto, full, selective, pool = big["autockpt"], big[FULL], big[SELECTIVE], big[POOLED]
         lines += [
             ("**Predicted, Llama-3-8B at world 8 on H100 SXM** (1 x 8192 tokens per rank, bf16 params, fp32 reduce, "
             f"fp32 AdamW, per-rank budget {format_bytes(fplan.budget_bytes)}), planned here in "
@@ -236,7 +260,16 @@ def markdown(rows: list[Row], comparisons: list[Comparison], fplan: autockpt.FSD
             f"({auto.tokens_per_s_per_rank / selective.tokens_per_s_per_rank - 1:+.1%}); peaks "
             f"{auto.predicted_peak_bytes / GB:.2f} GB, {full.predicted_peak_bytes / GB:.2f} GB and "
             f"{selective.predicted_peak_bytes / GB:.2f} GB. Not measured: no GPU cluster here; roofline times are "
-            "optimistic (docs/ARCHITECTURE.md, devices.py)."),
+            "optimistic (docs/ARCHITECTURE.md, devices.py)."), "",
+            (f"With a host pool (`host_pool_gb=64`) and a budget of {format_bytes(pool.budget_bytes)}, halfway "
+             f"between full checkpointing's peak and the floor with a pool ({format_bytes(pooled.min_feasible_bytes)})"
+             f", planned in {pool.plan_time_s:.0f} s: {pool.checkpointed_units} full, "
+             f"{pool.selective_units} selective, {pool.offloaded_units} offloaded; predicted peak "
+             f"{format_bytes(pool.predicted_peak_bytes)}, host pool {format_bytes(pool.host_pool_bytes)} per rank, "
+             f"{pool.tokens_per_s_per_rank:,.0f} tokens/s per GPU "
+             f"({pool.tokens_per_s_per_rank / full.tokens_per_s_per_rank - 1:+.1%} against full checkpointing, "
+             f"copies over PCIe priced at {pooled.exposed_copy_ms:.1f} ms exposed):"), "",
+            "```", pooled.summary(), "```",
         ]
     return "\n".join(lines)
 
@@ -250,20 +283,20 @@ def main() -> None:
     started = time.perf_counter()
     rows: list[Row] = []
     comparisons: list[Comparison] = []
-    fplan = None
+    fplan = pooled = None
     if not args.skip_measured:
         with tempfile.TemporaryDirectory() as tmp:
             measured, comparisons = measured_part(Path(tmp))
             rows += measured
     if not args.skip_llama:
-        big, fplan = llama8b_part()
+        big, fplan, pooled = llama8b_part()
         rows += big
     from results_readme import write_csv, write_section
 
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / "fsdp.csv", rows)
     command = ("python experiments/bench_fsdp.py " + " ".join(sys.argv[1:])).strip()
-    text = markdown(rows, comparisons, fplan, command, time.perf_counter() - started)
+    text = markdown(rows, comparisons, fplan, pooled, command, time.perf_counter() - started)
     (args.out / "fsdp.md").write_text(text + "\n")
     write_section("bench_fsdp", text, output=args.out)
     print(text)

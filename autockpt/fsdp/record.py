@@ -143,7 +143,8 @@ rank, within ``host_pool_limit_bytes``): all they save for backward, or only the
             f"  per-rank budget   {format_bytes(self.budget_bytes)}",
             f"  predicted peak    {format_bytes(self.predicted_peak_bytes)} (largest rank, fake process group)",
             (f"  nothing checkpointed {format_bytes(self.baseline_peak_bytes)}; every unit checkpointed "
-            f"{format_bytes(self.min_feasible_bytes)} (the floor)"
+            + ("whole (its inputs offloaded where that is lower) " if self.host_pool_limit_bytes is not None else "")
+            + f"{format_bytes(self.min_feasible_bytes)} (the floor)"
             + (f"; every unit selective {format_bytes(self.selective_peak_bytes)}"
                if self.selective_peak_bytes is not None else "")),
             (f"  predicted step    {self.predicted_step_ms:.3f} ms ({self.overhead_pct:+.1f} % against nothing "

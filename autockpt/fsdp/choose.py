@@ -7,12 +7,13 @@ backward twice forward (as the roofline takes it), plus the forward time of each
 (``selective_recompute_ms``). Collectives are priced from bytes over the link, ring algorithms: an all-gather or a
 reduce-scatter of ``b`` bytes over ``N`` ranks moves ``b (N - 1) / N`` bytes through each rank's link, at
 ``interconnect_gb_per_s`` each way. Forward: the root's all-gather first (exposed), then each unit's all-gather hides
-behind the previous unit's forward compute (FSDP2's prefetch) and is exposed by what it is longer. Backward, units in reverse: a unit's
-all-gather (again, with ``reshard_after_forward``) and the next unit's reduce-scatter hide behind that next unit's
-backward compute (recomputation included); the last reduce-scatters are exposed. No link figure: collectives cost 0.
+behind the previous unit's forward compute (FSDP2's prefetch) and is exposed by what it is longer. Backward, units in
+reverse: a unit's all-gather (again, with ``reshard_after_forward``) and the next unit's reduce-scatter hide behind
+that next unit's backward compute (recomputation included); the last reduce-scatters are exposed. No link figure:
+collectives cost 0.
 
-Offloading adds the copies to and from the host (``offload_copy_ms``, over the target's host link or the one measured here),
-hidden behind a neighbouring unit's compute where copies overlap it (CUDA), exposed where they do not (CPU).
+Offloading adds the copies to and from the host (``offload_copy_ms``, over the target's host link or the one measured
+here), hidden behind a neighbouring unit's compute where copies overlap it (CUDA), exposed where they do not (CPU).
 
 The choice is a multiple-choice knapsack (PuLP, ``cheapest_choice``): each unit exactly one of keep, selective,
 full, offload or full with its inputs offloaded, each with its estimated bytes freed, the time it adds and the host
@@ -108,9 +109,14 @@ class UnitOption:
 
     decision: UnitDecision
     freed_bytes: float
-    cost_ms: float  # recomputation plus ``copy_ms``
-    pool_bytes: int = 0
+    recompute_ms: float = 0.0  # the unit's forward again (whole or selective)
     copy_ms: float = 0.0  # offloading's exposed copies to and from the host (``offload_copy_ms``)
+    pool_bytes: int = 0
+
+    @property
+    def cost_ms(self) -> float:
+        """What the option adds to the step: recomputation and exposed copies."""
+        return self.recompute_ms + self.copy_ms
 
 
 def cheapest_choice(
@@ -149,13 +155,16 @@ def cheapest_choice(
     return chosen
 
 
-def offload_copy_ms(moved_bytes: int, storages: int, link: LinkPrice, hide_forward_ms: float, hide_backward_ms: float) -> float:
+def offload_copy_ms(
+    moved_bytes: int, storages: int, link: LinkPrice, hide_forward_ms: float, hide_backward_ms: float,
+) -> float:
     """What offloading a unit adds to the step: its storages copied to the host in forward and back in backward.
     With copies beside the compute (CUDA's streams) each direction hides behind a neighbour's compute
     (``hide_*_ms``: the pool runs one region ahead of the host in forward and restores one region ahead in backward);
-    synchronous copies (the CPU) are all exposed."""
-    out = storages * link.latency_ms + moved_bytes / (link.device_to_host_gb_per_s * 1e6)
-    back = storages * link.latency_ms + moved_bytes / (link.host_to_device_gb_per_s * 1e6)
+    synchronous copies (the CPU) are all exposed. ``storages`` copies each way, each paying the link's latency."""
+    extra_latency_ms = (storages - 1) * link.latency_ms  # ``LinkPrice`` prices one copy of the bytes
+    out = link.device_to_host_ms(moved_bytes) + extra_latency_ms
+    back = link.host_to_device_ms(moved_bytes) + extra_latency_ms
     if not link.overlaps_compute:
         return out + back
     return max(0.0, out - hide_forward_ms) + max(0.0, back - hide_backward_ms)

@@ -109,9 +109,9 @@ def measure_sharded_step(
 ) -> RankMemory:
     """Rank 0's peak over two training steps of ``model`` sharded over ``world_size`` ranks, the ``checkpointed``
     units under checkpoint, the ``selective`` ones under selective checkpoint, the ``offloaded`` ones in a host pool
-    (autockpt's own, measuring fakes: ``HostPool(fake_tensors=True)``, as large as they need). ``inputs``: (args, kwargs, target),
-    one rank's batch (real or meta tensors: the step runs on fakes of them); ``step_loss(output, target)`` the loss.
-    Runs inside ``fake_world(world_size)``.
+    (autockpt's own, measuring fakes: ``HostPool(fake_tensors=True)``, as large as they need). ``inputs``: (args,
+    kwargs, target), one rank's batch (real or meta tensors: the step runs on fakes of them); ``step_loss(output,
+    target)`` the loss. Runs inside ``fake_world(world_size)``.
 
     The optimizer steps with its for-loop implementation (``foreach=False``; fused kept): under FakeTensorMode,
     ``FSDPMemTracker`` never sees the foreach implementation's temporaries freed (torch 2.13: 130 MB of optimizer
@@ -124,8 +124,8 @@ def measure_sharded_step(
     device = "cpu"
     mesh = init_device_mesh(device, (world_size,))  # outside FakeTensorMode
     sharded = shard(meta_copy(model), units, checkpointed, mesh, reshard_after_forward=reshard_after_forward,
-                    mp_policy=mp_policy, selective=selective, offloaded=offloaded, host_pool_bytes=_UNBOUNDED_POOL_BYTES,
-                    fake_tensors=True)
+                    mp_policy=mp_policy, selective=selective, offloaded=offloaded,
+                    host_pool_bytes=_UNBOUNDED_POOL_BYTES, fake_tensors=True)
     with FakeTensorMode(allow_non_fake_inputs=True):
         sharded.to_empty(device=device)
         args, kwargs, target = pytree.tree_map_only(

@@ -133,11 +133,12 @@ def plan_fsdp(
         floor = every[floor_decision]
         if budget < floor.peak_bytes:
             offload_hint = " (or host_pool_gb=... to offload units' inputs to the host)" if pool_limit is None else ""
+            inputs_moved = " and its inputs offloaded" if floor_decision is UnitDecision.FULL_OFFLOAD else ""
             raise InfeasibleBudgetError(
                 f"a per-rank budget of {format_bytes(budget)} is below the smallest peak checkpointing reaches at "
                 f"world size {world_size}: {format_bytes(floor.peak_bytes)} with every one of the {len(inner)} units "
-                f"checkpointed whole{' and its inputs offloaded' if floor_decision is UnitDecision.FULL_OFFLOAD else ''}"
-                f". Give budget_bytes >= {floor.peak_bytes}, more ranks, or a smaller per-rank batch{offload_hint}",
+                f"checkpointed whole{inputs_moved}. Give budget_bytes >= {floor.peak_bytes}, more ranks, or a "
+                f"smaller per-rank batch{offload_hint}",
                 budget_bytes=budget, min_feasible_bytes=floor.peak_bytes,
             )
         every[UnitDecision.SELECTIVE] = _measure_selective(measure, inner) if inner else baseline
@@ -203,7 +204,8 @@ def _unit_options(
 ) -> dict[str, list[UnitOption]]:
     """Each unit's options but keep: bytes freed estimated as the unit's share of what every unit so treated frees
     (measured): by its saved bytes in the single-device trace for checkpointing, by the slot bytes it moved for
-    offloading; time added: its recomputation and its exposed copies (``offload_copy_ms``); pool bytes: the slots it moved."""
+    offloading; time added: its recomputation and its exposed copies (``offload_copy_ms``); pool bytes: the slots it
+    moved."""
     total_saved = sum(u.saved_bytes for u in blocks)
     options: dict[str, list[UnitOption]] = {u.name: [] for u in blocks}
     for decision, measured in every.items():
@@ -214,13 +216,14 @@ def _unit_options(
             if decision in (UnitDecision.OFFLOAD, UnitDecision.FULL_OFFLOAD):
                 nbytes, storages = moved.get(unit.name, (0, 0))
                 share = nbytes / total_moved if total_moved else 0.0
-                copies = offload_copy_ms(nbytes, storages, link, unit.forward_ms, 2 * unit.forward_ms) if link else 0.0
+                copies = (offload_copy_ms(nbytes, storages, link, unit.forward_ms, 2 * unit.forward_ms) if link
+                          else 0.0)
             else:
                 nbytes, share, copies = 0, unit.saved_bytes / total_saved if total_saved else 0.0, 0.0
             recompute = {UnitDecision.FULL: unit.forward_ms, UnitDecision.FULL_OFFLOAD: unit.forward_ms,
                          UnitDecision.SELECTIVE: unit.selective_recompute_ms}.get(decision, 0.0)
-            options[unit.name].append(UnitOption(decision=decision, freed_bytes=share * freed,
-                                                 cost_ms=recompute + copies, pool_bytes=nbytes, copy_ms=copies))
+            options[unit.name].append(UnitOption(decision=decision, freed_bytes=share * freed, recompute_ms=recompute,
+                                                 copy_ms=copies, pool_bytes=nbytes))
     return options
 
 

@@ -468,7 +468,6 @@ class HostPool:
         # allocated on the compute stream, where it is used and freed; the copy stream waits for that stream, so
         # memory the allocator just handed back is no longer being read or written there
         restored = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        host = self._host[offset : offset + nbytes]
         if self._fake:
             pass  # a fake has no data to restore
         elif self._cuda:
@@ -476,10 +475,10 @@ class HostPool:
             self._h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
             self._h2d_stream.wait_event(slot.stored)
             with torch.cuda.stream(self._h2d_stream):
-                restored.copy_(host, non_blocking=True)
+                restored.copy_(self._host[offset : offset + nbytes], non_blocking=True)
                 slot.ready = torch.cuda.Event()
                 slot.ready.record(self._h2d_stream)
         else:
-            restored.copy_(host)
+            restored.copy_(self._host[offset : offset + nbytes])
         slot.restored = restored
         self._bytes_out += nbytes

@@ -230,8 +230,8 @@ def test_given_units_and_a_mixed_precision_policy_are_kept() -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    fplan = _plan(units=["layers.0", "layers.2"], mp_policy=policy, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
-                  target="h100-sxm-80gb")
+    fplan = _plan(units=["layers.0", "layers.2"], mp_policy=policy,
+                  optimizer=functools.partial(torch.optim.SGD, lr=0.1), target="h100-sxm-80gb")
     assert fplan.units == ("layers.0", "layers.2", "")
     assert fplan.mixed_precision.startswith("param bfloat16, reduce float32")
     assert fplan.interconnect_gb_per_s == 450.0 and fplan.provenance.timing == "roofline"
@@ -315,17 +315,17 @@ def test_the_time_model_prices_collectives_and_hides_them_behind_compute() -> No
     assert slow.exposed_collective_ms > fast.exposed_collective_ms > 0
     assert recomputed.exposed_collective_ms < slow.exposed_collective_ms  # recomputation hides more of the link
     names = [u.name for u in blocks]
-    full = {u.name: [UnitOption(decision=FULL, freed_bytes=u.saved_bytes, cost_ms=u.forward_ms)] for u in blocks}
+    full = {u.name: [UnitOption(decision=FULL, freed_bytes=u.saved_bytes, recompute_ms=u.forward_ms)] for u in blocks}
     assert cheapest_choice(names, full, 11) in ({"b1": FULL}, {"b2": FULL})
     assert len(cheapest_choice(names, full, 11, at_least_bytes=12)) == 2  # more than an earlier choice saved
     assert cheapest_choice(names, full, 10**6) is None
     selective = [dataclasses.replace(u, selective_recompute_ms=0.5) for u in blocks]
-    both = {u.name: [*full[u.name], UnitOption(decision=SELECTIVE, freed_bytes=u.saved_bytes / 2, cost_ms=0.5)]
+    both = {u.name: [*full[u.name], UnitOption(decision=SELECTIVE, freed_bytes=u.saved_bytes / 2, recompute_ms=0.5)]
             for u in blocks}
     assert cheapest_choice(names, both, 10) == {"b1": SELECTIVE, "b2": SELECTIVE}  # 2 x 0.5 ms beat 2 ms
     assert cheapest_choice(names, both, 30) == dict.fromkeys(names, FULL)  # only all full reaches 30
     # offloading: cheaper than recomputing here, but the host pool's bound keeps it to one unit
-    offload = {u.name: [*both[u.name], UnitOption(decision=OFFLOAD, freed_bytes=u.saved_bytes, cost_ms=0.1,
+    offload = {u.name: [*both[u.name], UnitOption(decision=OFFLOAD, freed_bytes=u.saved_bytes, copy_ms=0.1,
                                                   pool_bytes=100)] for u in blocks}
     assert cheapest_choice(names, offload, 30) == dict.fromkeys(names, OFFLOAD)
     limited = cheapest_choice(names, offload, 21, pool_limit_bytes=150)  # one offloaded, two selective: 1.1 ms

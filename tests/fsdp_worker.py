@@ -83,15 +83,16 @@ def _sharded(config: dict[str, Any], fplan: Any) -> nn.Module:
     return model
 
 
-def tracked_peak(config: dict[str, Any], fplan: Any, ids: torch.Tensor, target: torch.Tensor) -> tuple[int, dict]:
-    """This rank's peak over two AdamW steps of a freshly sharded model, by FSDPMemTracker on real tensors, and its
-    breakdown by the tracker's categories."""
+def tracked_peak(config: dict[str, Any], fplan: Any, ids: torch.Tensor, target: torch.Tensor,
+                 foreach: bool | None = None) -> tuple[int, dict]:
+    """This rank's peak over two AdamW steps (``foreach``: AdamW's) of a freshly sharded model, by FSDPMemTracker on
+    real tensors, and its breakdown by the tracker's categories."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     from autockpt.fsdp import unit_pool
 
     model = _sharded(config, fplan)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=foreach)
     tracker = FSDPMemTracker(model, optimizer)
     tracker.track_inputs(((ids,), {}, target))
     with tracker:

@@ -30,7 +30,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from autockpt.fsdp.offload import unit_pool
-from autockpt.fsdp.shard import shard
+from autockpt.fsdp.record import TimelinePoint
+from autockpt.fsdp.shard import ROOT, shard
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class RankMemory:
     breakdown: tuple[tuple[str, int], ...]  # ("Sharded Param", bytes), ("Activation", bytes), ...
     host_pool_bytes: int = 0  # the host pool one step needs (slot bytes), when units were offloaded
     moved: tuple[tuple[str, int, int], ...] = ()  # per offloaded unit: (name, slot bytes, storages moved)
+    timeline: tuple[TimelinePoint, ...] = ()  # the second step at the units' boundaries (``_timeline``)
 
 
 def existing_fake_group(world_size: int) -> bool:
@@ -105,18 +107,22 @@ def measure_sharded_step(
     model: nn.Module, *, world_size: int, units: Sequence[str], checkpointed: Sequence[str],
     reshard_after_forward: bool, mp_policy: Any, inputs: Any,
     step_loss: Callable[[Any, Any], torch.Tensor], make_optimizer: Callable[[list], Any] | None,
-    selective: Sequence[str] = (), offloaded: Sequence[str] = (),
+    selective: Sequence[str] = (), offloaded: Sequence[str] = (), device_type: str = "cpu",
 ) -> RankMemory:
     """Rank 0's peak over two training steps of ``model`` sharded over ``world_size`` ranks, the ``checkpointed``
     units under checkpoint, the ``selective`` ones under selective checkpoint, the ``offloaded`` ones in a host pool
     (autockpt's own, measuring fakes: ``HostPool(fake_tensors=True)``, as large as they need). ``inputs``: (args,
     kwargs, target), one rank's batch (real or meta tensors: the step runs on fakes of them); ``step_loss(output,
-    target)`` the loss. Runs inside ``fake_world(world_size)``.
+    target)`` the loss; ``device_type``: the device the ranks will run on ("cuda", "cpu"), whose default decides
+    whether the optimizer steps with its foreach implementation. Runs inside ``fake_world(world_size)``.
 
-    The optimizer steps with its for-loop implementation (``foreach=False``; fused kept): under FakeTensorMode,
-    ``FSDPMemTracker`` never sees the foreach implementation's temporaries freed (torch 2.13: 130 MB of optimizer
-    states where real tensors hold 17 MB, 4 blocks of width 512 at world 4), which would swamp every other figure.
-    Foreach's temporaries (at most about the states' size, during ``optimizer.step()``) are therefore not counted."""
+    The sharded step runs the optimizer's for-loop implementation (``foreach=False``; fused kept): under
+    FakeTensorMode, ``FSDPMemTracker`` never sees the foreach implementation's temporaries of DTensor parameters freed
+    (torch 2.13: 208 MB of optimizer states where real tensors hold 104 MB, 4 blocks of width 512 at world 1). Where
+    a parameter group steps with foreach (``foreach=True``, or None, torch's default, on CUDA), each step is priced
+    once more as the bytes live when it starts plus what a foreach step adds over that (its states on the first step,
+    its temporaries), measured on plain fake tensors of the local shards' shapes (``_foreach_step_bytes``: tracked
+    exactly); the peak is the larger of the two."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.device_mesh import init_device_mesh
@@ -133,34 +139,132 @@ def measure_sharded_step(
         )
         params = [p for p in sharded.parameters() if p.requires_grad]
         optimizer = make_optimizer(params) if make_optimizer is not None else None
+        foreach = _foreach_groups(optimizer, device_type) if optimizer is not None else []
         if optimizer is not None:
             for group in optimizer.param_groups:
                 if not group.get("fused"):
                     group["foreach"] = False
         tracker = FSDPMemTracker(sharded, optimizer)
         tracker.track_inputs((args, kwargs, target))
+        step_starts: list[dict[str, int]] = []  # what is live as each optimizer.step() starts, by category
         with tracker:
             for step in range(2):
                 step_loss(sharded(*args, **kwargs), target).backward()
                 if optimizer is not None:
+                    step_starts.append(_by_category(tracker.get_tracker_snapshot("current")[torch.device(device)]))
                     optimizer.step()
                     optimizer.zero_grad()
                 else:
                     sharded.zero_grad()
                 if step == 0:
                     tracker.reset_mod_stats()  # per-module stats only: the peak covers both steps
-        snapshot = tracker.get_tracker_snapshot("peak")[torch.device(device)]
-    breakdown = tuple((getattr(key, "value", str(key)), int(value)) for key, value in snapshot.items()
-                      if key != "Total")
-    peak = int(snapshot["Total"])
+        snapshot = _by_category(tracker.get_tracker_snapshot("peak")[torch.device(device)])
+        timeline = _timeline(tracker, sharded, units, torch.device(device))
+        if step_starts:
+            timeline.append(TimelinePoint(label="optimizer.step() starts", breakdown=tuple(step_starts[-1].items())))
+        if any(foreach):
+            for start, added in zip(step_starts, _foreach_step_bytes(make_optimizer, params, foreach)):
+                during = {**start, **{k: start.get(k, 0) + v for k, v in added.items() if v}}
+                if sum(during.values()) > sum(snapshot.values()):
+                    snapshot = during
+            timeline.append(TimelinePoint(label="optimizer.step() peak (foreach)", breakdown=tuple(during.items())))
+    breakdown = tuple(snapshot.items())
+    peak = sum(snapshot.values())
     logger.debug("world %d, %d of %d units checkpointed, %d selective, %d offloaded: rank peak %d B", world_size,
                  len(checkpointed), len(units), len(selective), len(offloaded), peak)
     pool = unit_pool(sharded)
     if pool is None:
-        return RankMemory(peak_bytes=peak, breakdown=breakdown)
+        return RankMemory(peak_bytes=peak, breakdown=breakdown, timeline=tuple(timeline))
     moved = {name: [0, 0] for name in offloaded}
     for slot in pool.step_slots():  # the second step's: the same as the first's
         moved[units[slot.region_index]][0] += slot.slot_bytes
         moved[units[slot.region_index]][1] += 1
     return RankMemory(peak_bytes=peak, breakdown=breakdown, host_pool_bytes=pool.stats().peak_occupancy_bytes,
-                      moved=tuple((name, b, n) for name, (b, n) in moved.items()))
+                      moved=tuple((name, b, n) for name, (b, n) in moved.items()), timeline=tuple(timeline))
+
+
+def _by_category(snapshot: dict) -> dict[str, int]:
+    """A tracker snapshot of one device by category name, without its total."""
+    return {getattr(key, "value", str(key)): int(value) for key, value in snapshot.items() if key != "Total"}
+
+
+# the moments of a unit the timeline shows, by FSDPMemTracker's states: after FSDP2's pre-hook (parameters gathered),
+# the unit's peak, after its post-hook
+_FORWARD_MOMENTS = (("Before Pre-Forward", "forward starts"), ("After Pre-Forward", "forward, gathered"),
+                    ("Peak Forward", "forward peak"), ("After Post-Forward", "forward ends"))
+_BACKWARD_MOMENTS = (("After Pre-Backward", "backward, gathered"), ("Peak Backward", "backward peak"),
+                     ("After Post-Backward", "backward ends"))
+
+
+def _timeline(tracker: Any, sharded: nn.Module, units: Sequence[str], device: torch.device) -> list[TimelinePoint]:
+    """The last step ``tracker`` saw at the units' boundaries, in the order they run: the root's forward start,
+    each inner unit's forward moments in order, the root's forward end; the root's backward start, the inner units'
+    backward moments in reverse, the root's backward end (its peaks span the others' and are left out)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPModState
+
+    modules = dict(sharded.named_modules())
+    inner = [u for u in units if u != ROOT]
+
+    def point(unit: str, state: str, label: str) -> TimelinePoint | None:
+        stats = tracker.memory_tracking.get(modules[unit])
+        taken = stats.snapshots.get(_FSDPModState(state)) if stats is not None else None
+        if not taken or device not in taken[-1]:
+            return None
+        return TimelinePoint(label=f"{unit or '(root)'} {label}",
+                             breakdown=tuple(_by_category(taken[-1][device]).items()))
+
+    moments = [(ROOT, *_FORWARD_MOMENTS[1])]
+    moments += [(unit, *moment) for unit in inner for moment in _FORWARD_MOMENTS]
+    moments += [(ROOT, *_FORWARD_MOMENTS[3]), (ROOT, *_BACKWARD_MOMENTS[0])]
+    moments += [(unit, *moment) for unit in reversed(inner) for moment in _BACKWARD_MOMENTS]
+    moments += [(ROOT, *_BACKWARD_MOMENTS[2])]
+    return [p for p in (point(*moment) for moment in moments) if p is not None]
+
+
+# MemTracker's categories as FSDPMemTracker names them; FSDPMemTracker counts what optimizer.step() makes as OptState
+_AS_FSDP_CATEGORY = {"Parameter": "Sharded Param", "Gradient": "Sharded Grad", "Optstate": "OptState",
+                     "Temp": "OptState"}
+
+
+def _foreach_groups(optimizer: Any, device_type: str) -> list[bool]:
+    """Per parameter group, whether it steps with the foreach implementation on ``device_type``'s tensors: its
+    ``foreach`` True, or None (torch's default) on CUDA, where torch picks foreach for the tensors it supports
+    (DTensor included); never a fused group, or an optimizer without the option."""
+    return [not group.get("fused") and (group.get("foreach", False) is True
+                                        or (group.get("foreach", False) is None and device_type == "cuda"))
+            for group in optimizer.param_groups]
+
+
+def _foreach_step_bytes(make_optimizer: Callable[[list], Any], params: Sequence[torch.Tensor],
+                        foreach: Sequence[bool]) -> list[dict[str, int]]:
+    """What each of two foreach ``optimizer.step()`` calls adds at its peak over the bytes live when it starts, by
+    ``FSDPMemTracker``'s categories ("OptState": the states made on the first step and the temporaries): the
+    optimizer ``make_optimizer`` makes over plain fake tensors of the sharded parameters' local shapes, each given a
+    gradient, its groups foreach as ``foreach`` says, measured by a ``MemTracker`` per step (it sees plain fakes
+    freed). Under the caller's FakeTensorMode."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    shards = [nn.Parameter(torch.empty(p.to_local().shape if hasattr(p, "to_local") else p.shape, dtype=p.dtype,
+                                       device=p.device)) for p in params]
+    optimizer = make_optimizer(shards)
+    for group, uses_foreach in zip(optimizer.param_groups, foreach):
+        if not group.get("fused"):
+            group["foreach"] = uses_foreach
+    added = []
+    for _ in range(2):
+        for shard_ in shards:
+            shard_.grad = torch.empty_like(shard_)
+        tracker = MemTracker()
+        tracker.track_external(*shards, optimizer)
+        with tracker:
+            device = shards[0].device
+            start = _by_category(tracker.get_tracker_snapshot("current")[device])
+            optimizer.step()
+            peak = _by_category(tracker.get_tracker_snapshot("peak")[device])
+        optimizer.zero_grad()
+        step_added: dict[str, int] = {}
+        for category, nbytes in peak.items():
+            name = _AS_FSDP_CATEGORY.get(category, category)
+            step_added[name] = step_added.get(name, 0) + nbytes - start.get(category, 0)
+        added.append(step_added)
+    return added

@@ -59,8 +59,10 @@ def plan_fsdp(
     without (default: ``output.loss``, else the sum of the floating-point outputs). ``optimizer``: "adamw" (default),
     "adam", "sgd", None (no step), or a function making one from a list of parameters (``torch.optim.AdamW``,
     ``functools.partial(...)``); the budget covers forward, backward and two optimizer steps (the first makes the
-    states) and the rank's inputs. ``units``: the module names ``fully_shard`` wraps (default: the repeated blocks
-    autockpt finds in the traced step); the root is always sharded last and never checkpointed. ``mp_policy``: a
+    states) and the rank's inputs, the step as torch runs it on the target's device type (this machine's without a
+    target): on CUDA a group's ``foreach=None`` (the default) means the foreach step and its temporaries.
+    ``units``: the module names ``fully_shard`` wraps (default: the repeated blocks autockpt finds in the traced
+    step); the root is always sharded last and never checkpointed. ``mp_policy``: a
     ``torch.distributed.fsdp.MixedPrecisionPolicy`` or None. ``target``: a device name ("h100-sxm-80gb") or
     ``DeviceSpec``: roofline times and its GPU-to-GPU link for the collectives; its memory is the budget when none
     is given. ``host_pool_gb``: a host pool per rank (GB = 10^9 bytes) that units may be offloaded into (keep or
@@ -111,12 +113,14 @@ def plan_fsdp(
     times = _unit_times(model, unit_names, planner.graph, planner.trace, mp_policy)
     root, blocks = times[ROOT], [times[u] for u in inner]
     gb_per_s = spec.interconnect_gb_per_s if spec is not None else None
+    # the device the ranks run on: torch's optimizers default to foreach on CUDA, whose temporaries count
+    device_type = spec.device_type if spec is not None else "cuda" if torch.cuda.is_available() else "cpu"
 
     def measure(decisions: Mapping[str, UnitDecision]) -> RankMemory:
         return measure_sharded_step(
             model, world_size=world_size, units=unit_names, reshard_after_forward=reshard_after_forward,
             mp_policy=mp_policy, inputs=(args, kwargs, example_target), step_loss=step_loss,
-            make_optimizer=make_optimizer, **_as_sets(decisions),
+            make_optimizer=make_optimizer, device_type=device_type, **_as_sets(decisions),
         )
 
     with fake_world(world_size):
@@ -167,8 +171,8 @@ def plan_fsdp(
                      f"GB/s to / from the host ({spec.name if spec else 'measured on this machine'}), "
                      + ("hidden behind a neighbouring unit's compute" if link.overlaps_compute else "synchronous"))
     if make_optimizer is not None:
-        notes.append("optimizer step measured with its for-loop implementation: a foreach implementation's "
-                     "temporaries during optimizer.step() are not counted (docs/fsdp.md)")
+        notes.append(f"optimizer.step() counted as torch runs it on {device_type}: groups with foreach=True (or None, "
+                     "the default, on cuda) with their foreach temporaries, the others with the for-loop step")
     logger.info("FSDP plan: of %d units %d checkpointed whole, %d selectively, %d offloaded, peak %s under %s",
                 len(inner), len(chosen["checkpointed"]), len(chosen["selective"]), len(chosen["offloaded"]),
                 format_bytes(measured.peak_bytes), format_bytes(budget))
@@ -180,7 +184,8 @@ def plan_fsdp(
         reshard_after_forward=reshard_after_forward, mixed_precision=describe_mp_policy(mp_policy),
         budget_bytes=budget, predicted_peak_bytes=measured.peak_bytes, baseline_peak_bytes=baseline.peak_bytes,
         min_feasible_bytes=floor.peak_bytes,
-        ranks=tuple(RankFigures(rank=r, peak_bytes=measured.peak_bytes, breakdown=measured.breakdown)
+        ranks=tuple(RankFigures(rank=r, peak_bytes=measured.peak_bytes, breakdown=measured.breakdown,
+                                timeline=measured.timeline)
                     for r in range(world_size)),
         predicted_step_ms=predicted.step_ms, baseline_step_ms=plain.step_ms, floor_step_ms=full.step_ms,
         exposed_collective_ms=predicted.exposed_collective_ms, interconnect_gb_per_s=gb_per_s,

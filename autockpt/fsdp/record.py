@@ -41,6 +41,19 @@ class UnitDecision(str, Enum):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class TimelinePoint:
+    """One rank's bytes by ``FSDPMemTracker``'s categories at one moment of the step: ``label`` says which (a unit's
+    forward or backward start, peak or end, ``optimizer.step()``)."""
+
+    label: str
+    breakdown: tuple[tuple[str, int], ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(nbytes for _, nbytes in self.breakdown)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RankFigures:
     """One rank's predicted peak and what it holds then, by ``FSDPMemTracker``'s categories ("Sharded Param",
     "Unsharded Param", "Sharded Grad", "Unsharded Grad", "Activation", "Temp", "All Gather", "Reduce Scatter",
@@ -49,11 +62,16 @@ class RankFigures:
     Measured in one process on torch's fake process group, which shows every rank rank 0's view. FSDP2 pads every
     rank's shard to rank 0's size, so parameters, gradients and the collectives' buffers are the same on every rank;
     the optimizer's states follow the unpadded shard, largest on rank 0. Each rank's figures are rank 0's: exact for
-    every byte but the optimizer states, an upper bound by less than one row per parameter for those."""
+    every byte but the optimizer states, an upper bound by less than one row per parameter for those.
+
+    ``timeline``: the second training step at FSDP2's unit boundaries, in the order they run (each unit's forward
+    start after its all-gather, its forward peak and end, the same in backward, then ``optimizer.step()``); empty in
+    plans saved before it was recorded."""
 
     rank: int
     peak_bytes: int
     breakdown: tuple[tuple[str, int], ...]
+    timeline: tuple[TimelinePoint, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -169,7 +187,8 @@ rank, within ``host_pool_limit_bytes``): all they save for backward, or only the
         return path
 
     def report(self, path: str | Path) -> Path:
-        """A report file: HTML when ``path`` ends in .html, else markdown; the per-rank breakdown against the budget."""
+        """A report file: HTML when ``path`` ends in .html, else markdown: the per-rank breakdown at the peak and
+        rank 0's timeline over the step by category (drawn in HTML), both against the budget."""
         path = Path(path)
         path.write_text(report_text(self, html_page=path.suffix.lower() in (".html", ".htm")))
         return path
@@ -177,7 +196,9 @@ rank, within ``host_pool_limit_bytes``): all they save for backward, or only the
 
 def plan_to_json(fplan: FSDPPlan) -> dict[str, Any]:
     data = dataclasses.asdict(fplan)
-    data["ranks"] = [{"rank": r.rank, "peak_bytes": r.peak_bytes, "breakdown": dict(r.breakdown)} for r in fplan.ranks]
+    data["ranks"] = [{"rank": r.rank, "peak_bytes": r.peak_bytes, "breakdown": dict(r.breakdown),
+                      "timeline": [{"label": t.label, "breakdown": dict(t.breakdown)} for t in r.timeline]}
+                     for r in fplan.ranks]
     return {"schema": SCHEMA, "version": SCHEMA_VERSION, **data}
 
 
@@ -209,7 +230,9 @@ def load_fsdp_plan(path: str | Path) -> FSDPPlan:
         fields["notes"] = tuple(fields.get("notes", ()))
         fields["provenance"] = Provenance(**fields["provenance"])
         fields["ranks"] = tuple(
-            RankFigures(rank=r["rank"], peak_bytes=r["peak_bytes"], breakdown=tuple(r["breakdown"].items()))
+            RankFigures(rank=r["rank"], peak_bytes=r["peak_bytes"], breakdown=tuple(r["breakdown"].items()),
+                        timeline=tuple(TimelinePoint(label=t["label"], breakdown=tuple(t["breakdown"].items()))
+                                       for t in r.get("timeline", ())))  # absent before the timeline was recorded
             for r in fields["ranks"]
         )
         return FSDPPlan(**fields)
@@ -218,7 +241,8 @@ def load_fsdp_plan(path: str | Path) -> FSDPPlan:
 
 
 def report_text(fplan: FSDPPlan, *, html_page: bool) -> str:
-    """The per-rank breakdown table with the budget line, as markdown or a small HTML page."""
+    """The per-rank breakdown at the peak and rank 0's timeline over the step, both against the budget, as markdown
+    or a small HTML page (the timeline drawn as stacked bars by category with the budget line)."""
     categories = [k for k, _ in fplan.ranks[0].breakdown]
     header = ["rank", *categories, "peak", "budget", "headroom"]
     rows = []
@@ -226,17 +250,65 @@ def report_text(fplan: FSDPPlan, *, html_page: bool) -> str:
         values = dict(r.breakdown)
         rows.append([str(r.rank), *(format_bytes(values[c]) for c in categories), format_bytes(r.peak_bytes),
                      format_bytes(fplan.budget_bytes), format_bytes(fplan.budget_bytes - r.peak_bytes)])
+    timeline = fplan.ranks[0].timeline
+    shown = [c for c in categories if any(dict(t.breakdown).get(c) for t in timeline)]
+    line_header = ["moment", "total", "under the budget by", *shown]
+    line_rows = [[t.label, format_bytes(t.total_bytes), format_bytes(fplan.budget_bytes - t.total_bytes),
+                  *(format_bytes(dict(t.breakdown).get(c, 0)) for c in shown)] for t in timeline]
+    timeline_title = (f"Rank 0 over the second step ({len(timeline)} moments; every rank's figures are rank 0's, "
+                      "see RankFigures)")
     intro = fplan.summary().splitlines()
     if not html_page:
         table = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         table += ["| " + " | ".join(row) + " |" for row in rows]
-        return "\n".join(["# autockpt FSDP2 plan", "", "```", *intro, "```", "", "## Per rank at its peak", "",
-                          *table, ""])
-    cells = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
-    return (
+        lines = ["# autockpt FSDP2 plan", "", "```", *intro, "```", "", "## Per rank at its peak", "", *table, ""]
+        if timeline:
+            lines += [f"## {timeline_title}", "", "| " + " | ".join(line_header) + " |",
+                      "|" + "---|" * len(line_header), *("| " + " | ".join(row) + " |" for row in line_rows), ""]
+        return "\n".join(lines)
+
+    def html_table(head: list[str], body_rows: list[list[str]]) -> str:
+        cells = "".join(f"<th>{html.escape(h)}</th>" for h in head)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in body_rows)
+        return f"<table><tr>{cells}</tr>{body}</table>"
+
+    page = (
         "<!doctype html><meta charset='utf-8'><title>autockpt FSDP2 plan</title>"
         "<style>body{font-family:sans-serif}td,th{padding:2px 8px;text-align:right}</style>"
         f"<h1>autockpt FSDP2 plan</h1><pre>{html.escape(chr(10).join(intro))}</pre>"
-        f"<h2>Per rank at its peak</h2><table><tr>{cells}</tr>{body}</table>"
+        f"<h2>Per rank at its peak</h2>{html_table(header, rows)}"
     )
+    if timeline:
+        page += (f"<h2>{html.escape(timeline_title)}</h2>{_timeline_svg(timeline, shown, fplan.budget_bytes)}"
+                 f"{html_table(line_header, line_rows)}")
+    return page
+
+
+# one colour per FSDPMemTracker category, in the order the tracker lists them
+_COLOURS = ("#4e79a7", "#a0cbe8", "#f28e2b", "#ffbe7d", "#59a14f", "#8cd17d", "#b6992d", "#499894", "#e15759",
+            "#79706e", "#d37295")
+
+
+def _timeline_svg(timeline: tuple[TimelinePoint, ...], categories: list[str], budget_bytes: int) -> str:
+    """Stacked bars, one per moment, by category, with the budget as a dashed red line."""
+    width, height, bar = max(400, 14 * len(timeline) + 60, 50 + 110 * len(categories)), 240, 10
+    top = max(budget_bytes, *(t.total_bytes for t in timeline)) * 1.05
+    parts = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height + 40}'>"]
+    for i, moment in enumerate(timeline):
+        x, y = 50 + 14 * i, float(height)
+        values = dict(moment.breakdown)
+        for colour, category in zip(_COLOURS * 2, categories):
+            h = height * values.get(category, 0) / top
+            y -= h
+            parts.append(f"<rect x='{x}' y='{y:.1f}' width='{bar}' height='{h:.1f}' fill='{colour}'>"
+                         f"<title>{html.escape(moment.label)}: {html.escape(category)} "
+                         f"{html.escape(format_bytes(values.get(category, 0)))}</title></rect>")
+    budget_y = height * (1 - budget_bytes / top)
+    parts.append(f"<line x1='40' x2='{width}' y1='{budget_y:.1f}' y2='{budget_y:.1f}' stroke='red' "
+                 "stroke-dasharray='4 3'/>")
+    parts.append(f"<text x='0' y='{budget_y - 3:.1f}' font-size='10' fill='red'>budget</text>")
+    for j, (colour, category) in enumerate(zip(_COLOURS * 2, categories)):
+        parts.append(f"<rect x='{50 + 110 * j}' y='{height + 20}' width='10' height='10' fill='{colour}'/>"
+                     f"<text x='{64 + 110 * j}' y='{height + 29}' font-size='10'>{html.escape(category)}</text>")
+    parts.append("</svg>")
+    return "".join(parts)

@@ -1,6 +1,7 @@
 """One rank of an FSDP2 test (issue 38): loads the plan, ``apply_fsdp`` on a model built on the meta device, then
 ``to_empty`` and the seeded weights, trains two steps with AdamW on its part of the global batch under gloo, and
-writes its losses, full gradients and the peak ``FSDPMemTracker`` measured (real tensors).
+writes its losses, full gradients and the peaks ``FSDPMemTracker`` and autockpt's ``StorageTracker`` measured (real
+tensors).
 
 Spawned by tests/fsdp/test_fsdp_gloo.py (``torch.multiprocessing.start_processes``); the model is rebuilt from a seed
 on every rank, as a torchrun script would build it.
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from pipeline_worker import MODELS, lm_loss
 from torch import nn
 
-__all__ = ["CONFIG", "batch", "build", "lm_loss", "run_rank", "time_alternating", "tracked_peak"]
+__all__ = ["CONFIG", "batch", "build", "lm_loss", "own_tracked_peak", "run_rank", "time_alternating", "tracked_peak"]
 
 # activations dominate the step: what checkpointing a unit frees shows in the peak
 CONFIG: dict[str, Any] = {"seed": 0, "model": {"vocab": 256, "width": 64, "layers": 4}, "batch": 4, "seq": 128}
@@ -111,6 +112,24 @@ def tracked_peak(config: dict[str, Any], fplan: Any, ids: torch.Tensor, target: 
                                                  if k != "Total"}
 
 
+def own_tracked_peak(config: dict[str, Any], fplan: Any, ids: torch.Tensor, target: torch.Tensor) -> int:
+    """This rank's peak over two AdamW steps of a freshly sharded model by autockpt's own ``StorageTracker`` (real
+    tensors; the cross-check of ``tracked_peak``), the host pool's capacity taken off as there."""
+    from autockpt.fsdp import unit_pool
+    from autockpt.measure.storage_tracker import StorageTracker
+
+    model = _sharded(config, fplan)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    tracker = StorageTracker(torch.device("cpu"), [*model.parameters(), *model.buffers(), ids, target])
+    with tracker:
+        for _ in range(2):
+            lm_loss(model(ids), target).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    pool = unit_pool(model)
+    return max(event.peak_bytes for event in tracker.events) - (pool.capacity_bytes if pool is not None else 0)
+
+
 def run_rank(rank: int, world: int, config: dict[str, Any], plan_path: str, out_dir: str, init_file: str) -> None:
 
     import autockpt
@@ -142,7 +161,7 @@ def run_rank(rank: int, world: int, config: dict[str, Any], plan_path: str, out_
         peak, breakdown = tracked_peak(config, fplan, ids, target)
         result = {
             "losses": [v.item() for v in losses], "grads": grads, "names": names,
-            "peak_bytes": peak, "breakdown": breakdown,
+            "peak_bytes": peak, "breakdown": breakdown, "own_peak_bytes": own_tracked_peak(config, fplan, ids, target),
         }
         with open(f"{out_dir}/rank{rank}.pkl", "wb") as out:
             pickle.dump(result, out)

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils.weak import WeakIdKeyDictionary
+from typing_extensions import Self
 
 from autockpt.types import OUTSIDE_GRAPH_UNIT, Phase
 
@@ -56,6 +58,8 @@ _METADATA_QUERIES = frozenset({
     torch.ops.aten.sym_stride.default, torch.ops.aten.sym_numel.default, torch.ops.aten.sym_storage_offset.default,
 })
 
+_Tracker = TypeVar("_Tracker", bound="StorageTracker")
+
 _CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator hands out multiples of this (MemTracker rounds the same way)
 
 
@@ -75,11 +79,14 @@ class StorageTracker(TorchDispatchMode):
         self.events: list[_EventRecord] = []
         self._known: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.live_bytes = 0
-        for tensor in static_tensors:  # counted from the start, never attributed to a unit
-            storage = tensor.untyped_storage()
+        self._static_bytes: WeakIdKeyDictionary = WeakIdKeyDictionary()  # static storage -> its bytes now
+        self._plain_resize: Any = None  # torch.UntypedStorage.resize_ while this tracker is active
+        for tensor in (plain for given in static_tensors for plain in _plain_tensors(given)):
+            storage = tensor.untyped_storage()  # counted from the start, never attributed to a unit
             if storage not in self._known:
                 self._known[storage] = None
-                self.live_bytes += self.allocation_bytes(storage)
+                self._static_bytes[storage] = self.allocation_bytes(storage)
+                self.live_bytes += self._static_bytes[storage]
         self.static_bytes = self.live_bytes
         # the dtype autocast casts leaves to and caches on this device (None: autocast or its cache is off); read
         # here, outside the mode: inside it autocast reads as off
@@ -91,6 +98,38 @@ class StorageTracker(TorchDispatchMode):
         if device.type == "cuda":
             self.live_bytes = max(self.live_bytes, torch.cuda.memory_allocated(device))
         self.begin_event(Phase.FORWARD, OUTSIDE_GRAPH_UNIT)
+
+    def __enter__(self) -> Self:
+        # FSDP2 frees and refills its unsharded parameters with UntypedStorage.resize_, which no dispatch mode
+        # sees (MemTracker patches it the same way)
+        self._plain_resize = torch.UntypedStorage.resize_
+        plain, tracker = self._plain_resize, self
+
+        @functools.wraps(plain)
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            out = plain(storage, size)
+            tracker._on_resize(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        torch.UntypedStorage.resize_ = self._plain_resize
+        super().__exit__(*exc)
+
+    def _on_resize(self, storage: torch.UntypedStorage) -> None:
+        if storage not in self._known:
+            return
+        record, now = self._known[storage], self.allocation_bytes(storage)
+        before = record.nbytes if record is not None else self._static_bytes[storage]
+        if record is not None:
+            record.nbytes = now
+        else:
+            self._static_bytes[storage] = now
+        self.live_bytes += now - before
+        current = self.events[-1]
+        current.peak_bytes = max(current.peak_bytes, self.live_bytes)
 
     def allocation_bytes(self, storage: torch.UntypedStorage) -> int:
         nbytes = storage.nbytes()
@@ -110,6 +149,8 @@ class StorageTracker(TorchDispatchMode):
         self.events.append(_EventRecord(phase, unit, self.live_bytes, self.live_bytes))
 
     def record_of(self, tensor: torch.Tensor) -> StorageRecord | None:
+        """The record of the storage behind ``tensor`` (a wrapper subclass's: its first inner tensor's)."""
+        tensor = next(_plain_tensors(tensor), tensor)
         try:
             return self._known.get(tensor.untyped_storage())
         except (RuntimeError, NotImplementedError):
@@ -142,8 +183,9 @@ class StorageTracker(TorchDispatchMode):
                 if record is not None:
                     record.mutators.add(self.unit)
         cast = func is torch.ops.aten._to_copy.default and self._caches_cast_of(args)
-        for leaf in pytree.tree_leaves(out):
-            if isinstance(leaf, torch.Tensor) and leaf.device == self.device:
+        for leaf in (plain for value in pytree.tree_leaves(out) if isinstance(value, torch.Tensor)
+                     for plain in _plain_tensors(value)):
+            if leaf.device == self.device:
                 record = self._register(leaf, event)
                 if record is not None and cast and leaf.dtype == self.cached_cast_dtype:
                     record.autocast_cast = weakref.ref(args[0])
@@ -183,6 +225,20 @@ class StorageTracker(TorchDispatchMode):
     def _on_free(self, record: StorageRecord, _ref: Any) -> None:
         self.live_bytes -= record.nbytes
         record.free_event = len(self.events) - 1
+
+
+def _plain_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The plain tensors that hold ``tensor``'s data: itself, or for a traceable wrapper subclass (DTensor, FSDP2's
+    sharded parameters and their states) its inner tensors, whose storages are the ones allocated and freed (a
+    wrapper's own storage is not)."""
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        for name in names:
+            inner = getattr(tensor, name)
+            if isinstance(inner, torch.Tensor):  # the names may include other attributes (a DTensor's mesh)
+                yield from _plain_tensors(inner)
+    else:
+        yield tensor
 
 
 def _written_arguments(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:

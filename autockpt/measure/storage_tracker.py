@@ -13,16 +13,18 @@ import functools
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils.weak import WeakIdKeyDictionary
-from typing_extensions import Self
 
 from autockpt.types import OUTSIDE_GRAPH_UNIT, Phase
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # a dependency of torch's
 
 
 @dataclass(slots=True, eq=False)
@@ -57,8 +59,6 @@ _METADATA_QUERIES = frozenset({
     torch.ops.prim.device.default, torch.ops.prim.layout.default, torch.ops.aten.sym_size.default,
     torch.ops.aten.sym_stride.default, torch.ops.aten.sym_numel.default, torch.ops.aten.sym_storage_offset.default,
 })
-
-_Tracker = TypeVar("_Tracker", bound="StorageTracker")
 
 _CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator hands out multiples of this (MemTracker rounds the same way)
 

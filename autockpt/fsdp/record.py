@@ -1,6 +1,7 @@
 """``FSDPPlan``: what ``plan_fsdp`` decided for a model sharded by FSDP2 over N ranks (``UnitDecision`` per unit),
 with ``summary()``, ``save()`` (JSON, schema "autockpt.fsdp_plan" version 3, never pickle; files of versions 1 and 2,
-without offloaded units, still load), ``report()`` (markdown or HTML) and ``load_fsdp_plan``.
+without offloaded units, still load), ``report()`` (markdown or HTML, written by ``present/fsdp_report.py``) and
+``load_fsdp_plan``.
 
 Bytes are ``int`` bytes per rank; GB = 10^9 bytes and GiB = 2^30 bytes, both written wherever a size is shown.
 """
@@ -8,7 +9,6 @@ Bytes are ``int`` bytes per rank; GB = 10^9 bytes and GiB = 2^30 bytes, both wri
 from __future__ import annotations
 
 import dataclasses
-import html
 import json
 import logging
 from dataclasses import dataclass
@@ -18,6 +18,7 @@ from typing import Any
 
 from autockpt.errors import PlanFileError
 from autockpt.record_types import Provenance
+from autockpt.records.plan import presentation_writer
 from autockpt.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -187,11 +188,11 @@ rank, within ``host_pool_limit_bytes``): all they save for backward, or only the
         return path
 
     def report(self, path: str | Path) -> Path:
-        """A report file: HTML when ``path`` ends in .html, else markdown: the per-rank breakdown at the peak and
-        rank 0's timeline over the step by category (drawn in HTML), both against the budget."""
-        path = Path(path)
-        path.write_text(report_text(self, html_page=path.suffix.lower() in (".html", ".htm")))
-        return path
+        """A report file: HTML when ``path`` ends in .html/.htm, else markdown: the per-rank breakdown at the peak
+        and rank 0's timeline over the step by category (drawn in HTML), both against the budget
+        (``autockpt/present/fsdp_report.py``)."""
+        presentation_writer("autockpt.present.fsdp_report:write_fsdp_report")(self, path)
+        return Path(path)
 
 
 def plan_to_json(fplan: FSDPPlan) -> dict[str, Any]:
@@ -238,77 +239,3 @@ def load_fsdp_plan(path: str | Path) -> FSDPPlan:
         return FSDPPlan(**fields)
     except (KeyError, TypeError, ValueError) as error:
         raise PlanFileError(f"{path} is an FSDP plan with a missing or wrong field ({error}): plan again") from error
-
-
-def report_text(fplan: FSDPPlan, *, html_page: bool) -> str:
-    """The per-rank breakdown at the peak and rank 0's timeline over the step, both against the budget, as markdown
-    or a small HTML page (the timeline drawn as stacked bars by category with the budget line)."""
-    categories = [k for k, _ in fplan.ranks[0].breakdown]
-    header = ["rank", *categories, "peak", "budget", "headroom"]
-    rows = []
-    for r in fplan.ranks:
-        values = dict(r.breakdown)
-        rows.append([str(r.rank), *(format_bytes(values[c]) for c in categories), format_bytes(r.peak_bytes),
-                     format_bytes(fplan.budget_bytes), format_bytes(fplan.budget_bytes - r.peak_bytes)])
-    timeline = fplan.ranks[0].timeline
-    shown = [c for c in categories if any(dict(t.breakdown).get(c) for t in timeline)]
-    line_header = ["moment", "total", "under the budget by", *shown]
-    line_rows = [[t.label, format_bytes(t.total_bytes), format_bytes(fplan.budget_bytes - t.total_bytes),
-                  *(format_bytes(dict(t.breakdown).get(c, 0)) for c in shown)] for t in timeline]
-    timeline_title = (f"Rank 0 over the second step ({len(timeline)} moments; every rank's figures are rank 0's, "
-                      "see RankFigures)")
-    intro = fplan.summary().splitlines()
-    if not html_page:
-        table = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        table += ["| " + " | ".join(row) + " |" for row in rows]
-        lines = ["# autockpt FSDP2 plan", "", "```", *intro, "```", "", "## Per rank at its peak", "", *table, ""]
-        if timeline:
-            lines += [f"## {timeline_title}", "", "| " + " | ".join(line_header) + " |",
-                      "|" + "---|" * len(line_header), *("| " + " | ".join(row) + " |" for row in line_rows), ""]
-        return "\n".join(lines)
-
-    def html_table(head: list[str], body_rows: list[list[str]]) -> str:
-        cells = "".join(f"<th>{html.escape(h)}</th>" for h in head)
-        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in body_rows)
-        return f"<table><tr>{cells}</tr>{body}</table>"
-
-    page = (
-        "<!doctype html><meta charset='utf-8'><title>autockpt FSDP2 plan</title>"
-        "<style>body{font-family:sans-serif}td,th{padding:2px 8px;text-align:right}</style>"
-        f"<h1>autockpt FSDP2 plan</h1><pre>{html.escape(chr(10).join(intro))}</pre>"
-        f"<h2>Per rank at its peak</h2>{html_table(header, rows)}"
-    )
-    if timeline:
-        page += (f"<h2>{html.escape(timeline_title)}</h2>{_timeline_svg(timeline, shown, fplan.budget_bytes)}"
-                 f"{html_table(line_header, line_rows)}")
-    return page
-
-
-# one colour per FSDPMemTracker category, in the order the tracker lists them
-_COLOURS = ("#4e79a7", "#a0cbe8", "#f28e2b", "#ffbe7d", "#59a14f", "#8cd17d", "#b6992d", "#499894", "#e15759",
-            "#79706e", "#d37295")
-
-
-def _timeline_svg(timeline: tuple[TimelinePoint, ...], categories: list[str], budget_bytes: int) -> str:
-    """Stacked bars, one per moment, by category, with the budget as a dashed red line."""
-    width, height, bar = max(400, 14 * len(timeline) + 60, 50 + 110 * len(categories)), 240, 10
-    top = max(budget_bytes, *(t.total_bytes for t in timeline)) * 1.05
-    parts = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height + 40}'>"]
-    for i, moment in enumerate(timeline):
-        x, y = 50 + 14 * i, float(height)
-        values = dict(moment.breakdown)
-        for colour, category in zip(_COLOURS * 2, categories):
-            h = height * values.get(category, 0) / top
-            y -= h
-            parts.append(f"<rect x='{x}' y='{y:.1f}' width='{bar}' height='{h:.1f}' fill='{colour}'>"
-                         f"<title>{html.escape(moment.label)}: {html.escape(category)} "
-                         f"{html.escape(format_bytes(values.get(category, 0)))}</title></rect>")
-    budget_y = height * (1 - budget_bytes / top)
-    parts.append(f"<line x1='40' x2='{width}' y1='{budget_y:.1f}' y2='{budget_y:.1f}' stroke='red' "
-                 "stroke-dasharray='4 3'/>")
-    parts.append(f"<text x='0' y='{budget_y - 3:.1f}' font-size='10' fill='red'>budget</text>")
-    for j, (colour, category) in enumerate(zip(_COLOURS * 2, categories)):
-        parts.append(f"<rect x='{50 + 110 * j}' y='{height + 20}' width='10' height='10' fill='{colour}'/>"
-                     f"<text x='{64 + 110 * j}' y='{height + 29}' font-size='10'>{html.escape(category)}</text>")
-    parts.append("</svg>")
-    return "".join(parts)

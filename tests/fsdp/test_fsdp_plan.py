@@ -179,7 +179,7 @@ def test_save_and_load_give_the_same_plan(roomy, tmp_path) -> None:
     fplan = _plan(budget_bytes=(roomy.min_feasible_bytes + roomy.baseline_peak_bytes) // 2)
     assert autockpt.load_fsdp_plan(fplan.save(tmp_path / "plan.json")) == fplan
     assert "| rank |" in fplan.report(tmp_path / "plan.md").read_text()
-    assert "<table>" in fplan.report(tmp_path / "plan.html").read_text()
+    assert "<table" in fplan.report(tmp_path / "plan.html").read_text()
     mixed = dataclasses.replace(fplan, checkpointed=fplan.units[:1], selective=fplan.units[1:2])
     assert autockpt.load_fsdp_plan(mixed.save(tmp_path / "mixed.json")) == mixed
     offloaded = dataclasses.replace(fplan, checkpointed=fplan.units[:2], selective=(), offloaded=fplan.units[1:3],

@@ -25,6 +25,7 @@ seeded weights and batch; bf16 compute and nondeterministic attention backward k
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import datetime
@@ -146,9 +147,11 @@ def sync(device: str) -> None:
 
 
 def measure_alone(config: Any, fplan: autockpt.FSDPPlan, device: str, ids: torch.Tensor,
-                  foreach: bool | None = None) -> dict[str, Any]:
-    """Two steps of ``fplan``'s model alone on the device from a clean allocator: peaks, tracker figures, losses.
-    ``foreach``: AdamW's (None: torch's default, foreach on CUDA)."""
+                  foreach: bool | None = None, tracked: bool = True) -> dict[str, Any]:
+    """Two steps of ``fplan``'s model alone on the device from a clean allocator: peaks, tracker figures (with
+    ``tracked``), losses. ``foreach``: AdamW's (None: torch's default, foreach on CUDA). FSDPMemTracker keeps the
+    model it tracked alive after it is left (torch 2.11 and 2.13, seen on CPU: the model outlives ``del`` and
+    ``gc.collect``), so each tracked row leaves its model on the device: ``--no-tracker`` for large models."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     from autockpt.fsdp import unit_pool
@@ -160,25 +163,25 @@ def measure_alone(config: Any, fplan: autockpt.FSDPPlan, device: str, ids: torch
         left = torch.cuda.memory_allocated()
     model = build(config, fplan, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=foreach)
-    tracker = FSDPMemTracker(model, optimizer)
-    tracker.track_inputs(((ids,), {}, ids))
+    tracker = FSDPMemTracker(model, optimizer) if tracked else None
+    if tracker is not None:
+        tracker.track_inputs(((ids,), {}, ids))
     losses = []
-    with tracker:
+    with tracker if tracker is not None else contextlib.nullcontext():
         for index in range(2):
             losses.append(step(model, optimizer, ids).item())
-            if index == 0:
+            if index == 0 and tracker is not None:
                 tracker.reset_mod_stats()
     sync(device)
-    key = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device(device)
-    snapshot = tracker.get_tracker_snapshot("peak")[key]
     pool = unit_pool(model)
-    result = {
-        "losses": losses,
-        "tracker_peak_bytes": int(snapshot["Total"]) - (pool.capacity_bytes if pool is not None and device == "cpu"
-                                                        else 0),
-        "tracker": {getattr(k, "value", str(k)): int(v) for k, v in snapshot.items() if v and k != "Total"},
-        "pool_stats": str(pool.stats()) if pool is not None else "",
-    }
+    result: dict[str, Any] = {"losses": losses, "pool_stats": str(pool.stats()) if pool is not None else "",
+                              "tracker_peak_bytes": None, "tracker": {}}
+    if tracker is not None:
+        key = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device(device)
+        snapshot = tracker.get_tracker_snapshot("peak")[key]
+        result["tracker_peak_bytes"] = int(snapshot["Total"]) - (pool.capacity_bytes if pool is not None
+                                                                  and device == "cpu" else 0)
+        result["tracker"] = {getattr(k, "value", str(k)): int(v) for k, v in snapshot.items() if v and k != "Total"}
     if device == "cuda":
         result["max_allocated_bytes"] = torch.cuda.max_memory_allocated() - left
         result["max_reserved_bytes"] = torch.cuda.max_memory_reserved()
@@ -231,7 +234,11 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a small config (to try the script on a CPU)")
     parser.add_argument("--plans", type=Path, default=None, help="a folder of plans --plan-only wrote")
     parser.add_argument("--plan-only", action="store_true", help="plan, save the plans into --out, stop")
+    parser.add_argument("--no-tracker", action="store_true",
+                        help="peaks by max_memory_allocated only (FSDPMemTracker keeps each row's model alive)")
     args = parser.parse_args()
+    if args.no_tracker and args.device != "cuda":
+        parser.error("--no-tracker measures with torch.cuda.max_memory_allocated: it needs the cuda device")
     if args.tiny:
         args.seq = min(args.seq, 256)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -262,7 +269,7 @@ def main() -> None:
         runs = {**{name: (name, None) for name in plans}, FOR_LOOP: ("full", False)}
         for name, (plan_name, foreach) in runs.items():
             fplan = plans[plan_name]
-            alone[name] = measure_alone(config, fplan, args.device, ids, foreach)
+            alone[name] = measure_alone(config, fplan, args.device, ids, foreach, tracked=not args.no_tracker)
             measured = alone[name].get("max_allocated_bytes", alone[name]["tracker_peak_bytes"])
             print(f"{name}: predicted {fplan.predicted_peak_bytes} B, measured {measured} B "
                   f"({100 * (measured / fplan.predicted_peak_bytes - 1):+.2f} %), tracker "

@@ -150,8 +150,9 @@ def measure_alone(config: Any, fplan: autockpt.FSDPPlan, device: str, ids: torch
                   foreach: bool | None = None, tracked: bool = True) -> dict[str, Any]:
     """Two steps of ``fplan``'s model alone on the device from a clean allocator: peaks, tracker figures (with
     ``tracked``), losses. ``foreach``: AdamW's (None: torch's default, foreach on CUDA). FSDPMemTracker keeps the
-    model it tracked alive after it is left (torch 2.11 and 2.13, seen on CPU: the model outlives ``del`` and
-    ``gc.collect``), so each tracked row leaves its model on the device: ``--no-tracker`` for large models."""
+    model it tracked alive after it is left (seen on CPU with torch 2.13: the model outlives ``del`` and
+    ``gc.collect``; CUDA check 6's out-of-memory with torch 2.11 fits it), so each tracked row may leave its model
+    on the device: ``--no-tracker`` for large models."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     from autockpt.fsdp import unit_pool

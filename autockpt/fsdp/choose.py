@@ -10,7 +10,8 @@ reduce-scatter of ``b`` bytes over ``N`` ranks moves ``b (N - 1) / N`` bytes thr
 behind the previous unit's forward compute (FSDP2's prefetch) and is exposed by what it is longer. Backward, units in
 reverse: a unit's all-gather (again, with ``reshard_after_forward``) and the next unit's reduce-scatter hide behind
 that next unit's backward compute (recomputation included); the last reduce-scatters are exposed. No link figure:
-collectives cost 0.
+collectives cost 0. The optimizer step is memory-bound (``optimizer_step_ms``): the bytes it reads and writes over
+the device's memory bandwidth, the same for every plan; without a target it is left out.
 
 Offloading adds the copies to and from the host (``offload_copy_ms``, over the target's host link or the one measured
 here), hidden behind a neighbouring unit's compute where copies overlap it (CUDA), exposed where they do not (CPU).
@@ -64,16 +65,30 @@ class StepTime:
     recompute_ms: float
     exposed_collective_ms: float
     exposed_copy_ms: float = 0.0  # offloaded units' copies to and from the host the compute waits for
+    optimizer_ms: float = 0.0  # optimizer.step() (``optimizer_step_ms``)
+
+
+def optimizer_step_ms(start: Mapping[str, int], during: Mapping[str, int] | None, hbm_gb_per_s: float | None) -> float:
+    """``optimizer.step()`` as memory-bound: it reads the sharded parameters, their gradients and the optimizer's
+    states and writes the parameters and states back, and a foreach step writes and reads its temporaries too
+    (``during``'s "OptState" over ``start``'s). ``start``: the bytes by ``FSDPMemTracker``'s categories as the step
+    starts (its states made); no bandwidth figure: 0."""
+    if not hbm_gb_per_s:
+        return 0.0
+    states = start.get("OptState", 0)
+    temporaries = max(0, (during or start).get("OptState", 0) - states)
+    moved = 2 * start.get("Sharded Param", 0) + start.get("Sharded Grad", 0) + 2 * states + 2 * temporaries
+    return moved / (hbm_gb_per_s * 1e9) * 1e3
 
 
 def step_time(
     root: UnitTimes, units: Sequence[UnitTimes], checkpointed: AbstractSet[str], *, world_size: int,
     gb_per_s: float | None, reshard_after_forward: bool, selective: AbstractSet[str] = frozenset(),
-    copies_ms: Mapping[str, float] | None = None,
+    copies_ms: Mapping[str, float] | None = None, optimizer_ms: float = 0.0,
 ) -> StepTime:
     """The time model of the module docstring; ``units`` the inner units in forward order, ``checkpointed`` those
     recomputed whole, ``selective`` those recomputed selectively, ``copies_ms`` the exposed copy time of the
-    offloaded ones (``offload_copy_ms``)."""
+    offloaded ones (``offload_copy_ms``), ``optimizer_ms`` the optimizer step's (``optimizer_step_ms``)."""
     ag = {u.name: link_ms(u.all_gather_bytes, world_size, gb_per_s) for u in (root, *units)}
     rs = {u.name: link_ms(u.reduce_scatter_bytes, world_size, gb_per_s) for u in (root, *units)}
     forward = root.forward_ms + sum(u.forward_ms for u in units)
@@ -98,8 +113,9 @@ def step_time(
     exposed += (rs[later.name] if later is not None else 0.0) + rs[root.name]
     compute = 3 * forward
     copies = sum((copies_ms or {}).values())
-    return StepTime(step_ms=compute + recompute + exposed + copies, compute_ms=compute, recompute_ms=recompute,
-                    exposed_collective_ms=exposed, exposed_copy_ms=copies)
+    return StepTime(step_ms=compute + recompute + exposed + copies + optimizer_ms, compute_ms=compute,
+                    recompute_ms=recompute, exposed_collective_ms=exposed, exposed_copy_ms=copies,
+                    optimizer_ms=optimizer_ms)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

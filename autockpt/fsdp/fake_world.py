@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 
 _UNBOUNDED_POOL_BYTES = 2**62  # the fake world's pool: a meta buffer, as large as the units need
+# the timeline's last points: what is live as the second optimizer.step() starts, and at its foreach peak
+STEP_STARTS, STEP_FOREACH_PEAK = "optimizer.step() starts", "optimizer.step() peak (foreach)"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -161,13 +163,13 @@ def measure_sharded_step(
         snapshot = _by_category(tracker.get_tracker_snapshot("peak")[torch.device(device)])
         timeline = _timeline(tracker, sharded, units, torch.device(device))
         if step_starts:
-            timeline.append(TimelinePoint(label="optimizer.step() starts", breakdown=tuple(step_starts[-1].items())))
+            timeline.append(TimelinePoint(label=STEP_STARTS, breakdown=tuple(step_starts[-1].items())))
         if any(foreach):
             for start, added in zip(step_starts, _foreach_step_bytes(make_optimizer, params, foreach)):
                 during = {**start, **{k: start.get(k, 0) + v for k, v in added.items() if v}}
                 if sum(during.values()) > sum(snapshot.values()):
                     snapshot = during
-            timeline.append(TimelinePoint(label="optimizer.step() peak (foreach)", breakdown=tuple(during.items())))
+            timeline.append(TimelinePoint(label=STEP_FOREACH_PEAK, breakdown=tuple(during.items())))
     breakdown = tuple(snapshot.items())
     peak = sum(snapshot.values())
     logger.debug("world %d, %d of %d units checkpointed, %d selective, %d offloaded: rank peak %d B", world_size,

@@ -28,8 +28,22 @@ from autockpt.core.devices import device_spec
 from autockpt.core.roofline import link_price
 from autockpt.core.structure import find_repeated_blocks
 from autockpt.errors import InfeasibleBudgetError
-from autockpt.fsdp.choose import UnitOption, UnitTimes, cheapest_choice, offload_copy_ms, step_time
-from autockpt.fsdp.fake_world import RankMemory, existing_fake_group, fake_world, measure_sharded_step
+from autockpt.fsdp.choose import (
+    UnitOption,
+    UnitTimes,
+    cheapest_choice,
+    offload_copy_ms,
+    optimizer_step_ms,
+    step_time,
+)
+from autockpt.fsdp.fake_world import (
+    STEP_FOREACH_PEAK,
+    STEP_STARTS,
+    RankMemory,
+    existing_fake_group,
+    fake_world,
+    measure_sharded_step,
+)
 from autockpt.fsdp.record import FSDPPlan, RankFigures, UnitDecision
 from autockpt.fsdp.shard import ROOT, check_units, describe_mp_policy, fingerprint, is_sharded, unit_parameter_bytes
 from autockpt.measure.costs import calibrate
@@ -152,7 +166,11 @@ def plan_fsdp(
         decisions, measured, tries = _fit([u.name for u in blocks], options, budget, baseline, floor,
                                           dict.fromkeys(inner, floor_decision), measure, pool_limit, known)
     chosen = _as_sets(decisions)
-    kwargs_time = {"world_size": world_size, "gb_per_s": gb_per_s, "reshard_after_forward": reshard_after_forward}
+    at = {point.label: dict(point.breakdown) for point in baseline.timeline}
+    optimizer_ms = (optimizer_step_ms(at[STEP_STARTS], at.get(STEP_FOREACH_PEAK), spec.hbm_gb_per_s)
+                    if spec is not None and STEP_STARTS in at else 0.0)  # the same in every plan of this model
+    kwargs_time = {"world_size": world_size, "gb_per_s": gb_per_s, "reshard_after_forward": reshard_after_forward,
+                   "optimizer_ms": optimizer_ms}
     copies = {u: o.copy_ms for u, d in decisions.items() for o in options[u] if o.decision is d}
     predicted = step_time(root, blocks, set(chosen["checkpointed"]), selective=set(chosen["selective"]),
                           copies_ms=copies, **kwargs_time)
@@ -165,6 +183,9 @@ def plan_fsdp(
                                    " (host_pool_gb=None: nothing offloaded)")),
         "collectives priced at 0 ms: no GPU-to-GPU link figure (give target=...)" if not gb_per_s else
         f"collectives priced over {gb_per_s:g} GB/s each way per GPU ({spec.name if spec else ''}), ring algorithms",
+        (f"optimizer.step() priced at {optimizer_ms:.3f} ms: its bytes read and written over "
+         f"{spec.hbm_gb_per_s:g} GB/s of device memory bandwidth" if spec is not None and make_optimizer is not None
+         else "optimizer.step() not priced (no target)" if make_optimizer is not None else "no optimizer step"),
     ]
     if link is not None:
         notes.append(f"host copies priced at {link.device_to_host_gb_per_s:.3g} / {link.host_to_device_gb_per_s:.3g} "
@@ -189,6 +210,7 @@ def plan_fsdp(
                     for r in range(world_size)),
         predicted_step_ms=predicted.step_ms, baseline_step_ms=plain.step_ms, floor_step_ms=full.step_ms,
         exposed_collective_ms=predicted.exposed_collective_ms, interconnect_gb_per_s=gb_per_s,
+        optimizer_step_ms=optimizer_ms,
         provenance=planner.provenance, fingerprint=fingerprint(model, unit_names), notes=tuple(notes),
     )
 

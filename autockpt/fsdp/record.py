@@ -117,6 +117,7 @@ rank, within ``host_pool_limit_bytes``): all they save for backward, or only the
     host_pool_bytes: int = 0  # the host pool per rank the offloaded units need (slot bytes of one step)
     host_pool_limit_bytes: int | None = None  # the bound the plan was given (``host_pool_gb``); None: no offload
     exposed_copy_ms: float = 0.0  # the offloaded units' copies the step waits for, by the time model
+    optimizer_step_ms: float = 0.0  # optimizer.step() in every step time above (memory-bound; 0 without a target)
 
     def __post_init__(self) -> None:
         both = set(self.checkpointed) & set(self.selective)
@@ -168,7 +169,7 @@ rank, within ``host_pool_limit_bytes``): all they save for backward, or only the
                if self.selective_peak_bytes is not None else "")),
             (f"  predicted step    {self.predicted_step_ms:.3f} ms ({self.overhead_pct:+.1f} % against nothing "
             f"checkpointed, {self.floor_step_ms:.3f} ms with every unit; {self.exposed_collective_ms:.3f} ms of "
-            "collectives exposed)"),
+            f"collectives exposed; {self.optimizer_step_ms:.3f} ms of optimizer step)"),
             f"  checkpointed      {', '.join(self.checkpointed) or '(none)'}",
             f"  selective         {', '.join(self.selective) or '(none)'}",
             (f"  offloaded         {', '.join(self.offloaded) or '(none)'}: a host pool of "

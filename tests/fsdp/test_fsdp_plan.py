@@ -14,7 +14,15 @@ from fsdp_worker import CONFIG, batch, build, lm_loss, tracked_peak
 
 import autockpt
 from autockpt.errors import InfeasibleBudgetError, PlanFileError, PlanMismatchError
-from autockpt.fsdp.choose import UnitOption, UnitTimes, cheapest_choice, link_ms, offload_copy_ms, step_time
+from autockpt.fsdp.choose import (
+    UnitOption,
+    UnitTimes,
+    cheapest_choice,
+    link_ms,
+    offload_copy_ms,
+    optimizer_step_ms,
+    step_time,
+)
 from autockpt.fsdp.fake_world import fake_world, measure_sharded_step
 from autockpt.fsdp.record import FSDPPlan, UnitDecision
 from autockpt.fsdp.shard import checkpoint_kind
@@ -355,6 +363,14 @@ def test_the_time_model_prices_collectives_and_hides_them_behind_compute() -> No
                       reshard_after_forward=True, copies_ms={"b2": 0.25})
     assert mixed.recompute_ms == pytest.approx(2.5) and mixed.exposed_copy_ms == pytest.approx(0.25)
     assert mixed.step_ms == pytest.approx(mixed.compute_ms + 2.75)
+    # the optimizer step, memory-bound: 4 GB of parameters read and written, 4 GB of gradients read, 8 GB of states
+    # read and written, a foreach step's 4 GB of temporaries written and read: 36 GB at 1000 GB/s
+    start = {"Sharded Param": 4 * 10**9, "Sharded Grad": 4 * 10**9, "OptState": 8 * 10**9}
+    assert optimizer_step_ms(start, {**start, "OptState": 12 * 10**9}, 1000.0) == pytest.approx(36.0)
+    assert optimizer_step_ms(start, None, 1000.0) == pytest.approx(28.0) and optimizer_step_ms(start, None, None) == 0
+    stepped = step_time(root, selective, {"b0"}, world_size=2, gb_per_s=None, reshard_after_forward=True,
+                        optimizer_ms=5.0)
+    assert stepped.step_ms == pytest.approx(stepped.compute_ms + stepped.recompute_ms + 5.0)
     # 1 GB each way at 10 GB/s: 100 ms + 100 ms, all exposed when copies are synchronous; beside compute, what the
     # neighbour's 60 ms forward and 120 ms backward do not hide
     synchronous = LinkPrice(device_to_host_gb_per_s=10, host_to_device_gb_per_s=10, latency_ms=0.0,
@@ -397,6 +413,7 @@ def test_the_optimizer_step_is_counted_as_torch_runs_it_with_foreach_temporaries
     assert foreach.predicted_peak_bytes > loop.predicted_peak_bytes
     assert on_gpu.predicted_peak_bytes == foreach.predicted_peak_bytes
     assert any("foreach" in note for note in on_gpu.notes)
+    assert on_gpu.optimizer_step_ms > 0 == loop.optimizer_step_ms  # priced over the target's memory bandwidth
     dist.init_process_group("gloo", rank=0, world_size=1, store=HashStore())
     try:
         assert tracked_peak(config, loop, ids, target, foreach=False)[0] == loop.predicted_peak_bytes

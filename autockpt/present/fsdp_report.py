@@ -9,7 +9,15 @@ import os
 from html import escape as html_escape
 from typing import TYPE_CHECKING
 
-from autockpt.present.page import REPORT_CSS, figure_svg, html_table, md_table, plot_notices, write_page
+from autockpt.present.page import (
+    REPORT_CSS,
+    axis_scale,
+    figure_svg,
+    html_table,
+    md_table,
+    plot_notices,
+    write_page,
+)
 from autockpt.units import format_bytes
 
 if TYPE_CHECKING:
@@ -84,9 +92,7 @@ def _timeline_svg(fplan: FSDPPlan) -> str:
     timeline = fplan.ranks[0].timeline
     top = max(t.total_bytes for t in timeline)
     budget_drawn = fplan.budget_bytes <= 3 * top  # a budget far above the step would flatten the bars
-    size, unit = next(((float(s), f"{n} (10^{p} bytes)") for s, n, p in ((10**9, "GB", 9), (10**6, "MB", 6),
-                                                                          (10**3, "kB", 3))
-                       if max(top, fplan.budget_bytes if budget_drawn else 0) >= s), (1.0, "bytes"))
+    size, unit = axis_scale(max(top, fplan.budget_bytes if budget_drawn else 0))
     figure = Figure(figsize=(11, 3.8), layout="constrained")
     ax = figure.subplots()
     bottoms = [0.0] * len(timeline)

@@ -71,6 +71,14 @@ def figure_svg(figure: Any) -> str:
 
 
 
+def axis_scale(top_bytes: float) -> tuple[float, str]:
+    """The unit a plot's byte axis is drawn in for values up to ``top_bytes``: (bytes per unit, its label)."""
+    for size, name, power in ((10**9, "GB", 9), (10**6, "MB", 6), (10**3, "kB", 3)):
+        if top_bytes >= size:
+            return float(size), f"{name} (10^{power} bytes)"
+    return 1.0, "bytes"
+
+
 def md_table(header: list[str], rows: list[tuple[str, ...]]) -> list[str]:
     def cell(text: str) -> str:
         return text.replace("|", "\\|")

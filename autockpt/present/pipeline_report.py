@@ -15,6 +15,7 @@ from html import escape as html_escape
 from autockpt.present.page import (
     MEMORY_CATEGORIES,
     REPORT_CSS,
+    axis_scale,
     figure_svg,
     html_table,
     md_table,
@@ -203,13 +204,6 @@ _SCHEDULE_TEXT = (
 # ------------------------------------------------------------------------------------------------ plots
 
 
-def _scale(top_bytes: float) -> tuple[float, str]:
-    for size, name, power in ((10**9, "GB", 9), (10**6, "MB", 6), (10**3, "kB", 3)):
-        if top_bytes >= size:
-            return float(size), f"{name} (10^{power} bytes)"
-    return 1.0, "bytes"
-
-
 def _stage_timeline_svg(pplan: PipelineRecord, record: PipelineStageRecord, plan: PlanRecord) -> str:
     from matplotlib.figure import Figure
 
@@ -218,7 +212,7 @@ def _stage_timeline_svg(pplan: PipelineRecord, record: PipelineStageRecord, plan
     memory = stage_memory(record, plan)
     data_top = max(memory.predicted_peak_bytes, memory.stacked_bytes, max(curve.total_bytes, default=0))
     budget_drawn = record.budget_bytes <= 3 * data_top  # a budget far above the step would flatten the curve
-    size, unit = _scale(max(data_top, record.budget_bytes if budget_drawn else 0))
+    size, unit = axis_scale(max(data_top, record.budget_bytes if budget_drawn else 0))
     figure = Figure(figsize=(11, 3.8), layout="constrained")
     ax = figure.subplots()
     x = range(len(curve.phases))

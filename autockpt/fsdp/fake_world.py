@@ -37,8 +37,6 @@ logger = logging.getLogger(__name__)
 
 
 _UNBOUNDED_POOL_BYTES = 2**62  # the fake world's pool: a meta buffer, as large as the units need
-# the timeline's last points: what is live as the second optimizer.step() starts, and at its foreach peak
-STEP_STARTS, STEP_FOREACH_PEAK = "optimizer.step() starts", "optimizer.step() peak (foreach)"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -50,6 +48,9 @@ class RankMemory:
     host_pool_bytes: int = 0  # the host pool one step needs (slot bytes), when units were offloaded
     moved: tuple[tuple[str, int, int], ...] = ()  # per offloaded unit: (name, slot bytes, storages moved)
     timeline: tuple[TimelinePoint, ...] = ()  # the second step at the units' boundaries (``_timeline``)
+    # the second optimizer.step(): what is live as it starts, and at its foreach peak (empty: no step, or no foreach)
+    step_start: tuple[tuple[str, int], ...] = ()
+    step_foreach_peak: tuple[tuple[str, int], ...] = ()
 
 
 def existing_fake_group(world_size: int) -> bool:
@@ -162,27 +163,31 @@ def measure_sharded_step(
                     tracker.reset_mod_stats()  # per-module stats only: the peak covers both steps
         snapshot = _by_category(tracker.get_tracker_snapshot("peak")[torch.device(device)])
         timeline = _timeline(tracker, sharded, units, torch.device(device))
-        if step_starts:
-            timeline.append(TimelinePoint(label=STEP_STARTS, breakdown=tuple(step_starts[-1].items())))
+        during: list[dict[str, int]] = []  # each foreach step at its peak
         if any(foreach):
             for start, added in zip(step_starts, _foreach_step_bytes(make_optimizer, params, foreach)):
-                during = {**start, **{k: start.get(k, 0) + v for k, v in added.items() if v}}
-                if sum(during.values()) > sum(snapshot.values()):
-                    snapshot = during
-            timeline.append(TimelinePoint(label=STEP_FOREACH_PEAK, breakdown=tuple(during.items())))
+                during.append({**start, **{k: start.get(k, 0) + v for k, v in added.items() if v}})
+            snapshot = max([snapshot, *during], key=lambda bytes_by: sum(bytes_by.values()))
+    step_start = tuple(step_starts[-1].items()) if step_starts else ()
+    step_foreach_peak = tuple(during[-1].items()) if during else ()
+    timeline += [TimelinePoint(label=label, breakdown=point) for label, point in
+                 (("optimizer.step() starts", step_start), ("optimizer.step() peak (foreach)", step_foreach_peak))
+                 if point]
     breakdown = tuple(snapshot.items())
     peak = sum(snapshot.values())
     logger.debug("world %d, %d of %d units checkpointed, %d selective, %d offloaded: rank peak %d B", world_size,
                  len(checkpointed), len(units), len(selective), len(offloaded), peak)
     pool = unit_pool(sharded)
+    figures = {"peak_bytes": peak, "breakdown": breakdown, "timeline": tuple(timeline), "step_start": step_start,
+               "step_foreach_peak": step_foreach_peak}
     if pool is None:
-        return RankMemory(peak_bytes=peak, breakdown=breakdown, timeline=tuple(timeline))
+        return RankMemory(**figures)
     moved = {name: [0, 0] for name in offloaded}
     for slot in pool.step_slots():  # the second step's: the same as the first's
         moved[units[slot.region_index]][0] += slot.slot_bytes
         moved[units[slot.region_index]][1] += 1
-    return RankMemory(peak_bytes=peak, breakdown=breakdown, host_pool_bytes=pool.stats().peak_occupancy_bytes,
-                      moved=tuple((name, b, n) for name, (b, n) in moved.items()), timeline=tuple(timeline))
+    return RankMemory(**figures, host_pool_bytes=pool.stats().peak_occupancy_bytes,
+                      moved=tuple((name, b, n) for name, (b, n) in moved.items()))
 
 
 def _by_category(snapshot: dict) -> dict[str, int]:

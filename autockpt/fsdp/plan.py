@@ -36,14 +36,7 @@ from autockpt.fsdp.choose import (
     optimizer_step_ms,
     step_time,
 )
-from autockpt.fsdp.fake_world import (
-    STEP_FOREACH_PEAK,
-    STEP_STARTS,
-    RankMemory,
-    existing_fake_group,
-    fake_world,
-    measure_sharded_step,
-)
+from autockpt.fsdp.fake_world import RankMemory, existing_fake_group, fake_world, measure_sharded_step
 from autockpt.fsdp.record import FSDPPlan, RankFigures, UnitDecision
 from autockpt.fsdp.shard import ROOT, check_units, describe_mp_policy, fingerprint, is_sharded, unit_parameter_bytes
 from autockpt.measure.costs import calibrate
@@ -166,9 +159,9 @@ def plan_fsdp(
         decisions, measured, tries = _fit([u.name for u in blocks], options, budget, baseline, floor,
                                           dict.fromkeys(inner, floor_decision), measure, pool_limit, known)
     chosen = _as_sets(decisions)
-    at = {point.label: dict(point.breakdown) for point in baseline.timeline}
-    optimizer_ms = (optimizer_step_ms(at[STEP_STARTS], at.get(STEP_FOREACH_PEAK), spec.hbm_gb_per_s)
-                    if spec is not None and STEP_STARTS in at else 0.0)  # the same in every plan of this model
+    optimizer_ms = (optimizer_step_ms(dict(baseline.step_start), dict(baseline.step_foreach_peak) or None,
+                                      spec.hbm_gb_per_s)
+                    if spec is not None and baseline.step_start else 0.0)  # the same in every plan of this model
     kwargs_time = {"world_size": world_size, "gb_per_s": gb_per_s, "reshard_after_forward": reshard_after_forward,
                    "optimizer_ms": optimizer_ms}
     copies = {u: o.copy_ms for u, d in decisions.items() for o in options[u] if o.decision is d}

@@ -83,12 +83,12 @@ class FSDPPlan:
     recomputed in backward; ``selective``: those checkpointed selectively (the outputs of matmuls and attention saved,
     the rest recomputed); ``decision(unit)`` gives either as a ``UnitDecision``. ``selective_peak_bytes`` and
     ``selective_step_ms``: every unit selective (torchtitan's selective op list per block), measured and predicted as
-    the others (None in plans of schema version 1). ``offloaded``: units run in the host pool (``host_pool_bytes`` per
-rank, within ``host_pool_limit_bytes``): all they save for backward, or only their inputs when also in
-``checkpointed``. ``predicted_peak_bytes`` (the plan's), ``baseline_peak_bytes``
-    (nothing checkpointed) and ``min_feasible_bytes`` (every unit but the root checkpointed whole: the floor) are the
-    largest rank's peak over two training steps (forward, backward, optimizer step; the first step makes the states),
-    inputs included, measured on the fake process group. ``predicted_step_ms``: the step time model (compute,
+    the others (None in plans of schema version 1). ``offloaded``: units run in the host pool (``host_pool_bytes``
+    per rank, within ``host_pool_limit_bytes``): all they save for backward, or only their inputs when also in
+    ``checkpointed``. ``predicted_peak_bytes`` (the plan's), ``baseline_peak_bytes`` (nothing checkpointed) and
+    ``min_feasible_bytes`` (every unit but the root checkpointed whole: the floor) are the largest rank's peak over
+    two training steps (forward, backward, optimizer step; the first step makes the states), inputs included,
+    measured on the fake process group. ``predicted_step_ms``: the step time model (compute,
     recomputation, exposed collectives; ``docs/fsdp.md``), ``overhead_pct`` against nothing checkpointed
     (``baseline_step_ms``); ``floor_step_ms`` is every unit checkpointed's, by the same model and times."""
 

@@ -90,44 +90,49 @@ def tracked_peak(config: dict[str, Any], fplan: Any, ids: torch.Tensor, target: 
     real tensors, and its breakdown by the tracker's categories."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-    from autockpt.fsdp import unit_pool
-
     model = _sharded(config, fplan)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=foreach)
     tracker = FSDPMemTracker(model, optimizer)
     tracker.track_inputs(((ids,), {}, target))
     with tracker:
-        for step in range(2):
-            lm_loss(model(ids), target).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            if step == 0:
-                tracker.reset_mod_stats()
+        _two_steps(model, optimizer, ids, target, after_first=tracker.reset_mod_stats)
     snapshot = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
-    # on the CPU the host pool of offloaded units is a CPU buffer the tracker counts (from the first forward on):
-    # it is host memory, which the plan's device peak leaves out (beside a GPU no tracker of the device counts it)
-    pool = unit_pool(model)
-    pool_bytes = pool.capacity_bytes if pool is not None else 0
-    return int(snapshot["Total"]) - pool_bytes, {getattr(k, "value", str(k)): int(v) for k, v in snapshot.items()
-                                                 if k != "Total"}
+    return int(snapshot["Total"]) - _pool_bytes(model), {getattr(k, "value", str(k)): int(v)
+                                                         for k, v in snapshot.items() if k != "Total"}
 
 
 def own_tracked_peak(config: dict[str, Any], fplan: Any, ids: torch.Tensor, target: torch.Tensor) -> int:
     """This rank's peak over two AdamW steps of a freshly sharded model by autockpt's own ``StorageTracker`` (real
     tensors; the cross-check of ``tracked_peak``), the host pool's capacity taken off as there."""
-    from autockpt.fsdp import unit_pool
     from autockpt.measure.storage_tracker import StorageTracker
 
     model = _sharded(config, fplan)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     tracker = StorageTracker(torch.device("cpu"), [*model.parameters(), *model.buffers(), ids, target])
     with tracker:
-        for _ in range(2):
-            lm_loss(model(ids), target).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        _two_steps(model, optimizer, ids, target)
+    return max(event.peak_bytes for event in tracker.events) - _pool_bytes(model)
+
+
+def _two_steps(model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor, target: torch.Tensor,
+               after_first: Any = None) -> None:
+    """Two training steps, as the plan counts them (the first makes the optimizer's states)."""
+    for step in range(2):
+        lm_loss(model(ids), target).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 0 and after_first is not None:
+            after_first()
+
+
+def _pool_bytes(model: nn.Module) -> int:
+    """The capacity of the model's host pool of offloaded units (0 without one): on the CPU it is a CPU buffer the
+    trackers count (from the first forward on), host memory that the plan's device peak leaves out (beside a GPU no
+    tracker of the device counts it)."""
+    from autockpt.fsdp import unit_pool
+
     pool = unit_pool(model)
-    return max(event.peak_bytes for event in tracker.events) - (pool.capacity_bytes if pool is not None else 0)
+    return pool.capacity_bytes if pool is not None else 0
 
 
 def run_rank(rank: int, world: int, config: dict[str, Any], plan_path: str, out_dir: str, init_file: str) -> None:

@@ -1,4 +1,5 @@
-"""``apply_fsdp``: run an ``FSDPPlan`` on every rank: checkpoint the plan's units, whole or selectively, run the
+"""``apply_fsdp``: run an ``FSDPPlan`` on every rank: checkpoint the plan's units, whole or selectively, and its
+checkpointed parts (modules inside units), run the
 offloaded ones in a host pool (their ``forward`` patched, names unchanged: ``offload.py``) and call torch's own
 ``fully_shard`` on the units, then the root. Works on a
 model on the meta device (meta -> ``apply_fsdp`` -> ``to_empty`` -> the user's initialisation, torchtitan's order)."""
@@ -40,11 +41,11 @@ def apply_fsdp(model: nn.Module, fplan: FSDPPlan, mesh: Any = None) -> nn.Module
             "to the model as built, before any fully_shard"
         )
     modules = dict(model.named_modules())
-    unknown = [u for u in (*fplan.units, *fplan.checkpointed, *fplan.selective, *fplan.offloaded)
-               if u != ROOT and u not in modules]
+    unknown = [u for u in (*fplan.units, *fplan.checkpointed, *fplan.selective, *fplan.offloaded,
+                            *fplan.checkpointed_parts) if u != ROOT and u not in modules]
     if unknown:
         raise PlanMismatchError(
-            f"the plan's unit(s) {unknown} are not modules of {type(model).__name__}: apply the plan to the model it "
+            f"the plan's unit(s) or part(s) {unknown} are not modules of {type(model).__name__}: apply the plan to the model it "
             "was made for, or plan this model (autockpt.plan_fsdp)"
         )
     if fingerprint(model, fplan.units) != fplan.fingerprint:
@@ -82,9 +83,10 @@ def apply_fsdp(model: nn.Module, fplan: FSDPPlan, mesh: Any = None) -> nn.Module
     mp_policy = _mp_policy(fplan.mixed_precision)
     shard(model, fplan.units, fplan.checkpointed, mesh, reshard_after_forward=fplan.reshard_after_forward,
           mp_policy=mp_policy, selective=fplan.selective, offloaded=fplan.offloaded,
-          host_pool_bytes=fplan.host_pool_bytes)
-    logger.info("applied FSDP plan: %d units sharded, %d checkpointed whole, %d selectively, %d offloaded",
-                len(fplan.units), len(fplan.checkpointed), len(fplan.selective), len(fplan.offloaded))
+          host_pool_bytes=fplan.host_pool_bytes, checkpointed_parts=fplan.checkpointed_parts)
+    logger.info("applied FSDP plan: %d units sharded, %d checkpointed whole, %d selectively, %d offloaded, %d parts "
+                "checkpointed", len(fplan.units), len(fplan.checkpointed), len(fplan.selective), len(fplan.offloaded),
+                len(fplan.checkpointed_parts))
     return model
 
 

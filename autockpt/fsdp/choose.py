@@ -4,7 +4,8 @@
 Time model of one rank's step (``docs/fsdp.md``): compute is the single-device trace's forward time of every unit,
 backward twice forward (as the roofline takes it), plus the forward time of each checkpointed unit again
 (recomputation); a selectively checkpointed unit recomputes its forward but its matmuls and attention
-(``selective_recompute_ms``). Collectives are priced from bytes over the link, ring algorithms: an all-gather or a
+(``selective_recompute_ms``); a unit with some of its parts (modules inside it: ``UnitPart``) checkpointed recomputes
+their forward. Collectives are priced from bytes over the link, ring algorithms: an all-gather or a
 reduce-scatter of ``b`` bytes over ``N`` ranks moves ``b (N - 1) / N`` bytes through each rank's link, at
 ``interconnect_gb_per_s`` each way. Forward: the root's all-gather first (exposed), then each unit's all-gather hides
 behind the previous unit's forward compute (FSDP2's prefetch) and is exposed by what it is longer. Backward, units in
@@ -16,9 +17,10 @@ the device's memory bandwidth, the same for every plan; without a target it is l
 Offloading adds the copies to and from the host (``offload_copy_ms``, over the target's host link or the one measured
 here), hidden behind a neighbouring unit's compute where copies overlap it (CUDA), exposed where they do not (CPU).
 
-The choice is a multiple-choice knapsack (PuLP, ``cheapest_choice``): each unit exactly one of keep, selective,
-full, offload or full with its inputs offloaded, each with its estimated bytes freed, the time it adds and the host
-pool it needs; the least added time whose bytes freed reach what the budget needs, within the host pool's bound.
+The choice is a multiple-choice knapsack (PuLP, ``cheapest_choice``): each unit exactly one of keep, one of its
+parts checkpointed, selective, full, offload or full with its inputs offloaded, each with its estimated bytes freed,
+the time it adds and the host pool it needs; the least added time whose bytes freed reach what the budget needs,
+within the host pool's bound.
 The caller measures the choice on the fake process group and asks again, needing more, until it fits.
 """
 
@@ -40,6 +42,16 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class UnitPart:
+    """A region inside a unit that can be checkpointed alone: a module in it (``name`` relative to the unit, e.g.
+    "self_attn"), its forward time and what autograd saves inside it in the single-device trace."""
+
+    name: str
+    forward_ms: float
+    saved_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class UnitTimes:
     """One FSDP unit, in forward order: its forward compute and the bytes of its collectives (whole, unsharded)."""
 
@@ -49,6 +61,10 @@ class UnitTimes:
     reduce_scatter_bytes: int  # its gradients in the reduce dtype
     saved_bytes: int  # what autograd saves for backward inside it in the single-device trace (the knapsack's weight)
     selective_recompute_ms: float = 0.0  # its forward but the matmuls and attention: selective's recomputation
+    parts: tuple[UnitPart, ...] = ()  # the modules inside it that may be checkpointed alone (``UnitDecision.PARTS``)
+
+    def part(self, name: str) -> UnitPart:
+        return next(p for p in self.parts if p.name == name)
 
 
 def link_ms(nbytes: int, world_size: int, gb_per_s: float | None) -> float:
@@ -85,15 +101,17 @@ def step_time(
     root: UnitTimes, units: Sequence[UnitTimes], checkpointed: AbstractSet[str], *, world_size: int,
     gb_per_s: float | None, reshard_after_forward: bool, selective: AbstractSet[str] = frozenset(),
     copies_ms: Mapping[str, float] | None = None, optimizer_ms: float = 0.0,
+    parts: Mapping[str, Sequence[str]] | None = None,
 ) -> StepTime:
     """The time model of the module docstring; ``units`` the inner units in forward order, ``checkpointed`` those
-    recomputed whole, ``selective`` those recomputed selectively, ``copies_ms`` the exposed copy time of the
+    recomputed whole, ``selective`` those recomputed selectively, ``parts`` the parts checkpointed (by their names
+    in ``UnitTimes.parts``) of the units that are neither, ``copies_ms`` the exposed copy time of the
     offloaded ones (``offload_copy_ms``), ``optimizer_ms`` the optimizer step's (``optimizer_step_ms``)."""
     ag = {u.name: link_ms(u.all_gather_bytes, world_size, gb_per_s) for u in (root, *units)}
     rs = {u.name: link_ms(u.reduce_scatter_bytes, world_size, gb_per_s) for u in (root, *units)}
     forward = root.forward_ms + sum(u.forward_ms for u in units)
     again = {u.name: u.forward_ms if u.name in checkpointed else u.selective_recompute_ms if u.name in selective
-             else 0.0 for u in units}
+             else sum(u.part(p).forward_ms for p in (parts or {}).get(u.name, ())) for u in units}
     recompute = sum(again.values())
     exposed = ag[root.name]  # forward: the root's all-gather has nothing to hide behind
     previous_ms = 0.0
@@ -125,7 +143,8 @@ class UnitOption:
 
     decision: UnitDecision
     freed_bytes: float
-    recompute_ms: float = 0.0  # the unit's forward again (whole or selective)
+    parts: tuple[str, ...] = ()  # with ``UnitDecision.PARTS``: the parts checkpointed (``UnitPart.name``)
+    recompute_ms: float = 0.0  # the unit's forward again (whole, selective, or its checkpointed parts')
     copy_ms: float = 0.0  # offloading's exposed copies to and from the host (``offload_copy_ms``)
     pool_bytes: int = 0
 
@@ -134,15 +153,20 @@ class UnitOption:
         """What the option adds to the step: recomputation and exposed copies."""
         return self.recompute_ms + self.copy_ms
 
+    @property
+    def key(self) -> tuple[UnitDecision, tuple[str, ...]]:
+        """What the option does to the unit (its decision and parts), without its estimates."""
+        return self.decision, self.parts
+
 
 def cheapest_choice(
     units: Sequence[str], options: Mapping[str, Sequence[UnitOption]], need_bytes: float, *,
     at_least_bytes: float = 0.0, pool_limit_bytes: int | None = None,
-) -> dict[str, UnitDecision] | None:
+) -> dict[str, UnitOption] | None:
     """The multiple-choice knapsack: each unit kept or given one of its ``options``, the least added time
     (``cost_ms``) among choices whose estimated bytes freed reach ``need_bytes`` and exceed ``at_least_bytes`` (what
     an earlier choice was estimated to free, when it did not fit) and whose pool bytes stay within
-    ``pool_limit_bytes``. Returns the decision of every unit not kept, or None when no choice reaches it. An option
+    ``pool_limit_bytes``. Returns the option of every unit not kept, or None when no choice reaches it. An option
     that frees nothing is left out."""
     need = max(need_bytes, at_least_bytes + 1 if at_least_bytes > 0 else 0.0)
     if need <= 0:
@@ -166,8 +190,8 @@ def cheapest_choice(
     prob.solve(make_solver(solver_name(options_), options_))
     if not has_solution(prob):
         return None
-    chosen = {u: usable[u][k].decision for (u, k), x in picks.items() if (x.value() or 0) > 0.5}
-    logger.debug("multiple-choice knapsack: need %.0f B: %s", need, {u: d.value for u, d in chosen.items()})
+    chosen = {u: usable[u][k] for (u, k), x in picks.items() if (x.value() or 0) > 0.5}
+    logger.debug("multiple-choice knapsack: need %.0f B: %s", need, {u: o.key for u, o in chosen.items()})
     return chosen
 
 

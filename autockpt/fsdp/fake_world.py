@@ -111,9 +111,11 @@ def measure_sharded_step(
     reshard_after_forward: bool, mp_policy: Any, inputs: Any,
     step_loss: Callable[[Any, Any], torch.Tensor], make_optimizer: Callable[[list], Any] | None,
     selective: Sequence[str] = (), offloaded: Sequence[str] = (), device_type: str = "cpu",
+    checkpointed_parts: Sequence[str] = (),
 ) -> RankMemory:
     """Rank 0's peak over two training steps of ``model`` sharded over ``world_size`` ranks, the ``checkpointed``
-    units under checkpoint, the ``selective`` ones under selective checkpoint, the ``offloaded`` ones in a host pool
+    units under checkpoint, the ``selective`` ones under selective checkpoint, the ``checkpointed_parts`` (modules
+    inside kept units) each under checkpoint, the ``offloaded`` ones in a host pool
     (autockpt's own, measuring fakes: ``HostPool(fake_tensors=True)``, as large as they need). ``inputs``: (args,
     kwargs, target), one rank's batch (real or meta tensors: the step runs on fakes of them); ``step_loss(output,
     target)`` the loss; ``device_type``: the device the ranks will run on ("cuda", "cpu"), whose default decides
@@ -134,7 +136,7 @@ def measure_sharded_step(
     mesh = init_device_mesh(device, (world_size,))  # outside FakeTensorMode
     sharded = shard(meta_copy(model), units, checkpointed, mesh, reshard_after_forward=reshard_after_forward,
                     mp_policy=mp_policy, selective=selective, offloaded=offloaded,
-                    host_pool_bytes=_UNBOUNDED_POOL_BYTES, fake_tensors=True)
+                    host_pool_bytes=_UNBOUNDED_POOL_BYTES, fake_tensors=True, checkpointed_parts=checkpointed_parts)
     with FakeTensorMode(allow_non_fake_inputs=True):
         sharded.to_empty(device=device)
         args, kwargs, target = pytree.tree_map_only(
@@ -175,8 +177,8 @@ def measure_sharded_step(
                  if point]
     breakdown = tuple(snapshot.items())
     peak = sum(snapshot.values())
-    logger.debug("world %d, %d of %d units checkpointed, %d selective, %d offloaded: rank peak %d B", world_size,
-                 len(checkpointed), len(units), len(selective), len(offloaded), peak)
+    logger.debug("world %d, %d of %d units checkpointed, %d selective, %d offloaded, %d parts: rank peak %d B",
+                 world_size, len(checkpointed), len(units), len(selective), len(offloaded), len(checkpointed_parts), peak)
     pool = unit_pool(sharded)
     figures = {"peak_bytes": peak, "breakdown": breakdown, "timeline": tuple(timeline), "step_start": step_start,
                "step_foreach_peak": step_foreach_peak}

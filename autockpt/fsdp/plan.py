@@ -1,13 +1,16 @@
-"""``plan_fsdp``: per FSDP2 unit, keep, checkpoint selectively, checkpoint whole or (with a host pool) offload, per
-rank, for a model sharded by ``fully_shard`` over N ranks, planned in one process (``docs/fsdp.md``).
+"""``plan_fsdp``: per FSDP2 unit, keep, checkpoint one of its parts, checkpoint selectively, checkpoint whole or
+(with a host pool) offload, per rank, for a model sharded by ``fully_shard`` over N ranks, planned in one process
+(``docs/fsdp.md``).
 
 1. The single-device step on one rank's batch is captured and traced (``Planner.from_model``, fake trace): each
    unit's forward time, the part of it that is not matmuls or attention (what selective checkpointing recomputes),
-   and the bytes autograd saves inside it.
+   the bytes autograd saves inside it, and the same for each module inside it (its parts: a direct child, or a
+   child of a ModuleList/ModuleDict child, e.g. "self_attn" and "mlp" of a decoder layer).
 2. On torch's fake process group (``fake_world.py``) the sharded step is measured with every unit but the root
-   treated alike: nothing checkpointed (the baseline), every unit whole (the floor), every unit selective and, with a
-   host pool, every unit offloaded and every unit whole with its inputs offloaded (the floor when lower and the pool
-   holds it). Offloading runs autockpt's own host pool on the fakes (``HostPool(fake_tensors=True)``).
+   treated alike: nothing checkpointed (the baseline), every unit whole (the floor), every unit selective, every
+   unit with the same part checkpointed (for the parts that hold the most saved bytes, ``_part_candidates``) and,
+   with a host pool, every unit offloaded and every unit whole with its inputs offloaded (the floor when lower and
+   the pool holds it). Offloading runs autockpt's own host pool on the fakes (``HostPool(fake_tensors=True)``).
 3. The multiple-choice knapsack (``choose.py``) gives each unit one decision at the least added time (recomputation,
    exposed copies) whose estimated bytes freed (the unit's share of what every unit so treated frees, measured) cover
    what the budget needs, within the host pool's bound; the choice is measured on the fake process group, and while
@@ -30,6 +33,7 @@ from autockpt.core.structure import find_repeated_blocks
 from autockpt.errors import InfeasibleBudgetError
 from autockpt.fsdp.choose import (
     UnitOption,
+    UnitPart,
     UnitTimes,
     cheapest_choice,
     offload_copy_ms,
@@ -58,7 +62,8 @@ def plan_fsdp(
     reshard_after_forward: bool = True, mp_policy: Any = None, target: Any = None, trace: str = "fake",
     timing: Any = "auto", host_pool_gb: float | None = None,
 ) -> FSDPPlan:
-    """Plan checkpointing per FSDP unit (keep, selective or whole) for ``model`` sharded by FSDP2 over ``world_size``
+    """Plan checkpointing per FSDP unit (keep, one part such as its attention or MLP, selective or whole) for
+    ``model`` sharded by FSDP2 over ``world_size``
     ranks, under a per-rank budget.
 
     ``example_inputs`` / ``example_kwargs`` / ``example_target``: ONE rank's batch (real or meta tensors; the model
@@ -123,7 +128,7 @@ def plan_fsdp(
     # the device the ranks run on: torch's optimizers default to foreach on CUDA, whose temporaries count
     device_type = spec.device_type if spec is not None else "cuda" if torch.cuda.is_available() else "cpu"
 
-    def measure(decisions: Mapping[str, UnitDecision]) -> RankMemory:
+    def measure(decisions: Mapping[str, UnitOption]) -> RankMemory:
         return measure_sharded_step(
             model, world_size=world_size, units=unit_names, reshard_after_forward=reshard_after_forward,
             mp_policy=mp_policy, inputs=(args, kwargs, example_target), step_loss=step_loss,
@@ -133,7 +138,7 @@ def plan_fsdp(
     with fake_world(world_size):
         baseline = measure({})
         every = {
-            decision: measure(dict.fromkeys(inner, decision)) if inner else baseline
+            decision: measure(_every(inner, decision)) if inner else baseline
             for decision in (UnitDecision.FULL, *([UnitDecision.OFFLOAD, UnitDecision.FULL_OFFLOAD]
                                                   if pool_limit is not None else []))
         }
@@ -153,27 +158,36 @@ def plan_fsdp(
                 budget_bytes=budget, min_feasible_bytes=floor.peak_bytes,
             )
         every[UnitDecision.SELECTIVE] = _measure_selective(measure, inner) if inner else baseline
+        # every unit with the same part checkpointed: only needed when something must be freed
+        every_part = {name: measure({u.name: UnitOption(decision=UnitDecision.PARTS, freed_bytes=0.0, parts=(name,))
+                                     for u in blocks if any(p.name == name for p in u.parts)})
+                      for name in (_part_candidates(blocks) if baseline.peak_bytes > budget else ())}
         link = _link(spec) if pool_limit is not None else None
-        options = _unit_options(blocks, baseline, every, link)
-        known = {frozenset(dict.fromkeys(inner, d).items()): m for d, m in every.items()}  # measured already
+        options = _unit_options(blocks, baseline, every, every_part, link)
+        known = {_key(_every(inner, d)): m for d, m in every.items()}  # measured already
         decisions, measured, tries = _fit([u.name for u in blocks], options, budget, baseline, floor,
-                                          dict.fromkeys(inner, floor_decision), measure, pool_limit, known)
+                                          _every(inner, floor_decision), measure, pool_limit, known)
     chosen = _as_sets(decisions)
     optimizer_ms = (optimizer_step_ms(dict(baseline.step_start), dict(baseline.step_foreach_peak) or None,
                                       spec.hbm_gb_per_s)
                     if spec is not None and baseline.step_start else 0.0)  # the same in every plan of this model
     kwargs_time = {"world_size": world_size, "gb_per_s": gb_per_s, "reshard_after_forward": reshard_after_forward,
                    "optimizer_ms": optimizer_ms}
-    copies = {u: o.copy_ms for u, d in decisions.items() for o in options[u] if o.decision is d}
+    # priced by the unit's option of that kind (the floor's decisions carry no estimates)
+    copies = {u: next((x.copy_ms for x in options[u] if x.key == o.key), 0.0) for u, o in decisions.items()}
+    parts = {u: o.parts for u, o in decisions.items() if o.decision is UnitDecision.PARTS}
     predicted = step_time(root, blocks, set(chosen["checkpointed"]), selective=set(chosen["selective"]),
-                          copies_ms=copies, **kwargs_time)
+                          copies_ms=copies, parts=parts, **kwargs_time)
     plain = step_time(root, blocks, set(), **kwargs_time)
     full = step_time(root, blocks, set(inner), **kwargs_time)
     all_selective = step_time(root, blocks, set(), selective=set(inner), **kwargs_time)
     notes = [
-        (f"{tries} fake-process-group measurement(s) of chosen sets; per unit keep, selective (matmul and attention "
-         "outputs saved), full" + (", offload or full with its inputs offloaded" if pool_limit is not None else
-                                   " (host_pool_gb=None: nothing offloaded)")),
+        (f"{tries} fake-process-group measurement(s) of chosen sets; per unit keep, "
+         + (f"one of the parts {', '.join(every_part)} checkpointed, " if every_part else
+            "" if baseline.peak_bytes <= budget else "no part worth measuring alone, ")
+         + "selective (matmul and attention outputs saved), full"
+         + (", offload or full with its inputs offloaded" if pool_limit is not None else
+            " (host_pool_gb=None: nothing offloaded)")),
         "collectives priced at 0 ms: no GPU-to-GPU link figure (give target=...)" if not gb_per_s else
         f"collectives priced over {gb_per_s:g} GB/s each way per GPU ({spec.name if spec else ''}), ring algorithms",
         (f"optimizer.step() priced at {optimizer_ms:.3f} ms: its bytes read and written over "
@@ -187,9 +201,9 @@ def plan_fsdp(
     if make_optimizer is not None:
         notes.append(f"optimizer.step() counted as torch runs it on {device_type}: groups with foreach=True (or None, "
                      "the default, on cuda) with their foreach temporaries, the others with the for-loop step")
-    logger.info("FSDP plan: of %d units %d checkpointed whole, %d selectively, %d offloaded, peak %s under %s",
-                len(inner), len(chosen["checkpointed"]), len(chosen["selective"]), len(chosen["offloaded"]),
-                format_bytes(measured.peak_bytes), format_bytes(budget))
+    logger.info("FSDP plan: of %d units %d checkpointed whole, %d selectively, %d offloaded, %d with parts, peak %s "
+                "under %s", len(inner), len(chosen["checkpointed"]), len(chosen["selective"]),
+                len(chosen["offloaded"]), len(parts), format_bytes(measured.peak_bytes), format_bytes(budget))
     return FSDPPlan(
         world_size=world_size, units=tuple(unit_names), checkpointed=chosen["checkpointed"],
         selective=chosen["selective"], offloaded=chosen["offloaded"], host_pool_bytes=measured.host_pool_bytes,
@@ -203,31 +217,53 @@ def plan_fsdp(
                     for r in range(world_size)),
         predicted_step_ms=predicted.step_ms, baseline_step_ms=plain.step_ms, floor_step_ms=full.step_ms,
         exposed_collective_ms=predicted.exposed_collective_ms, interconnect_gb_per_s=gb_per_s,
-        optimizer_step_ms=optimizer_ms,
+        optimizer_step_ms=optimizer_ms, checkpointed_parts=chosen["checkpointed_parts"],
         provenance=planner.provenance, fingerprint=fingerprint(model, unit_names), notes=tuple(notes),
     )
 
 
-def _as_sets(decisions: Mapping[str, UnitDecision]) -> dict[str, tuple[str, ...]]:
-    """Decisions per unit as ``shard``'s arguments: checkpointed (whole), selective, offloaded."""
+def _every(units: Sequence[str], decision: UnitDecision) -> dict[str, UnitOption]:
+    """Every one of ``units`` given ``decision`` (a whole-unit one), as the knapsack's options (no estimates)."""
+    return {u: UnitOption(decision=decision, freed_bytes=0.0) for u in units}
+
+
+def _key(decisions: Mapping[str, UnitOption]) -> frozenset:
+    """What ``decisions`` do to the model, without their estimates: measurements are shared by it."""
+    return frozenset((u, o.key) for u, o in decisions.items() if o.decision is not UnitDecision.KEEP)
+
+
+def _as_sets(decisions: Mapping[str, UnitOption]) -> dict[str, tuple[str, ...]]:
+    """Options per unit as ``shard``'s arguments: checkpointed (whole), selective, offloaded, and the parts
+    checkpointed (full module names)."""
     def having(*kinds: UnitDecision) -> tuple[str, ...]:
-        return tuple(u for u, d in decisions.items() if d in kinds)
+        return tuple(u for u, o in decisions.items() if o.decision in kinds)
 
     return {"checkpointed": having(UnitDecision.FULL, UnitDecision.FULL_OFFLOAD),
             "selective": having(UnitDecision.SELECTIVE),
-            "offloaded": having(UnitDecision.OFFLOAD, UnitDecision.FULL_OFFLOAD)}
+            "offloaded": having(UnitDecision.OFFLOAD, UnitDecision.FULL_OFFLOAD),
+            "checkpointed_parts": tuple(f"{u}.{part}" for u, o in decisions.items()
+                                        if o.decision is UnitDecision.PARTS for part in o.parts)}
 
 
 def _unit_options(
     blocks: Sequence[UnitTimes], baseline: RankMemory, every: Mapping[UnitDecision, RankMemory],
-    link: LinkPrice | None,
+    every_part: Mapping[str, RankMemory], link: LinkPrice | None,
 ) -> dict[str, list[UnitOption]]:
     """Each unit's options but keep: bytes freed estimated as the unit's share of what every unit so treated frees
-    (measured): by its saved bytes in the single-device trace for checkpointing, by the slot bytes it moved for
-    offloading; time added: its recomputation and its exposed copies (``offload_copy_ms``); pool bytes: the slots it
-    moved."""
+    (measured): by its saved bytes (or its part's) in the single-device trace for checkpointing, by the slot bytes
+    it moved for offloading; time added: its recomputation (whole, selective or the part's forward) and its exposed
+    copies (``offload_copy_ms``); pool bytes: the slots it moved."""
     total_saved = sum(u.saved_bytes for u in blocks)
     options: dict[str, list[UnitOption]] = {u.name: [] for u in blocks}
+    for name, measured in every_part.items():
+        having = [(u, u.part(name)) for u in blocks if any(p.name == name for p in u.parts)]
+        part_saved = sum(part.saved_bytes for _, part in having)
+        for unit, part in having:
+            share = part.saved_bytes / part_saved if part_saved else 1.0 / len(having)
+            options[unit.name].append(UnitOption(
+                decision=UnitDecision.PARTS, parts=(name,), recompute_ms=part.forward_ms,
+                freed_bytes=share * (baseline.peak_bytes - measured.peak_bytes),
+            ))
     for decision, measured in every.items():
         freed = baseline.peak_bytes - measured.peak_bytes
         moved = {name: (nbytes, storages) for name, nbytes, storages in measured.moved}
@@ -269,7 +305,7 @@ def _measure_selective(measure: Callable[..., RankMemory], inner: Sequence[str])
     """Every unit selective, measured; torch's refusal when a unit's recomputation differs from its forward (a
     key/value cache it appended to, a random op) said in plan terms."""
     try:
-        return measure(dict.fromkeys(inner, UnitDecision.SELECTIVE))
+        return measure(_every(inner, UnitDecision.SELECTIVE))
     except RuntimeError as error:
         if "not found in storage" not in str(error):
             raise
@@ -283,10 +319,10 @@ def _measure_selective(measure: Callable[..., RankMemory], inner: Sequence[str])
 
 def _fit(
     units: list[str], options: Mapping[str, Sequence[UnitOption]], budget: int, baseline: RankMemory,
-    floor: RankMemory, floor_decisions: dict[str, UnitDecision],
-    measure: Callable[[Mapping[str, UnitDecision]], RankMemory], pool_limit: int | None,
+    floor: RankMemory, floor_decisions: dict[str, UnitOption],
+    measure: Callable[[Mapping[str, UnitOption]], RankMemory], pool_limit: int | None,
     known: dict[frozenset, RankMemory],
-) -> tuple[dict[str, UnitDecision], RankMemory, int]:
+) -> tuple[dict[str, UnitOption], RankMemory, int]:
     """The least-time decisions per unit that measure under ``budget``: the multiple-choice knapsack on the
     estimated bytes freed (``_unit_options``), measured; asked again for more while it overshoots; the floor in the
     end (which fits). ``known``: decisions measured already."""
@@ -297,9 +333,9 @@ def _fit(
     need, at_least, tries = float(baseline.peak_bytes - budget), 0.0, 0
     while True:
         choice = cheapest_choice(units, options, need, at_least_bytes=at_least, pool_limit_bytes=pool_limit)
-        if choice is None or choice == floor_decisions:  # nothing more to ask for: the floor
+        key = _key(choice) if choice is not None else None
+        if choice is None or key == _key(floor_decisions):  # nothing more to ask for: the floor
             return floor_decisions, floor, tries
-        key = frozenset(choice.items())
         if key not in known:
             tries += 1
             known[key] = measure(choice)
@@ -307,7 +343,7 @@ def _fit(
         if measured.peak_bytes <= budget and (pool_limit is None or measured.host_pool_bytes <= pool_limit):
             return choice, measured, tries
         need += max(measured.peak_bytes - budget, 1)  # the overshoot, taken off the next answer
-        at_least = sum(o.freed_bytes for u, d in choice.items() for o in options[u] if o.decision is d)
+        at_least = sum(o.freed_bytes for o in choice.values())
 
 
 def _default_units(model: nn.Module, graph: Graph, trace: StepTrace) -> tuple[str, ...]:
@@ -340,12 +376,13 @@ def _unit_times(
     model: nn.Module, units: Sequence[str], graph: Graph, trace: StepTrace, mp_policy: Any,
 ) -> dict[str, UnitTimes]:
     """Each unit's forward time, the part of it that is not matmuls or attention (``_is_saved_op``), its saved bytes
-    (the traced units under its module path; the root has the rest) and the bytes of its all-gather and
-    reduce-scatter."""
+    (the traced units under its module path; the root has the rest), the same for its parts (``_part_name``) and
+    the bytes of its all-gather and reduce-scatter."""
     inner = [u for u in units if u != ROOT]
     forward = dict.fromkeys((*inner, ROOT), 0.0)
     recomputed = dict.fromkeys((*inner, ROOT), 0.0)
     saved = dict.fromkeys((*inner, ROOT), 0)
+    parts: dict[str, dict[str, list]] = {u: {} for u in (*inner, ROOT)}  # unit -> part -> [forward ms, saved B]
     modules = dict(model.named_modules())
     for unit, cost in zip(graph.units, trace.units):
         path = unit.module_path or ""
@@ -354,6 +391,11 @@ def _unit_times(
         saved[owner] += cost.saved_bytes
         if not _is_saved_op(unit.op, modules.get(path)):
             recomputed[owner] += cost.forward_ms
+        part = _part_name(owner, path, modules) if owner != ROOT else None
+        if part is not None and not isinstance(modules.get(f"{owner}.{part}"), _ONE_OP_MODULES):
+            figures = parts[owner].setdefault(part, [0.0, 0])
+            figures[0] += cost.forward_ms
+            figures[1] += cost.saved_bytes
     param_dtype = getattr(mp_policy, "param_dtype", None)
     reduce_dtype = getattr(mp_policy, "reduce_dtype", None) or param_dtype
     owned = unit_parameter_bytes(model, units)
@@ -364,11 +406,47 @@ def _unit_times(
     return {
         name: UnitTimes(
             name=name, forward_ms=forward[name], saved_bytes=saved[name], selective_recompute_ms=recomputed[name],
+            parts=tuple(UnitPart(name=part, forward_ms=ms, saved_bytes=nbytes)
+                        for part, (ms, nbytes) in parts[name].items()),
             all_gather_bytes=in_dtype(*owned[name], param_dtype), reduce_scatter_bytes=in_dtype(*owned[name],
                                                                                                reduce_dtype),
         )
         for name in (*inner, ROOT)
     }
+
+
+def _part_name(unit: str, path: str, modules: Mapping[str, nn.Module]) -> str | None:
+    """The part of ``unit`` that the traced op at module ``path`` runs in, relative to the unit: the unit's child
+    that holds it, or the grandchild when that child is a ModuleList or ModuleDict (never called itself); None for
+    an op of the unit's own forward."""
+    if not path.startswith(unit + "."):
+        return None
+    pieces = path[len(unit) + 1:].split(".")
+    name = pieces.pop(0)
+    while pieces and isinstance(modules.get(f"{unit}.{name}"), (nn.ModuleList, nn.ModuleDict)):
+        name += "." + pieces.pop(0)
+    return name
+
+
+# modules that run one op saving its input: checkpointed alone they save that input all the same and free nothing
+_ONE_OP_MODULES = (nn.Linear, nn.Bilinear, nn.Embedding, nn.modules.conv._ConvNd)
+
+# parts tried as regions (one fake-process-group measurement each): those holding between 5 % and 90 % of a unit's
+# saved bytes (less frees little; more is nearly the whole unit, which full checkpointing already offers), the 3
+# holding the most over all units
+_PART_SAVED_SHARE = (0.05, 0.9)
+_MAX_PART_CANDIDATES = 3
+
+
+def _part_candidates(blocks: Sequence[UnitTimes]) -> list[str]:
+    """The parts (names relative to their units) worth measuring with every unit holding them checkpointed."""
+    totals: dict[str, int] = {}
+    low, high = _PART_SAVED_SHARE
+    for unit in blocks:
+        for part in unit.parts:
+            if unit.saved_bytes and low <= part.saved_bytes / unit.saved_bytes <= high:
+                totals[part.name] = totals.get(part.name, 0) + part.saved_bytes
+    return sorted(totals, key=lambda name: -totals[name])[:_MAX_PART_CANDIDATES]
 
 
 # traced units whose outputs selective checkpointing keeps (shard.SAVED_OPS at the aten level): by the name of a

@@ -1,6 +1,6 @@
 """``FSDPPlan``: what ``plan_fsdp`` decided for a model sharded by FSDP2 over N ranks (``UnitDecision`` per unit),
-with ``summary()``, ``save()`` (JSON, schema "autockpt.fsdp_plan" version 3, never pickle; files of versions 1 and 2,
-without offloaded units, still load), ``report()`` (markdown or HTML, written by ``present/fsdp_report.py``) and
+with ``summary()``, ``save()`` (JSON, schema "autockpt.fsdp_plan" version 4, never pickle; files of versions 1 to 3,
+without checkpointed parts, still load), ``report()`` (markdown or HTML, written by ``present/fsdp_report.py``) and
 ``load_fsdp_plan``.
 
 Bytes are ``int`` bytes per rank; GB = 10^9 bytes and GiB = 2^30 bytes, both written wherever a size is shown.
@@ -24,17 +24,21 @@ from autockpt.units import format_bytes
 logger = logging.getLogger(__name__)
 
 SCHEMA = "autockpt.fsdp_plan"
-SCHEMA_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)  # version 1: whole-unit plans, no ``selective`` units; 1 and 2: no ``offloaded`` ones
+SCHEMA_VERSION = 4
+# version 1: whole-unit plans, no ``selective`` units; 1 and 2: no ``offloaded`` ones; 1 to 3: no
+# ``checkpointed_parts`` (a reader of version 3 would drop them silently: hence version 4)
+READABLE_VERSIONS = (1, 2, 3, 4)
 
 
 class UnitDecision(str, Enum):
-    """What a plan does with one FSDP unit's activations: keep them all, recompute all but the outputs of matmuls
-    and attention (torch's selective activation checkpointing, torchtitan's op list), recompute the whole unit,
-    keep them all in the host pool between forward and backward (offload), or recompute the whole unit with its
-    inputs in the host pool (full_offload)."""
+    """What a plan does with one FSDP unit's activations: keep them all, recompute one module inside it (parts:
+    e.g. its attention or its MLP, ``FSDPPlan.checkpointed_parts``), recompute all but the outputs of matmuls and
+    attention (torch's selective activation checkpointing, torchtitan's op list), recompute the whole unit, keep
+    them all in the host pool between forward and backward (offload), or recompute the whole unit with its inputs in
+    the host pool (full_offload)."""
 
     KEEP = "keep"
+    PARTS = "parts"
     SELECTIVE = "selective"
     FULL = "full"
     OFFLOAD = "offload"
@@ -85,7 +89,8 @@ class FSDPPlan:
     ``selective_step_ms``: every unit selective (torchtitan's selective op list per block), measured and predicted as
     the others (None in plans of schema version 1). ``offloaded``: units run in the host pool (``host_pool_bytes``
     per rank, within ``host_pool_limit_bytes``): all they save for backward, or only their inputs when also in
-    ``checkpointed``. ``predicted_peak_bytes`` (the plan's), ``baseline_peak_bytes`` (nothing checkpointed) and
+    ``checkpointed``. ``checkpointed_parts``: modules inside units that are otherwise kept (full module names, e.g.
+    "layers.3.mlp"), each recomputed alone (``UnitDecision.PARTS``). ``predicted_peak_bytes`` (the plan's), ``baseline_peak_bytes`` (nothing checkpointed) and
     ``min_feasible_bytes`` (every unit but the root checkpointed whole: the floor) are the largest rank's peak over
     two training steps (forward, backward, optimizer step; the first step makes the states), inputs included,
     measured on the fake process group. ``predicted_step_ms``: the step time model (compute,
@@ -118,6 +123,7 @@ class FSDPPlan:
     host_pool_limit_bytes: int | None = None  # the bound the plan was given (``host_pool_gb``); None: no offload
     exposed_copy_ms: float = 0.0  # the offloaded units' copies the step waits for, by the time model
     optimizer_step_ms: float = 0.0  # optimizer.step() in every step time above (memory-bound; 0 without a target)
+    checkpointed_parts: tuple[str, ...] = ()  # modules inside kept units, each checkpointed alone (schema 4)
 
     def __post_init__(self) -> None:
         both = set(self.checkpointed) & set(self.selective)
@@ -135,10 +141,28 @@ class FSDPPlan:
                 f"units {sorted(set(self.offloaded) & set(self.selective))} are both selective and offloaded: a "
                 "selective unit is not offloaded"
             )
+        whole = {*self.checkpointed, *self.selective, *self.offloaded}
+        for part in self.checkpointed_parts:
+            owner = self.unit_of(part)
+            if owner is None or owner in whole:
+                raise ValueError(
+                    f"checkpointed part {part!r} must lie inside a unit that is otherwise kept ("
+                    + ("it lies in no unit" if owner is None else f"{owner!r} is already checkpointed or offloaded")
+                    + "): take it out of checkpointed_parts"
+                )
+
+    def unit_of(self, module: str) -> str | None:
+        """The inner unit that holds ``module`` (a full module name), or None."""
+        return next((u for u in self.units if u and module.startswith(u + ".")), None)
+
+    def parts_of(self, unit: str) -> tuple[str, ...]:
+        """The checkpointed parts (full module names) inside ``unit``."""
+        return tuple(p for p in self.checkpointed_parts if self.unit_of(p) == unit)
 
     def decision(self, unit: str) -> UnitDecision:
         """``unit``'s decision: FULL (in ``checkpointed``), FULL_OFFLOAD (in ``checkpointed`` and ``offloaded``),
-        OFFLOAD (in ``offloaded``), SELECTIVE (in ``selective``) or KEEP."""
+        OFFLOAD (in ``offloaded``), SELECTIVE (in ``selective``), PARTS (some of its modules in
+        ``checkpointed_parts``) or KEEP."""
         if unit not in self.units:
             raise KeyError(f"{unit!r} is not a unit of this plan (units: {', '.join(map(repr, self.units))})")
         offloaded = unit in self.offloaded
@@ -146,7 +170,9 @@ class FSDPPlan:
             return UnitDecision.FULL_OFFLOAD if offloaded else UnitDecision.FULL
         if offloaded:
             return UnitDecision.OFFLOAD
-        return UnitDecision.SELECTIVE if unit in self.selective else UnitDecision.KEEP
+        if unit in self.selective:
+            return UnitDecision.SELECTIVE
+        return UnitDecision.PARTS if self.parts_of(unit) else UnitDecision.KEEP
 
     @property
     def overhead_pct(self) -> float:
@@ -157,7 +183,8 @@ class FSDPPlan:
         inner = [u for u in self.units if u]
         lines = [
             (f"FSDP2 plan for world size {self.world_size}: of {len(inner)} units {len(self.checkpointed)} "
-            f"checkpointed whole, {len(self.selective)} selectively, {len(self.offloaded)} offloaded (and the root "
+            f"checkpointed whole, {len(self.selective)} selectively, {len(self.offloaded)} offloaded, "
+            f"{len({self.unit_of(p) for p in self.checkpointed_parts})} with parts checkpointed (and the root "
             "sharded), "
             f"reshard_after_forward={self.reshard_after_forward}, mixed precision: {self.mixed_precision}"),
             f"  per-rank budget   {format_bytes(self.budget_bytes)}",
@@ -172,6 +199,7 @@ class FSDPPlan:
             f"collectives exposed; {self.optimizer_step_ms:.3f} ms of optimizer step)"),
             f"  checkpointed      {', '.join(self.checkpointed) or '(none)'}",
             f"  selective         {', '.join(self.selective) or '(none)'}",
+            f"  parts             {', '.join(self.checkpointed_parts) or '(none)'}",
             (f"  offloaded         {', '.join(self.offloaded) or '(none)'}: a host pool of "
              f"{format_bytes(self.host_pool_bytes)} per rank (bound {format_bytes(self.host_pool_limit_bytes)}), "
              f"{self.exposed_copy_ms:.3f} ms of copies exposed" if self.host_pool_limit_bytes is not None
@@ -229,6 +257,7 @@ def load_fsdp_plan(path: str | Path) -> FSDPPlan:
         fields["checkpointed"] = tuple(fields["checkpointed"])
         fields["selective"] = tuple(fields.get("selective", ()))  # version 1: whole-unit decisions only
         fields["offloaded"] = tuple(fields.get("offloaded", ()))  # versions 1 and 2: nothing offloaded
+        fields["checkpointed_parts"] = tuple(fields.get("checkpointed_parts", ()))  # versions 1 to 3: none
         fields["notes"] = tuple(fields.get("notes", ()))
         fields["provenance"] = Provenance(**fields["provenance"])
         fields["ranks"] = tuple(

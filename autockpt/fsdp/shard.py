@@ -129,9 +129,11 @@ def unit_parameter_bytes(model: nn.Module, units: Sequence[str]) -> dict[str, tu
 def shard(
     model: nn.Module, units: Sequence[str], checkpointed: Sequence[str], mesh: Any, *,
     reshard_after_forward: bool, mp_policy: Any, selective: Sequence[str] = (), offloaded: Sequence[str] = (),
-    host_pool_bytes: int = 0, fake_tensors: bool = False,
+    host_pool_bytes: int = 0, fake_tensors: bool = False, checkpointed_parts: Sequence[str] = (),
 ) -> nn.Module:
-    """Checkpoint the ``checkpointed`` units' forward whole and the ``selective`` units' selectively, run the
+    """Checkpoint the ``checkpointed`` units' forward whole and the ``selective`` units' selectively, and each of
+    ``checkpointed_parts`` (modules inside kept units) alone: in backward a part's recomputation runs inside its
+    unit's backward, after the unit's all-gather, like a whole unit's. Run the
     ``offloaded`` units' forward in a host pool of ``host_pool_bytes`` (``offload.py``; ``fake_tensors``: the
     planner's fake world), then ``fully_shard`` every unit and the root on ``mesh``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -141,6 +143,8 @@ def shard(
         checkpoint_forward(modules[name])
     for name in selective:
         checkpoint_forward(modules[name], selective=True)
+    for name in checkpointed_parts:
+        checkpoint_forward(modules[name])
     holder = offload_units(model, list(units), list(offloaded), host_pool_bytes, fake_tensors=fake_tensors) \
         if offloaded else None
     extra = {"mp_policy": mp_policy} if mp_policy is not None else {"mp_policy": MixedPrecisionPolicy()}
@@ -150,8 +154,8 @@ def shard(
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, **extra)
     if holder is not None:
         start_steps(model, holder)
-    logger.debug("sharded %d units (%d checkpointed, %d selective, %d offloaded) over a mesh of %s", len(units),
-                 len(checkpointed), len(selective), len(offloaded), mesh)
+    logger.debug("sharded %d units (%d checkpointed, %d selective, %d offloaded, %d parts) over a mesh of %s",
+                 len(units), len(checkpointed), len(selective), len(offloaded), len(checkpointed_parts), mesh)
     return model
 
 

@@ -15,6 +15,8 @@ import torch.multiprocessing as mp
 from fsdp_worker import CONFIG, batch, build, lm_loss, reference, run_rank
 
 import autockpt
+from autockpt.core.devices import device_spec
+from autockpt.measure.timing import RooflineTiming
 
 logger = logging.getLogger(__name__)
 WORLD = 2
@@ -31,6 +33,9 @@ CASES = {
     # with a host pool: under what every unit checkpointed whole reaches (full checkpointing per block), above what
     # every unit whole with its inputs in the pool reaches
     "offloaded-under-the-floor": ("decoder", 256, ("pool floor", "floor"), {"full_offload"}),
+    # a tenth of the way from nothing checkpointed to the floor, roofline times (the same choice on every machine):
+    # some blocks keep all but one part (their attention or a norm) checkpointed
+    "llama-parts": ("llama", 256, ("tenth", "baseline"), None),
 }
 
 
@@ -46,9 +51,12 @@ def test_two_ranks_give_the_single_process_losses_and_gradients_under_the_budget
         config["model"]["heads"] = 4
     ids, target = batch(config, rank=0, world=WORLD)
     common = {"world_size": WORLD, "example_inputs": (ids,), "example_target": target, "loss_fn": lm_loss}
+    if low == "tenth":
+        common["timing"] = RooflineTiming(device_spec("h100-sxm-80gb"))
     roomy = autockpt.plan_fsdp(build(config), budget_bytes=10**9, **common)
     peaks = {"baseline": roomy.baseline_peak_bytes, "selective": roomy.selective_peak_bytes,
              "floor": roomy.min_feasible_bytes}
+    peaks["tenth"] = roomy.baseline_peak_bytes - (roomy.baseline_peak_bytes - roomy.min_feasible_bytes) // 5
     if low == "pool floor":
         common["host_pool_gb"] = 1.0
         peaks[low] = autockpt.plan_fsdp(build(config), budget_bytes=10**9, **common).min_feasible_bytes
@@ -57,9 +65,10 @@ def test_two_ranks_give_the_single_process_losses_and_gradients_under_the_budget
     fplan = autockpt.plan_fsdp(build(config), budget_bytes=budget, **common)
     made = {fplan.decision(u).value for u in fplan.units if u}
     assert made != {"keep"} and (decisions is None or made == decisions), made
+    assert low != "tenth" or "parts" in made, made
     assert (fplan.host_pool_bytes > 0) == ("host_pool_gb" in common)
-    logger.warning("%s: checkpointed %s, selective %s, offloaded %s", case, fplan.checkpointed, fplan.selective,
-                   fplan.offloaded)
+    logger.warning("%s: checkpointed %s, selective %s, offloaded %s, parts %s", case, fplan.checkpointed,
+                   fplan.selective, fplan.offloaded, fplan.checkpointed_parts)
     fplan.save(tmp_path / "plan.json")
 
     context = mp.start_processes(

@@ -16,6 +16,7 @@ import autockpt
 from autockpt.errors import InfeasibleBudgetError, PlanFileError, PlanMismatchError
 from autockpt.fsdp.choose import (
     UnitOption,
+    UnitPart,
     UnitTimes,
     cheapest_choice,
     link_ms,
@@ -30,7 +31,12 @@ from autockpt.measure.loop import NAMED_OPTIMIZERS
 from autockpt.types import LinkPrice
 
 WORLD = 2
-FULL, SELECTIVE, OFFLOAD = UnitDecision.FULL, UnitDecision.SELECTIVE, UnitDecision.OFFLOAD
+FULL, SELECTIVE, OFFLOAD, PARTS = UnitDecision.FULL, UnitDecision.SELECTIVE, UnitDecision.OFFLOAD, UnitDecision.PARTS
+LLAMA = {**CONFIG, "kind": "llama", "model": {**CONFIG["model"], "heads": 4}}  # RMSNorm, attention, SwiGLU
+
+
+def _decisions(choice: dict[str, UnitOption]) -> dict[str, UnitDecision]:
+    return {u: o.decision for u, o in choice.items()}
 
 
 def _plan(model=None, **kwargs) -> FSDPPlan:
@@ -85,7 +91,8 @@ def test_a_budget_between_all_selective_and_the_baseline_checkpoints_some_units_
     with fake_world(WORLD):
         again = measure_sharded_step(
             build(CONFIG), world_size=WORLD, units=fplan.units, checkpointed=fplan.checkpointed,
-            selective=fplan.selective, reshard_after_forward=True, mp_policy=None, inputs=((ids,), {}, target),
+            selective=fplan.selective, checkpointed_parts=fplan.checkpointed_parts, reshard_after_forward=True,
+            mp_policy=None, inputs=((ids,), {}, target),
             step_loss=lm_loss, make_optimizer=NAMED_OPTIMIZERS["adamw"],
         )
     assert again.peak_bytes == fplan.predicted_peak_bytes <= budget
@@ -205,7 +212,7 @@ def test_save_and_load_give_the_same_plan(roomy, tmp_path) -> None:
     old = autockpt.load_fsdp_plan(tmp_path / "v1.json")
     assert old.selective == () and old.checkpointed == fplan.checkpointed and old.selective_peak_bytes is None
     (tmp_path / "v9.json").write_text(json.dumps({**data, "version": 9}))
-    with pytest.raises(PlanFileError, match="reads versions 1, 2"):
+    with pytest.raises(PlanFileError, match="reads versions 1, 2, 3, 4"):
         autockpt.load_fsdp_plan(tmp_path / "v9.json")
     with pytest.raises(ValueError, match="both fully and selectively"):
         dataclasses.replace(fplan, checkpointed=fplan.units[:1], selective=fplan.units[:1])
@@ -345,20 +352,30 @@ def test_the_time_model_prices_collectives_and_hides_them_behind_compute() -> No
     assert recomputed.exposed_collective_ms < slow.exposed_collective_ms  # recomputation hides more of the link
     names = [u.name for u in blocks]
     full = {u.name: [UnitOption(decision=FULL, freed_bytes=u.saved_bytes, recompute_ms=u.forward_ms)] for u in blocks}
-    assert cheapest_choice(names, full, 11) in ({"b1": FULL}, {"b2": FULL})
+    assert _decisions(cheapest_choice(names, full, 11)) in ({"b1": FULL}, {"b2": FULL})
     assert len(cheapest_choice(names, full, 11, at_least_bytes=12)) == 2  # more than an earlier choice saved
     assert cheapest_choice(names, full, 10**6) is None
     selective = [dataclasses.replace(u, selective_recompute_ms=0.5) for u in blocks]
     both = {u.name: [*full[u.name], UnitOption(decision=SELECTIVE, freed_bytes=u.saved_bytes / 2, recompute_ms=0.5)]
             for u in blocks}
-    assert cheapest_choice(names, both, 10) == {"b1": SELECTIVE, "b2": SELECTIVE}  # 2 x 0.5 ms beat 2 ms
-    assert cheapest_choice(names, both, 30) == dict.fromkeys(names, FULL)  # only all full reaches 30
+    assert _decisions(cheapest_choice(names, both, 10)) == {"b1": SELECTIVE, "b2": SELECTIVE}  # 2 x 0.5 ms < 2 ms
+    assert _decisions(cheapest_choice(names, both, 30)) == dict.fromkeys(names, FULL)  # only all full reaches 30
     # offloading: cheaper than recomputing here, but the host pool's bound keeps it to one unit
     offload = {u.name: [*both[u.name], UnitOption(decision=OFFLOAD, freed_bytes=u.saved_bytes, copy_ms=0.1,
                                                   pool_bytes=100)] for u in blocks}
-    assert cheapest_choice(names, offload, 30) == dict.fromkeys(names, OFFLOAD)
+    assert _decisions(cheapest_choice(names, offload, 30)) == dict.fromkeys(names, OFFLOAD)
     limited = cheapest_choice(names, offload, 21, pool_limit_bytes=150)  # one offloaded, two selective: 1.1 ms
-    assert sorted(d.value for d in limited.values()) == ["offload", "selective", "selective"]
+    assert sorted(o.decision.value for o in limited.values()) == ["offload", "selective", "selective"]
+    # a part (the unit's attention): less freed than the whole unit at a quarter of its recomputation
+    attention = UnitPart(name="attn", forward_ms=0.5, saved_bytes=6)
+    parted = [dataclasses.replace(u, parts=(attention,)) for u in blocks]
+    with_parts = {u.name: [*full[u.name], UnitOption(decision=PARTS, parts=("attn",), freed_bytes=6,
+                                                     recompute_ms=0.5)] for u in blocks}
+    chosen = cheapest_choice(names, with_parts, 12)
+    assert {u: o.key for u, o in chosen.items()} == {"b1": (PARTS, ("attn",)), "b2": (PARTS, ("attn",))}
+    parts_time = step_time(root, parted, set(), world_size=2, gb_per_s=None, reshard_after_forward=True,
+                           parts={u: o.parts for u, o in chosen.items()})
+    assert parts_time.recompute_ms == pytest.approx(1.0)
     mixed = step_time(root, selective, {"b0"}, selective={"b1"}, world_size=2, gb_per_s=None,
                       reshard_after_forward=True, copies_ms={"b2": 0.25})
     assert mixed.recompute_ms == pytest.approx(2.5) and mixed.exposed_copy_ms == pytest.approx(0.25)
@@ -442,5 +459,90 @@ def test_a_hugging_face_llama_on_meta_plans_its_decoder_layers() -> None:
     middle = (roomy.min_feasible_bytes + roomy.baseline_peak_bytes) // 2
     fplan = autockpt.plan_fsdp(model, world_size=4, budget_bytes=middle, example_inputs=(ids,),
                                example_kwargs={"labels": ids})
-    assert 0 < len(fplan.checkpointed) + len(fplan.selective) and fplan.predicted_peak_bytes <= middle
+    assert {fplan.decision(u) for u in fplan.units if u} != {UnitDecision.KEEP}
+    assert fplan.predicted_peak_bytes <= middle
+    assert {p.rsplit(".", 1)[1] for p in fplan.checkpointed_parts} <= {"self_attn", "mlp", "input_layernorm",
+                                                                       "post_attention_layernorm"}
     assert roomy.min_feasible_bytes < roomy.selective_peak_bytes < roomy.baseline_peak_bytes
+
+
+@pytest.fixture(scope="module")
+def parted() -> FSDPPlan:
+    """A Llama-style plan (roofline times: the same choice on every machine) a little under nothing checkpointed's
+    peak, where checkpointing a part of some blocks (their attention or a norm) is the cheapest way to fit."""
+    from autockpt.core.devices import device_spec
+    from autockpt.measure.timing import RooflineTiming
+
+    roofline = RooflineTiming(device_spec("h100-sxm-80gb"))
+    roomy = _plan(build(LLAMA), timing=roofline)
+    budget = roomy.baseline_peak_bytes - (roomy.baseline_peak_bytes - roomy.min_feasible_bytes) // 10
+    ids, target = batch(LLAMA, rank=0, world=WORLD)
+    return _plan(build(LLAMA), budget_bytes=budget, timing=roofline, example_inputs=(ids,), example_target=target)
+
+
+def test_a_unit_may_have_one_of_its_parts_checkpointed_and_the_plan_measures_it(parted) -> None:
+    """Parts: a module inside a unit (its attention, a norm), checkpointed alone; the plan's peak is the measured
+    one of its decisions (measured again here), its step time counts the parts' recomputation."""
+    assert PARTS in {parted.decision(u) for u in parted.units if u}, parted.summary()
+    assert parted.checkpointed_parts and all(
+        parted.decision(parted.unit_of(p)) is PARTS and p.split(".", 2)[2] in ("self_attn", "input_layernorm",
+                                                                              "post_attention_layernorm")
+        for p in parted.checkpointed_parts)
+    assert "one of the parts self_attn" in parted.notes[0] and "parts             layers." in parted.summary()
+    assert parted.predicted_peak_bytes <= parted.budget_bytes < parted.baseline_peak_bytes
+    assert parted.predicted_step_ms > parted.baseline_step_ms
+    ids, target = batch(LLAMA, rank=0, world=WORLD)
+    with fake_world(WORLD):
+        again = measure_sharded_step(
+            build(LLAMA), world_size=WORLD, units=parted.units, checkpointed=parted.checkpointed,
+            selective=parted.selective, checkpointed_parts=parted.checkpointed_parts, reshard_after_forward=True,
+            mp_policy=None, inputs=((ids,), {}, target), step_loss=lm_loss, make_optimizer=NAMED_OPTIMIZERS["adamw"],
+        )
+        kept = measure_sharded_step(
+            build(LLAMA), world_size=WORLD, units=parted.units, checkpointed=parted.checkpointed,
+            selective=parted.selective, reshard_after_forward=True, mp_policy=None, inputs=((ids,), {}, target),
+            step_loss=lm_loss, make_optimizer=NAMED_OPTIMIZERS["adamw"],
+        )
+    assert again.peak_bytes == parted.predicted_peak_bytes < kept.peak_bytes  # the parts free bytes
+
+
+def test_an_applied_plan_checkpoints_its_parts_and_files_keep_them(parted, tmp_path) -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert autockpt.load_fsdp_plan(parted.save(tmp_path / "parts.json")) == parted
+    data = json.loads((tmp_path / "parts.json").read_text())
+    assert data["version"] == 4
+    del data["checkpointed_parts"]  # a version 3 file: no parts
+    (tmp_path / "v3.json").write_text(json.dumps({**data, "version": 3}))
+    assert autockpt.load_fsdp_plan(tmp_path / "v3.json") == dataclasses.replace(parted, checkpointed_parts=())
+    unit = parted.unit_of(parted.checkpointed_parts[0])
+    with pytest.raises(ValueError, match="must lie inside a unit that is otherwise kept"):
+        dataclasses.replace(parted, checkpointed=(*parted.checkpointed, unit))
+    with pytest.raises(ValueError, match="it lies in no unit"):
+        dataclasses.replace(parted, checkpointed_parts=("lm_head",))
+    with torch.device("meta"):
+        model = build(LLAMA)
+    dist.init_process_group("fake", rank=0, world_size=WORLD, store=FakeStore())
+    try:
+        sharded = autockpt.apply_fsdp(model, parted)
+        kinds = {n: checkpoint_kind(m) for n, m in sharded.named_modules() if checkpoint_kind(m)}
+        assert kinds == {**dict.fromkeys(parted.checkpointed, "full"), **dict.fromkeys(parted.selective, "selective"),
+                         **dict.fromkeys(parted.checkpointed_parts, "full")}
+    finally:
+        dist.destroy_process_group()
+    with torch.device("meta"):
+        model = build(LLAMA)
+    with pytest.raises(PlanMismatchError, match=r"part\(s\) \['layers.\d.no_such_part'\] are not modules"):
+        autockpt.apply_fsdp(model, dataclasses.replace(parted, checkpointed_parts=(f"{unit}.no_such_part",)))
+
+
+def test_parts_are_a_units_children_or_the_children_of_its_module_lists() -> None:
+    from autockpt.fsdp.plan import _part_name
+
+    block = torch.nn.Module()
+    block.attn = torch.nn.Linear(2, 2)
+    block.experts = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(2, 2))])
+    modules = {f"layers.0{'.' + n if n else ''}": m for n, m in block.named_modules()}
+    assert _part_name("layers.0", "layers.0.attn", modules) == "attn"
+    assert _part_name("layers.0", "layers.0.experts.0.0", modules) == "experts.0"
+    assert _part_name("layers.0", "layers.0", modules) is None

@@ -4,14 +4,18 @@ the meta device), each plan's peak measured alone and its step timed against ful
 
     python experiments/probe_fsdp_cuda_llama.py --out DIR                 # on a machine with a GPU
     python experiments/probe_fsdp_cuda_llama.py --out /tmp/x --tiny cpu   # a small config on gloo, to try the script
+    python experiments/probe_fsdp_cuda_llama.py --parts --batch 2 --pool-gb 0 --plan-only --out DIR  # parts' plans
 
 The model: transformers ``LlamaForCausalLM`` with Llama-3-8B's blocks (hidden 4096, intermediate 14336, 32 heads, 8
 KV heads) but ``--layers`` of them (default 4) and a ``--vocab`` (default 32000) that let two models and their
 AdamW states sit on one 80 GB GPU at once; 1 x ``--seq`` tokens (default 8192), ``MixedPrecisionPolicy(bfloat16
 params, float32 reduce)``, fp32 AdamW (foreach). Plans: nothing checkpointed, full and selective per block (the
 roomy plan with every block so), autockpt halfway between selective's peak and nothing checkpointed, autockpt
-halfway between the floor and selective's peak, and with a host pool (``--pool-gb``) autockpt halfway between every
-block whole with its inputs offloaded and every block whole.
+halfway between the floor and selective's peak, and with a host pool (``--pool-gb`` > 0) autockpt halfway between
+every block whole with its inputs offloaded and every block whole. With ``--parts``: every block with its MLP
+checkpointed alone, every block with its attention so (their peaks measured on the fake process group as the planner
+measures; no step time predicted for these two), autockpt at the MLP plan's peak, and autockpt a tenth of the way from
+nothing checkpointed to the floor (where a plan's parts are the cheapest way to fit).
 
 Peak: each plan's model alone on the GPU, two steps from a clean allocator (the first makes the optimizer states):
 ``torch.cuda.max_memory_allocated`` (and reserved) against ``predicted_peak_bytes``, and ``FSDPMemTracker``'s
@@ -76,7 +80,7 @@ def make_plans(config: Any, args: argparse.Namespace) -> tuple[dict[str, autockp
     # torch 2.11's export of a meta model records meta devices that the fake trace's CPU fakes then fail
     # (assert_tensor_metadata); 2.13 traces it: plan with --plan-only there and carry the plans (--plans)
     planned_model = meta_model(config)
-    ids = torch.zeros((1, args.seq), dtype=torch.long, device="meta")
+    ids = torch.zeros((args.batch, args.seq), dtype=torch.long, device="meta")
     common = {"world_size": 1, "example_inputs": (ids,), "example_target": ids, "loss_fn": loss_fn,
               "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
               "target": TARGET, "units": [f"model.layers.{i}" for i in range(config.num_hidden_layers)]}
@@ -106,6 +110,10 @@ def make_plans(config: Any, args: argparse.Namespace) -> tuple[dict[str, autockp
             plans[name] = planned(name, (low + high) // 2)
         else:
             print(f"no {name!r} plan: nothing between {low} B and {high} B")
+    if args.parts:
+        plans.update(parts_plans(planned, config, none, inner, common))
+    if not args.pool_gb:
+        return plans, seconds
     pool_floor = planned("pool floor", 10**13, host_pool_gb=args.pool_gb).min_feasible_bytes
     if pool_floor < none.min_feasible_bytes:
         plans["autockpt + pool, under full"] = planned("autockpt + pool, under full",
@@ -114,6 +122,32 @@ def make_plans(config: Any, args: argparse.Namespace) -> tuple[dict[str, autockp
     else:
         print(f"no pooled plan: the pool floor {pool_floor} B is not under full's {none.min_feasible_bytes} B")
     return plans, seconds
+
+
+def parts_plans(planned: Any, config: Any, none: autockpt.FSDPPlan, inner: tuple[str, ...],
+                common: dict[str, Any]) -> dict[str, autockpt.FSDPPlan]:
+    """Every block with one part checkpointed (its peak measured on the fake process group, as the planner does for
+    a CUDA target; its step time not predicted: NaN), autockpt at the MLP plan's peak and a tenth under none."""
+    from autockpt.fsdp.fake_world import fake_world, measure_sharded_step
+    from autockpt.measure.loop import NAMED_OPTIMIZERS
+
+    plans = {}
+    for part in ("mlp", "self_attn"):
+        parts = tuple(f"{unit}.{part}" for unit in inner)
+        with fake_world(1):
+            peak = measure_sharded_step(
+                meta_model(config), world_size=1, units=none.units, checkpointed=(),
+                checkpointed_parts=parts, reshard_after_forward=True, mp_policy=common["mp_policy"],
+                inputs=(common["example_inputs"], {}, common["example_target"]), step_loss=loss_fn,
+                make_optimizer=NAMED_OPTIMIZERS["adamw"], device_type="cuda",
+            ).peak_bytes
+        plans[f"{part} per block"] = dataclasses.replace(
+            none, budget_bytes=peak, checkpointed_parts=parts, predicted_peak_bytes=peak,
+            predicted_step_ms=float("nan"), ranks=())
+    plans["autockpt at mlp's peak"] = planned("autockpt at mlp's peak", plans["mlp per block"].predicted_peak_bytes)
+    tenth = none.baseline_peak_bytes - (none.baseline_peak_bytes - none.min_feasible_bytes) // 10
+    plans["autockpt a tenth under none"] = planned("autockpt a tenth under none", tenth)
+    return plans
 
 
 def build(config: Any, fplan: autockpt.FSDPPlan, device: str) -> torch.nn.Module:
@@ -230,6 +264,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=1, help="rows of --seq tokens per step")
+    parser.add_argument("--parts", action="store_true", help="add the plans of checkpointed parts (MLP, attention)")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--pool-gb", type=float, default=16.0)
     parser.add_argument("--tiny", action="store_true", help="a small config (to try the script on a CPU)")
@@ -263,7 +299,7 @@ def main() -> None:
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=0, world_size=1,
                             init_method="tcp://127.0.0.1:29541", timeout=datetime.timedelta(seconds=120))
     try:
-        ids = torch.randint(0, config.vocab_size, (1, args.seq), generator=torch.Generator().manual_seed(1))
+        ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
         ids = ids.to(args.device)
         alone = {}
         # the plans count AdamW's for-loop step: its foreach temporaries are not in the prediction (docs/fsdp.md)
@@ -293,6 +329,7 @@ def main() -> None:
                                                                         & set(fplan.offloaded)),
             "selective": len(fplan.selective), "offloaded": len(fplan.offloaded),
             "full_offload": len(set(fplan.checkpointed) & set(fplan.offloaded)),
+            "parts": len(fplan.checkpointed_parts),
             "units": len(fplan.units) - 1, "host_pool_bytes": fplan.host_pool_bytes,
             "budget_bytes": fplan.budget_bytes, "predicted_peak_bytes": fplan.predicted_peak_bytes,
             "max_allocated_bytes": alone[name].get("max_allocated_bytes"),
@@ -314,7 +351,8 @@ def main() -> None:
                for name, (p, _) in runs.items()}
     meta = {"command": " ".join(sys.argv), "torch": torch.__version__,
             "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-            "config": {k: getattr(args, k) for k in ("layers", "vocab", "seq", "rounds", "pool_gb", "tiny")}}
+            "config": {k: getattr(args, k) for k in ("layers", "vocab", "seq", "batch", "rounds", "pool_gb", "tiny",
+                                                     "parts")}}
     (args.out / "fsdp_cuda_llama.json").write_text(json.dumps({"meta": meta, "details": details}, indent=1))
     print(json.dumps(meta))
     for row in rows:

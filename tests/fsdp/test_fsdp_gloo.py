@@ -64,7 +64,9 @@ def test_two_ranks_give_the_single_process_losses_and_gradients_under_the_budget
     budget = (peaks[low] + peaks[high]) // 2
     fplan = autockpt.plan_fsdp(build(config), budget_bytes=budget, **common)
     made = {fplan.decision(u).value for u in fplan.units if u}
-    assert made != {"keep"} and (decisions is None or made == decisions), made
+    # units the budget does not need are kept or given a part (a norm or attention checkpointed alone, when the
+    # times measured here make it cheapest)
+    assert made != {"keep"} and (decisions is None or made - {"keep", "parts"} == decisions - {"keep"}), made
     assert low != "tenth" or "parts" in made, made
     assert (fplan.host_pool_bytes > 0) == ("host_pool_gb" in common)
     logger.warning("%s: checkpointed %s, selective %s, offloaded %s, parts %s", case, fplan.checkpointed,

@@ -45,8 +45,8 @@ def apply_fsdp(model: nn.Module, fplan: FSDPPlan, mesh: Any = None) -> nn.Module
                             *fplan.checkpointed_parts) if u != ROOT and u not in modules]
     if unknown:
         raise PlanMismatchError(
-            f"the plan's unit(s) or part(s) {unknown} are not modules of {type(model).__name__}: apply the plan to the model it "
-            "was made for, or plan this model (autockpt.plan_fsdp)"
+            f"the plan's unit(s) or part(s) {unknown} are not modules of {type(model).__name__}: apply the plan to "
+            "the model it was made for, or plan this model (autockpt.plan_fsdp)"
         )
     if fingerprint(model, fplan.units) != fplan.fingerprint:
         raise PlanMismatchError(

@@ -63,8 +63,9 @@ class UnitTimes:
     selective_recompute_ms: float = 0.0  # its forward but the matmuls and attention: selective's recomputation
     parts: tuple[UnitPart, ...] = ()  # the modules inside it that may be checkpointed alone (``UnitDecision.PARTS``)
 
-    def part(self, name: str) -> UnitPart:
-        return next(p for p in self.parts if p.name == name)
+    def part(self, name: str) -> UnitPart | None:
+        """Its part called ``name``, or None when it has none of that name."""
+        return next((p for p in self.parts if p.name == name), None)
 
 
 def link_ms(nbytes: int, world_size: int, gb_per_s: float | None) -> float:

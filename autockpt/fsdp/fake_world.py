@@ -178,7 +178,8 @@ def measure_sharded_step(
     breakdown = tuple(snapshot.items())
     peak = sum(snapshot.values())
     logger.debug("world %d, %d of %d units checkpointed, %d selective, %d offloaded, %d parts: rank peak %d B",
-                 world_size, len(checkpointed), len(units), len(selective), len(offloaded), len(checkpointed_parts), peak)
+                 world_size, len(checkpointed), len(units), len(selective), len(offloaded), len(checkpointed_parts),
+                 peak)
     pool = unit_pool(sharded)
     figures = {"peak_bytes": peak, "breakdown": breakdown, "timeline": tuple(timeline), "step_start": step_start,
                "step_foreach_peak": step_foreach_peak}

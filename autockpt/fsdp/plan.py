@@ -63,8 +63,7 @@ def plan_fsdp(
     timing: Any = "auto", host_pool_gb: float | None = None,
 ) -> FSDPPlan:
     """Plan checkpointing per FSDP unit (keep, one part such as its attention or MLP, selective or whole) for
-    ``model`` sharded by FSDP2 over ``world_size``
-    ranks, under a per-rank budget.
+    ``model`` sharded by FSDP2 over ``world_size`` ranks, under a per-rank budget.
 
     ``example_inputs`` / ``example_kwargs`` / ``example_target``: ONE rank's batch (real or meta tensors; the model
     may be on the meta device and is not changed). ``loss_fn(output, target)`` with a target, ``loss_fn(output)``
@@ -159,22 +158,24 @@ def plan_fsdp(
             )
         every[UnitDecision.SELECTIVE] = _measure_selective(measure, inner) if inner else baseline
         # every unit with the same part checkpointed: only needed when something must be freed
-        every_part = {name: measure({u.name: UnitOption(decision=UnitDecision.PARTS, freed_bytes=0.0, parts=(name,))
-                                     for u in blocks if any(p.name == name for p in u.parts)})
-                      for name in (_part_candidates(blocks) if baseline.peak_bytes > budget else ())}
+        part_choices = {name: {u.name: UnitOption(decision=UnitDecision.PARTS, freed_bytes=0.0, parts=(name,))
+                               for u in blocks if u.part(name) is not None}
+                        for name in (_part_candidates(blocks) if baseline.peak_bytes > budget else ())}
+        every_part = {name: measure(choice) for name, choice in part_choices.items()}
         link = _link(spec) if pool_limit is not None else None
         options = _unit_options(blocks, baseline, every, every_part, link)
         known = {_key(_every(inner, d)): m for d, m in every.items()}  # measured already
+        known.update({_key(part_choices[name]): m for name, m in every_part.items()})
+        floor_options = {u: next(o for o in options[u] if o.decision is floor_decision) for u in inner}
         decisions, measured, tries = _fit([u.name for u in blocks], options, budget, baseline, floor,
-                                          _every(inner, floor_decision), measure, pool_limit, known)
+                                          floor_options, measure, pool_limit, known)
     chosen = _as_sets(decisions)
     optimizer_ms = (optimizer_step_ms(dict(baseline.step_start), dict(baseline.step_foreach_peak) or None,
                                       spec.hbm_gb_per_s)
                     if spec is not None and baseline.step_start else 0.0)  # the same in every plan of this model
     kwargs_time = {"world_size": world_size, "gb_per_s": gb_per_s, "reshard_after_forward": reshard_after_forward,
                    "optimizer_ms": optimizer_ms}
-    # priced by the unit's option of that kind (the floor's decisions carry no estimates)
-    copies = {u: next((x.copy_ms for x in options[u] if x.key == o.key), 0.0) for u, o in decisions.items()}
+    copies = {u: o.copy_ms for u, o in decisions.items()}
     parts = {u: o.parts for u, o in decisions.items() if o.decision is UnitDecision.PARTS}
     predicted = step_time(root, blocks, set(chosen["checkpointed"]), selective=set(chosen["selective"]),
                           copies_ms=copies, parts=parts, **kwargs_time)
@@ -256,7 +257,7 @@ def _unit_options(
     total_saved = sum(u.saved_bytes for u in blocks)
     options: dict[str, list[UnitOption]] = {u.name: [] for u in blocks}
     for name, measured in every_part.items():
-        having = [(u, u.part(name)) for u in blocks if any(p.name == name for p in u.parts)]
+        having = [(u, part) for u in blocks if (part := u.part(name)) is not None]
         part_saved = sum(part.saved_bytes for _, part in having)
         for unit, part in having:
             share = part.saved_bytes / part_saved if part_saved else 1.0 / len(having)

@@ -90,12 +90,13 @@ class FSDPPlan:
     the others (None in plans of schema version 1). ``offloaded``: units run in the host pool (``host_pool_bytes``
     per rank, within ``host_pool_limit_bytes``): all they save for backward, or only their inputs when also in
     ``checkpointed``. ``checkpointed_parts``: modules inside units that are otherwise kept (full module names, e.g.
-    "layers.3.mlp"), each recomputed alone (``UnitDecision.PARTS``). ``predicted_peak_bytes`` (the plan's), ``baseline_peak_bytes`` (nothing checkpointed) and
-    ``min_feasible_bytes`` (every unit but the root checkpointed whole: the floor) are the largest rank's peak over
-    two training steps (forward, backward, optimizer step; the first step makes the states), inputs included,
-    measured on the fake process group. ``predicted_step_ms``: the step time model (compute,
-    recomputation, exposed collectives; ``docs/fsdp.md``), ``overhead_pct`` against nothing checkpointed
-    (``baseline_step_ms``); ``floor_step_ms`` is every unit checkpointed's, by the same model and times."""
+    "layers.3.mlp"), each recomputed alone (``UnitDecision.PARTS``). ``predicted_peak_bytes`` (the plan's),
+    ``baseline_peak_bytes`` (nothing checkpointed) and ``min_feasible_bytes`` (every unit but the root checkpointed
+    whole: the floor) are the largest rank's peak over two training steps (forward, backward, optimizer step; the
+    first step makes the states), inputs included, measured on the fake process group. ``predicted_step_ms``: the
+    step time model (compute, recomputation, exposed collectives; ``docs/fsdp.md``), ``overhead_pct`` against
+    nothing checkpointed (``baseline_step_ms``); ``floor_step_ms`` is every unit checkpointed's, by the same model
+    and times."""
 
     world_size: int
     units: tuple[str, ...]

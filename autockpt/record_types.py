@@ -64,6 +64,10 @@ class Provenance:
     device: str  # the device planned for: the model's ("cpu", "cuda:0") or a DeviceSpec's name ("h100-sxm-80gb")
     device_memory_bytes: int | None = None  # the device memory planned for, when known (given, the target's, CUDA's)
     reason: str = ""  # why trace="auto" chose this trace ("" when it was asked for)
+    # the user's eager model and the captured program, each unmodified, forward + backward, measured on the example
+    # inputs (``planning/eager_check.py``); None where not measured (a fake trace, a module-level capture)
+    eager_peak_bytes: int | None = None
+    captured_peak_bytes: int | None = None
 
     def describe(self) -> str:
         """``fake trace, roofline timing, for h100-sxm-80gb with 80.000 GB (74.506 GiB) of device memory``, then

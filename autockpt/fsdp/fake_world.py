@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from autockpt.fsdp.offload import unit_pool
+from autockpt.measure.eager_paths import ValueReads, eager_library_paths, is_data_dependent_error, recorded_reads
 from autockpt.fsdp.record import TimelinePoint
 from autockpt.fsdp.shard import ROOT, shard
 
@@ -128,6 +129,34 @@ def measure_sharded_step(
     once more as the bytes live when it starts plus what a foreach step adds over that (its states on the first step,
     its temporaries), measured on plain fake tensors of the local shards' shapes (``_foreach_step_bytes``: tracked
     exactly); the peak is the larger of the two."""
+    arguments = dict(world_size=world_size, units=units, checkpointed=checkpointed,
+                     reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, inputs=inputs,
+                     step_loss=step_loss, make_optimizer=make_optimizer, selective=selective, offloaded=offloaded,
+                     device_type=device_type, checkpointed_parts=checkpointed_parts)
+    # the eager model's course, as on the ranks (a library seeing fake tensors would mask and repeat instead)
+    args, kwargs, _ = inputs
+    reads = recorded_reads(model, args, kwargs)
+    if reads is not None:
+        try:
+            with eager_library_paths():
+                return _measure_sharded_step(model, ValueReads(reads), **arguments)
+        except Exception as error:
+            if not is_data_dependent_error(error):
+                raise
+            logger.info("the eager course reads values a fake step does not have: the traced course is measured "
+                        "instead (%s)", error)
+    else:
+        logger.info("a model or batch without values (meta): its traced course is measured, which may differ from "
+                    "the eager one where the eager course reads values (masks, packed positions)")
+    return _measure_sharded_step(model, None, **arguments)
+
+
+def _measure_sharded_step(
+    model: nn.Module, reads: ValueReads | None, *, world_size: int, units: Sequence[str], checkpointed: Sequence[str],
+    reshard_after_forward: bool, mp_policy: Any, inputs: Any,
+    step_loss: Callable[[Any, Any], torch.Tensor], make_optimizer: Callable[[list], Any] | None,
+    selective: Sequence[str], offloaded: Sequence[str], device_type: str, checkpointed_parts: Sequence[str],
+) -> RankMemory:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.device_mesh import init_device_mesh
@@ -154,7 +183,11 @@ def measure_sharded_step(
         step_starts: list[dict[str, int]] = []  # what is live as each optimizer.step() starts, by category
         with tracker:
             for step in range(2):
-                step_loss(sharded(*args, **kwargs), target).backward()
+                # the forward's reads of values answered as the real model read them (``ValueReads``)
+                with reads.replayed() if reads is not None else contextlib.nullcontext():
+                    output = sharded(*args, **kwargs)
+                step_loss(output, target).backward()
+                del output
                 if optimizer is not None:
                     step_starts.append(_by_category(tracker.get_tracker_snapshot("current")[torch.device(device)]))
                     optimizer.step()

@@ -4,7 +4,7 @@ Three paths, tried in order, each checked against the model's own output on the 
 
 1. ``torch.fx.symbolic_trace`` (torch-level nodes, leaf modules stay whole);
 2. ``torch.export.export(strict=False)`` (aten-level nodes; works for Hugging Face transformers v5), first with
-   libraries kept on their eager code paths (see ``_eager_library_paths``), then as is;
+   libraries kept on their eager course (``eager_paths.py``; value reads asserted at run time), then as is;
 3. module level: the model runs as it is and hooks on its submodules cut the forward into units. Used for models
    whose Python control flow depends on data; such models are checkpointed a whole submodule at a time.
 
@@ -26,6 +26,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from autockpt.errors import CaptureError
+from autockpt.measure.eager_paths import eager_library_paths, is_data_dependent_error
 from autockpt.runtime.fx_nodes import compute_nodes
 from autockpt.runtime.model_state import BufferState, autocast_state, buffer_values, cuda_devices_of, training_modes
 from autockpt.types import CaptureKind, Graph, ModuleSpan, Unit
@@ -192,29 +193,67 @@ def _results_lost(output: Any) -> str:
 
 
 def _capture_export_on_eager_paths(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, list[str]]:
-    with _eager_library_paths():
-        return _capture_export(model, args, kwargs)
+    """Export with libraries on their eager course (``eager_paths.py``). Where that course reads tensor values
+    (``if padding_mask.all()``), export again with real values propagated: each read takes the example's value and
+    the graph asserts it at run time (``aten._assert_scalar``), so a batch that would take the other branch fails
+    the assertion instead of silently running this one."""
+    with eager_library_paths():
+        try:
+            return _capture_export(model, args, kwargs)
+        except Exception as error:
+            if not is_data_dependent_error(error) or _without_real_values(model, args, kwargs):
+                raise
+        logger.info("the eager course reads tensor values: exporting again with the example's values, asserted")
+        import torch._functorch.config as functorch_config
+
+        with functorch_config.patch(fake_tensor_propagate_real_tensors=True):
+            executable, notes = _capture_export(model, args, kwargs)
+    _refuse_value_dependent_shapes(executable)
+    _drop_metadata_checks(executable)
+    reads = [node for node in executable.graph.nodes if node.op == "call_function" and node.target in _VALUE_READS]
+    if value_guards(executable):
+        notes.append(
+            f"the model reads {len(reads)} tensor value(s) to choose its course (e.g. whether a mask has padding): "
+            "the graph takes the example's course and checks it at run time; a step whose values take another course "
+            "is planned again for it"
+        )
+    return executable, notes
 
 
-@contextlib.contextmanager
-def _eager_library_paths() -> Iterator[None]:
-    """``torch.compiler.is_exporting()`` and ``is_compiling()`` answer False while the model is exported.
+def value_guards(executable: fx.GraphModule) -> list[str]:
+    """The run-time checks of values the eager course read while it was captured (their assertion messages)."""
+    return [
+        str(node.args[1]) if len(node.args) > 1 else node.name
+        for node in executable.graph.nodes
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_scalar.default
+    ]
 
-    Libraries switch to export-friendly code under them that costs memory and time in training: Hugging Face
-    transformers then builds its attention mask as a tensor instead of skipping it when nothing is masked, so every
-    scaled-dot-product attention converts and saves its own copy of the mask (measured: Llama +6 % and ViT +2.5 % peak
-    over the eager model, Llama and T5 steps 3-4 % slower). The graph is specialised to the example inputs and checked
-    against the eager model's outputs anyway; where an eager path cannot be exported (a check on tensor values), the
-    export fails and the plain export is used. Only the public functions are replaced: torch's own tracing reads
-    the flags behind them.
-    """
-    compiler = torch.compiler
-    saved = compiler.is_exporting, compiler.is_compiling
-    compiler.is_exporting = compiler.is_compiling = lambda: False  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        compiler.is_exporting, compiler.is_compiling = saved
+
+_VALUE_READS = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)
+
+
+def _drop_metadata_checks(executable: fx.GraphModule) -> None:
+    """Real-tensor propagation leaves a dtype/device check (``aten._assert_tensor_metadata``) at every conversion:
+    the graph is run on the inputs it was checked against, so they are units with nothing to do; dropped."""
+    graph = executable.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default and not node.users:
+            graph.erase_node(node)
+    executable.recompile()
+
+
+def _without_real_values(model: nn.Module, args: tuple, kwargs: dict) -> bool:
+    tensors = [*model.parameters(), *model.buffers(), *pytree.tree_leaves((args, kwargs))]
+    return any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in tensors)
+
+
+def _refuse_value_dependent_shapes(executable: fx.GraphModule) -> None:
+    """A graph whose tensor shapes depend on values read while tracing (unbacked sizes) is not one autockpt can
+    profile and price: the plain export or the module level takes such a model instead."""
+    for node in executable.graph.nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and any(isinstance(size, torch.SymInt) for size in value.shape):
+            raise ValueError(f"node {node.name}: its shape {tuple(value.shape)} depends on tensor values")
 
 
 @contextlib.contextmanager

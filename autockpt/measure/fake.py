@@ -38,11 +38,12 @@ from torch._subclasses.fake_tensor import (
 from torch.utils import _pytree as pytree
 
 from autockpt.errors import FakeStepError, LossFunctionError, ProfileError
+from autockpt.measure.capture import value_guards
 from autockpt.measure.fake_copy import fake_copies, fake_of
 from autockpt.measure.loop import measure_optimizer_step, optimizer_factory
 from autockpt.measure.sources import StepInputs, TraceRequest, in_the_loop, with_foreign_bytes_counted
 from autockpt.measure.trace import device_of, trace_step
-from autockpt.types import Graph, OptimizerStepCost, StepTrace
+from autockpt.types import CaptureKind, Graph, OptimizerStepCost, StepTrace
 
 
 class _CpuFakeTensorMode(FakeTensorMode):
@@ -143,7 +144,7 @@ class FakeTrace:
         return torch.device("cpu") if device.type == "meta" else device
 
     def trace(self, graph: Graph, step: StepInputs, request: TraceRequest) -> StepTrace:
-        mode = _CpuFakeTensorMode(allow_non_fake_inputs=True)  # real tensors a loss function closes over become fake
+        mode = _fake_mode_for(graph)
         fake = FakeStep.of(graph, step, mode, self.trace_device(step))
         with mode:
             try:
@@ -249,6 +250,17 @@ class FakeStep:
                 value = value.detach().clone()
             return self.mode.fake_tensor_converter.from_real_tensor(self.mode, value, make_constant=True)
         return self.mode.from_tensor(value, static_shapes=True)
+
+
+def _fake_mode_for(graph: Graph) -> FakeTensorMode:
+    """The fake mode a step of ``graph`` runs in; real tensors a loss function closes over become fake. A graph that
+    checks values the eager course read (``capture.value_guards``) reads them as unbacked symbols, its checks
+    deferred: a fake trace has no values, and every course of those values has the same tensors' shapes."""
+    if graph.kind is CaptureKind.EXPORT and value_guards(graph.executable):
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        return _CpuFakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
+    return _CpuFakeTensorMode(allow_non_fake_inputs=True)
 
 
 def _fake_optimizer_step(

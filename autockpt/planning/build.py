@@ -37,6 +37,7 @@ from autockpt.measure.fake import FakeTrace
 from autockpt.measure.fake_copy import meta_of_fake
 from autockpt.measure.sources import MeasuredTrace, StepInputs, TraceRequest, TraceSource
 from autockpt.measure.timing import Timing, with_timing
+from autockpt.planning.eager_check import compare_with_eager
 from autockpt.planning.options import PlanOptions, checkpoint_choice
 from autockpt.record_types import Provenance
 from autockpt.runtime.model_state import enter_training_modes, preserved_model_state
@@ -311,14 +312,19 @@ def built_step(
             refuse_offload(options.host_pool_gb, step.model, graph)
         costs = calibrate(price_device, (*actions, *offload))
         timed = with_timing(timing, spec, graph, step, chosen.trace, costs)  # measured, benchmark or roofline
+        # where a real step ran, the self-check: the captured program against the user's eager model
+        eager = compare_with_eager(step, graph) if chosen.source == "measured" else None
     provenance = Provenance(
         trace=chosen.source, timing=timed.timing, device=spec.name if spec is not None else str(price_device),
         device_memory_bytes=memory, reason=chosen.reason,
+        eager_peak_bytes=eager.eager_peak_bytes if eager is not None else None,
+        captured_peak_bytes=eager.captured_peak_bytes if eager is not None else None,
     )
     return BuiltStep(
         step=step, example_values=not without_values,
         graph=graph, trace=timed.trace, costs=timed.costs, target=timed.target, provenance=provenance,
-        notes=(timed.note, *([f"trace: {chosen.source} ({chosen.reason})"] if chosen.reason else [])),
+        notes=(timed.note, *([f"trace: {chosen.source} ({chosen.reason})"] if chosen.reason else []),
+               *([eager.warning] if eager is not None and eager.warning else [])),
         capture_time_s=captured - started, profile_time_s=time.perf_counter() - captured,
     )
 

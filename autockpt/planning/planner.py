@@ -56,6 +56,7 @@ from autockpt.planning.options import (
     resolve_options,
 )
 from autockpt.planning.policy import PlanningContext, assemble_plan
+from autockpt.planning.courses import with_other_courses
 from autockpt.planning.shapes import attach_shape_variants
 from autockpt.planning.verify import verified_module
 from autockpt.record_types import ParetoPoint, Provenance
@@ -335,7 +336,7 @@ class Planner:
             budget_bytes = self.device_memory_bytes
         module = verified_module(self, budget_to_bytes(budget_gb, budget_bytes))
         module.strict = self.options.strict
-        return module
+        return with_other_courses(module, self)
 
     # -------------------------------------------------------------------------------- what verify.py calls
 

@@ -22,6 +22,16 @@ def floor_note(plan: PlanRecord) -> str:
     return "" if plan.floor_complete else " (quick search; a budget below it runs the full search)"
 
 
+def eager_line(plan: PlanRecord) -> str:
+    """The self-check: the user's eager model's unmodified peak beside the captured program's ('' if not measured)."""
+    provenance = plan.provenance
+    if provenance is None or provenance.eager_peak_bytes is None or provenance.captured_peak_bytes is None:
+        return ""
+    eager, captured = provenance.eager_peak_bytes, provenance.captured_peak_bytes
+    return (f"unmodified peak {format_bytes(eager)}; the captured program's {format_bytes(captured)} "
+            f"({100 * (captured / eager - 1):+.2f} %)")
+
+
 def plan_summary(plan: PlanRecord, *, max_regions: int = 12) -> str:
     lines = [
         f"autockpt plan: strategy={plan.strategy}, capture={plan.capture.value}, status={plan.status.value}, "
@@ -34,6 +44,7 @@ def plan_summary(plan: PlanRecord, *, max_regions: int = 12) -> str:
         f"{format_bytes(plan.static_bytes)}",
         f"  training loop          {plan.loop.describe() if plan.loop else 'forward + backward (no optimizer step)'}",
         *([f"  made from              {plan.provenance.describe()}"] if plan.provenance is not None else []),
+        *([f"  eager model            {eager_line(plan)}"] if eager_line(plan) else []),
         *([f"  other device memory    {foreign_line(plan)}"] if plan.foreign_bytes else []),
         *([f"  measured peak          {measured_line(plan)}"] if plan.measured_peak_bytes is not None else []),
         f"  recomputed             {decisions_line(plan)}",

@@ -284,6 +284,23 @@ class ShapeSource(Protocol):
     def variants(self) -> list[Any]: ...
 
 
+class CourseSource(Protocol):
+    """What the optimized module asks when a step's values take another course than the example's (a run-time
+    check of the graph failed: ``is_other_course``); ``planning/courses.py``'s ``CourseVariants``."""
+
+    def run(self, args: tuple, kwargs: dict) -> tuple[bool, Any]:
+        """(True, output) where a plan for this course ran the step; (False, why not) otherwise."""
+
+
+_COURSE_CHECK_FAILED = "Runtime assertion failed"
+
+
+def is_other_course(error: BaseException) -> bool:
+    """True for the error a captured graph raises when a value it was captured on (``capture.value_guards``) reads
+    otherwise at run time: the eager model would take another course for these inputs."""
+    return isinstance(error, RuntimeError) and str(error).startswith(_COURSE_CHECK_FAILED)
+
+
 def _own_forward() -> Callable[..., Any]:
     """``OptimizedModule._forward`` with a code object of its own, for one module. Dynamo keeps compiled graphs per
     code object, at most ``torch._dynamo.config.recompile_limit`` (8) of them, and one optimized module's graph never
@@ -353,6 +370,7 @@ class OptimizedModule(nn.Module):
         self.__dict__["_autockpt_warned"] = set()  # reasons for running without the plan already logged
         self.__dict__["_autockpt_pool"] = pool  # the host pool of offloaded regions (None: nothing is offloaded)
         self.__dict__["_autockpt_variants"] = None  # steps at other input shapes (``attach_shapes``)
+        self.__dict__["_autockpt_courses"] = None  # steps whose values take another course (``attach_courses``)
         self.__dict__["_autockpt_strict"] = False
         self.__dict__["_autockpt_forward"] = _own_forward()
         try:  # presented as ``forward``'s signature: loops such as HF Trainer read it to choose the batch's columns
@@ -437,6 +455,16 @@ class OptimizedModule(nn.Module):
 
     def _run_planned(self, args: tuple, kwargs: dict) -> Any:
         """One forward under the plan, inputs in the form this module's graph was captured with."""
+        try:
+            return self.run_planned_step(args, kwargs)
+        except RuntimeError as error:
+            if not is_other_course(error):
+                raise
+            return self._on_other_course(error, args, kwargs)
+
+    def run_planned_step(self, args: tuple, kwargs: dict) -> Any:
+        """One forward under this module's plan, as captured; raises where the graph's check of a value read while
+        capturing fails (``is_other_course``)."""
         # the step runs as the traced one did: autocast's casts made afresh, not reused from an earlier step of the
         # same context (whose gradient functions would wait for the end of backward, holding every weight gradient)
         start_autocast_step()
@@ -449,6 +477,32 @@ class OptimizedModule(nn.Module):
             return executable(*args, **kwargs)
         with _patched_forwards(self.__dict__["_autockpt_checkpointed"]):
             return model(*args, **kwargs)
+
+    def _on_other_course(self, error: RuntimeError, args: tuple, kwargs: dict) -> Any:
+        """The graph's check of a value read while capturing failed (``CourseSource``): the plan made for that
+        course runs the step, else the original model (warned) or, in strict mode, ``UnplannedStepError``. The
+        check sits where the value is read, before what depends on it: nothing of the step is kept."""
+        courses: CourseSource | None = self.__dict__["_autockpt_courses"]
+        if courses is not None:
+            ran, result = courses.run(args, kwargs)
+            if ran:
+                return result
+            why = str(result)
+        else:
+            why = "this module has no way to plan another course; plan with an example batch that takes it"
+        return self._unplanned(
+            "course", f"these inputs take another course through the model than the example's ({_first_line(error)}): "
+            f"{why}", args, kwargs,
+        )
+
+    def attach_courses(self, courses: CourseSource) -> None:
+        """Let steps whose values take another course run under a plan of their own (``courses.CourseVariants``)."""
+        self.__dict__["_autockpt_courses"] = courses
+
+    def course_variants(self) -> list[Any]:
+        """The plans made for other courses than the example's (``courses.CourseVariant``), oldest first."""
+        courses: Any = self.__dict__["_autockpt_courses"]
+        return courses.variants() if courses is not None else []
 
     def _unplanned(self, reason: str, message: str, args: tuple, kwargs: dict) -> Any:
         """Run the original model without the plan (warned once per reason), or raise in strict mode."""
@@ -531,3 +585,8 @@ def _patched_forwards(modules: Sequence[tuple[nn.Module, Action]]) -> Iterator[N
                 module.forward = original
             else:
                 del module.forward
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0][:200] if lines else type(error).__name__

@@ -1,0 +1,164 @@
+"""Eager paths: run a library's eager code while torch traces it (export, fake tensors).
+
+Libraries change course when they believe they are traced. Hugging Face transformers, seeing an exported or fake
+tensor, materialises the causal mask as a T x T tensor, repeats keys and values across heads instead of passing
+``enable_gqa`` to scaled-dot-product attention, and skips its value checks (``padding_mask.all()``): measured on a
+GQA Llama, +18.7 % peak and a 1.3x slower step than the model as the user runs it. autockpt plans the program it
+captured, so that program must be the eager one.
+
+What a library consults to decide it is traced comes in two kinds:
+
+- torch's public flags, ``torch.compiler.is_exporting()`` and ``is_compiling()``: replaced here (torch's own tracing
+  reads the flags behind them, never these functions);
+- a library's own predicates that look at the tensor (``isinstance(x, FakeTensor)``): each library that has them is
+  named in ``_LIBRARY_PREDICATES``, and every module-level binding of those functions (``from ... import
+  is_tracing``) answers "not traced" for the duration.
+
+The eager course may read tensor values (``if padding_mask.all()``). Under ``torch.export`` with real-tensor
+propagation (``capture.py``) such a read takes the example's value and the exported graph asserts it at run time
+(``aten._assert_scalar``): a later batch whose values take the other branch fails the assertion instead of running
+the wrong program (``runtime/rewrite.py`` plans that branch then). Under a fake trace there are no values: the read
+raises, and the caller falls back to the traced course and says so.
+
+What is left after this (a library not listed, a course this does not reach) is caught by the plan's self-check:
+the captured program's unmodified peak against the eager model's, measured (``Plan.eager_peak_bytes``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# module -> names of functions in it that answer "is this traced?"; checked by identity wherever they are bound
+_LIBRARY_PREDICATES: dict[str, tuple[str, ...]] = {
+    "transformers.utils.import_utils": (
+        "is_tracing", "is_fake_tensor", "is_torchdynamo_compiling", "is_torchdynamo_exporting",
+    ),
+}
+
+
+def _not_traced(*args: Any, **kwargs: Any) -> bool:
+    return False
+
+
+def _loaded_predicates() -> dict[int, Callable[..., Any]]:
+    """The predicates of the libraries already imported (a library not imported has no model to trace), by id."""
+    found: dict[int, Callable[..., Any]] = {}
+    for module_name, names in _LIBRARY_PREDICATES.items():
+        if module_name.split(".")[0] not in sys.modules:
+            continue
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # another version of the library, laid out otherwise: nothing to replace
+            continue
+        for name in names:
+            function = getattr(module, name, None)
+            if callable(function):
+                found[id(function)] = function
+    return found
+
+
+@contextlib.contextmanager
+def eager_library_paths() -> Iterator[None]:
+    """For the duration, libraries take the course they take in eager mode (see the module docstring)."""
+    compiler = torch.compiler
+    saved_flags = compiler.is_exporting, compiler.is_compiling
+    predicates = _loaded_predicates()
+    replaced: list[tuple[dict[str, Any], str, Any]] = []
+    if predicates:
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            if not isinstance(namespace, dict):
+                continue
+            for name, value in list(namespace.items()):
+                if callable(value) and id(value) in predicates and predicates[id(value)] is value:
+                    replaced.append((namespace, name, value))
+                    namespace[name] = _not_traced
+    compiler.is_exporting = compiler.is_compiling = _not_traced  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        compiler.is_exporting, compiler.is_compiling = saved_flags
+        for namespace, name, value in reversed(replaced):
+            namespace[name] = value
+
+
+_VALUE_READS = ("aten._local_scalar_dense.default", "aten.item.default")
+
+
+class ValueReads(TorchDispatchMode):
+    """Records the values a step reads from tensors (``.item()``, ``bool(tensor)``), or answers them from a record.
+
+    A fake run of the eager model has no values where the eager course reads one (Hugging Face: "is this batch
+    packed?"). Recorded on the real model and inputs, the same reads come in the same order in a fake run of the
+    same program on the same inputs, and are answered with the recorded values; one read more than recorded raises
+    a data-dependent error (``is_data_dependent_error``), and the caller falls back to the traced course."""
+
+    def __init__(self, answers: list[Any] | None = None) -> None:
+        super().__init__()
+        self.replaying = answers is not None
+        self.values: list[Any] = list(answers or [])
+        self._next = 0
+
+    @contextlib.contextmanager
+    def replayed(self) -> Iterator[ValueReads]:
+        """Answer the reads of one more run, from the first recorded value."""
+        self._next = 0
+        with self:
+            yield self
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if str(func) not in _VALUE_READS:
+            return func(*args, **(kwargs or {}))
+        if not self.replaying:
+            value = func(*args, **(kwargs or {}))
+            self.values.append(value)
+            return value
+        if self._next >= len(self.values):
+            from torch._subclasses.fake_tensor import DataDependentOutputException
+
+            raise DataDependentOutputException(func)
+        self._next += 1
+        return self.values[self._next - 1]
+
+
+def recorded_reads(model: nn.Module, args: tuple, kwargs: dict) -> list[Any] | None:
+    """The values one forward of ``model`` on its eager course reads from tensors, in order (no gradients, the
+    model's buffers and RNG as they were); None where the model or the inputs have no values (meta, fake)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    tensors = [*model.parameters(), *model.buffers(), *pytree.tree_leaves((args, kwargs))]
+    if any(isinstance(t, torch.Tensor) and (t.device.type == "meta" or isinstance(t, FakeTensor)) for t in tensors):
+        return None
+    buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
+    recorder = ValueReads()
+    try:
+        with torch.random.fork_rng(), torch.no_grad(), eager_library_paths(), recorder:
+            model(*args, **kwargs)
+    finally:
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                buffer.copy_(buffers[name])
+    return recorder.values
+
+
+def is_data_dependent_error(error: BaseException) -> bool:
+    """True when ``error`` says a value was read that the tracer does not have (a fake tensor's, or an unbacked
+    symbol's): the eager course needs values there."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, (DataDependentOutputException, GuardOnDataDependentSymNode)):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return "data-dependent" in str(error) or "data dependent" in str(error)

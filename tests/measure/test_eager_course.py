@@ -1,0 +1,185 @@
+"""Issue 45: the program autockpt captures is the eager model's program, and every measured plan says so.
+
+Hugging Face models take another course when they see a traced tensor (a materialised causal mask, keys and values
+repeated across heads, skipped value checks). ``measure/eager_paths.py`` keeps them on their eager course; values
+that course reads are asserted at run time, and a batch that reads otherwise is planned for its own course
+(``planning/courses.py``). The reference is the eager model: its unmodified peak (MemTracker), loss and gradients.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import needs_transformers
+
+import autockpt
+from autockpt.measure.capture import capture, value_guards
+from autockpt.measure.eager_paths import ValueReads, eager_library_paths, recorded_reads
+
+pytestmark = needs_transformers
+
+ROOMY = 10**12  # nothing recomputed: the captured program as it is
+
+
+def _decoder(kind: str) -> torch.nn.Module:
+    import transformers
+
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=256,
+                  max_position_embeddings=512)
+    if kind == "llama-gqa":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, num_key_value_heads=2))
+    if kind == "qwen2-gqa":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, num_key_value_heads=2))
+    if kind == "mistral-sliding":  # a window shorter than the sequence: the eager model builds its mask too
+        return transformers.MistralForCausalLM(transformers.MistralConfig(**common, num_key_value_heads=2,
+                                                                          sliding_window=32))
+    raise ValueError(kind)
+
+
+def _other_model(kind: str) -> tuple[torch.nn.Module, tuple, dict]:
+    import transformers
+
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    if kind == "gpt2-mha":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256,
+                                                                     n_positions=128))
+        return model, (ids,), {"labels": ids, "attention_mask": mask}
+    if kind == "bert-encoder":
+        model = transformers.BertForMaskedLM(transformers.BertConfig(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=256,
+            max_position_embeddings=128))
+        return model, (ids,), {"labels": ids, "attention_mask": mask}
+    if kind == "t5-encoder-decoder":
+        model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+            d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, vocab_size=256, decoder_start_token_id=0))
+        return model, (ids,), {"labels": ids, "attention_mask": mask}
+    if kind == "vit":
+        model = transformers.ViTForImageClassification(transformers.ViTConfig(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, image_size=32,
+            patch_size=8, num_labels=10))
+        pixels = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+        return model, (pixels,), {"labels": torch.arange(4)}
+    raise ValueError(kind)
+
+
+def _case(kind: str) -> tuple[torch.nn.Module, tuple, dict]:
+    torch.manual_seed(0)
+    if kind in ("llama-gqa", "qwen2-gqa", "mistral-sliding"):
+        ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+        # an attention mask without padding, as a tokenizer gives it: the eager model reads it and skips it
+        return _decoder(kind), (ids,), {"labels": ids, "attention_mask": torch.ones_like(ids)}
+    return _other_model(kind)
+
+
+def _grads(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[float, dict[str, torch.Tensor]]:
+    for parameter in model.parameters():
+        parameter.grad = None
+    torch.manual_seed(3)
+    loss = model(*args, **kwargs).loss
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+KINDS = ["llama-gqa", "qwen2-gqa", "mistral-sliding", "gpt2-mha", "bert-encoder", "t5-encoder-decoder", "vit"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_captured_program_holds_no_more_than_the_eager_model(kind: str) -> None:
+    """The plan's self-check: both unmodified peaks measured (MemTracker), the captured one within 0.5 % of the
+    eager one; the optimized module's loss and gradients are the eager model's."""
+    model, args, kwargs = _case(kind)
+    reference = copy.deepcopy(model)
+    optimized = autockpt.optimize(model, budget_bytes=ROOMY, example_inputs=args, example_kwargs=kwargs)
+    plan = autockpt.get_plan(optimized)
+    assert plan.capture.value == "export"
+    eager, captured = plan.provenance.eager_peak_bytes, plan.provenance.captured_peak_bytes
+    assert eager is not None and captured is not None
+    assert captured <= eager * 1.005, (captured, eager)
+    assert "eager model" in plan.summary()
+    assert not any("more than the eager" in note for note in plan.notes)
+    # the plan's own figures start from the eager program too
+    assert plan.baseline_peak_bytes <= eager * 1.005
+    want_loss, want = _grads(reference, args, kwargs)
+    got_loss, got = _grads(optimized, args, kwargs)
+    assert got_loss == pytest.approx(want_loss, rel=1e-5)
+    assert got.keys() == want.keys()
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_a_batch_that_takes_another_course_is_planned_for_it() -> None:
+    """Planned on a batch without padding (the eager model skips its mask), stepped on one with padding (the eager
+    model builds it): the graph's run-time check sends the step to a plan made for that course, which gives the
+    eager model's loss and gradients; the same course later reuses that plan."""
+    model, args, kwargs = _case("llama-gqa")
+    reference = copy.deepcopy(model)
+    optimized = autockpt.optimize(model, budget_bytes=ROOMY, example_inputs=args, example_kwargs=kwargs)
+    assert value_guards(optimized.__dict__["_autockpt_executable"])
+    padded = dict(kwargs, attention_mask=kwargs["attention_mask"].clone())
+    padded["attention_mask"][0, :5] = 0
+    for _ in range(2):
+        want_loss, want = _grads(reference, args, padded)
+        got_loss, got = _grads(optimized, args, padded)
+        assert got_loss == pytest.approx(want_loss, rel=1e-5)
+        for name, grad in want.items():
+            torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert len(optimized.course_variants()) == 1
+    # the example's course still runs its own plan
+    want_loss, _ = _grads(reference, args, kwargs)
+    assert _grads(optimized, args, kwargs)[0] == pytest.approx(want_loss, rel=1e-5)
+    assert len(optimized.course_variants()) == 1
+
+
+def test_without_a_plan_for_the_course_strict_mode_says_which_check_failed() -> None:
+    model, args, kwargs = _case("llama-gqa")
+    the_plan = autockpt.plan(model, budget_bytes=ROOMY, example_inputs=args, example_kwargs=kwargs)
+    applied = autockpt.apply_plan(model, the_plan, example_inputs=args, example_kwargs=kwargs, strict=True)
+    padded = dict(kwargs, attention_mask=kwargs["attention_mask"].clone())
+    padded["attention_mask"][1, :3] = 0
+    with pytest.raises(autockpt.UnplannedStepError, match="another course"):
+        applied(*args, **padded)
+
+
+def test_export_on_the_eager_course_uses_grouped_query_attention_without_a_mask() -> None:
+    model, args, kwargs = _case("llama-gqa")
+    graph = capture(model, args, kwargs)
+    attention = [n for n in graph.executable.graph.nodes
+                 if n.op == "call_function" and n.target is torch.ops.aten.scaled_dot_product_attention.default]
+    assert attention
+    for node in attention:
+        query, key = node.args[0].meta["val"], node.args[1].meta["val"]
+        assert key.shape[1] == query.shape[1] // 2  # two query heads per key/value head, not repeated
+        assert len(node.args) < 4 or node.args[3] is None  # no materialised mask
+        assert node.kwargs.get("enable_gqa") is True
+
+
+def test_value_reads_recorded_on_the_real_model_answer_a_fake_run() -> None:
+    """A fake run of the eager course reads values it does not have; recorded on the real model they are answered
+    in order, and one more read than recorded is a data-dependent error (the caller then takes the traced course)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+    model, args, kwargs = _case("llama-gqa")
+    reads = recorded_reads(model, args, kwargs)
+    assert reads  # the mask's "any padding?" (and, without positions, "is this batch packed?")
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_args, fake_kwargs = (mode.from_tensor(a) for a in args), {k: mode.from_tensor(v) for k, v in kwargs.items()}
+    with torch.no_grad(), eager_library_paths(), mode:
+        replay = ValueReads(reads)
+        with replay.replayed():
+            model(*fake_args, **fake_kwargs)
+        with pytest.raises(DataDependentOutputException), ValueReads([]).replayed():
+            model(*(mode.from_tensor(a) for a in args), **{k: mode.from_tensor(v) for k, v in kwargs.items()})
+
+
+def test_the_eager_paths_are_left_as_they_were() -> None:
+    from transformers.utils import import_utils
+
+    before = (torch.compiler.is_exporting, torch.compiler.is_compiling, import_utils.is_tracing)
+    with eager_library_paths():
+        assert not import_utils.is_tracing(torch.empty(0, device="meta"))
+    assert (torch.compiler.is_exporting, torch.compiler.is_compiling, import_utils.is_tracing) == before

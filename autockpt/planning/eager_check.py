@@ -34,9 +34,10 @@ class EagerComparison:
 
 def compare_with_eager(step: StepInputs, graph: Graph) -> EagerComparison | None:
     """Both unmodified steps measured on the example inputs (gradients set to None before each; the caller keeps
-    the model's state); None for a module-level capture (the optimized module runs the model itself)."""
-    if graph.kind is CaptureKind.MODULE:
-        return None
+    the model's state); None unless the capture is an export (two more real steps per plan: spent where libraries
+    see traced tensors)."""
+    if graph.kind is not CaptureKind.EXPORT:  # fx traces torch-level calls of the model's own code; module level
+        return None  # runs the model itself: the export path is where libraries see traced tensors
     peaks = []
     for program in (step.model, graph.executable):
         for parameter in step.model.parameters():

@@ -203,9 +203,13 @@ def _capture_export_on_eager_paths(model: nn.Module, args: tuple, kwargs: dict) 
         except Exception as error:
             if not is_data_dependent_error(error) or _without_real_values(model, args, kwargs):
                 raise
-        logger.info("the eager course reads tensor values: exporting again with the example's values, asserted")
-        import torch._functorch.config as functorch_config
+    # values read on the eager course only (a library's check it skips when traced) are asserted; a model whose own
+    # control flow reads values fails the traced course too, and is left to the module level (any value, no replans)
+    _capture_export(model, args, kwargs)
+    logger.info("the eager course reads tensor values: exporting again with the example's values, asserted")
+    import torch._functorch.config as functorch_config
 
+    with eager_library_paths():
         with functorch_config.patch(fake_tensor_propagate_real_tensors=True):
             executable, notes = _capture_export(model, args, kwargs)
     _refuse_value_dependent_shapes(executable)

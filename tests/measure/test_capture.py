@@ -218,11 +218,18 @@ class _CheckedUnlessExporting(torch.nn.Module):
         return torch.tanh(self.fc(x))
 
 
-def test_a_model_whose_eager_path_cannot_be_exported_is_exported_as_is() -> None:
+def test_a_value_read_on_the_eager_path_only_is_exported_and_checked_at_run_time() -> None:
+    """The check the model skips when it sees an export runs on the eager course: exported with the example's value,
+    asserted at run time (issue 45; before, such a model was exported on its traced course)."""
+    from autockpt.measure.capture import value_guards
+
     torch.manual_seed(0)
     model, x = _CheckedUnlessExporting(), torch.randn(4, 8)
     graph = capture(model, (x,), {})
     assert graph.kind is CaptureKind.EXPORT
-    assert any(note.startswith("export on eager library paths capture not used") for note in graph.notes)
+    assert value_guards(graph.executable)
+    assert any("reads 1 tensor value" in note for note in graph.notes)
+    with pytest.raises(RuntimeError, match="Runtime assertion failed"):
+        graph.executable(torch.full((4, 8), float("nan")))
     # the public functions are put back
     assert (torch.compiler.is_exporting.__name__, torch.compiler.is_compiling.__name__) == ("is_exporting", "is_compiling")

@@ -5,6 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 
+def first_line(error: BaseException, limit: int = 200) -> str:
+    """The first line of an error's message, at most ``limit`` characters ('' when it has none): for messages that
+    quote an error from elsewhere."""
+    text = str(error).strip().splitlines()
+    return text[0][:limit] if text else ""
+
+
 class AutockptError(Exception):
     """Base class of the errors autockpt raises on purpose."""
 

@@ -146,7 +146,22 @@ class LlamaStyle(nn.Module):
         return self.lm_head(self.norm(x))
 
 
-MODELS = {"decoder": Decoder, "gpt2": GPT2Style, "llama": LlamaStyle}
+def hugging_face_llama(vocab: int, width: int, layers: int, heads: int = 4) -> nn.Module:
+    """Hugging Face's ``LlamaForCausalLM`` with grouped-query attention (half as many key/value heads) returning
+    its logits: the eager course a traced library would leave (issue 45: masks, repeated heads) shows here."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    class LlamaLogits(LlamaForCausalLM):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            return super().forward(input_ids=ids, use_cache=False).logits
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=3 * width, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=heads // 2, max_position_embeddings=1024,
+                         use_cache=False)
+    return LlamaLogits(config)
+
+
+MODELS = {"decoder": Decoder, "gpt2": GPT2Style, "llama": LlamaStyle, "hf-llama": hugging_face_llama}
 
 
 def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -30,9 +30,9 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from autockpt.fsdp.offload import unit_pool
-from autockpt.measure.eager_paths import ValueReads, eager_library_paths, is_data_dependent_error, recorded_reads
 from autockpt.fsdp.record import TimelinePoint
 from autockpt.fsdp.shard import ROOT, shard
+from autockpt.measure.eager_paths import ValueReads, eager_library_paths, is_data_dependent_error, recorded_reads
 
 logger = logging.getLogger(__name__)
 
@@ -186,8 +186,10 @@ def _measure_sharded_step(
                 # the forward's reads of values answered as the real model read them (``ValueReads``)
                 with reads.replayed() if reads is not None else contextlib.nullcontext():
                     output = sharded(*args, **kwargs)
-                step_loss(output, target).backward()
-                del output
+                loss = step_loss(output, target)
+                del output  # as in the one-expression step: the output lives on only where backward saved it
+                loss.backward()
+                del loss
                 if optimizer is not None:
                     step_starts.append(_by_category(tracker.get_tracker_snapshot("current")[torch.device(device)]))
                     optimizer.step()

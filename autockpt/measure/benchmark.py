@@ -39,6 +39,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from autockpt.core.structure import find_repeated_blocks
+from autockpt.errors import first_line
 from autockpt.measure.fake import FakeStep
 from autockpt.measure.sources import StepInputs
 from autockpt.measure.trace import synchronizer, unit_callbacks
@@ -109,7 +110,7 @@ def benchmark_units(
         try:
             nodes, inputs = _unit_inputs(graph, step, device)
         except Exception as error:  # noqa: BLE001 - no shapes: every unit falls back to the roofline
-            reason = f"the shapes pass failed: {type(error).__name__}: {_first_line(error)}"
+            reason = f"the shapes pass failed: {type(error).__name__}: {first_line(error, 160)}"
             return OpBenchmarks(
                 times=tuple(times), timed_at=tuple(range(count)), failures=((-1, reason),), benchmarked=0,
                 seconds=time.perf_counter() - started,
@@ -122,7 +123,7 @@ def benchmark_units(
             try:
                 times[unit] = bench.measure(node, inputs[unit], originals)
             except Exception as error:  # noqa: BLE001 - any op that cannot run alone falls back to the roofline
-                failures.append((unit, f"{graph.units[unit].op}: {type(error).__name__}: {_first_line(error)}"))
+                failures.append((unit, f"{graph.units[unit].op}: {type(error).__name__}: {first_line(error, 160)}"))
     for unit, at in enumerate(timed_at):
         times[unit] = times[at]
     return OpBenchmarks(
@@ -286,9 +287,3 @@ def _cuda_indices(device: torch.device) -> list[int]:
     if device.type != "cuda":
         return []
     return [device.index if device.index is not None else torch.cuda.current_device()]
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0][:160] if text else ""
-

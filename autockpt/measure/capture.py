@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import io
 import logging
 from collections.abc import Callable, Iterator
@@ -25,8 +26,13 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from autockpt.errors import CaptureError
-from autockpt.measure.eager_paths import eager_library_paths, is_data_dependent_error
+from autockpt.errors import CaptureError, first_line
+from autockpt.measure.eager_paths import (
+    ValueReads,
+    eager_library_paths,
+    is_data_dependent_error,
+    recorded_reads,
+)
 from autockpt.runtime.fx_nodes import compute_nodes
 from autockpt.runtime.model_state import BufferState, autocast_state, buffer_values, cuda_devices_of, training_modes
 from autockpt.types import CaptureKind, Graph, ModuleSpan, Unit
@@ -54,7 +60,7 @@ def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
             _check_same_outputs(model, executable, args, kwargs)
         except Exception as error:  # any failure means: try the next path
             buffers.restore()
-            reason = f"{label} capture not used: {type(error).__name__}: {_first_line(error)}"
+            reason = f"{label} capture not used: {type(error).__name__}: {first_line(error)}"
             logger.info(reason)
             notes.append(reason)
             continue
@@ -69,7 +75,7 @@ def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     except Exception as error:
         raise CaptureError(
             f"could not run {type(model).__name__} on the example inputs: {type(error).__name__}: "
-            f"{_first_line(error)}. Check that model(*example_inputs, **example_kwargs) runs in train mode."
+            f"{first_line(error)}. Check that model(*example_inputs, **example_kwargs) runs in train mode."
         ) from error
     logger.info("captured the model at module level (%d units, %d module calls)", len(units), len(spans))
     return Graph(
@@ -120,21 +126,28 @@ _EXPORT_PREFIX = "model."  # _PlainOutputs holds the user's model as `.model`
 
 
 class _PlainOutputs(nn.Module):
-    """Export wrapper: returns the model's output with non-tensor objects replaced by None."""
+    """Export wrapper: returns the model's output with non-tensor objects replaced by None; with ``asserted_reads``
+    the model's value reads are checked against them (``eager_paths.ValueReads``, inside export's own modes)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, asserted_reads: list[Any] | None = None) -> None:
         super().__init__()
         self.model = model
+        self.asserted_reads = asserted_reads
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return plain_outputs(self.model(*args, **kwargs))[0]
+        if self.asserted_reads is None:
+            return plain_outputs(self.model(*args, **kwargs))[0]
+        with ValueReads(self.asserted_reads, asserted=True).replayed():
+            return plain_outputs(self.model(*args, **kwargs))[0]
 
 
 def _capture_fx(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, list[str]]:
     return fx.symbolic_trace(model), []
 
 
-def _capture_export(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, list[str]]:
+def _capture_export(
+    model: nn.Module, args: tuple, kwargs: dict, *, asserted_reads: list[Any] | None = None
+) -> tuple[fx.GraphModule, list[str]]:
     with torch.no_grad(), _runnable(model, args, kwargs) as (runnable, run_args, run_kwargs):
         output = runnable(*run_args, **run_kwargs)
         _, dropped = plain_outputs(output)
@@ -147,7 +160,7 @@ def _capture_export(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.Gra
     # a failed export logs a warning and prints the partial graph to stderr; the reason is kept in Graph.notes instead
     distinct_args, distinct_kwargs = _without_shared_storage(args, kwargs)
     with _quiet_logger("torch.fx.experimental.symbolic_shapes"), contextlib.redirect_stderr(io.StringIO()):
-        exported = torch.export.export(_PlainOutputs(model), distinct_args, distinct_kwargs, strict=False)
+        exported = torch.export.export(_PlainOutputs(model, asserted_reads), distinct_args, distinct_kwargs, strict=False)
     notes = []
     if dropped:
         notes.append(
@@ -194,27 +207,28 @@ def _results_lost(output: Any) -> str:
 
 def _capture_export_on_eager_paths(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, list[str]]:
     """Export with libraries on their eager course (``eager_paths.py``). Where that course reads tensor values
-    (``if padding_mask.all()``), export again with real values propagated: each read takes the example's value and
-    the graph asserts it at run time (``aten._assert_scalar``), so a batch that would take the other branch fails
-    the assertion instead of silently running this one."""
+    (``if padding_mask.all()``), the reads are recorded on one eager forward and export runs again with each read
+    checked equal to its recorded value (``ValueReads(asserted=True)``): the graph takes the example's course and
+    asserts it at run time (``aten._assert_scalar``), so a batch that would take the other branch fails the
+    assertion instead of silently running this one. (Export's real-tensor propagation would do the same by copying
+    every weight and keeping every activation while it traces: memory a step that captures new shapes cannot spare.)"""
     with eager_library_paths():
         try:
             return _capture_export(model, args, kwargs)
         except Exception as error:
-            if not is_data_dependent_error(error) or _without_real_values(model, args, kwargs):
-                raise
+            reads = recorded_reads(model, args, kwargs) if is_data_dependent_error(error) else None
+            if not reads:
+                raise  # not about values, no values (meta), or the eager model reads none
     # values read on the eager course only (a library's check it skips when traced) are asserted; a model whose own
     # control flow reads values fails the traced course too, and is left to the module level (any value, no replans)
     _capture_export(model, args, kwargs)
-    logger.info("the eager course reads tensor values: exporting again with the example's values, asserted")
-    import torch._functorch.config as functorch_config
-
+    # that export is dropped, but lives on in reference cycles: collected now, since a capture of new shapes runs
+    # inside a training step, under its budget (measured: 0.47 MB over it in tests/planning/test_trainer.py)
+    gc.collect()
+    logger.info("the eager course reads %d tensor value(s): exported with the example's, asserted", len(reads))
     with eager_library_paths():
-        with functorch_config.patch(fake_tensor_propagate_real_tensors=True):
-            executable, notes = _capture_export(model, args, kwargs)
+        executable, notes = _capture_export(model, args, kwargs, asserted_reads=reads)
     _refuse_value_dependent_shapes(executable)
-    _drop_metadata_checks(executable)
-    reads = [node for node in executable.graph.nodes if node.op == "call_function" and node.target in _VALUE_READS]
     if value_guards(executable):
         notes.append(
             f"the model reads {len(reads)} tensor value(s) to choose its course (e.g. whether a mask has padding): "
@@ -231,24 +245,6 @@ def value_guards(executable: fx.GraphModule) -> list[str]:
         for node in executable.graph.nodes
         if node.op == "call_function" and node.target is torch.ops.aten._assert_scalar.default
     ]
-
-
-_VALUE_READS = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)
-
-
-def _drop_metadata_checks(executable: fx.GraphModule) -> None:
-    """Real-tensor propagation leaves a dtype/device check (``aten._assert_tensor_metadata``) at every conversion:
-    the graph is run on the inputs it was checked against, so they are units with nothing to do; dropped."""
-    graph = executable.graph
-    for node in list(graph.nodes):
-        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default and not node.users:
-            graph.erase_node(node)
-    executable.recompile()
-
-
-def _without_real_values(model: nn.Module, args: tuple, kwargs: dict) -> bool:
-    tensors = [*model.parameters(), *model.buffers(), *pytree.tree_leaves((args, kwargs))]
-    return any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in tensors)
 
 
 def _refuse_value_dependent_shapes(executable: fx.GraphModule) -> None:
@@ -412,8 +408,3 @@ def _module_path(node: fx.Node) -> str:
     if node.op == "call_module":
         return str(node.target)
     return ""
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0][:200] if text else ""

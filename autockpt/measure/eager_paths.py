@@ -14,14 +14,15 @@ What a library consults to decide it is traced comes in two kinds:
   named in ``_LIBRARY_PREDICATES``, and every module-level binding of those functions (``from ... import
   is_tracing``) answers "not traced" for the duration.
 
-The eager course may read tensor values (``if padding_mask.all()``). Under ``torch.export`` with real-tensor
-propagation (``capture.py``) such a read takes the example's value and the exported graph asserts it at run time
-(``aten._assert_scalar``): a later batch whose values take the other branch fails the assertion instead of running
-the wrong program (``runtime/rewrite.py`` plans that branch then). Under a fake trace there are no values: the read
-raises, and the caller falls back to the traced course and says so.
+The eager course may read tensor values (``if padding_mask.all()``). Those reads are recorded on one eager forward of
+the real model (``recorded_reads``); under ``torch.export`` (``capture.py``) each read is then checked equal to its
+recorded value, which the exported graph asserts at run time (``aten._assert_scalar``): a later batch whose values
+take the other branch fails the assertion instead of running the wrong program (``runtime/rewrite.py`` hands it to
+``planning/courses.py``). A fake run of the eager model (``fsdp/fake_world.py``) is answered the recorded values.
+Without values (a meta model) a read raises, and the caller falls back to the traced course and says so.
 
 What is left after this (a library not listed, a course this does not reach) is caught by the plan's self-check:
-the captured program's unmodified peak against the eager model's, measured (``Plan.eager_peak_bytes``).
+the captured program's unmodified peak against the eager model's, measured (``Plan.provenance.eager_peak_bytes``).
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from autockpt.measure.fake_copy import without_values
+from autockpt.runtime.model_state import BufferState, cuda_devices_of
 
 # module -> names of functions in it that answer "is this traced?"; checked by identity wherever they are bound
 _LIBRARY_PREDICATES: dict[str, tuple[str, ...]] = {
@@ -91,20 +94,29 @@ def eager_library_paths() -> Iterator[None]:
             namespace[name] = value
 
 
-_VALUE_READS = ("aten._local_scalar_dense.default", "aten.item.default")
+# the ops that read a tensor's value into Python (``.item()``, ``bool(tensor)``, ``int(tensor)``)
+VALUE_READ_OPS = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)
 
 
 class ValueReads(TorchDispatchMode):
     """Records the values a step reads from tensors (``.item()``, ``bool(tensor)``), or answers them from a record.
 
-    A fake run of the eager model has no values where the eager course reads one (Hugging Face: "is this batch
-    packed?"). Recorded on the real model and inputs, the same reads come in the same order in a fake run of the
-    same program on the same inputs, and are answered with the recorded values; one read more than recorded raises
-    a data-dependent error (``is_data_dependent_error``), and the caller falls back to the traced course."""
+    A traced run of the eager model has no values where the eager course reads one (Hugging Face: "is this batch
+    packed?", "does this mask pad anything?"). Recorded on the real model and inputs (``recorded_reads``), the same
+    reads come in the same order in a traced run of the same program on the same inputs:
 
-    def __init__(self, answers: list[Any] | None = None) -> None:
+    - ``asserted=False`` (a fake run, ``fsdp/fake_world.py``): each read is answered with the recorded value;
+    - ``asserted=True`` (``torch.export``, ``capture.py``): each read stays symbolic and is checked equal to the
+      recorded value (``torch._check``), which export keeps as a run-time assertion (``aten._assert_scalar``): the
+      graph takes the example's course and a batch that reads otherwise fails there.
+
+    One read more than recorded raises a data-dependent error (``is_data_dependent_error``): the caller falls back
+    to the traced course."""
+
+    def __init__(self, answers: list[Any] | None = None, *, asserted: bool = False) -> None:
         super().__init__()
         self.replaying = answers is not None
+        self.asserted = asserted
         self.values: list[Any] = list(answers or [])
         self._next = 0
 
@@ -116,7 +128,7 @@ class ValueReads(TorchDispatchMode):
             yield self
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if str(func) not in _VALUE_READS:
+        if func not in VALUE_READ_OPS:
             return func(*args, **(kwargs or {}))
         if not self.replaying:
             value = func(*args, **(kwargs or {}))
@@ -127,26 +139,30 @@ class ValueReads(TorchDispatchMode):
 
             raise DataDependentOutputException(func)
         self._next += 1
-        return self.values[self._next - 1]
+        expected = self.values[self._next - 1]
+        if not self.asserted:
+            return expected
+        value = func(*args, **(kwargs or {}))
+        if isinstance(value, torch.SymBool):  # a bool tensor's read: the symbol itself, or its negation, holds
+            torch._check(value if expected else torch.sym_not(value))
+        else:
+            torch._check(value == expected)
+        return value
 
 
 def recorded_reads(model: nn.Module, args: tuple, kwargs: dict) -> list[Any] | None:
     """The values one forward of ``model`` on its eager course reads from tensors, in order (no gradients, the
     model's buffers and RNG as they were); None where the model or the inputs have no values (meta, fake)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    tensors = [*model.parameters(), *model.buffers(), *pytree.tree_leaves((args, kwargs))]
-    if any(isinstance(t, torch.Tensor) and (t.device.type == "meta" or isinstance(t, FakeTensor)) for t in tensors):
+    if without_values(model, args, kwargs):
         return None
-    buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
+    buffers = BufferState(model)
     recorder = ValueReads()
+    devices = cuda_devices_of(args, kwargs, list(model.parameters()))
     try:
-        with torch.random.fork_rng(), torch.no_grad(), eager_library_paths(), recorder:
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), eager_library_paths(), recorder:
             model(*args, **kwargs)
     finally:
-        with torch.no_grad():
-            for name, buffer in model.named_buffers():
-                buffer.copy_(buffers[name])
+        buffers.restore()
     return recorder.values
 
 

@@ -15,6 +15,21 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import _pytree as pytree
 
 
+def without_values(model: nn.Module, args: Any, kwargs: Any) -> bool:
+    """Whether the model or any example input is on the meta device (or a fake tensor): no real step can run."""
+    return model_on_meta(model) or any(
+        has_no_values(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+    )
+
+
+def model_on_meta(model: nn.Module) -> bool:
+    return any(t.device.type == "meta" for t in (*model.parameters(), *model.buffers()))
+
+
+def has_no_values(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "meta" or isinstance(tensor, FakeTensor)
+
+
 def fake_copy(model: nn.Module, args: tuple, kwargs: dict, mode: FakeTensorMode) -> tuple[nn.Module, tuple, dict]:
     """A copy of ``model`` whose tensors (parameters, buffers, tensor attributes) are fakes of themselves, and fakes
     of the inputs, all on the meta device (a meta model's real inputs, token ids on the CPU, join it there); the model

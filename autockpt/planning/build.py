@@ -34,7 +34,7 @@ from autockpt.errors import FakeStepError, ProfileError
 from autockpt.measure.capture import capture
 from autockpt.measure.costs import calibrate
 from autockpt.measure.fake import FakeTrace
-from autockpt.measure.fake_copy import meta_of_fake
+from autockpt.measure.fake_copy import has_no_values, meta_of_fake, model_on_meta, without_values
 from autockpt.measure.sources import MeasuredTrace, StepInputs, TraceRequest, TraceSource
 from autockpt.measure.timing import Timing, with_timing
 from autockpt.planning.eager_check import compare_with_eager
@@ -63,21 +63,6 @@ def on_meta(step: StepInputs) -> bool:
     return without_values(step.model, step.args, step.kwargs)
 
 
-def without_values(model: torch.nn.Module, args: Any, kwargs: Any) -> bool:
-    """``on_meta`` for a model and example inputs not checked yet (``StepInputs.check``)."""
-    return model_on_meta(model) or any(
-        _has_no_values(t) for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
-    )
-
-
-def model_on_meta(model: torch.nn.Module) -> bool:
-    return any(t.device.type == "meta" for t in (*model.parameters(), *model.buffers()))
-
-
-def _has_no_values(tensor: torch.Tensor) -> bool:
-    return tensor.device.type == "meta" or isinstance(tensor, FakeTensor)
-
-
 def aligned_step(step: StepInputs) -> StepInputs:
     """``step`` with example inputs the capture can run beside the model (one tensor given twice stays one tensor):
 
@@ -96,7 +81,7 @@ def aligned_step(step: StepInputs) -> StepInputs:
         if not isinstance(leaf, torch.Tensor):
             return leaf
         plain_meta = leaf.device.type == "meta" and not isinstance(leaf, FakeTensor)
-        if plain_meta if on_meta_device else not _has_no_values(leaf):  # already where the model is
+        if plain_meta if on_meta_device else not has_no_values(leaf):  # already where the model is
             return leaf
         if id(leaf) not in made:
             made[id(leaf)] = _same_layout_on(leaf, target_device, storages)

@@ -17,6 +17,7 @@ import torch
 
 from autockpt.measure.sources import StepInputs
 from autockpt.measure.step import measure_step
+from autockpt.runtime.model_state import cuda_devices_of
 from autockpt.types import CaptureKind, Graph
 from autockpt.units import format_bytes
 
@@ -42,7 +43,7 @@ def compare_with_eager(step: StepInputs, graph: Graph) -> EagerComparison | None
     for program in (step.model, graph.executable):
         for parameter in step.model.parameters():
             parameter.grad = None
-        with torch.random.fork_rng(devices=_cuda_devices(step)):
+        with torch.random.fork_rng(devices=cuda_devices_of(step.args, step.kwargs, list(step.model.parameters()))):
             peaks.append(measure_step(program, step.args, step.kwargs, step.loss).peak_bytes)
     for parameter in step.model.parameters():
         parameter.grad = None
@@ -66,7 +67,3 @@ def _likely_cause(graph: Graph) -> str:
         "a library takes another course when it sees a traced tensor (materialised masks, repeated heads) that "
         "autockpt does not reach (measure/eager_paths.py names the libraries it reaches)"
     )
-
-
-def _cuda_devices(step: StepInputs) -> list[torch.device]:
-    return [p.device for p in step.model.parameters() if p.device.type == "cuda"][:1]

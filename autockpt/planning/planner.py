@@ -46,6 +46,7 @@ from autockpt.measure.step import (
 from autockpt.measure.timing import Timing
 from autockpt.measure.trace import step_tensors
 from autockpt.planning.build import built_step, refuse_offload, solves_by_blocks
+from autockpt.planning.courses import with_other_courses
 from autockpt.planning.options import (
     UNSET,
     PlanOptions,
@@ -56,7 +57,6 @@ from autockpt.planning.options import (
     resolve_options,
 )
 from autockpt.planning.policy import PlanningContext, assemble_plan
-from autockpt.planning.courses import with_other_courses
 from autockpt.planning.shapes import attach_shape_variants
 from autockpt.planning.verify import verified_module
 from autockpt.record_types import ParetoPoint, Provenance

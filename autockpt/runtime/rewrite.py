@@ -31,7 +31,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from autockpt.errors import UnplannedStepError
+from autockpt.errors import UnplannedStepError, first_line
 from autockpt.record_types import PlanRecord
 from autockpt.runtime.fx_nodes import compute_nodes
 from autockpt.runtime.model_state import autocast_state, start_autocast_step, training_modes
@@ -490,9 +490,10 @@ class OptimizedModule(nn.Module):
             why = str(result)
         else:
             why = "this module has no way to plan another course; plan with an example batch that takes it"
+        check = first_line(error) or type(error).__name__
         return self._unplanned(
-            "course", f"these inputs take another course through the model than the example's ({_first_line(error)}): "
-            f"{why}", args, kwargs,
+            "course", f"these inputs take another course through the model than the example's ({check}): {why}",
+            args, kwargs,
         )
 
     def attach_courses(self, courses: CourseSource) -> None:
@@ -585,8 +586,3 @@ def _patched_forwards(modules: Sequence[tuple[nn.Module, Action]]) -> Iterator[N
                 module.forward = original
             else:
                 del module.forward
-
-
-def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[0][:200] if lines else type(error).__name__

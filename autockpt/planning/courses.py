@@ -45,7 +45,6 @@ class CourseVariants:
         self._replan = replan
         self._max_courses = max_courses
         self._variants: list[CourseVariant] = []
-        self._refused: str | None = None
 
     def variants(self) -> list[CourseVariant]:
         return list(self._variants)

@@ -1,8 +1,9 @@
 """The self-check: the captured program's unmodified step against the user's eager model's, both measured.
 
 autockpt plans the program it captured; the reference is the model as the user runs it. Where the trace is measured
-(a real step ran) the eager model's forward + backward is measured too, beside the captured program's, with the
-same counter (``measure_step``: MemTracker on CPU, ``max_memory_allocated`` on CUDA) and the same loss. A captured
+(a real step ran) and the capture is an export (where libraries see traced tensors; fx runs the model's own Python
+and the module level the model itself), the eager model's forward + backward is measured too, beside the captured
+program's, with the same counter (``measure_step``: MemTracker on CPU, ``max_memory_allocated`` on CUDA) and the same loss. A captured
 program above the eager model by more than ``TOLERANCE`` is warned about, naming the difference and its likely cause
 (a library's course under tracing that ``measure/eager_paths.py`` does not reach); the plan records both peaks
 (``Provenance.eager_peak_bytes``, ``captured_peak_bytes``) and its summary shows them.

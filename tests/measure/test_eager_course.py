@@ -183,3 +183,16 @@ def test_the_eager_paths_are_left_as_they_were() -> None:
     with eager_library_paths():
         assert not import_utils.is_tracing(torch.empty(0, device="meta"))
     assert (torch.compiler.is_exporting, torch.compiler.is_compiling, import_utils.is_tracing) == before
+
+
+@pytest.mark.slow
+def test_a_fake_trace_of_a_graph_that_checks_values_gives_the_measured_bytes() -> None:
+    """The graph reads and asserts the mask's value; the fake trace reads it as an unbacked symbol, its check
+    deferred, and predicts the measured trace's unmodified step to the byte."""
+    model, args, kwargs = _case("llama-gqa")
+    measured = autockpt.plan(model, budget_bytes=ROOMY, example_inputs=args, example_kwargs=kwargs, trace="measured")
+    fake = autockpt.plan(model, budget_bytes=ROOMY, example_inputs=args, example_kwargs=kwargs, trace="fake",
+                         timing="roofline")  # the local device, calibrated: no per-op benchmark
+    assert any("reads 1 tensor value" in note for note in fake.notes)
+    assert fake.provenance.trace == "fake" and measured.provenance.trace == "measured"
+    assert fake.baseline_peak_bytes == measured.baseline_peak_bytes

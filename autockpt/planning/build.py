@@ -29,6 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils import _pytree as pytree
 
 from autockpt.core.devices import DeviceSpec, device_spec
+from autockpt.core.simulate import simulate
 from autockpt.core.solve.base import recompute_actions
 from autockpt.errors import FakeStepError, ProfileError
 from autockpt.measure.capture import capture
@@ -298,7 +299,9 @@ def built_step(
         costs = calibrate(price_device, (*actions, *offload))
         timed = with_timing(timing, spec, graph, step, chosen.trace, costs)  # measured, benchmark or roofline
         # where a real step ran, the self-check: the captured program against the user's eager model
-        eager = compare_with_eager(step, graph) if chosen.source == "measured" else None
+        # (the trace measured the captured program's step already, unless it covers a loop around it)
+        traced = simulate(timed.trace, timed.costs, ()).peak_bytes if timed.trace.loop is None else None
+        eager = compare_with_eager(step, graph, traced) if chosen.source == "measured" else None
     provenance = Provenance(
         trace=chosen.source, timing=timed.timing, device=spec.name if spec is not None else str(price_device),
         device_memory_bytes=memory, reason=chosen.reason,

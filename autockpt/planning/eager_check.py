@@ -34,21 +34,15 @@ class EagerComparison:
     warning: str | None  # set when the captured program holds more than the tolerance over the eager model
 
 
-def compare_with_eager(step: StepInputs, graph: Graph) -> EagerComparison | None:
-    """Both unmodified steps measured on the example inputs (gradients set to None before each; the caller keeps
-    the model's state); None unless the capture is an export (two more real steps per plan: spent where libraries
-    see traced tensors)."""
+def compare_with_eager(step: StepInputs, graph: Graph, traced_peak_bytes: int | None) -> EagerComparison | None:
+    """Both unmodified steps on the example inputs (gradients set to None before each; the caller keeps the model's
+    state): the eager model's measured, the captured program's from the measured trace (``traced_peak_bytes``, its
+    forward + backward alone) or, where the trace covers a loop around them (None), measured too. None unless the
+    capture is an export: one or two more real steps per plan, spent where libraries see traced tensors."""
     if graph.kind is not CaptureKind.EXPORT:  # fx traces torch-level calls of the model's own code; module level
         return None  # runs the model itself: the export path is where libraries see traced tensors
-    peaks = []
-    for program in (step.model, graph.executable):
-        for parameter in step.model.parameters():
-            parameter.grad = None
-        with torch.random.fork_rng(devices=cuda_devices_of(step.args, step.kwargs, list(step.model.parameters()))):
-            peaks.append(measure_step(program, step.args, step.kwargs, step.loss).peak_bytes)
-    for parameter in step.model.parameters():
-        parameter.grad = None
-    eager, captured = peaks
+    eager = _measured_peak(step, step.model)
+    captured = traced_peak_bytes if traced_peak_bytes is not None else _measured_peak(step, graph.executable)
     warning = None
     if captured > eager * (1 + TOLERANCE):
         warning = (
@@ -58,6 +52,16 @@ def compare_with_eager(step: StepInputs, graph: Graph) -> EagerComparison | None
         )
         logger.warning("autockpt: %s", warning)
     return EagerComparison(eager_peak_bytes=eager, captured_peak_bytes=captured, warning=warning)
+
+
+def _measured_peak(step: StepInputs, program: torch.nn.Module) -> int:
+    for parameter in step.model.parameters():
+        parameter.grad = None
+    with torch.random.fork_rng(devices=cuda_devices_of(step.args, step.kwargs, list(step.model.parameters()))):
+        peak = measure_step(program, step.args, step.kwargs, step.loss).peak_bytes
+    for parameter in step.model.parameters():
+        parameter.grad = None
+    return peak
 
 
 def _likely_cause(graph: Graph) -> str:

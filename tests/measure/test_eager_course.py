@@ -196,3 +196,33 @@ def test_a_fake_trace_of_a_graph_that_checks_values_gives_the_measured_bytes() -
     assert any("reads 1 tensor value" in note for note in fake.notes)
     assert fake.provenance.trace == "fake" and measured.provenance.trace == "measured"
     assert fake.baseline_peak_bytes == measured.baseline_peak_bytes
+
+
+class _RepeatsWhenFake(torch.nn.Module):
+    """Takes a costlier course when it sees a fake tensor, through a check autockpt does not know (a library not in
+    ``eager_paths._LIBRARY_PREDICATES``): the self-check must say so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 1:  # a Python branch on a size: fx cannot trace it, export can
+            x = x * 1.0
+        if isinstance(x, torch._subclasses.fake_tensor.FakeTensor):
+            return torch.tanh(self.fc(x.repeat(16, 1)))[: x.shape[0]]  # 16x the saved activation, same values
+        return torch.tanh(self.fc(x))
+
+
+def test_the_self_check_warns_when_the_captured_program_holds_more_than_the_eager_model(caplog) -> None:
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
+    with caplog.at_level("WARNING", logger="autockpt.planning.eager_check"):
+        the_plan = autockpt.plan(_RepeatsWhenFake(), budget_bytes=ROOMY, example_inputs=(x,),
+                                 loss_fn=lambda y: y.sum())
+    assert the_plan.capture.value == "export"
+    eager, captured = the_plan.provenance.eager_peak_bytes, the_plan.provenance.captured_peak_bytes
+    assert captured > eager * 1.005, (captured, eager)
+    warnings = [note for note in the_plan.notes if "more than the eager model's" in note]
+    assert len(warnings) == 1 and "Cause:" in warnings[0]
+    assert any("more than the eager model's" in record.getMessage() for record in caplog.records)
+    assert "eager model" in the_plan.summary()

@@ -161,7 +161,31 @@ def hugging_face_llama(vocab: int, width: int, layers: int, heads: int = 4) -> n
     return LlamaLogits(config)
 
 
-MODELS = {"decoder": Decoder, "gpt2": GPT2Style, "llama": LlamaStyle, "hf-llama": hugging_face_llama}
+class TorchEncoderStack(nn.Module):
+    """torch's own ``nn.TransformerEncoderLayer`` blocks in a plain ``nn.ModuleList`` under an embedding (issue 46:
+    fx keeps each layer as one call, so the traced step shows no repeated run of ops; FSDP's default units come from
+    the module list)."""
+
+    def __init__(self, vocab: int = 1024, width: int = 32, layers: int = 4, heads: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(width, heads, 2 * width, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(layers)
+        )
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+MODELS = {
+    "decoder": Decoder, "gpt2": GPT2Style, "llama": LlamaStyle, "hf-llama": hugging_face_llama,
+    "torch-encoder": TorchEncoderStack,
+}
 
 
 def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -110,6 +110,32 @@ def check_units(model: nn.Module, units: Sequence[str]) -> tuple[str, ...]:
     return (*inner, ROOT)
 
 
+def container_blocks(model: nn.Module, ran: Sequence[str]) -> list[str]:
+    """The entries of every ``nn.ModuleList``, ``nn.ModuleDict`` or ``nn.Sequential`` that holds at least two identical
+    blocks (same class, same parameter names, shapes and dtypes, with parameters) and runs in the step (a module path
+    in ``ran`` lies inside it): torchtitan's ``model.layers`` convention, read from the module tree. Only the outermost
+    such container counts (a layer list, not each layer's expert list). Used where the traced step shows no repeated
+    blocks: a capture that keeps torch's own layers (``nn.TransformerEncoderLayer``) as single units."""
+
+    def shape_of(block: nn.Module) -> tuple:
+        return (type(block), tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters()))
+
+    def runs(name: str) -> bool:
+        return any(path == name or path.startswith(name + ".") for path in ran)
+
+    found: list[str] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+            continue
+        if any(name == f or name.startswith(f + ".") for f in found):  # inside a block already taken
+            continue
+        entries = [(f"{name}.{key}" if name else key, block) for key, block in module.named_children()]
+        shapes = {shape_of(block) for _, block in entries}
+        if len(entries) >= 2 and len(shapes) == 1 and next(iter(shapes))[1]:
+            found += [entry for entry, _ in entries if runs(entry)]
+    return found
+
+
 def unit_parameter_bytes(model: nn.Module, units: Sequence[str]) -> dict[str, tuple[int, int]]:
     """Per unit (the root last): (number of parameter elements, bytes) it owns, a parameter counted in the innermost
     unit that holds it (as ``fully_shard`` groups them); shared parameters once."""

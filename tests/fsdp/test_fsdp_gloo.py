@@ -28,7 +28,8 @@ WORLD = 2
 # selective together: the Llama-style case, which the suite's time budget keeps as the only one of its kind)
 CASES = {
     "selective-baseline": ("decoder", 256, ("selective", "baseline"), {"keep", "selective"}),
-    "floor-baseline-uneven": ("decoder", 257, ("floor", "baseline"), None),
+    # torch's nn.TransformerEncoderLayer in an nn.ModuleList, default units (issue 46: read from the module list)
+    "floor-baseline-uneven": ("torch-encoder", 257, ("floor", "baseline"), None),
     # Hugging Face's Llama with grouped-query attention (RMSNorm, rotary causal attention, SwiGLU): the fake trace
     # takes the eager course the ranks take (issue 45: no T x T mask, keys and values not repeated across heads;
     # its packed-sequence check's value replayed from the real model)
@@ -68,6 +69,8 @@ def test_two_ranks_give_the_single_process_losses_and_gradients_under_the_budget
         assert peaks[low] < peaks["floor"]
     budget = (peaks[low] + peaks[high]) // 2
     fplan = autockpt.plan_fsdp(build(config), budget_bytes=budget, **common)
+    if kind == "torch-encoder":  # default units: the module list's entries, then the root
+        assert fplan.units == (*(f"layers.{i}" for i in range(config["model"]["layers"])), "")
     made = {fplan.decision(u).value for u in fplan.units if u}
     # units the budget does not need are kept or given a part (a norm or attention checkpointed alone, when the
     # times measured here make it cheapest)

@@ -26,7 +26,7 @@ from autockpt.fsdp.choose import (
 )
 from autockpt.fsdp.fake_world import fake_world, measure_sharded_step
 from autockpt.fsdp.record import FSDPPlan, UnitDecision
-from autockpt.fsdp.shard import checkpoint_kind
+from autockpt.fsdp.shard import checkpoint_kind, container_blocks
 from autockpt.measure.loop import NAMED_OPTIMIZERS
 from autockpt.types import LinkPrice
 
@@ -546,3 +546,22 @@ def test_parts_are_a_units_children_or_the_children_of_its_module_lists() -> Non
     assert _part_name("layers.0", "layers.0.attn", modules) == "attn"
     assert _part_name("layers.0", "layers.0.experts.0.0", modules) == "experts.0"
     assert _part_name("layers.0", "layers.0", modules) is None
+
+
+def test_default_units_from_the_module_tree_take_the_outermost_list_of_identical_blocks_that_ran() -> None:
+    """Issue 46: where the traced step shows no repeated run of ops, the entries of a container of identical blocks
+    are the units; a list of unlike blocks, a list without parameters and a list inside a block are not."""
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))  # inside a block: not units
+
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList(Block() for _ in range(3))
+    model.unlike = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 8)])
+    model.activations = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.ReLU())
+    model.unused = torch.nn.ModuleDict({"a": torch.nn.Linear(2, 2), "b": torch.nn.Linear(2, 2)})
+    ran = ["blocks.0.experts.1", "blocks.1", "blocks.2.experts.0", "unlike.0", "unlike.1", "activations.0"]
+    assert container_blocks(model, ran) == ["blocks.0", "blocks.1", "blocks.2"]
+    assert container_blocks(model, ran + ["unused.b"]) == ["blocks.0", "blocks.1", "blocks.2", "unused.b"]

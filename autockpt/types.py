@@ -210,6 +210,9 @@ class TrainingLoop:
 
     optimizer: OptimizerStepCost | None = None  # None: no optimizer step in the budget
     gradient_accumulation_steps: int = 1
+    # False: the loop drops the model's output before backward (Hugging Face's Trainer, torchtitan's ``del pred``,
+    # ``model(**batch).loss.backward()``); True: it holds it through backward and the optimizer step
+    output_held: bool = True
 
     @property
     def gradients_at_start(self) -> bool:
@@ -222,6 +225,8 @@ class TrainingLoop:
                 f"optimizer.step() of {self.optimizer.optimizer} ({self.optimizer.state_bytes} bytes of states, "
                 f"{self.optimizer.step_extra_bytes} bytes above parameters and gradients at its peak)"
             )
+        if not self.output_held:
+            parts.append("the model's output dropped before backward")
         if self.gradients_at_start:
             parts.append(
                 f"gradients alive when a step starts (gradient accumulation over {self.gradient_accumulation_steps} "

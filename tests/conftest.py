@@ -35,6 +35,7 @@ _ZOO_PARAMS = {
     "gpt2": pytest.param("gpt2", marks=needs_transformers, id="hf-gpt2"),
     "vit": pytest.param("vit", marks=needs_transformers, id="hf-vit"),
     "unet": pytest.param("unet", marks=needs_diffusers, id="diffusers-unet2d"),
+    "vae": pytest.param("vae", marks=needs_diffusers, id="diffusers-autoencoder-kl"),
 }
 
 

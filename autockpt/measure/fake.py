@@ -151,7 +151,7 @@ class FakeTrace:
                 trace = trace_step(
                     fake.graph, fake.args, fake.kwargs, step.loss, timed=False,
                     time_repeated_blocks_once=request.time_repeated_blocks_once,
-                    gradient_lifetimes=request.gradient_lifetimes,
+                    gradient_lifetimes=request.gradient_lifetimes, output_held=request.output_held,
                 )
             except (ProfileError, LossFunctionError) as error:
                 _raise_fake_step_error(error, graph)

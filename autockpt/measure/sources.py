@@ -73,6 +73,7 @@ class TraceRequest:
     gradient_lifetimes: bool  # autockpt's own recompute is planned for: record when each parameter's gradient lands
     optimizer: OptimizerSpec | None = None  # the loop's optimizer: its states and step raise every event
     gradient_accumulation_steps: int = 1
+    output_held: bool = True  # False: the loop drops the model's output before backward (``TrainingLoop``)
     # the device type the step is planned for, when it is not the traced tensors' own (a fake CPU trace for a CUDA
     # target): the optimizer runs torch's default implementation for it (``loop.measure_optimizer_step``)
     planned_device_type: str | None = None
@@ -98,7 +99,7 @@ class MeasuredTrace:
         trace = trace_step(
             graph, step.args, step.kwargs, step.loss,
             time_repeated_blocks_once=request.time_repeated_blocks_once,
-            gradient_lifetimes=request.gradient_lifetimes,
+            gradient_lifetimes=request.gradient_lifetimes, output_held=request.output_held,
         )
         trace = with_foreign_bytes_counted(trace, step.device, step.model, step.args, step.kwargs)
         if request.optimizer is None:
@@ -122,9 +123,12 @@ def with_foreign_bytes_counted(
 def in_the_loop(trace: StepTrace, optimizer_step: OptimizerStepCost | None, request: TraceRequest) -> StepTrace:
     """The step as the loop runs it (``loop.step_in_loop``: what the loop keeps alive raises every event), or
     ``trace`` itself when there is no optimizer to cover and no accumulation."""
-    if request.optimizer is None and request.gradient_accumulation_steps == 1:
+    if request.optimizer is None and request.gradient_accumulation_steps == 1 and request.output_held:
         return trace
-    loop = TrainingLoop(optimizer=optimizer_step, gradient_accumulation_steps=request.gradient_accumulation_steps)
+    loop = TrainingLoop(
+        optimizer=optimizer_step, gradient_accumulation_steps=request.gradient_accumulation_steps,
+        output_held=request.output_held,
+    )
     return step_in_loop(trace, loop)
 
 

@@ -3,7 +3,8 @@
 Peak means the highest total of live tensor bytes on the model's device during forward + ``loss.backward()``
 (+ ``optimizer.step()`` when an optimizer is given), gradients ``None`` at the start (zeros with gradient
 accumulation), inputs allocated beforehand, the module's output held until the step ends (as the profile holds it; a
-loop that drops it before backward peaks lower by what of it backward does not keep, a causal LM's logits). On CPU it
+loop that drops it before backward peaks lower by what of it backward does not keep, a causal LM's logits:
+``output_held=False`` measures that loop). On CPU it
 is MemTracker's peak "Total" with the module and the inputs tracked as external; on CUDA it is
 ``torch.cuda.max_memory_allocated``, and beside it ``torch.cuda.max_memory_reserved`` (what the caching allocator held
 from the device: allocated plus its cached, partly used blocks; the figure an out-of-memory error is about).
@@ -33,6 +34,7 @@ from autockpt.measure.loss import default_loss
 from autockpt.measure.storage_tracker import StorageTracker
 from autockpt.measure.trace import device_of, step_tensors
 from autockpt.runtime.model_state import weights_put_back
+from autockpt.runtime.output_watch import unwatched_steps
 from autockpt.runtime.rewrite import OptimizedModule
 
 
@@ -101,6 +103,7 @@ def measure_step(
     *,
     optimizer: OptimizerSpec | None = None,
     gradient_accumulation_steps: int = 1,
+    output_held: bool = True,
 ) -> StepMeasurement:
     """Run forward + backward once (gradients are left on the parameters) and return the peak bytes.
 
@@ -119,14 +122,17 @@ def measure_step(
     one, as ``autockpt.optimize`` takes it) two steps run, each forward + backward + ``optimizer.step()`` on a fresh
     copy of the optimizer, and the peak is the higher (the first makes the states, the second has them); the
     parameters' values are put back afterwards and the given optimizer is never stepped. With
-    ``gradient_accumulation_steps`` > 1 every measured step starts with gradients alive (zeros).
+    ``gradient_accumulation_steps`` > 1 every measured step starts with gradients alive (zeros). ``output_held=False``:
+    the module's output is dropped before backward (the loop of Hugging Face's Trainer and torchtitan).
     """
     kwargs = dict(example_kwargs or {})
     loss_fn = loss_fn or default_loss
     device = device_of(module, example_inputs, kwargs)
     return _measured_loop(
         module, example_inputs, kwargs, optimizer, gradient_accumulation_steps,
-        lambda the_optimizer: _one_step(module, example_inputs, kwargs, loss_fn, device, the_optimizer),
+        lambda the_optimizer: _one_step(
+            module, example_inputs, kwargs, loss_fn, device, the_optimizer, output_held=output_held
+        ),
     )
 
 
@@ -154,7 +160,8 @@ def _measured_loop(
                 param.grad = torch.zeros_like(param) if accumulating and param.requires_grad else None
             if step == 0:
                 foreign = foreign_bytes(device, step_tensors(owner, args, kwargs))
-            peak, reserved_peak, loss = one_step(the_optimizer)
+            with unwatched_steps():  # a measured step is not the user's loop (it names the loop it measures)
+                peak, reserved_peak, loss = one_step(the_optimizer)
             peaks.append(peak)
             reserved.append(reserved_peak)
         del the_optimizer
@@ -165,7 +172,7 @@ def _measured_loop(
 
 def _one_step(
     module: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable[[Any], torch.Tensor], device: torch.device,
-    optimizer: torch.optim.Optimizer | None,
+    optimizer: torch.optim.Optimizer | None, *, output_held: bool = True,
 ) -> tuple[int, int | None, float]:
     """The peak bytes, the peak reserved bytes (CUDA; None elsewhere) and the loss of one forward + backward
     (+ ``optimizer.step()``), gradients as they are. Tensors named by ``held_beside_step`` count from the start."""
@@ -175,9 +182,11 @@ def _one_step(
     def run() -> torch.Tensor:
         output = module(*args, **kwargs)
         loss = loss_fn(output)
+        if not output_held:
+            del output
         loss.backward()
         if optimizer is not None:
-            optimizer.step()  # the output is still held, as in a loop that keeps it until the next step
+            optimizer.step()  # the output, when held, is still held, as in a loop that keeps it until the next step
         return loss
 
     if device.type == "cuda":
@@ -215,6 +224,7 @@ def measure_compiled_step(
     static_from: nn.Module | None = None,
     optimizer: OptimizerSpec | None = None,
     gradient_accumulation_steps: int = 1,
+    output_held: bool = True,
 ) -> StepMeasurement:
     """``measure_step`` for a module that runs compiled code (``torch.compile``), where MemTracker cannot see: inside
     compiled code no module hook or dispatch mode runs, but every buffer still comes from the allocator. The same
@@ -237,17 +247,21 @@ def measure_compiled_step(
 
     def one_step(the_optimizer: torch.optim.Optimizer | None) -> tuple[int, int | None, float]:
         if device.type == "cuda":
-            return _one_step(module, example_inputs, kwargs, loss_fn, device, the_optimizer)
+            return _one_step(
+                module, example_inputs, kwargs, loss_fn, device, the_optimizer, output_held=output_held
+            )
         existing = step_tensors(owner, example_inputs, kwargs) + held
         existing += state_tensors(the_optimizer) if the_optimizer is not None else []
-        peak, loss = _allocator_event_step(module, example_inputs, kwargs, loss_fn, the_optimizer, existing)
+        peak, loss = _allocator_event_step(
+            module, example_inputs, kwargs, loss_fn, the_optimizer, existing, output_held=output_held
+        )
         return peak, None, loss
 
     return _measured_loop(owner, example_inputs, kwargs, optimizer, gradient_accumulation_steps, one_step)
 
 def _allocator_event_step(
     module: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable[[Any], torch.Tensor],
-    optimizer: torch.optim.Optimizer | None, existing: list[torch.Tensor],
+    optimizer: torch.optim.Optimizer | None, existing: list[torch.Tensor], *, output_held: bool = True,
 ) -> tuple[int, float]:
     """CPU: the peak of one forward + backward (+ ``optimizer.step()``) from the allocator's events in
     ``torch.profiler``, plus the bytes of ``existing`` (allocated before the profiler started), and the loss."""
@@ -255,7 +269,10 @@ def _allocator_event_step(
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        loss = loss_fn(module(*args, **kwargs))
+        output = module(*args, **kwargs)
+        loss = loss_fn(output)
+        if not output_held:
+            del output
         loss.backward()
         if optimizer is not None:
             optimizer.step()
@@ -309,7 +326,8 @@ def alternating_step_seconds(
     for round_index in range(rounds + 1):
         start = round_index % len(modules)
         for position in [*range(start, len(modules)), *range(start)]:
-            elapsed = step_seconds(modules[position], example_inputs, example_kwargs, loss_fn)
+            with unwatched_steps():  # timing steps are not the user's loop
+                elapsed = step_seconds(modules[position], example_inputs, example_kwargs, loss_fn)
             if round_index > 0:
                 seconds[position].append(elapsed)
     for module in modules:

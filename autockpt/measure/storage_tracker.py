@@ -275,7 +275,9 @@ class GradientRecorder(TorchFunctionMode):
                         leaf.register_hook(functools.partial(self._on_gradient, record))
         return out
 
-    def _on_gradient(self, record: StorageRecord, gradient: torch.Tensor) -> None:
+    def _on_gradient(self, record: StorageRecord, gradient: torch.Tensor | None) -> None:
+        if gradient is None:  # an output backward gives no gradient (a multi-output op's unused part: a VAE's chunk)
+            return
         gradient_record = self.tracker.record_of(gradient)
         if gradient_record is not None:
             record.gradients.append(gradient_record)

@@ -53,10 +53,12 @@ def trace_step(
     time_repeated_blocks_once: bool = True,
     gradient_lifetimes: bool = False,
     timed: bool = True,
+    output_held: bool = True,
 ) -> StepTrace:
     """Measure the unmodified training step of ``graph`` on the example inputs. ``gradient_lifetimes``: also record
     how long the gradients of forward tensors lived (the simulation of ``Action.RECOMPUTE_OWN`` needs them).
     ``timed=False``: no timed steps; every time in the trace is 0 (``FakeTrace`` traces fake tensors, which take none).
+    ``output_held=False``: the model's output is dropped before backward, as loops that keep only the loss do.
 
     With ``time_repeated_blocks_once``, the units of repeated blocks (found from the tracked step: same ops, FLOPs and
     bytes) are timed at one instance per family and every other instance reuses those times, so the timed steps
@@ -69,7 +71,9 @@ def trace_step(
         loss_fn(graph.executable(*args, **kwargs)).backward()  # warm-up: allocator, lazy initialisation
         _clear_grads(params)
         start_autocast_step()  # autocast's casts are made in the tracked step, as in the optimized module's steps
-        tracked = _tracked_step(graph, args, kwargs, loss_fn, record_gradients=gradient_lifetimes)
+        tracked = _tracked_step(
+            graph, args, kwargs, loss_fn, record_gradients=gradient_lifetimes, output_held=output_held
+        )
         flops = _unit_flops(graph, args, kwargs)
         untimed = _assemble(graph, args, kwargs, tracked, flops, gradient_lifetimes=gradient_lifetimes)
         if not timed:
@@ -169,7 +173,7 @@ class _TrackedStep:
 
 
 def _tracked_step(
-    graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn, *, record_gradients: bool
+    graph: Graph, args: tuple, kwargs: dict, loss_fn: LossFn, *, record_gradients: bool, output_held: bool = True
 ) -> _TrackedStep:
     device = device_of(graph.model, args, kwargs)
     static = step_tensors(graph.model, args, kwargs)
@@ -215,11 +219,13 @@ def _tracked_step(
             output = graph.executable(*args, **kwargs)
             tracker.begin_event(Phase.FORWARD, OUTSIDE_GRAPH_UNIT)  # the loss function
             loss = loss_fn(output)
+            if not output_held:
+                del output  # what of it backward does not keep is freed before backward starts
         tracker.begin_event(Phase.BACKWARD, OUTSIDE_GRAPH_UNIT)
         loss.backward()
         del loss
         tracker.begin_event(Phase.BACKWARD, OUTSIDE_GRAPH_UNIT)  # end marker: what is freed after the step
-    del output
+    output = None
     gradient_records = {tracker.record_of(p.grad) for p in graph.model.parameters() if p.grad is not None}
     gradient_allocations = [(r.alloc_event, r.nbytes) for r in gradient_records if r is not None]
     leaves = [*graph.model.parameters(), *(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))]

@@ -55,7 +55,9 @@ logger = logging.getLogger(__name__)
 
 # a split given by name instead of solved (the baselines of the benchmark)
 # PlanOptions the pipeline planner does not plan yet: given, they are refused, never ignored
-PIPELINE_UNSUPPORTED_OPTIONS = ("optimizer", "host_pool_gb", "gradient_accumulation_steps", "strict", "compiled")
+PIPELINE_UNSUPPORTED_OPTIONS = (
+    "optimizer", "host_pool_gb", "gradient_accumulation_steps", "strict", "compiled", "output_held",
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, repr=False)

@@ -45,6 +45,7 @@ def optimize(
     optimizer: Any = UNSET,
     gradient_accumulation_steps: Any = UNSET,
     compiled: Any = UNSET,
+    output_held: Any = UNSET,
     trace: str | TraceSource = "auto",
     timing: str | Timing = "auto",
     device_memory_bytes: int | None = None,
@@ -72,7 +73,9 @@ def optimize(
     one from a list of parameters, e.g. ``torch.optim.AdamW``) the budget covers ``optimizer.step()`` too, its states
     alive through every step and its temporaries; the optimizer is copied to measure it, never stepped. With
     ``gradient_accumulation_steps`` > 1 it covers micro-steps that start with the earlier ones' gradients alive
-    (also the setting for a loop that zeroes gradients in place instead of setting them to None).
+    (also the setting for a loop that zeroes gradients in place instead of setting them to None). ``output_held=False``
+    plans for a loop that drops the model's output before backward (Hugging Face's ``Trainer``, torchtitan,
+    ``model(**batch).loss.backward()``); the default holds it through the step (``PlanOptions.output_held``).
 
     ``compiled=True`` (or a dict of ``torch.compile`` keyword arguments): return ``torch.compile`` of the optimized
     module, with the budget kept by the *compiled* step (the partitioner re-decides what is saved, so the eager plan's
@@ -96,6 +99,7 @@ def optimize(
     options = resolve_options(
         options, solver_options=solver_options, checkpoint=checkpoint, host_pool_gb=host_pool_gb, strict=strict,
         optimizer=optimizer, gradient_accumulation_steps=gradient_accumulation_steps, compiled=compiled,
+        output_held=output_held,
     )
     # the planner plans and verifies eager steps; compiling them is compiled_module's (Planner.optimize refuses it)
     planner = Planner.from_model(
@@ -127,6 +131,7 @@ def plan(
     host_pool_gb: Any = UNSET,
     optimizer: Any = UNSET,
     gradient_accumulation_steps: Any = UNSET,
+    output_held: Any = UNSET,
     trace: str | TraceSource = "auto",
     timing: str | Timing = "auto",
     target: Any = None,
@@ -145,7 +150,7 @@ def plan(
         budget_to_bytes(budget_gb, budget_bytes)  # checked before anything is traced
     options = resolve_options(
         options, solver_options=solver_options, checkpoint=checkpoint, host_pool_gb=host_pool_gb, optimizer=optimizer,
-        gradient_accumulation_steps=gradient_accumulation_steps,
+        gradient_accumulation_steps=gradient_accumulation_steps, output_held=output_held,
     )
     unsupported(options, "autockpt.plan", ("strict", "compiled"))  # they are about the returned module: optimize's
     planner = Planner.from_model(

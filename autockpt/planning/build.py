@@ -287,7 +287,7 @@ def built_step(
             time_repeated_blocks_once=solves_by_blocks(options, graph),
             gradient_lifetimes=Action.RECOMPUTE_OWN in actions,
             optimizer=options.optimizer, gradient_accumulation_steps=options.gradient_accumulation_steps,
-            planned_device_type=spec.device_type if spec is not None else None,
+            output_held=options.output_held, planned_device_type=spec.device_type if spec is not None else None,
         ), memory, without_values=without_values)
         if chosen.reason:
             logger.info("trace='auto' chose the %s trace: %s", chosen.source, chosen.reason)

@@ -44,6 +44,11 @@ class PlanOptions:
     ``gradient_accumulation_steps``: micro-steps per optimizer step. ``solver``: ``SolverOptions``. ``strict``: a step
     larger than the planned one raises ``UnplannedStepError`` instead of running unplanned. ``compiled``: True or a
     dict of ``torch.compile`` keyword arguments: the budget is kept by the compiled step (not with a host pool).
+    ``output_held``: the training loop holds the model's output through backward and the optimizer step (True, the
+    default: ``out = model(x); loss_fn(out).backward()``); False: the output is gone before backward, as in Hugging
+    Face's ``Trainer``, torchtitan's train step (``del pred``) and ``model(**batch).loss.backward()``: the plan counts
+    what of it backward does not keep (a causal LM's logits) as freed there. The optimized module checks the loop on
+    its first steps and says when it differs.
     """
 
     checkpoint: Action | str = "auto"
@@ -53,6 +58,7 @@ class PlanOptions:
     solver: SolverOptions = field(default_factory=SolverOptions)
     strict: bool = False
     compiled: bool | Mapping[str, Any] = False
+    output_held: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "checkpoint", checked_checkpoint(self.checkpoint))
@@ -67,6 +73,11 @@ class PlanOptions:
             raise TypeError(f"solver must be autockpt.SolverOptions, got {describe_value(self.solver)}")
         if not isinstance(self.strict, bool):
             raise TypeError(f"strict must be True or False, got {describe_value(self.strict)}")
+        if not isinstance(self.output_held, bool):
+            raise TypeError(
+                f"output_held must be True (the loop holds the model's output through backward) or False (it drops "
+                f"it before backward, as Hugging Face's Trainer does), got {describe_value(self.output_held)}"
+            )
         if not isinstance(self.compiled, (bool, Mapping)):
             raise TypeError(
                 f"compiled={self.compiled!r}: give True, False, or a dict of torch.compile keyword arguments "

@@ -417,7 +417,7 @@ def estimate(
 ) -> None:
     """Memory of one training step of MODEL: parameters, gradients, optimizer state, activations, temporaries.
 
-    MODEL is a built-in example (gpt2, bert, t5, llama, vit, unet, mlp, cnn, transformer, control_flow) or
+    MODEL is a built-in example (gpt2, bert, t5, llama, vit, unet, vae, mlp, cnn, transformer, control_flow) or
     package.module:factory, a function returning an nn.Module.
     """
     from autockpt.planning.estimate import OptimizerKind, estimate_from_planner

@@ -1,7 +1,7 @@
 """Built-in example models, random-initialised from configs (no downloads), with example inputs.
 
 Used by the demo, the tests and the benchmarks. Hugging Face decoder (gpt2, llama), encoder (bert, vit) and
-encoder-decoder (t5) models, a diffusers UNet, and plain PyTorch models (mlp, cnn, transformer, control_flow). ``build(name, size)`` returns a ``ZooCase``; sizes are "tiny" (tests)
+encoder-decoder (t5) models, a diffusers UNet and VAE, and plain PyTorch models (mlp, cnn, transformer, control_flow). ``build(name, size)`` returns a ``ZooCase``; sizes are "tiny" (tests)
 and "small" (benchmarks). Hugging Face and diffusers entries need ``pip install autockpt[zoo]``.
 """
 
@@ -252,6 +252,20 @@ def _unet(size: str) -> ZooCase:
     )
 
 
+def _vae(size: str) -> ZooCase:
+    """diffusers' ``AutoencoderKL`` trained as a reconstruction: encoder, the latent distribution's mode, decoder."""
+    from diffusers import AutoencoderKL
+
+    channels, image, batch = {"tiny": ((8, 16), 16, 2), "small": ((32, 64), 32, 4), "bench": ((64, 128), 64, 8)}[size]
+    model = AutoencoderKL(
+        in_channels=3, out_channels=3, block_out_channels=channels, layers_per_block=1, latent_channels=4,
+        down_block_types=("DownEncoderBlock2D",) * len(channels), up_block_types=("UpDecoderBlock2D",) * len(channels),
+        norm_num_groups=8, sample_size=image,
+    )
+    sample = torch.randn(batch, 3, image, image)
+    return ZooCase(name="vae", model=model, args=(sample,), loss_fn=lambda out: (out.sample - sample).pow(2).mean())
+
+
 def _mean_square(output: torch.Tensor) -> torch.Tensor:
     return output.pow(2).mean()
 
@@ -271,4 +285,5 @@ BUILDERS: dict[str, Callable[[str], ZooCase]] = {
     "llama": _llama,
     "vit": _vit,
     "unet": _unet,
+    "vae": _vae,
 }

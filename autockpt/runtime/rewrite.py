@@ -36,6 +36,7 @@ from autockpt.record_types import PlanRecord
 from autockpt.runtime.fx_nodes import compute_nodes
 from autockpt.runtime.model_state import autocast_state, start_autocast_step, training_modes
 from autockpt.runtime.offload import HostPool, PoolStats
+from autockpt.runtime.output_watch import OutputWatch
 from autockpt.runtime.recompute import CheckpointedRegion, run_checkpointed
 from autockpt.types import Action, CaptureKind, Graph, Policy, Region
 
@@ -372,6 +373,8 @@ class OptimizedModule(nn.Module):
         self.__dict__["_autockpt_variants"] = None  # steps at other input shapes (``attach_shapes``)
         self.__dict__["_autockpt_courses"] = None  # steps whose values take another course (``attach_courses``)
         self.__dict__["_autockpt_strict"] = False
+        # the loop the plan counts on: the output held through backward, or dropped before it (checked at run time)
+        self.__dict__["_autockpt_output_watch"] = OutputWatch(plan.loop.output_held if plan.loop is not None else True)
         self.__dict__["_autockpt_forward"] = _own_forward()
         try:  # presented as ``forward``'s signature: loops such as HF Trainer read it to choose the batch's columns
             self.__dict__["_autockpt_signature"] = inspect.signature(model.forward)
@@ -456,7 +459,9 @@ class OptimizedModule(nn.Module):
     def _run_planned(self, args: tuple, kwargs: dict) -> Any:
         """One forward under the plan, inputs in the form this module's graph was captured with."""
         try:
-            return self.run_planned_step(args, kwargs)
+            output = self.run_planned_step(args, kwargs)
+            self.__dict__["_autockpt_output_watch"].watch(output)
+            return output
         except RuntimeError as error:
             if not is_other_course(error):
                 raise

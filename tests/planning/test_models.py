@@ -14,6 +14,7 @@ from autockpt.present import zoo
 MODELS = zoo_params("mlp", "cnn", "transformer", "control_flow", "gpt2", "vit", "unet")
 EXPECTED_CAPTURE = {
     "mlp": "fx", "cnn": "fx", "transformer": "fx", "control_flow": "module", "gpt2": "export", "vit": "export", "unet": "export",
+    "vae": "export",
 }
 Planned = tuple[zoo.ZooCase, autockpt.Planner, autockpt.Plan]
 
@@ -37,6 +38,17 @@ def planned() -> Callable[[str], Planned]:
 @pytest.mark.parametrize("fraction", [0.3, 0.5, 0.7])
 @pytest.mark.parametrize("name", MODELS)
 def test_budget_is_kept_and_step_matches_pytorch(name: str, fraction: float, planned: Callable[[str], Planned]) -> None:
+    _check_budget_kept(name, fraction, planned)
+
+
+@pytest.mark.parametrize("name", zoo_params("vae"))
+def test_a_model_whose_backward_leaves_an_output_without_gradient(name: str, planned: Callable[[str], Planned]) -> None:
+    """Issue 46: the VAE's latent distribution computes a log-variance its mode never reads; backward hands the
+    chunk's gradient hook None (it crashed profiling)."""
+    _check_budget_kept(name, 0.5, planned)
+
+
+def _check_budget_kept(name: str, fraction: float, planned: Callable[[str], Planned]) -> None:
     case, planner, probe = planned(name)
     reference = twin(case)  # the model as earlier budgets' steps left it (BatchNorm statistics)
     budget = budget_at(probe, fraction)

@@ -155,16 +155,18 @@ def test_inductor_step_is_the_original_step_with_a_lower_peak() -> None:
 @needs_transformers
 @pytest.mark.slow
 def test_optimize_compiled_keeps_the_budget_as_the_compiled_step_runs() -> None:
-    """``optimize(..., compiled=..., optimizer=AdamW)`` with Inductor: the compiled loop step (forward, backward,
+    """``optimize(..., compiled=..., optimizer=AdamW)``: the compiled loop step (forward, backward,
     ``optimizer.step()``; first step and a later one), measured by the allocator's events (MemTracker cannot see
     inside compiled code), is under the budget; the model's gradients and weights are as they were; the step is the
-    original's."""
-    backend = "inductor"
+    original's. Backend aot_eager: AOTAutograd's partitioner re-decides what is saved, which is what makes the
+    compiled step's peak differ from the eager plan's; Inductor's code generation took 233 s of a 2-core suite here
+    (it is compiled once in ``test_inductor_step_is_the_original_step_with_a_lower_peak`` and on CUDA below)."""
+    backend = "aot_eager"
     case = neox_case()
     reference = twin(case)
     loss_fn = case.loss_fn or autockpt.measure.loss.default_loss
     weights = [param.detach().clone() for param in case.model.parameters()]
-    # with Inductor (torch 2.13, CPU) the first plan's compiled step measures over this budget: planned again tighter
+    # the first plan's compiled step measures over this budget (torch 2.13, CPU): planned again tighter
     budget = budget_at(autockpt.plan(case.model, budget_bytes=10**15, example_inputs=case.args,
                                      example_kwargs=case.kwargs, optimizer=torch.optim.AdamW), 0.6)
     compiled = autockpt.optimize(case.model, budget_bytes=budget, example_inputs=case.args, example_kwargs=case.kwargs,

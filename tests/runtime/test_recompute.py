@@ -20,7 +20,9 @@ from autockpt.types import Action, CaptureKind
 
 FUNCTION = autockpt.SolverOptions(checkpoint="recompute_function")
 
-MODELS = zoo_params("mlp", "cnn", "transformer", "control_flow", "gpt2", "unet")
+# fx (mlp, cnn, transformer), module-level (control_flow) and export (gpt2) captures; the UNet's export path under
+# autockpt's own recompute is planned in test_models.py (checkpoint "auto" plans both actions)
+MODELS = zoo_params("mlp", "cnn", "transformer", "control_flow", "gpt2")
 
 
 @pytest.mark.parametrize("name", MODELS)

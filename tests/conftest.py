@@ -94,9 +94,11 @@ def loss_of(output: torch.Tensor) -> torch.Tensor:
     return output.square().mean()
 
 
-def budget_at(plan: autockpt.Plan, fraction: float) -> int:
-    """A budget ``fraction`` of the way from static bytes to the unmodified peak."""
-    return int(plan.static_bytes + fraction * (plan.baseline_peak_bytes - plan.static_bytes))
+def budget_at(plan: autockpt.Plan | autockpt.Planner, fraction: float) -> int:
+    """A budget ``fraction`` of the way from static bytes to the unmodified peak, read from a plan or from a
+    planner's trace (the same figures, without a plan at an unlimited budget, which searches the full floor)."""
+    trace = plan.trace if isinstance(plan, autockpt.Planner) else plan
+    return int(trace.static_bytes + fraction * (trace.baseline_peak_bytes - trace.static_bytes))
 
 
 def probe(case: zoo.ZooCase) -> autockpt.Plan:

@@ -68,7 +68,7 @@ def test_the_old_spelling_of_the_checkpoint_choice_still_plans_for_that_action()
 def test_regions_with_different_actions_are_predicted_to_the_byte_and_train_like_pytorch(transformer_planner) -> None:  # noqa: ANN001
     case, planner = transformer_planner
     reference = twin(case)
-    solved = planner.plan(budget_bytes=budget_at(planner.plan(budget_bytes=10**15), 0.35))
+    solved = planner.plan(budget_bytes=budget_at(planner, 0.35))
     assert len(solved.regions) >= 2
     mixed = tuple(
         RegionAction(region=region, action=(Action.RECOMPUTE_TORCH, Action.RECOMPUTE_OWN)[i % 2])
@@ -96,7 +96,7 @@ def test_regions_with_different_actions_are_predicted_to_the_byte_and_train_like
 
 def test_a_plan_file_round_trips_with_its_policy(transformer_planner, tmp_path: Path) -> None:  # noqa: ANN001
     _, planner = transformer_planner
-    plan = planner.plan(budget_bytes=budget_at(planner.plan(budget_bytes=10**15), 0.5))
+    plan = planner.plan(budget_bytes=budget_at(planner, 0.5))
     plan.save(tmp_path / "plan.json")
     document = json.loads((tmp_path / "plan.json").read_text())
     assert document["schema_version"] == 5  # 2: the policy; 3: integer inputs' value ranges; 4: the loop; 5: provenance

@@ -140,7 +140,7 @@ def test_eval_mode_and_no_grad_run_the_original(cnn_probe: autockpt.Plan, caplog
     case = zoo.build("transformer")
     reference = twin(case)
     planner = planner_for(case)
-    optimized = planner.optimize(budget_bytes=budget_at(planner.plan(budget_bytes=10**15), 0.5))
+    optimized = planner.optimize(budget_bytes=budget_at(planner, 0.5))
     optimized.eval()
     assert not case.model.training
     with caplog.at_level(logging.WARNING, logger="autockpt"):
@@ -159,7 +159,7 @@ def test_eval_mode_and_no_grad_run_the_original(cnn_probe: autockpt.Plan, caplog
 def test_smaller_batches_keep_the_plan_and_larger_ones_warn(name: str, caplog: pytest.LogCaptureFixture) -> None:
     case = zoo.build(name)
     planner = planner_for(case)
-    optimized = planner.optimize(budget_bytes=budget_at(planner.plan(budget_bytes=10**15), 0.5))
+    optimized = planner.optimize(budget_bytes=budget_at(planner, 0.5))
     x = case.args[0]
     with caplog.at_level(logging.WARNING, logger="autockpt"):
         out = optimized(x[:10])

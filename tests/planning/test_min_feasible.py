@@ -29,8 +29,13 @@ def test_optimize_at_the_stated_minimum_keeps_it() -> None:
         autockpt.optimize(model, budget_bytes=1, **kwargs)
     stated = caught.value.min_feasible_bytes
     module = autockpt.optimize(model, budget_bytes=stated, **kwargs)
-    measured = autockpt.get_plan(module).measured_peak_bytes
+    plan = autockpt.get_plan(module)
+    measured = plan.measured_peak_bytes
     assert measured is not None and measured <= stated
+    # issue 46, item 2: at the floor the prediction is the measurement (MemTracker, with the inputs counted as
+    # external: a tracker that leaves them out reads 9.9 % low on a torch-checkpointed ResNet, whose step makes no
+    # view of its input)
+    assert abs(measured - plan.predicted_peak_bytes) <= 0.005 * measured, (measured, plan.predicted_peak_bytes)
 
 
 def test_the_stated_minimum_is_the_same_whatever_the_measured_times(monkeypatch: pytest.MonkeyPatch) -> None:

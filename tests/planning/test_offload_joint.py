@@ -95,7 +95,7 @@ def test_without_a_pool_the_error_names_the_pool_that_makes_the_budget_feasible(
 
 def test_the_pool_never_makes_a_plan_worse_and_its_capacity_holds(pooled: PoolCase) -> None:
     planner = pooled.planner
-    budget = budget_at(planner.plan(budget_bytes=10**15), 0.4)
+    budget = budget_at(planner, 0.4)
     with_pool = planner.plan(budget_bytes=budget)
     planner.host_pool_bytes = 0
     recompute_only = planner.plan(budget_bytes=budget)
@@ -114,7 +114,7 @@ def test_both_checkpoints_and_offload_in_one_plan_run_as_predicted(pooled: PoolC
     dealt to a solved plan's regions in turn: which the solver picks depends on measured times.)"""
     planner, case = pooled.planner, pooled.case
     assert set(planner.actions) == {Action.RECOMPUTE_TORCH, Action.RECOMPUTE_OWN}
-    regions = planner.plan(budget_bytes=budget_at(planner.plan(budget_bytes=10**15), 0.4)).regions
+    regions = planner.plan(budget_bytes=budget_at(planner, 0.4)).regions
     assert len(regions) >= 3
     actions = (Action.RECOMPUTE_TORCH, Action.RECOMPUTE_OWN, Action.OFFLOAD)
     mixed = [RegionAction(region=r, action=actions[i % 3]) for i, r in enumerate(regions)]

@@ -26,7 +26,7 @@ class Optimized:
 def optimized(case: zoo.ZooCase, fraction: float) -> Optimized:
     reference = twin(case)
     planner = autockpt.Planner.from_model(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
-    budget = budget_at(planner.plan(budget_bytes=10**15), fraction)
+    budget = budget_at(planner, fraction)
     module = planner.optimize(budget_bytes=budget)
     module.strict = True  # a step that would run unplanned raises instead of passing this test
     return Optimized(case, reference, module, budget)

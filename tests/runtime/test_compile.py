@@ -47,7 +47,7 @@ def optimized_at(case: zoo.ZooCase, fraction: float, action: Action) -> autockpt
     planner = autockpt.Planner.from_model(
         case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn, checkpoint=action
     )
-    module = planner.optimize(budget_bytes=budget_at(planner.plan(budget_bytes=10**15), fraction))
+    module = planner.optimize(budget_bytes=budget_at(planner, fraction))
     assert module.plan.regions, "the test needs a plan that checkpoints something"
     return module
 
@@ -204,7 +204,7 @@ def test_every_optimized_module_compiles_past_dynamos_recompile_limit() -> None:
     model = torch.nn.Sequential(*[layer for _ in range(4) for layer in (torch.nn.Linear(32, 32), torch.nn.GELU())])
     x = torch.randn(64, 32)
     planner = autockpt.Planner.from_model(model, example_inputs=(x,), loss_fn=lambda y: y.square().mean())
-    plan = planner.plan(budget_bytes=budget_at(planner.plan(budget_bytes=10**15), 0.5))
+    plan = planner.plan(budget_bytes=budget_at(planner, 0.5))
     count = GraphCount("eager")
     modules = []  # kept alive, as a sweep's would be
     for index in range(torch._dynamo.config.recompile_limit + 2):
@@ -242,7 +242,7 @@ def test_an_optimized_module_inside_a_compiled_model_is_one_graph() -> None:
     inner = torch.nn.Sequential(*[layer for _ in range(3) for layer in (torch.nn.Linear(16, 16), torch.nn.GELU())])
     x = torch.randn(256, 16)
     planner = autockpt.Planner.from_model(inner, example_inputs=(x,), loss_fn=lambda y: y.square().mean())
-    optimized = planner.apply(planner.plan(budget_bytes=budget_at(planner.plan(budget_bytes=10**15), 0.7)))
+    optimized = planner.apply(planner.plan(budget_bytes=budget_at(planner, 0.7)))
     assert optimized.plan.regions, "the test needs a plan that checkpoints something"
     outer = torch.nn.Sequential(torch.nn.Linear(16, 16), optimized)
     torch._dynamo.reset()

@@ -30,7 +30,7 @@ def test_budget_is_kept_and_step_matches_pytorch(name: str) -> None:
     case = zoo.build(name)
     reference = twin(case)
     planner = planner_for(case, FUNCTION)  # one capture and profile for the probe and the plan
-    budget = budget_at(planner.plan(budget_bytes=10**15), 0.5)
+    budget = budget_at(planner, 0.5)
     optimized = planner.optimize(budget_bytes=budget)
     plan = autockpt.get_plan(optimized)
     assert plan.planned_action is Action.RECOMPUTE_OWN and plan.regions
@@ -54,7 +54,7 @@ def test_the_simulator_is_exact_for_block_aligned_and_cut_regions(strategy: str)
 def test_a_plan_file_keeps_its_checkpoint_kind(tmp_path) -> None:  # noqa: ANN001
     case = zoo.build("mlp")
     planner = planner_for(case, FUNCTION)
-    the_plan = planner.plan(budget_bytes=budget_at(planner.plan(budget_bytes=10**15), 0.5))
+    the_plan = planner.plan(budget_bytes=budget_at(planner, 0.5))
     the_plan.save(tmp_path / "plan.json")
     loaded = autockpt.load_plan(tmp_path / "plan.json")
     assert loaded.planned_action is Action.RECOMPUTE_OWN
@@ -107,7 +107,7 @@ def _floor(planner: autockpt.Planner) -> int:
 def test_auto_optimize_times_both_kinds_plans_and_returns_one_that_trains_like_pytorch() -> None:
     case = zoo.build("gpt2")
     planner = planner_for(case)  # the default options: checkpoint "auto"
-    budget = budget_at(planner.plan(budget_bytes=10**15), 0.5)
+    budget = budget_at(planner, 0.5)
     optimized = planner.optimize(budget_bytes=budget)
     plan = autockpt.get_plan(optimized)
     assert plan.regions and plan.measured_peak_bytes <= budget

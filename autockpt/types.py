@@ -148,6 +148,18 @@ class UnitCost:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class GradientVersion:
+    """The gradient backward computed for one version of a forward storage: the version a unit wrote (made it, or
+    changed it in place: an in-place ReLU's output shares its input's storage, and each has its own gradient)."""
+
+    writer_unit: int
+    free_event: int  # the event after which it was gone (the last event: alive to the end)
+    # the highest live bytes of ``free_event`` after it was freed (the rest of the event, without it): a checkpoint
+    # that holds it longer raises the event to this plus its bytes. None: never freed
+    late_peak_bytes: int | None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class StorageLife:
     """One storage allocated during the forward pass and how it lived in the measured unmodified step."""
 
@@ -164,6 +176,7 @@ class StorageLife:
     # the event after which the gradients computed for tensors on this storage were gone; None: none was computed,
     # or not recorded (``StepTrace.gradient_lifetimes``: only the simulation of autockpt's own checkpoint reads it)
     gradient_free_event: int | None = None
+    gradient_versions: tuple[GradientVersion, ...] = ()  # per version written (recorded with gradient_free_event)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

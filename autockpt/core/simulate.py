@@ -10,8 +10,9 @@ changes, storage by storage (the rule of each action below; ``recompute.py`` run
   region's last saved tensor (early stop, ``Action.RECOMPUTE_TORCH``); autockpt's own checkpoint
   (``Action.RECOMPUTE_OWN``) re-runs the whole region;
 * a storage that a region reads from outside is held by the checkpoint until the region's backward is done;
-* ``Action.RECOMPUTE_OWN`` also holds the gradients of the region's outputs until the region's backward is done;
-  under autocast it also makes the gradients of the parameters whose cached casts the region read only when its
+* ``Action.RECOMPUTE_OWN`` also holds the gradients of the region's outputs until the region's backward is done
+  (from the event each went in, the rest of which it then raises: ``StorageLife.gradient_versions``, per version of
+  the storage, as an in-place op's output has a gradient of its own; ``exit_gradient``); under autocast it also makes the gradients of the parameters whose cached casts the region read only when its
   backward is done (``_late_leaf_gradients``);
 * storages saved by units outside every region live as measured;
 * storages no unit owns live as measured, whatever the plan: under autocast, the low-precision copies of parameters
@@ -192,6 +193,7 @@ def _predict(
     index = storage_index(trace)
     transfers = offload_transfers(trace, costs, region_actions, region_of, windows)
     copy_bytes_at_burst = [0] * len(regions)
+    late_raises: dict[int, list[int]] = {}  # event -> [its peak after held gradients went, their bytes]
     plan_delta = [0] * (num_events + 1)  # what the plan changes, on top of the measured timeline (difference array)
     forward_delta = [0] * (num_events + 1)  # detailed: the plan's changes to the original forward storages
     copy_delta = [0] * (num_events + 1)  # detailed: recomputed copies
@@ -228,7 +230,7 @@ def _predict(
             e for u, e in zip(storage.saver_units, storage.saver_release_events) if _region(region_of, u) == home
         ]
         window = windows[home]
-        gradient_free = storage.gradient_free_event
+        gradient_free, late_peak = exit_gradient(storage, region_of, home)
         if (
             actions[home] is Action.RECOMPUTE_OWN  # it holds the gradients of the region's outputs
             and window.first_backward_event is not None
@@ -236,9 +238,13 @@ def _predict(
             and _is_region_output(storage, region_of, home)
         ):
             # the checkpoint holds the gradients of the region's outputs until the region's backward is done (in
-            # the measured step they were gone after ``gradient_free_event``)
+            # the measured step they were gone after ``gradient_free``); in the event it went in, the rest of the
+            # event has it too
             add(plan_delta, max(gradient_free + 1, window.first_backward_event), window.last_backward_event,
                 storage.nbytes)
+            if late_peak is not None and window.first_backward_event <= gradient_free <= window.last_backward_event:
+                level = late_raises.setdefault(gradient_free, [0, 0])
+                level[0], level[1] = max(level[0], late_peak), level[1] + storage.nbytes
         if releases and window.first_backward_event is not None:
             add(plan_delta, window.first_backward_event, max(releases), storage.nbytes)
             if detailed:
@@ -254,6 +260,9 @@ def _predict(
     for event in trace.events:
         running += plan_delta[event.index]
         event_bytes.append(event.peak_bytes + running)
+        if event.index in late_raises:
+            late_peak, held = late_raises[event.index]
+            event_bytes[-1] = max(event_bytes[-1], late_peak + held + running)
         if detailed:
             forward_running += forward_delta[event.index]
             copy_running += copy_delta[event.index]
@@ -331,8 +340,9 @@ def _predict_fast(trace: StepTrace, costs: CostModel, region_actions: Sequence[R
     facts = [_region_facts(trace, arrays, ra.region, ra.action) for ra in region_actions]
     plan_delta = np.zeros(num_events + 1, dtype=np.int64)
     copy_bytes_at_burst = np.zeros(len(facts), dtype=np.int64)
+    late_raises = np.zeros((2, num_events), dtype=np.int64)  # the reference's ``late_raises``, per event
     if facts:
-        storage_deltas(arrays, region_of, facts, actions, plan_delta, copy_bytes_at_burst)
+        storage_deltas(arrays, region_of, facts, actions, plan_delta, copy_bytes_at_burst, late_raises)
     if Action.RECOMPUTE_OWN in actions and storage_index(trace).unowned:  # one per cast leaf: the reference's loop
         last_backward = [f.last_backward if f.last_backward >= 0 else None for f in facts]
         regions_of_units = [r if r >= 0 else None for r in region_of[: arrays.num_units].tolist()]
@@ -341,6 +351,8 @@ def _predict_fast(trace: StepTrace, costs: CostModel, region_actions: Sequence[R
             plan_delta[last + 1] -= nbytes
     running = np.cumsum(plan_delta[:num_events])
     event_bytes = arrays.peak_bytes + running
+    raised = late_raises[1] > 0
+    event_bytes[raised] = np.maximum(event_bytes[raised], late_raises[0][raised] + late_raises[1][raised] + running[raised])
 
     burst_bytes = []
     recompute_ms = 0.0
@@ -526,6 +538,17 @@ def _late_leaf_gradients(
         if r is not None and actions[r] is Action.RECOMPUTE_OWN and last is not None and made_at + 1 <= last - 1:
             changes.append((made_at + 1, last - 1, -storage.nbytes))
     return changes
+
+
+def exit_gradient(storage: StorageLife, region_of: Sequence[int | None], home: int) -> tuple[int | None, int | None]:
+    """(free event, peak of that event after it) of the gradient of the version of ``storage`` that region ``home``
+    returns: the version its last writer in the region made (the producer, or an in-place op after it). The
+    storage's last gradient (no later peak) where versions were not recorded."""
+    writer = max([storage.producer_unit, *(u for u in storage.mutator_units if _region(region_of, u) == home)])
+    for version in storage.gradient_versions:
+        if version.writer_unit == writer:
+            return version.free_event, version.late_peak_bytes
+    return storage.gradient_free_event, None
 
 
 def _is_region_output(storage: StorageLife, region_of: list[int | None], r: int) -> bool:

@@ -112,6 +112,8 @@ def storage_arrays(trace: StepTrace) -> StorageArrays:
         for s, storage in enumerate(storages)
         for u, e in zip(storage.saver_units, storage.saver_release_events)
     ]
+    mutators = [(s, u) for s, storage in enumerate(storages) for u in storage.mutator_units]
+    versions = [(s, v) for s, storage in enumerate(storages) for v in storage.gradient_versions]
     arrays = StorageArrays(
         num_units=len(trace.units),
         num_events=num_events,
@@ -133,6 +135,14 @@ def storage_arrays(trace: StepTrace) -> StorageArrays:
         saver_owner=np.array([s for s, _, _ in savers], dtype=np.int64),
         saver_unit=units([u for _, u, _ in savers]),
         saver_release=np.array([e for _, _, e in savers], dtype=np.int64),
+        mutator_owner=np.array([s for s, _ in mutators], dtype=np.int64),
+        mutator_unit=units([u for _, u in mutators]),
+        version_owner=np.array([s for s, _ in versions], dtype=np.int64),
+        version_writer=units([v.writer_unit for _, v in versions]),
+        version_free=np.array([v.free_event for _, v in versions], dtype=np.int64),
+        version_late_peak=np.array(
+            [-1 if v.late_peak_bytes is None else v.late_peak_bytes for _, v in versions], dtype=np.int64
+        ),
         forward_ms=[unit.forward_ms for unit in trace.units],
         saved_tensors_before=[0, *itertools.accumulate(unit.saved_tensors for unit in trace.units)],
     )
@@ -149,10 +159,11 @@ def storage_deltas(
     actions: list[Action],
     plan_delta: np.ndarray,
     copy_bytes_at_burst: np.ndarray,
+    late_raises: np.ndarray,
 ) -> None:
     """What the plan changes in every storage's life, as ``simulate._predict``'s loop over touched storages does,
-    added into the difference array ``plan_delta``; and per region, the bytes of the copies its recomputation
-    makes."""
+    added into the difference array ``plan_delta``; per region, the bytes of the copies its recomputation makes; and
+    per event (``late_raises``, shape (2, events)), the peak after held output gradients went and their bytes."""
     none = -1  # an event index or region that does not exist; every real one is >= 0, so it also acts as -infinity
     a = arrays
     first_backward = np.array([f.first_backward for f in facts], dtype=np.int64)
@@ -194,12 +205,15 @@ def storage_deltas(
         read_outside = np.zeros(a.num_storages, dtype=bool)
         read_outside[a.user_owner[read_elsewhere]] = True
         output = a.never_freed | read_outside
-        start = np.maximum(a.gradient_free + 1, home_first)
-        holds = (
-            at_home & holds_gradients[home] & (home_first >= 0) & (a.gradient_free >= 0) & output & (start <= home_last)
-        )
+        gradient_free, late_peak = _exit_gradients(a, region_of, home)
+        start = np.maximum(gradient_free + 1, home_first)
+        held = at_home & holds_gradients[home] & (home_first >= 0) & (gradient_free >= 0) & output
+        holds = held & (start <= home_last)
         np.add.at(plan_delta, start[holds], a.nbytes[holds])
         np.subtract.at(plan_delta, home_last[holds] + 1, a.nbytes[holds])
+        late = held & (late_peak >= 0) & (home_first <= gradient_free) & (gradient_free <= home_last)
+        np.maximum.at(late_raises[0], gradient_free[late], late_peak[late])
+        np.add.at(late_raises[1], gradient_free[late], a.nbytes[late])
     # a fresh copy from the recomputation lives until the last saver of the home region has unpacked it
     copy_until = np.full(a.num_storages, none, dtype=np.int64)
     np.maximum.at(copy_until, a.saver_owner, np.where(saved_in_home_entry, a.saver_release, none))
@@ -208,6 +222,21 @@ def storage_deltas(
     lives = copied & (home_first <= copy_until)
     np.add.at(plan_delta, home_first[lives], a.nbytes[lives])
     np.subtract.at(plan_delta, copy_until[lives] + 1, a.nbytes[lives])
+
+
+def _exit_gradients(a: StorageArrays, region_of: np.ndarray, home: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``simulate.exit_gradient`` of every storage: its gradient's free event (-1: not recorded) and that event's
+    later peak (-1: none), for the version its home region returns."""
+    writer = a.producer.copy()
+    owner_home = home[a.mutator_owner]
+    inside = (owner_home >= 0) & (region_of[a.mutator_unit] == owner_home)
+    np.maximum.at(writer, a.mutator_owner[inside], a.mutator_unit[inside])
+    found = a.version_writer == writer[a.version_owner]
+    gradient_free = a.gradient_free.copy()
+    late_peak = np.full(a.num_storages, -1, dtype=np.int64)
+    gradient_free[a.version_owner[found]] = a.version_free[found]
+    late_peak[a.version_owner[found]] = a.version_late_peak[found]
+    return gradient_free, late_peak
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +271,12 @@ class StorageArrays:
     saver_owner: np.ndarray  # per (storage, saver unit) entry: the storage
     saver_unit: np.ndarray
     saver_release: np.ndarray  # the saver's last backward event unpacking the storage
+    mutator_owner: np.ndarray  # per (storage, unit writing it in place) entry: the storage
+    mutator_unit: np.ndarray
+    version_owner: np.ndarray  # per (storage, gradient version) entry: the storage
+    version_writer: np.ndarray  # the unit that wrote the version (as ``producer``)
+    version_free: np.ndarray  # its gradient's free event
+    version_late_peak: np.ndarray  # that event's peak after the free; -1: never freed
     forward_ms: list[float]  # per unit
     saved_tensors_before: list[int]  # per unit and one past the last: tensors the units before it save
     # per (region, action) simulated on this trace: what they alone fix (bounded: cleared when full)

@@ -41,6 +41,10 @@ class StorageRecord:
     release_event_by_saver: dict[int, int] = field(default_factory=dict)
     weak: Any = None
     gradients: list[StorageRecord] = field(default_factory=list)  # forward: storages of gradients computed for it
+    # forward: the same, per unit that wrote the version the gradient is for (``GradientRecorder``)
+    gradients_by_writer: dict[int, list[StorageRecord]] = field(default_factory=dict)
+    is_gradient: bool = False  # a gradient linked to a forward storage: its free event's later peak is followed
+    late_peak_bytes: int | None = None  # gradients: the highest live bytes of the free event after the free
     autocast_cast: Any = None  # a weak reference to the leaf this is autocast's (cacheable) low-precision copy of
 
 
@@ -81,6 +85,7 @@ class StorageTracker(TorchDispatchMode):
         self.live_bytes = 0
         self._static_bytes: WeakIdKeyDictionary = WeakIdKeyDictionary()  # static storage -> its bytes now
         self._plain_resize: Any = None  # torch.UntypedStorage.resize_ while this tracker is active
+        self._freed_gradients: list[StorageRecord] = []  # gradients freed in the current event
         for tensor in (plain for given in static_tensors for plain in _plain_tensors(given)):
             storage = tensor.untyped_storage()  # counted from the start, never attributed to a unit
             if storage not in self._known:
@@ -130,6 +135,7 @@ class StorageTracker(TorchDispatchMode):
         self.live_bytes += now - before
         current = self.events[-1]
         current.peak_bytes = max(current.peak_bytes, self.live_bytes)
+        self._raise_late_peaks(self.live_bytes)
 
     def allocation_bytes(self, storage: torch.UntypedStorage) -> int:
         nbytes = storage.nbytes()
@@ -147,6 +153,11 @@ class StorageTracker(TorchDispatchMode):
 
     def begin_event(self, phase: Phase, unit: int) -> None:
         self.events.append(_EventRecord(phase, unit, self.live_bytes, self.live_bytes))
+        self._freed_gradients = []
+
+    def _raise_late_peaks(self, live_bytes: int) -> None:
+        for record in self._freed_gradients:
+            record.late_peak_bytes = max(record.late_peak_bytes or 0, live_bytes)
 
     def record_of(self, tensor: torch.Tensor) -> StorageRecord | None:
         """The record of the storage behind ``tensor`` (a wrapper subclass's: its first inner tensor's)."""
@@ -171,6 +182,7 @@ class StorageTracker(TorchDispatchMode):
             # (attention and cuBLAS workspaces, a loss's temporaries), which no storage the step sees explains
             rise = torch.cuda.max_memory_allocated(self.device) - allocated_before
             self.events[event].peak_bytes = max(self.events[event].peak_bytes, self.live_bytes + rise)
+            self._raise_late_peaks(self.live_bytes + rise)
         if self.phase is Phase.FORWARD:
             for leaf in pytree.tree_leaves((args, kwargs)):
                 if isinstance(leaf, torch.Tensor):
@@ -220,11 +232,15 @@ class StorageTracker(TorchDispatchMode):
         self.live_bytes += nbytes
         current = self.events[-1]
         current.peak_bytes = max(current.peak_bytes, self.live_bytes)
+        self._raise_late_peaks(self.live_bytes)
         return record
 
     def _on_free(self, record: StorageRecord, _ref: Any) -> None:
         self.live_bytes -= record.nbytes
         record.free_event = len(self.events) - 1
+        if record.is_gradient:
+            record.late_peak_bytes = self.live_bytes
+            self._freed_gradients.append(record)
 
 
 def _plain_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -272,12 +288,16 @@ class GradientRecorder(TorchFunctionMode):
                 if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None:
                     record = self.tracker.record_of(leaf)
                     if record is not None and record.phase is Phase.FORWARD:
-                        leaf.register_hook(functools.partial(self._on_gradient, record))
+                        # the unit writing this version: an in-place op's output is a new version of its input's
+                        # storage, whose gradient is another tensor than the old version's
+                        leaf.register_hook(functools.partial(self._on_gradient, record, self.tracker.unit))
         return out
 
-    def _on_gradient(self, record: StorageRecord, gradient: torch.Tensor | None) -> None:
+    def _on_gradient(self, record: StorageRecord, writer_unit: int, gradient: torch.Tensor | None) -> None:
         if gradient is None:  # an output backward gives no gradient (a multi-output op's unused part: a VAE's chunk)
             return
         gradient_record = self.tracker.record_of(gradient)
         if gradient_record is not None:
             record.gradients.append(gradient_record)
+            record.gradients_by_writer.setdefault(writer_unit, []).append(gradient_record)
+            gradient_record.is_gradient = True

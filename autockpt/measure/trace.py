@@ -36,7 +36,17 @@ from autockpt.measure.capture import ModuleUnitRecorder
 from autockpt.measure.storage_tracker import GradientRecorder, StorageRecord, StorageTracker
 from autockpt.runtime.fx_nodes import compute_nodes
 from autockpt.runtime.model_state import start_autocast_step
-from autockpt.types import OUTSIDE_GRAPH_UNIT, CaptureKind, Graph, MemoryEvent, Phase, StepTrace, StorageLife, UnitCost
+from autockpt.types import (
+    OUTSIDE_GRAPH_UNIT,
+    CaptureKind,
+    GradientVersion,
+    Graph,
+    MemoryEvent,
+    Phase,
+    StepTrace,
+    StorageLife,
+    UnitCost,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -244,6 +254,19 @@ def _last_free_event(records: list[StorageRecord], num_events: int) -> int | Non
     return max(r.free_event if r.free_event is not None else num_events - 1 for r in records)
 
 
+def _gradient_versions(record: StorageRecord, num_events: int) -> tuple[GradientVersion, ...]:
+    """Per unit that wrote a version of ``record``'s storage: when the last gradient computed for that version was
+    gone, and the highest live bytes of that event after it went."""
+    versions = []
+    for writer, gradients in sorted(record.gradients_by_writer.items()):
+        last = max(gradients, key=lambda g: g.free_event if g.free_event is not None else num_events)
+        versions.append(GradientVersion(
+            writer_unit=writer, free_event=last.free_event if last.free_event is not None else num_events - 1,
+            late_peak_bytes=last.late_peak_bytes if last.free_event is not None else None,
+        ))
+    return tuple(versions)
+
+
 # ------------------------------------------------------------------------------------------------ timing, flops
 
 
@@ -372,6 +395,7 @@ def _assemble(
                 saver_release_events=tuple(record.release_event_by_saver[u] for u in savers),
                 mutator_units=tuple(sorted(u for u in record.mutators if u >= 0)),
                 gradient_free_event=_last_free_event(record.gradients, len(events)),
+                gradient_versions=_gradient_versions(record, len(events)),
             )
         )
     record_bytes = {r.index: r.nbytes for r in tracker.records if r.index not in cached_casts}

@@ -67,7 +67,7 @@ class OutputWatch:
                 return
             checked[0] = True
             alive = {pointer: nbytes for reference, pointer, nbytes in references if reference() is not None}
-            self._compare(sum(alive.values()), sum(dict((p, n) for _, p, n in references).values()))
+            self._compare(sum(alive.values()), sum({p: n for _, p, n in references}.values()))
 
         for tensor in tensors:
             tensor.register_hook(at_backward)

@@ -4,11 +4,12 @@ for it: test_simulate.py.)"""
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
 import torch
-from conftest import assert_same_step, budget_at, planner_for, twin, zoo_params
+from conftest import FREE_MACHINERY, assert_same_step, budget_at, planner_for, twin, zoo_params
 from torch import nn
 
 import autockpt
@@ -16,7 +17,8 @@ from autockpt.present import zoo
 from autockpt.planning.planner import baseline_plan
 from autockpt.runtime.recompute import checkpointed_call
 from autockpt.core.solve.base import recompute_actions
-from autockpt.types import Action, CaptureKind
+from autockpt.core.simulate import _predict, simulate
+from autockpt.types import Action, CaptureKind, Region, RegionAction
 
 FUNCTION = autockpt.SolverOptions(checkpoint="recompute_function")
 
@@ -49,6 +51,66 @@ def test_the_simulator_is_exact_for_block_aligned_and_cut_regions(strategy: str)
     assert_same_step(module, twin(case), case)
     measured = autockpt.measure_step(module, case.args, case.kwargs, case.loss_fn).peak_bytes
     assert measured == pytest.approx(the_plan.predicted_peak_bytes, rel=0.01)
+
+
+class _BasicBlock(nn.Module):
+    """torchvision's ResNet basic block: in-place ReLU, ``out += identity``, a strided 1x1 downsample."""
+
+    def __init__(self, channels_in: int, channels: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels_in, channels, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(channels, channels, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.downsample = None
+        if stride != 1 or channels_in != channels:
+            self.downsample = nn.Sequential(nn.Conv2d(channels_in, channels, 1, stride, bias=False),
+                                            nn.BatchNorm2d(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x)))))
+        out += identity
+        return self.relu(out)
+
+
+@pytest.mark.parametrize(
+    ("first", "last"),
+    [
+        # ends at the next stage's first conv: its output is saved by the BatchNorm after the region, whose gradient
+        # the checkpoint holds from the event it went in (it was counted from the next event)
+        ("layer1.1.conv1", "layer2.0.conv1"),
+        # end at an in-place ReLU: the gradient held is the ReLU output's, not the last one made for its storage
+        # (a whole stage; one block)
+        ("layer2.0.conv1", "layer2.1.relu"),
+        ("layer2.1.conv1", "layer2.1.relu"),
+    ],
+)
+def test_autockpts_checkpoint_is_predicted_exactly_on_resnet_regions(first: str, last: str) -> None:
+    """Issue 46, item 2: a ResNet-18 region holding a stage's first conv was predicted short under autockpt's own
+    checkpoint (by that conv's output); one ending in an in-place ReLU by one of its layer's tensors."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, 1, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+        nn.Sequential(_BasicBlock(8, 8), _BasicBlock(8, 8)), nn.Sequential(_BasicBlock(8, 16, 2), _BasicBlock(16, 16)),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
+    )
+    renamed = {"3": "layer1", "4": "layer2"}
+    x = torch.randn(2, 3, 16, 16)
+    reference = copy.deepcopy(model)
+    planner = autockpt.Planner.from_model(model, example_inputs=(x,), solver_options=FUNCTION)
+    paths = [".".join([renamed.get(p, p) for p in unit.module_path.split(".")]) for unit in planner.graph.units]
+    region = Region(first_unit=paths.index(first), last_unit=len(paths) - 1 - paths[::-1].index(last))
+    plan = planner.plan_for_regions([region], strategy="given", action=Action.RECOMPUTE_OWN)
+    # the vectorised simulator the solvers use says the same as the reference, storage by storage
+    planned = (RegionAction(region=region, action=Action.RECOMPUTE_OWN),)
+    assert simulate(planner.trace, FREE_MACHINERY, planned) == _predict(
+        planner.trace, FREE_MACHINERY, planned, detailed=False).timeline
+    module = planner.apply(plan)
+    assert_same_step(module, reference, zoo.ZooCase(name="resnet", model=model, args=(x,)))
+    measured = autockpt.measure_step(module, (x,)).peak_bytes
+    assert abs(measured - plan.predicted_peak_bytes) <= 128, (measured, plan.predicted_peak_bytes)
 
 
 def test_a_plan_file_keeps_its_checkpoint_kind(tmp_path) -> None:  # noqa: ANN001

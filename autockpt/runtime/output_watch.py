@@ -48,7 +48,8 @@ class OutputWatch:
 
     def watch(self, output: Any) -> None:
         """Register the check on this step's output (nothing under ``torch.compile``, or once done)."""
-        if self.steps_left <= 0 or self.reported is not None or _UNWATCHED.get() or torch.compiler.is_compiling():
+        # first: under torch.compile Dynamo reads it as True and traces nothing else here (a ContextVar breaks graphs)
+        if torch.compiler.is_compiling() or self.steps_left <= 0 or self.reported is not None or _UNWATCHED.get():
             return
         # a loss returned beside the output (a Hugging Face model given labels) is what the loop keeps: 0-dim
         # tensors are left out

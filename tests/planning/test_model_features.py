@@ -1,8 +1,10 @@
 """Models that break naive checkpointing, end to end (plan, rewrite, measure, compare with PyTorch): frozen
-parameters, in-place writes after a region, tied weights, dict and tuple outputs, keyword-only inputs, and a model
-with nothing to checkpoint."""
+parameters, in-place writes after a region, tied weights, dict and tuple outputs, outputs holding tensors in other
+containers (a distribution, a dataclass), keyword-only inputs, and a model with nothing to checkpoint."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -76,3 +78,38 @@ def test_a_model_with_nothing_to_checkpoint() -> None:
     with pytest.raises(autockpt.InfeasibleBudgetError) as raised:
         autockpt.plan(nn.Linear(64, 64), budget_bytes=plan.baseline_peak_bytes - 1, example_inputs=(x,))
     assert raised.value.min_feasible_bytes == plan.baseline_peak_bytes
+
+
+@dataclasses.dataclass
+class _Prediction:  # not registered with torch's pytree: its tensors sit in a plain class and a dict
+    mean: torch.Tensor
+    extra: dict
+
+
+class _Heads(nn.Module):
+    def __init__(self, returns: str) -> None:
+        super().__init__()
+        self.returns = returns
+        self.body = nn.Sequential(*(m for _ in range(6) for m in (nn.Linear(128, 128), nn.GELU())))
+        self.head = nn.Linear(128, 16)
+
+    def forward(self, x: torch.Tensor) -> object:
+        y = self.head(self.body(x))
+        if self.returns == "distribution":
+            return torch.distributions.Normal(y[:, :8], y[:, 8:].exp())
+        return _Prediction(mean=y[:, :8], extra={"scale": y[:, 8:].exp()})
+
+
+@pytest.mark.parametrize("returns", ["distribution", "dataclass"])
+def test_outputs_holding_tensors_in_other_containers(returns: str) -> None:
+    """Issue 46, item 3: a ``torch.distributions.Normal`` (export refuses it: module-level capture) and an unregistered
+    dataclass holding a dict (fx) are planned, keep the budget and train like the model."""
+    torch.manual_seed(0)
+    target = torch.zeros(256, 8)
+
+    def loss_fn(output: object) -> torch.Tensor:
+        if isinstance(output, torch.distributions.Normal):
+            return -output.log_prob(target).mean()
+        return output.mean.square().mean() + output.extra["scale"].mean()
+
+    check_optimized(zoo.ZooCase(name=returns, model=_Heads(returns), args=(torch.randn(256, 128),), loss_fn=loss_fn))

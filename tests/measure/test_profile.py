@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -12,7 +14,7 @@ from autockpt.present import zoo
 from autockpt.planning.planner import baseline_plan
 from autockpt.measure.capture import capture
 from autockpt.measure.costs import measure_action_price
-from autockpt.types import Action, Region
+from autockpt.types import Action, ActionPrice, CostModel, Region
 
 
 def _mlp() -> tuple[nn.Module, torch.Tensor]:
@@ -55,13 +57,15 @@ def test_the_checkpoint_machinery_is_calibrated_per_region_and_per_saved_tensor_
     costs = measure_action_price(torch.device("cpu"))
     assert torch.equal(torch.get_rng_state(), rng_before)  # planning must not move the user's RNG
     # a checkpointed region costs more than its ops run plainly, and more the more tensors it saves (about 0.1 ms per
-    # region and 0.01 ms per saved tensor on the 2-core CI machine)
-    assert costs.region_ms > 0.0 and costs.saved_tensor_ms > 0.0
+    # region and 0.01 ms per saved tensor on the 2-core CI machine); measured differences clamp at 0, which a loaded
+    # machine reaches (issue 46: no test depends on the machine's load)
+    assert all(math.isfinite(ms) and ms >= 0.0 for ms in (costs.region_ms, costs.saved_tensor_ms))
 
     planner = autockpt.Planner.from_model(model, example_inputs=(x,))
     profile = planner.trace
-    price = planner.costs.price(autockpt.Action.RECOMPUTE_TORCH)
-    assert price.region_ms > 0.0 and price.saved_tensor_ms > 0.0
+    # the plan's arithmetic with prices injected (nonzero, uneven), before anything is solved
+    price = ActionPrice(action=autockpt.Action.RECOMPUTE_TORCH, region_ms=0.13, saved_tensor_ms=0.017)
+    planner.costs = CostModel(device="cpu", prices=(price,))
     packed = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
         model(x)

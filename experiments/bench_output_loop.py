@@ -110,13 +110,17 @@ def markdown(rows: list[Row], command: str, seconds: float) -> str:
         return f"{nbytes:,} B ({100 * (nbytes / predicted - 1):+.2f} %)"
 
     lines = [
-        f"`{command}`, {time.strftime('%Y-%m-%d')}, {seconds:.0f} s, torch {torch.__version__}. GPT-NeoX (hidden 128, "
-        "4 layers, vocabulary 2000, 4 x 256 tokens), bf16 autocast, CPU; peaks by MemTracker (module and inputs "
-        "external). Budget: half-way from the loop's floor to its unmodified peak. In brackets: against the "
-        "prediction.",
+        (
+            f"`{command}`, {time.strftime('%Y-%m-%d')}, {seconds:.0f} s, torch {torch.__version__}. GPT-NeoX (hidden "
+            "128, 4 layers, vocabulary 2000, 4 x 256 tokens), bf16 autocast, CPU; peaks by MemTracker (module and "
+            "inputs external). Budget: half-way from the loop's floor to its unmodified peak. In brackets: against "
+            "the prediction."
+        ),
         "",
-        "| plan made for | unmodified peak | floor | budget | predicted | measured, output held | measured, output "
-        "dropped | the module said |",
+        (
+            "| plan made for | unmodified peak | floor | budget | predicted | measured, output held | measured, output "
+            "dropped | the module said |"
+        ),
         "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:

@@ -28,8 +28,6 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 import autockpt
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 
 @dataclass(frozen=True)
 class Row:

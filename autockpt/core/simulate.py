@@ -12,8 +12,9 @@ changes, storage by storage (the rule of each action below; ``recompute.py`` run
 * a storage that a region reads from outside is held by the checkpoint until the region's backward is done;
 * ``Action.RECOMPUTE_OWN`` also holds the gradients of the region's outputs until the region's backward is done
   (from the event each went in, the rest of which it then raises: ``StorageLife.gradient_versions``, per version of
-  the storage, as an in-place op's output has a gradient of its own; ``exit_gradient``); under autocast it also makes the gradients of the parameters whose cached casts the region read only when its
-  backward is done (``_late_leaf_gradients``);
+  the storage, as an in-place op's output has a gradient of its own; ``exit_gradient``); under autocast it also
+  makes the gradients of the parameters whose cached casts the region read only when its backward is done
+  (``_late_leaf_gradients``);
 * storages saved by units outside every region live as measured;
 * storages no unit owns live as measured, whatever the plan: under autocast, the low-precision copies of parameters
   that autocast's cache holds to the end of the step (``trace.py``), which a recomputation takes from the cache
@@ -352,7 +353,8 @@ def _predict_fast(trace: StepTrace, costs: CostModel, region_actions: Sequence[R
     running = np.cumsum(plan_delta[:num_events])
     event_bytes = arrays.peak_bytes + running
     raised = late_raises[1] > 0
-    event_bytes[raised] = np.maximum(event_bytes[raised], late_raises[0][raised] + late_raises[1][raised] + running[raised])
+    late_bytes = late_raises[0] + late_raises[1] + running
+    event_bytes[raised] = np.maximum(event_bytes[raised], late_bytes[raised])
 
     burst_bytes = []
     recompute_ms = 0.0

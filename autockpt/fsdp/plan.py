@@ -42,7 +42,15 @@ from autockpt.fsdp.choose import (
 )
 from autockpt.fsdp.fake_world import RankMemory, existing_fake_group, fake_world, measure_sharded_step
 from autockpt.fsdp.record import FSDPPlan, RankFigures, UnitDecision
-from autockpt.fsdp.shard import ROOT, check_units, container_blocks, describe_mp_policy, fingerprint, is_sharded, unit_parameter_bytes
+from autockpt.fsdp.shard import (
+    ROOT,
+    check_units,
+    container_blocks,
+    describe_mp_policy,
+    fingerprint,
+    is_sharded,
+    unit_parameter_bytes,
+)
 from autockpt.measure.costs import calibrate
 from autockpt.measure.loop import NAMED_OPTIMIZERS
 from autockpt.measure.loss import checked_loss, default_loss
@@ -369,8 +377,8 @@ def _default_units(model: nn.Module, graph: Graph, trace: StepTrace) -> tuple[st
     if not found:
         raise ValueError(
             f"no repeated blocks were found in {type(model).__name__}'s step to shard as FSDP units: give "
-            "units=[...] (module names from model.named_modules(), e.g. ['layers.0', 'layers.1', ...]); no nn.ModuleList, "
-            "nn.ModuleDict or nn.Sequential of identical blocks ran in it either"
+            "units=[...] (module names from model.named_modules(), e.g. ['layers.0', 'layers.1', ...]); no "
+            "nn.ModuleList, nn.ModuleDict or nn.Sequential of identical blocks ran in it either"
         )
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     return check_units(model, sorted(set(found), key=order.__getitem__))

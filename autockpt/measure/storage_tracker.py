@@ -40,8 +40,8 @@ class StorageRecord:
     mutators: set[int] = field(default_factory=set)
     release_event_by_saver: dict[int, int] = field(default_factory=dict)
     weak: Any = None
-    gradients: list[StorageRecord] = field(default_factory=list)  # forward: storages of gradients computed for it
-    # forward: the same, per unit that wrote the version the gradient is for (``GradientRecorder``)
+    # forward: storages of the gradients computed for it, per unit that wrote the version each is for
+    # (``GradientRecorder``: an in-place op's output is a new version with a gradient of its own)
     gradients_by_writer: dict[int, list[StorageRecord]] = field(default_factory=dict)
     is_gradient: bool = False  # a gradient linked to a forward storage: its free event's later peak is followed
     late_peak_bytes: int | None = None  # gradients: the highest live bytes of the free event after the free
@@ -298,6 +298,5 @@ class GradientRecorder(TorchFunctionMode):
             return
         gradient_record = self.tracker.record_of(gradient)
         if gradient_record is not None:
-            record.gradients.append(gradient_record)
             record.gradients_by_writer.setdefault(writer_unit, []).append(gradient_record)
             gradient_record.is_gradient = True

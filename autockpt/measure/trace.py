@@ -394,7 +394,9 @@ def _assemble(
                 saver_units=savers,
                 saver_release_events=tuple(record.release_event_by_saver[u] for u in savers),
                 mutator_units=tuple(sorted(u for u in record.mutators if u >= 0)),
-                gradient_free_event=_last_free_event(record.gradients, len(events)),
+                gradient_free_event=_last_free_event(
+                    [g for gradients in record.gradients_by_writer.values() for g in gradients], len(events)
+                ),
                 gradient_versions=_gradient_versions(record, len(events)),
             )
         )

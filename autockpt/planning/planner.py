@@ -391,7 +391,7 @@ class Planner:
         self._on_stage("measure")
         with self._model_state():
             module.training = True  # the module follows the user's train/eval flag, restored after measuring
-            measurement = measure_step(module, *self._example_step(), **self._loop_keywords())
+            measurement = measure_step(module, **self._measured_step())
         module.training = self.model.training
         return measurement
 
@@ -404,15 +404,14 @@ class Planner:
             for param in self.model.parameters():
                 param.grad = None
             self.request.loss(compiled(*self.request.args, **self.request.kwargs)).backward()  # compiles
-            measurement = measure_compiled_step(compiled, *self._example_step(), static_from=module, **self._loop_keywords())
+            measurement = measure_compiled_step(compiled, static_from=module, **self._measured_step())
         module.training = self.model.training
         return measurement
 
-    def _example_step(self) -> tuple[tuple, dict, Any]:
-        return self.request.args, self.request.kwargs, self.request.loss
-
-    def _loop_keywords(self) -> dict[str, Any]:  # the plan's loop, as measure_step takes it
-        return {"optimizer": self.optimizer, "gradient_accumulation_steps": self.gradient_accumulation_steps,
+    def _measured_step(self) -> dict[str, Any]:
+        """The example step in the plan's loop, as ``measure_step`` and ``measure_compiled_step`` take it."""
+        return {"example_inputs": self.request.args, "example_kwargs": self.request.kwargs, "loss_fn": self.request.loss,
+                "optimizer": self.optimizer, "gradient_accumulation_steps": self.gradient_accumulation_steps,
                 "output_held": self.options.output_held}
 
     def foreign_bytes_now(self) -> int:

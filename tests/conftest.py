@@ -81,6 +81,18 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         )
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests that share a module-scoped fixture run on one xdist worker (``--dist loadgroup``, pyproject's addopts), so
+    the fixture (a planned model, a spawned run) is built once, not once per worker that gets one of them."""
+    for item in items:
+        definitions = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        if item.get_closest_marker("xdist_group") is None and any(
+            defs and defs[-1].scope == "module" for defs in definitions.values()
+        ):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
 def mlp() -> torch.nn.Module:
     """A seeded 6-layer MLP of width 128 (the loop and device-memory tests' model)."""
     torch.manual_seed(0)

@@ -1,7 +1,7 @@
-"""One rank of an FSDP2 test (issue 38): loads the plan, ``apply_fsdp`` on a model built on the meta device, then
-``to_empty`` and the seeded weights, trains two steps with AdamW on its part of the global batch under gloo, and
-writes its losses, full gradients and the peaks ``FSDPMemTracker`` and autockpt's ``StorageTracker`` measured (real
-tensors).
+"""One rank of the FSDP2 tests (issue 38): for each case in turn, loads its plan, ``apply_fsdp`` on a model built on
+the meta device, then ``to_empty`` and the seeded weights, trains two steps with AdamW on its part of the global batch
+under gloo, and writes its losses, full gradients and the peaks ``FSDPMemTracker`` and autockpt's ``StorageTracker``
+measured (real tensors).
 
 Spawned by tests/fsdp/test_fsdp_gloo.py (``torch.multiprocessing.start_processes``); the model is rebuilt from a seed
 on every rank, as a torchrun script would build it.
@@ -135,8 +135,9 @@ def _pool_bytes(model: nn.Module) -> int:
     return pool.capacity_bytes if pool is not None else 0
 
 
-def run_rank(rank: int, world: int, config: dict[str, Any], plan_path: str, out_dir: str, init_file: str) -> None:
-
+def run_rank(rank: int, world: int, jobs: list[tuple[dict[str, Any], str, str]], init_file: str) -> None:
+    """Each job ``(config, plan_path, result_path)`` in turn, in one process group: the spawn and the imports, most
+    of a case's time on a 2-core machine, are paid once for all of them."""
     import autockpt
 
     torch.set_num_threads(1)
@@ -144,34 +145,40 @@ def run_rank(rank: int, world: int, config: dict[str, Any], plan_path: str, out_
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
     )
     try:
-        fplan = autockpt.load_fsdp_plan(plan_path)
-        ids, target = batch(config, rank, world)
-        # 1. losses and gradients
-        model = _sharded(config, fplan)
-        names = [n for n, _ in model.named_parameters()]
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        losses, grads = [], {}
-        for step in range(2):
-            loss = lm_loss(model(ids), target)
-            loss.backward()
-            if step == 0:
-                grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.detach().clone())
-        for value in losses:  # each rank's loss is its half's mean: the global one is their mean
-            dist.all_reduce(value, op=dist.ReduceOp.AVG)
-        del model, optimizer
-        # 2. the peak, on a fresh model: FSDPMemTracker on real tensors, two steps as the plan counts them
-        peak, breakdown = tracked_peak(config, fplan, ids, target)
-        result = {
-            "losses": [v.item() for v in losses], "grads": grads, "names": names,
-            "peak_bytes": peak, "breakdown": breakdown, "own_peak_bytes": own_tracked_peak(config, fplan, ids, target),
-        }
-        with open(f"{out_dir}/rank{rank}.pkl", "wb") as out:
-            pickle.dump(result, out)
+        for config, plan_path, result_path in jobs:
+            result = _rank_result(config, autockpt.load_fsdp_plan(plan_path), rank, world)
+            with open(result_path, "wb") as out:
+                pickle.dump(result, out)
     finally:
         dist.destroy_process_group()
+
+
+def _rank_result(config: dict[str, Any], fplan: Any, rank: int, world: int) -> dict[str, Any]:
+    """This rank's two steps under ``fplan``: losses (averaged over the ranks), the first step's full gradients, the
+    parameter names, and the peaks of both trackers on fresh models."""
+    ids, target = batch(config, rank, world)
+    # 1. losses and gradients
+    model = _sharded(config, fplan)
+    names = [n for n, _ in model.named_parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, grads = [], {}
+    for step in range(2):
+        loss = lm_loss(model(ids), target)
+        loss.backward()
+        if step == 0:
+            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach().clone())
+    for value in losses:  # each rank's loss is its half's mean: the global one is their mean
+        dist.all_reduce(value, op=dist.ReduceOp.AVG)
+    del model, optimizer
+    # 2. the peak, on a fresh model: FSDPMemTracker on real tensors, two steps as the plan counts them
+    peak, breakdown = tracked_peak(config, fplan, ids, target)
+    return {
+        "losses": [v.item() for v in losses], "grads": grads, "names": names,
+        "peak_bytes": peak, "breakdown": breakdown, "own_peak_bytes": own_tracked_peak(config, fplan, ids, target),
+    }
 
 
 def time_alternating(rank: int, world: int, config: dict[str, Any], plan_paths: list[str], out_dir: str,

@@ -29,11 +29,9 @@ from torch.utils import _pytree as pytree
 
 from autockpt.core.devices import device_spec
 from autockpt.core.roofline import link_price
-from autockpt.core.structure import find_repeated_blocks
 from autockpt.errors import InfeasibleBudgetError
 from autockpt.fsdp.choose import (
     UnitOption,
-    UnitPart,
     UnitTimes,
     cheapest_choice,
     offload_copy_ms,
@@ -45,19 +43,18 @@ from autockpt.fsdp.record import FSDPPlan, RankFigures, UnitDecision
 from autockpt.fsdp.shard import (
     ROOT,
     check_units,
-    container_blocks,
     describe_mp_policy,
     fingerprint,
     is_sharded,
-    unit_parameter_bytes,
 )
+from autockpt.fsdp.unit_times import default_units, part_candidates, unit_times
 from autockpt.measure.costs import calibrate
 from autockpt.measure.loop import NAMED_OPTIMIZERS
 from autockpt.measure.loss import checked_loss, default_loss
 from autockpt.measure.sources import example_arguments
 from autockpt.planning.options import budget_to_bytes
 from autockpt.planning.planner import Planner
-from autockpt.types import Graph, LinkPrice, StepTrace, describe_value
+from autockpt.types import LinkPrice, describe_value
 from autockpt.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -88,64 +85,118 @@ def plan_fsdp(
     checkpoint whole, with what they save, or their inputs, moved to the host between forward and backward); None
     (default): nothing offloaded. Raises ``InfeasibleBudgetError`` (``min_feasible_bytes``: every unit checkpointed,
     with its inputs offloaded when the pool holds them) below the floor."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an integer >= 1 (the number of ranks), got {describe_value(world_size)}")
-    if trace != "fake":
-        raise ValueError(
-            f"plan_fsdp traces the step with trace='fake' only (no real step is run for N ranks); got trace={trace!r}"
-        )
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if is_sharded(model):
-        raise ValueError(
-            f"{type(model).__name__} is already sharded (fully_shard was called on it or a submodule): plan the model "
-            "as it is before fully_shard (a fresh instance, or one on the meta device)"
-        )
-    existing_fake_group(world_size)  # a real process group is refused before anything is traced
-    spec = device_spec(target) if target is not None else None
-    if budget_gb is None and budget_bytes is None and spec is not None:
-        budget = spec.memory_bytes
-    else:
-        budget = budget_to_bytes(budget_gb, budget_bytes)
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"reshard_after_forward must be True or False, got {describe_value(reshard_after_forward)}")
-    _check_mp_policy(mp_policy)
-    pool_limit = _pool_limit_bytes(host_pool_gb)
-    make_optimizer = _optimizer_factory(optimizer)
-    step_loss = _step_loss(loss_fn, example_target)
-    args, kwargs = example_arguments(example_inputs, example_kwargs)  # a list is the arguments, as everywhere
-
-    if timing == "auto" and spec is not None and getattr(mp_policy, "param_dtype", None) is not None:
-        from autockpt.measure.timing import RooflineTiming
-
-        timing = RooflineTiming(spec, dtype=mp_policy.param_dtype)  # the dtype FSDP computes in, not the trace's
-    trace_target = pytree.tree_map_only(
-        torch.Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype) if t.device.type == "meta" else t, example_target
-    )  # the fake trace makes fakes of the inputs, not of what the loss closes over
-    planner = Planner.from_model(
-        model, example_inputs=args, example_kwargs=kwargs, loss_fn=lambda out: step_loss(out, trace_target),
-        trace="fake", timing=timing, target=target,
+    if budget_gb is not None or budget_bytes is not None:
+        budget_to_bytes(budget_gb, budget_bytes)  # a bad budget is refused before anything is traced
+    planner = FSDPPlanner.from_model(
+        model, world_size=world_size, example_inputs=example_inputs, example_kwargs=example_kwargs,
+        example_target=example_target, loss_fn=loss_fn, optimizer=optimizer, units=units,
+        reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, target=target, trace=trace, timing=timing,
+        host_pool_gb=host_pool_gb,
     )
-    unit_names = check_units(model, units) if units is not None else _default_units(model, planner.graph,
-                                                                                    planner.trace)
-    inner = [u for u in unit_names if u != ROOT]
-    times = _unit_times(model, unit_names, planner.graph, planner.trace, mp_policy)
-    root, blocks = times[ROOT], [times[u] for u in inner]
-    gb_per_s = spec.interconnect_gb_per_s if spec is not None else None
-    # the device the ranks run on: torch's optimizers default to foreach on CUDA, whose temporaries count
-    device_type = spec.device_type if spec is not None else "cuda" if torch.cuda.is_available() else "cpu"
+    return planner.plan(budget_gb, budget_bytes=budget_bytes)
 
-    def measure(decisions: Mapping[str, UnitOption]) -> RankMemory:
-        return measure_sharded_step(
-            model, world_size=world_size, units=unit_names, reshard_after_forward=reshard_after_forward,
-            mp_policy=mp_policy, inputs=(args, kwargs, example_target), step_loss=step_loss,
-            make_optimizer=make_optimizer, device_type=device_type, **_as_sets(decisions),
+
+class FSDPPlanner:
+    """One model's FSDP2 step captured, traced and timed once at one world size (``from_model``); ``plan`` answers
+    any number of per-rank budgets from it, each fake-process-group measurement made once and kept for the next
+    budget (``plan_fsdp`` is ``FSDPPlanner.from_model(...).plan(budget)``)."""
+
+    def __init__(self, model: nn.Module, *, world_size: int, unit_names: tuple[str, ...], times: dict[str, UnitTimes],
+                 spec: Any, pool_limit: int | None, reshard_after_forward: bool, mp_policy: Any,
+                 make_optimizer: Callable[[list], Any] | None, device_type: str, provenance: Any,
+                 measure: Callable[[Mapping[str, UnitOption]], RankMemory]) -> None:
+        self.model, self.world_size, self.unit_names, self.spec = model, world_size, unit_names, spec
+        self.inner = [u for u in unit_names if u != ROOT]
+        self.root, self.blocks = times[ROOT], [times[u] for u in self.inner]
+        self.pool_limit, self.reshard_after_forward, self.mp_policy = pool_limit, reshard_after_forward, mp_policy
+        self.make_optimizer, self.device_type, self.provenance = make_optimizer, device_type, provenance
+        self._measure_on_fakes = measure
+        self._measured: dict[frozenset, RankMemory] = {}  # by what the decisions do (``_key``)
+
+    @classmethod
+    def from_model(
+        cls, model: nn.Module, *, world_size: int, example_inputs: Any = (), example_kwargs: Any = None,
+        example_target: Any = None, loss_fn: Callable[..., Any] | None = None, optimizer: Any = "adamw",
+        units: Sequence[str] | None = None, reshard_after_forward: bool = True, mp_policy: Any = None,
+        target: Any = None, trace: str = "fake", timing: Any = "auto", host_pool_gb: float | None = None,
+    ) -> FSDPPlanner:
+        """The step captured and traced on one rank's batch (fake trace), the units found and timed; the arguments
+        are ``plan_fsdp``'s, checked here."""
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(
+                f"world_size must be an integer >= 1 (the number of ranks), got {describe_value(world_size)}"
+            )
+        if trace != "fake":
+            raise ValueError(
+                f"plan_fsdp traces the step with trace='fake' only (no real step is run for N ranks); got trace={trace!r}"
+            )
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if is_sharded(model):
+            raise ValueError(
+                f"{type(model).__name__} is already sharded (fully_shard was called on it or a submodule): plan the "
+                "model as it is before fully_shard (a fresh instance, or one on the meta device)"
+            )
+        existing_fake_group(world_size)  # a real process group is refused before anything is traced
+        spec = device_spec(target) if target is not None else None
+        if not isinstance(reshard_after_forward, bool):
+            raise TypeError(f"reshard_after_forward must be True or False, got {describe_value(reshard_after_forward)}")
+        _check_mp_policy(mp_policy)
+        pool_limit = _pool_limit_bytes(host_pool_gb)
+        make_optimizer = _optimizer_factory(optimizer)
+        step_loss = _step_loss(loss_fn, example_target)
+        args, kwargs = example_arguments(example_inputs, example_kwargs)  # a list is the arguments, as everywhere
+
+        if timing == "auto" and spec is not None and getattr(mp_policy, "param_dtype", None) is not None:
+            from autockpt.measure.timing import RooflineTiming
+
+            timing = RooflineTiming(spec, dtype=mp_policy.param_dtype)  # the dtype FSDP computes in, not the trace's
+        trace_target = pytree.tree_map_only(
+            torch.Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype) if t.device.type == "meta" else t,
+            example_target,
+        )  # the fake trace makes fakes of the inputs, not of what the loss closes over
+        planner = Planner.from_model(
+            model, example_inputs=args, example_kwargs=kwargs, loss_fn=lambda out: step_loss(out, trace_target),
+            trace="fake", timing=timing, target=target,
         )
+        unit_names = check_units(model, units) if units is not None else default_units(model, planner.graph,
+                                                                                        planner.trace)
+        times = unit_times(model, unit_names, planner.graph, planner.trace, mp_policy)
+        # the device the ranks run on: torch's optimizers default to foreach on CUDA, whose temporaries count
+        device_type = spec.device_type if spec is not None else "cuda" if torch.cuda.is_available() else "cpu"
 
-    with fake_world(world_size):
-        baseline = measure({})
+        def measure(decisions: Mapping[str, UnitOption]) -> RankMemory:
+            return measure_sharded_step(
+                model, world_size=world_size, units=unit_names, reshard_after_forward=reshard_after_forward,
+                mp_policy=mp_policy, inputs=(args, kwargs, example_target), step_loss=step_loss,
+                make_optimizer=make_optimizer, device_type=device_type, **_as_sets(decisions),
+            )
+
+        return cls(model, world_size=world_size, unit_names=tuple(unit_names), times=times, spec=spec,
+                   pool_limit=pool_limit, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                   make_optimizer=make_optimizer, device_type=device_type, provenance=planner.provenance,
+                   measure=measure)
+
+    def measure(self, decisions: Mapping[str, UnitOption]) -> RankMemory:
+        """The sharded step under ``decisions`` on the fake process group, measured once per distinct decisions."""
+        key = _key(decisions)
+        if key not in self._measured:
+            with fake_world(self.world_size):
+                self._measured[key] = self._measure_on_fakes(decisions)
+        return self._measured[key]
+
+    def plan(self, budget_gb: float | None = None, *, budget_bytes: int | None = None) -> FSDPPlan:
+        """The least-time decisions per unit whose measured peak keeps the per-rank budget (GB = 10^9 bytes; the
+        target's memory when none is given). Raises ``InfeasibleBudgetError`` below the floor."""
+        existing_fake_group(self.world_size)  # refused under a real process group, measured already or not
+        if budget_gb is None and budget_bytes is None and self.spec is not None:
+            budget = self.spec.memory_bytes
+        else:
+            budget = budget_to_bytes(budget_gb, budget_bytes)
+        inner, blocks, pool_limit = self.inner, self.blocks, self.pool_limit
+        baseline = self.measure({})
         every = {
-            decision: measure(_every(inner, decision)) if inner else baseline
+            decision: self.measure(_every(inner, decision)) if inner else baseline
             for decision in (UnitDecision.FULL, *([UnitDecision.OFFLOAD, UnitDecision.FULL_OFFLOAD]
                                                   if pool_limit is not None else []))
         }
@@ -159,76 +210,86 @@ def plan_fsdp(
             inputs_moved = " and its inputs offloaded" if floor_decision is UnitDecision.FULL_OFFLOAD else ""
             raise InfeasibleBudgetError(
                 f"a per-rank budget of {format_bytes(budget)} is below the smallest peak checkpointing reaches at "
-                f"world size {world_size}: {format_bytes(floor.peak_bytes)} with every one of the {len(inner)} units "
-                f"checkpointed whole{inputs_moved}. Give budget_bytes >= {floor.peak_bytes}, more ranks, or a "
+                f"world size {self.world_size}: {format_bytes(floor.peak_bytes)} with every one of the {len(inner)} "
+                f"units checkpointed whole{inputs_moved}. Give budget_bytes >= {floor.peak_bytes}, more ranks, or a "
                 f"smaller per-rank batch{offload_hint}",
                 budget_bytes=budget, min_feasible_bytes=floor.peak_bytes,
             )
-        every[UnitDecision.SELECTIVE] = _measure_selective(measure, inner) if inner else baseline
+        every[UnitDecision.SELECTIVE] = _measure_selective(self.measure, inner) if inner else baseline
         # every unit with the same part checkpointed: only needed when something must be freed
         part_choices = {name: {u.name: UnitOption(decision=UnitDecision.PARTS, freed_bytes=0.0, parts=(name,))
                                for u in blocks if u.part(name) is not None}
-                        for name in (_part_candidates(blocks) if baseline.peak_bytes > budget else ())}
-        every_part = {name: measure(choice) for name, choice in part_choices.items()}
-        link = _link(spec) if pool_limit is not None else None
+                        for name in (part_candidates(blocks) if baseline.peak_bytes > budget else ())}
+        every_part = {name: self.measure(choice) for name, choice in part_choices.items()}
+        link = _link(self.spec) if pool_limit is not None else None
         options = _unit_options(blocks, baseline, every, every_part, link)
-        known = {_key(_every(inner, d)): m for d, m in every.items()}  # measured already
-        known.update({_key(part_choices[name]): m for name, m in every_part.items()})
         floor_options = {u: next(o for o in options[u] if o.decision is floor_decision) for u in inner}
-        decisions, measured, tries = _fit([u.name for u in blocks], options, budget, baseline, floor,
-                                          floor_options, measure, pool_limit, known)
-    chosen = _as_sets(decisions)
-    optimizer_ms = (optimizer_step_ms(dict(baseline.step_start), dict(baseline.step_foreach_peak) or None,
-                                      spec.hbm_gb_per_s)
-                    if spec is not None and baseline.step_start else 0.0)  # the same in every plan of this model
-    kwargs_time = {"world_size": world_size, "gb_per_s": gb_per_s, "reshard_after_forward": reshard_after_forward,
-                   "optimizer_ms": optimizer_ms}
-    copies = {u: o.copy_ms for u, o in decisions.items()}
-    parts = {u: o.parts for u, o in decisions.items() if o.decision is UnitDecision.PARTS}
-    predicted = step_time(root, blocks, set(chosen["checkpointed"]), selective=set(chosen["selective"]),
-                          copies_ms=copies, parts=parts, **kwargs_time)
-    plain = step_time(root, blocks, set(), **kwargs_time)
-    full = step_time(root, blocks, set(inner), **kwargs_time)
-    all_selective = step_time(root, blocks, set(), selective=set(inner), **kwargs_time)
-    notes = [
-        (f"{tries} fake-process-group measurement(s) of chosen sets; per unit keep, "
-         + (f"one of the parts {', '.join(every_part)} checkpointed, " if every_part else
-            "" if baseline.peak_bytes <= budget else "no part worth measuring alone, ")
-         + "selective (matmul and attention outputs saved), full"
-         + (", offload or full with its inputs offloaded" if pool_limit is not None else
-            " (host_pool_gb=None: nothing offloaded)")),
-        "collectives priced at 0 ms: no GPU-to-GPU link figure (give target=...)" if not gb_per_s else
-        f"collectives priced over {gb_per_s:g} GB/s each way per GPU ({spec.name if spec else ''}), ring algorithms",
-        (f"optimizer.step() priced at {optimizer_ms:.3f} ms: its bytes read and written over "
-         f"{spec.hbm_gb_per_s:g} GB/s of device memory bandwidth" if spec is not None and make_optimizer is not None
-         else "optimizer.step() not priced (no target)" if make_optimizer is not None else "no optimizer step"),
-    ]
-    if link is not None:
-        notes.append(f"host copies priced at {link.device_to_host_gb_per_s:.3g} / {link.host_to_device_gb_per_s:.3g} "
-                     f"GB/s to / from the host ({spec.name if spec else 'measured on this machine'}), "
-                     + ("hidden behind a neighbouring unit's compute" if link.overlaps_compute else "synchronous"))
-    if make_optimizer is not None:
-        notes.append(f"optimizer.step() counted as torch runs it on {device_type}: groups with foreach=True (or None, "
-                     "the default, on cuda) with their foreach temporaries, the others with the for-loop step")
-    logger.info("FSDP plan: of %d units %d checkpointed whole, %d selectively, %d offloaded, %d with parts, peak %s "
-                "under %s", len(inner), len(chosen["checkpointed"]), len(chosen["selective"]),
-                len(chosen["offloaded"]), len(parts), format_bytes(measured.peak_bytes), format_bytes(budget))
-    return FSDPPlan(
-        world_size=world_size, units=tuple(unit_names), checkpointed=chosen["checkpointed"],
-        selective=chosen["selective"], offloaded=chosen["offloaded"], host_pool_bytes=measured.host_pool_bytes,
-        host_pool_limit_bytes=pool_limit, exposed_copy_ms=predicted.exposed_copy_ms,
-        selective_peak_bytes=every[UnitDecision.SELECTIVE].peak_bytes, selective_step_ms=all_selective.step_ms,
-        reshard_after_forward=reshard_after_forward, mixed_precision=describe_mp_policy(mp_policy),
-        budget_bytes=budget, predicted_peak_bytes=measured.peak_bytes, baseline_peak_bytes=baseline.peak_bytes,
-        min_feasible_bytes=floor.peak_bytes,
-        ranks=tuple(RankFigures(rank=r, peak_bytes=measured.peak_bytes, breakdown=measured.breakdown,
-                                timeline=measured.timeline)
-                    for r in range(world_size)),
-        predicted_step_ms=predicted.step_ms, baseline_step_ms=plain.step_ms, floor_step_ms=full.step_ms,
-        exposed_collective_ms=predicted.exposed_collective_ms, interconnect_gb_per_s=gb_per_s,
-        optimizer_step_ms=optimizer_ms, checkpointed_parts=chosen["checkpointed_parts"],
-        provenance=planner.provenance, fingerprint=fingerprint(model, unit_names), notes=tuple(notes),
-    )
+        known_before = len(self._measured)
+        decisions, measured = _fit([u.name for u in blocks], options, budget, baseline, floor, floor_options,
+                                   self.measure, pool_limit)
+        tries = len(self._measured) - known_before
+        return self._record(budget, decisions, measured, baseline, floor, every, list(every_part), link, tries)
+
+    def _record(self, budget: int, decisions: dict[str, UnitOption], measured: RankMemory, baseline: RankMemory,
+                floor: RankMemory, every: Mapping[UnitDecision, RankMemory], parts_tried: list[str],
+                link: LinkPrice | None, tries: int) -> FSDPPlan:
+        """The plan of ``decisions``: their measured figures, the time model's step times, and notes on how."""
+        root, blocks, inner, spec, pool_limit = self.root, self.blocks, self.inner, self.spec, self.pool_limit
+        chosen = _as_sets(decisions)
+        gb_per_s = spec.interconnect_gb_per_s if spec is not None else None
+        optimizer_ms = (optimizer_step_ms(dict(baseline.step_start), dict(baseline.step_foreach_peak) or None,
+                                          spec.hbm_gb_per_s)
+                        if spec is not None and baseline.step_start else 0.0)  # the same in every plan of this model
+        kwargs_time = {"world_size": self.world_size, "gb_per_s": gb_per_s,
+                       "reshard_after_forward": self.reshard_after_forward, "optimizer_ms": optimizer_ms}
+        copies = {u: o.copy_ms for u, o in decisions.items()}
+        parts = {u: o.parts for u, o in decisions.items() if o.decision is UnitDecision.PARTS}
+        predicted = step_time(root, blocks, set(chosen["checkpointed"]), selective=set(chosen["selective"]),
+                              copies_ms=copies, parts=parts, **kwargs_time)
+        plain = step_time(root, blocks, set(), **kwargs_time)
+        full = step_time(root, blocks, set(inner), **kwargs_time)
+        all_selective = step_time(root, blocks, set(), selective=set(inner), **kwargs_time)
+        notes = [
+            (f"{tries} fake-process-group measurement(s) of chosen sets; per unit keep, "
+             + (f"one of the parts {', '.join(parts_tried)} checkpointed, " if parts_tried else
+                "" if baseline.peak_bytes <= budget else "no part worth measuring alone, ")
+             + "selective (matmul and attention outputs saved), full"
+             + (", offload or full with its inputs offloaded" if pool_limit is not None else
+                " (host_pool_gb=None: nothing offloaded)")),
+            "collectives priced at 0 ms: no GPU-to-GPU link figure (give target=...)" if not gb_per_s else
+            f"collectives priced over {gb_per_s:g} GB/s each way per GPU ({spec.name if spec else ''}), ring algorithms",
+            (f"optimizer.step() priced at {optimizer_ms:.3f} ms: its bytes read and written over "
+             f"{spec.hbm_gb_per_s:g} GB/s of device memory bandwidth"
+             if spec is not None and self.make_optimizer is not None
+             else "optimizer.step() not priced (no target)" if self.make_optimizer is not None
+             else "no optimizer step"),
+        ]
+        if link is not None:
+            notes.append(f"host copies priced at {link.device_to_host_gb_per_s:.3g} / {link.host_to_device_gb_per_s:.3g} "
+                         f"GB/s to / from the host ({spec.name if spec else 'measured on this machine'}), "
+                         + ("hidden behind a neighbouring unit's compute" if link.overlaps_compute else "synchronous"))
+        if self.make_optimizer is not None:
+            notes.append(f"optimizer.step() counted as torch runs it on {self.device_type}: groups with foreach=True (or "
+                         "None, the default, on cuda) with their foreach temporaries, the others with the for-loop step")
+        logger.info("FSDP plan: of %d units %d checkpointed whole, %d selectively, %d offloaded, %d with parts, peak "
+                    "%s under %s", len(inner), len(chosen["checkpointed"]), len(chosen["selective"]),
+                    len(chosen["offloaded"]), len(parts), format_bytes(measured.peak_bytes), format_bytes(budget))
+        return FSDPPlan(
+            world_size=self.world_size, units=self.unit_names, checkpointed=chosen["checkpointed"],
+            selective=chosen["selective"], offloaded=chosen["offloaded"], host_pool_bytes=measured.host_pool_bytes,
+            host_pool_limit_bytes=pool_limit, exposed_copy_ms=predicted.exposed_copy_ms,
+            selective_peak_bytes=every[UnitDecision.SELECTIVE].peak_bytes, selective_step_ms=all_selective.step_ms,
+            reshard_after_forward=self.reshard_after_forward, mixed_precision=describe_mp_policy(self.mp_policy),
+            budget_bytes=budget, predicted_peak_bytes=measured.peak_bytes, baseline_peak_bytes=baseline.peak_bytes,
+            min_feasible_bytes=floor.peak_bytes,
+            ranks=tuple(RankFigures(rank=r, peak_bytes=measured.peak_bytes, breakdown=measured.breakdown,
+                                    timeline=measured.timeline)
+                        for r in range(self.world_size)),
+            predicted_step_ms=predicted.step_ms, baseline_step_ms=plain.step_ms, floor_step_ms=full.step_ms,
+            exposed_collective_ms=predicted.exposed_collective_ms, interconnect_gb_per_s=gb_per_s,
+            optimizer_step_ms=optimizer_ms, checkpointed_parts=chosen["checkpointed_parts"],
+            provenance=self.provenance, fingerprint=fingerprint(self.model, self.unit_names), notes=tuple(notes),
+        )
 
 
 def _every(units: Sequence[str], decision: UnitDecision) -> dict[str, UnitOption]:
@@ -330,154 +391,24 @@ def _fit(
     units: list[str], options: Mapping[str, Sequence[UnitOption]], budget: int, baseline: RankMemory,
     floor: RankMemory, floor_decisions: dict[str, UnitOption],
     measure: Callable[[Mapping[str, UnitOption]], RankMemory], pool_limit: int | None,
-    known: dict[frozenset, RankMemory],
-) -> tuple[dict[str, UnitOption], RankMemory, int]:
+) -> tuple[dict[str, UnitOption], RankMemory]:
     """The least-time decisions per unit that measure under ``budget``: the multiple-choice knapsack on the
     estimated bytes freed (``_unit_options``), measured; asked again for more while it overshoots; the floor in the
-    end (which fits). ``known``: decisions measured already."""
+    end (which fits). ``measure`` keeps what it measured (``FSDPPlanner.measure``)."""
     if baseline.peak_bytes <= budget:
-        return {}, baseline, 0
+        return {}, baseline
     if baseline.peak_bytes <= floor.peak_bytes:  # nothing to go by: the floor, which fits
-        return floor_decisions, floor, 0
-    need, at_least, tries = float(baseline.peak_bytes - budget), 0.0, 0
+        return floor_decisions, floor
+    need, at_least = float(baseline.peak_bytes - budget), 0.0
     while True:
         choice = cheapest_choice(units, options, need, at_least_bytes=at_least, pool_limit_bytes=pool_limit)
-        key = _key(choice) if choice is not None else None
-        if choice is None or key == _key(floor_decisions):  # nothing more to ask for: the floor
-            return floor_decisions, floor, tries
-        if key not in known:
-            tries += 1
-            known[key] = measure(choice)
-        measured = known[key]
+        if choice is None or _key(choice) == _key(floor_decisions):  # nothing more to ask for: the floor
+            return floor_decisions, floor
+        measured = measure(choice)
         if measured.peak_bytes <= budget and (pool_limit is None or measured.host_pool_bytes <= pool_limit):
-            return choice, measured, tries
+            return choice, measured
         need += max(measured.peak_bytes - budget, 1)  # the overshoot, taken off the next answer
         at_least = sum(o.freed_bytes for o in choice.values())
-
-
-def _default_units(model: nn.Module, graph: Graph, trace: StepTrace) -> tuple[str, ...]:
-    """The modules that hold the repeated blocks found in the traced step (each instance's units' deepest common
-    module), then the root; refused when no block is found."""
-    modules = dict(model.named_modules())
-    found: list[str] = []
-    for family in find_repeated_blocks(graph, trace).families:
-        names = []
-        for instance in family.instances:
-            paths = [graph.units[i].module_path.split(".") for i in range(instance.first_unit, instance.last_unit + 1)]
-            common: list[str] = []
-            for parts in zip(*paths):
-                if len(set(parts)) != 1:
-                    break
-                common.append(parts[0])
-            names.append(".".join(common))
-        if all(n and n in modules for n in names) and len(set(names)) == len(names):
-            found += names
-    if not found:  # e.g. an fx capture keeps torch's nn.TransformerEncoderLayer whole: one unit per block
-        found = container_blocks(model, [unit.module_path for unit in graph.units])
-    if not found:
-        raise ValueError(
-            f"no repeated blocks were found in {type(model).__name__}'s step to shard as FSDP units: give "
-            "units=[...] (module names from model.named_modules(), e.g. ['layers.0', 'layers.1', ...]); no "
-            "nn.ModuleList, nn.ModuleDict or nn.Sequential of identical blocks ran in it either"
-        )
-    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
-    return check_units(model, sorted(set(found), key=order.__getitem__))
-
-
-def _unit_times(
-    model: nn.Module, units: Sequence[str], graph: Graph, trace: StepTrace, mp_policy: Any,
-) -> dict[str, UnitTimes]:
-    """Each unit's forward time, the part of it that is not matmuls or attention (``_is_saved_op``), its saved bytes
-    (the traced units under its module path; the root has the rest), the same for its parts (``_part_name``) and
-    the bytes of its all-gather and reduce-scatter."""
-    inner = [u for u in units if u != ROOT]
-    forward = dict.fromkeys((*inner, ROOT), 0.0)
-    recomputed = dict.fromkeys((*inner, ROOT), 0.0)
-    saved = dict.fromkeys((*inner, ROOT), 0)
-    parts: dict[str, dict[str, list]] = {u: {} for u in (*inner, ROOT)}  # unit -> part -> [forward ms, saved B]
-    modules = dict(model.named_modules())
-    for unit, cost in zip(graph.units, trace.units):
-        path = unit.module_path or ""
-        owner = next((u for u in inner if path == u or path.startswith(u + ".")), ROOT)
-        forward[owner] += cost.forward_ms
-        saved[owner] += cost.saved_bytes
-        if not _is_saved_op(unit.op, modules.get(path)):
-            recomputed[owner] += cost.forward_ms
-        part = _part_name(owner, path, modules) if owner != ROOT else None
-        if part is not None and not isinstance(modules.get(f"{owner}.{part}"), _ONE_OP_MODULES):
-            figures = parts[owner].setdefault(part, [0.0, 0])
-            figures[0] += cost.forward_ms
-            figures[1] += cost.saved_bytes
-    param_dtype = getattr(mp_policy, "param_dtype", None)
-    reduce_dtype = getattr(mp_policy, "reduce_dtype", None) or param_dtype
-    owned = unit_parameter_bytes(model, units)
-
-    def in_dtype(numel: int, nbytes: int, dtype: torch.dtype | None) -> int:
-        return nbytes if dtype is None else numel * torch.empty((), dtype=dtype).element_size()
-
-    return {
-        name: UnitTimes(
-            name=name, forward_ms=forward[name], saved_bytes=saved[name], selective_recompute_ms=recomputed[name],
-            parts=tuple(UnitPart(name=part, forward_ms=ms, saved_bytes=nbytes)
-                        for part, (ms, nbytes) in parts[name].items()),
-            all_gather_bytes=in_dtype(*owned[name], param_dtype), reduce_scatter_bytes=in_dtype(*owned[name],
-                                                                                               reduce_dtype),
-        )
-        for name in (*inner, ROOT)
-    }
-
-
-def _part_name(unit: str, path: str, modules: Mapping[str, nn.Module]) -> str | None:
-    """The part of ``unit`` that the traced op at module ``path`` runs in, relative to the unit: the unit's child
-    that holds it, or the grandchild when that child is a ModuleList or ModuleDict (never called itself); None for
-    an op of the unit's own forward."""
-    if not path.startswith(unit + "."):
-        return None
-    pieces = path[len(unit) + 1:].split(".")
-    name = pieces.pop(0)
-    while pieces and isinstance(modules.get(f"{unit}.{name}"), (nn.ModuleList, nn.ModuleDict)):
-        name += "." + pieces.pop(0)
-    return name
-
-
-# modules that run one op saving its input: checkpointed alone they save that input all the same and free nothing
-_ONE_OP_MODULES = (nn.Linear, nn.Bilinear, nn.Embedding, nn.modules.conv._ConvNd)
-
-# parts tried as regions (one fake-process-group measurement each): those holding between 5 % and 90 % of a unit's
-# saved bytes (less frees little; more is nearly the whole unit, which full checkpointing already offers), the 3
-# holding the most over all units
-_PART_SAVED_SHARE = (0.05, 0.9)
-_MAX_PART_CANDIDATES = 3
-
-
-def _part_candidates(blocks: Sequence[UnitTimes]) -> list[str]:
-    """The parts (names relative to their units) worth measuring with every unit holding them checkpointed."""
-    totals: dict[str, int] = {}
-    low, high = _PART_SAVED_SHARE
-    for unit in blocks:
-        for part in unit.parts:
-            if unit.saved_bytes and low <= part.saved_bytes / unit.saved_bytes <= high:
-                totals[part.name] = totals.get(part.name, 0) + part.saved_bytes
-    return sorted(totals, key=lambda name: -totals[name])[:_MAX_PART_CANDIDATES]
-
-
-# traced units whose outputs selective checkpointing keeps (shard.SAVED_OPS at the aten level): by the name of a
-# function unit, or a leaf module that is one matmul (nn.Linear) or attention
-_SAVED_UNIT_OPS = frozenset({
-    "linear", "matmul", "__matmul__", "mm", "bmm", "addmm", "baddbmm", "einsum", "scaled_dot_product_attention",
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
-})
-
-
-def _is_saved_op(op: str, module: nn.Module | None) -> bool:
-    """True for a traced unit that is a matmul or attention: its forward is not recomputed under selective
-    checkpointing. ``op``: "module:<path>" for a leaf module (then ``module`` decides), else a function's name
-    ("gelu", "aten.mm.default", "torch.matmul")."""
-    if op.startswith("module:"):
-        return isinstance(module, (nn.Linear, nn.MultiheadAttention))
-    name = op.removeprefix("aten.").removeprefix("torch.").removeprefix("nn.functional.").removeprefix("F.")
-    return name.split(".")[0] in _SAVED_UNIT_OPS
 
 
 def _check_mp_policy(mp_policy: Any) -> None:

@@ -1,13 +1,17 @@
 """FSDP2 plans run on two gloo ranks (issue 38): planned in this process on the fake process group, applied by
 ``apply_fsdp`` on every rank (a meta model, then ``to_empty``), trained two AdamW steps on each rank's half of the
-global batch. PyTorch is the reference: the single-process model on the global batch. Ranks are spawned with a
-timeout and destroy their process groups (``fsdp_worker.py``)."""
+global batch. PyTorch is the reference: the single-process model on the global batch. Every case runs on one pair of
+ranks, spawned once with a timeout; they destroy their process group (``fsdp_worker.py``)."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import pickle
 import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,8 +19,8 @@ import torch.multiprocessing as mp
 from conftest import needs_transformers
 from fsdp_worker import CONFIG, batch, build, lm_loss, reference, run_rank
 
-import autockpt
 from autockpt.core.devices import device_spec
+from autockpt.fsdp import FSDPPlanner
 from autockpt.measure.timing import RooflineTiming
 
 logger = logging.getLogger(__name__)
@@ -43,32 +47,88 @@ CASES = {
 }
 
 
+@dataclass(frozen=True)
+class PlannedCase:
+    """One case planned in this process: its model config, budget and plan, or why planning it failed."""
+
+    config: dict[str, Any]
+    budget: int = 0
+    fplan: Any = None
+    failure: BaseException | None = None
+
+
+def _plan_case(case: str, folder: Path) -> PlannedCase:
+    kind, vocab, (low, high), _ = CASES[case]
+    config = {**CONFIG, "kind": kind, "model": {**CONFIG["model"], "vocab": vocab}}
+    if kind in ("llama", "hf-llama"):
+        config["model"]["heads"] = 4
+    try:
+        ids, target = batch(config, rank=0, world=WORLD)
+        common = {"world_size": WORLD, "example_inputs": (ids,), "example_target": target, "loss_fn": lm_loss}
+        if low == "tenth":
+            common["timing"] = RooflineTiming(device_spec("h100-sxm-80gb"))
+        planner = FSDPPlanner.from_model(build(config), **common)  # traced once for every budget below
+        roomy = planner.plan(budget_bytes=10**9)
+        peaks = {"baseline": roomy.baseline_peak_bytes, "selective": roomy.selective_peak_bytes,
+                 "floor": roomy.min_feasible_bytes}
+        peaks["tenth"] = roomy.baseline_peak_bytes - (roomy.baseline_peak_bytes - roomy.min_feasible_bytes) // 5
+        if low == "pool floor":
+            planner = FSDPPlanner.from_model(build(config), host_pool_gb=1.0, **common)
+            peaks[low] = planner.plan(budget_bytes=10**9).min_feasible_bytes
+            assert peaks[low] < peaks["floor"]
+        budget = (peaks[low] + peaks[high]) // 2
+        fplan = planner.plan(budget_bytes=budget)
+        fplan.save(folder / f"{case}.json")
+        return PlannedCase(config, budget, fplan)
+    except Exception as failure:  # said by this case's test; the other cases still run
+        return PlannedCase(config, failure=failure)
+
+
+@pytest.fixture(scope="module")
+def gloo_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[PlannedCase, list[dict]]]:
+    """Every case planned here, then run on one pair of spawned ranks, case after case: one spawn, one set of imports
+    and one process group for all (issue 46: the spawns were most of these tests' time)."""
+    folder = tmp_path_factory.mktemp("fsdp_gloo")
+    cases = [c for c in CASES if CASES[c][0] != "hf-llama" or importlib.util.find_spec("transformers") is not None]
+    planned = {case: _plan_case(case, folder) for case in cases}
+    runnable = [case for case in cases if planned[case].failure is None]
+    jobs = [[(planned[c].config, str(folder / f"{c}.json"), str(folder / f"{c}.rank{r}.pkl")) for c in runnable]
+            for r in range(WORLD)]
+    context = mp.start_processes(
+        _rank_jobs, args=(WORLD, jobs, str(folder / "init")), nprocs=WORLD, join=False, start_method="spawn",
+    )
+    limit_s = 120 + 60 * len(runnable)
+    deadline = time.monotonic() + limit_s
+    # join returns when one process ends (False while others run) and raises when a rank failed, with its traceback
+    while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"FSDP ranks did not finish {len(runnable)} cases within {limit_s} s")
+    return {
+        case: (planned[case], [pickle.loads((folder / f"{case}.rank{r}.pkl").read_bytes()) for r in range(WORLD)]
+               if case in runnable else [])
+        for case in cases
+    }
+
+
+def _rank_jobs(rank: int, world: int, jobs: list[list[tuple]], init_file: str) -> None:
+    run_rank(rank, world, jobs[rank], init_file)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "case", [pytest.param(c, marks=needs_transformers) if CASES[c][0] == "hf-llama" else c for c in CASES]
 )
-def test_two_ranks_give_the_single_process_losses_and_gradients_under_the_budget(case, tmp_path) -> None:
+def test_two_ranks_give_the_single_process_losses_and_gradients_under_the_budget(case, gloo_runs) -> None:
     """Plans with units kept, selective and full. With a vocabulary of 257 the embedding and head shard 129 / 128
     rows: FSDP2 pads rank 1's parameters to rank 0's size, but its optimizer states follow its 128 rows, so rank 1
     holds a little less than the plan's figure."""
-    kind, vocab, (low, high), decisions = CASES[case]
-    config = {**CONFIG, "kind": kind, "model": {**CONFIG["model"], "vocab": vocab}}
-    if kind in ("llama", "hf-llama"):
-        config["model"]["heads"] = 4
-    ids, target = batch(config, rank=0, world=WORLD)
-    common = {"world_size": WORLD, "example_inputs": (ids,), "example_target": target, "loss_fn": lm_loss}
-    if low == "tenth":
-        common["timing"] = RooflineTiming(device_spec("h100-sxm-80gb"))
-    roomy = autockpt.plan_fsdp(build(config), budget_bytes=10**9, **common)
-    peaks = {"baseline": roomy.baseline_peak_bytes, "selective": roomy.selective_peak_bytes,
-             "floor": roomy.min_feasible_bytes}
-    peaks["tenth"] = roomy.baseline_peak_bytes - (roomy.baseline_peak_bytes - roomy.min_feasible_bytes) // 5
-    if low == "pool floor":
-        common["host_pool_gb"] = 1.0
-        peaks[low] = autockpt.plan_fsdp(build(config), budget_bytes=10**9, **common).min_feasible_bytes
-        assert peaks[low] < peaks["floor"]
-    budget = (peaks[low] + peaks[high]) // 2
-    fplan = autockpt.plan_fsdp(build(config), budget_bytes=budget, **common)
+    planned, ranks = gloo_runs[case]
+    if planned.failure is not None:
+        raise planned.failure
+    config, budget, fplan = planned.config, planned.budget, planned.fplan
+    kind, _, (low, _), decisions = CASES[case]
     if kind == "torch-encoder":  # default units: the module list's entries, then the root
         assert fplan.units == (*(f"layers.{i}" for i in range(config["model"]["layers"])), "")
     made = {fplan.decision(u).value for u in fplan.units if u}
@@ -76,23 +136,9 @@ def test_two_ranks_give_the_single_process_losses_and_gradients_under_the_budget
     # times measured here make it cheapest)
     assert made != {"keep"} and (decisions is None or made - {"keep", "parts"} == decisions - {"keep"}), made
     assert low != "tenth" or "parts" in made, made
-    assert (fplan.host_pool_bytes > 0) == ("host_pool_gb" in common)
+    assert (fplan.host_pool_bytes > 0) == (low == "pool floor")
     logger.warning("%s: checkpointed %s, selective %s, offloaded %s, parts %s", case, fplan.checkpointed,
                    fplan.selective, fplan.offloaded, fplan.checkpointed_parts)
-    fplan.save(tmp_path / "plan.json")
-
-    context = mp.start_processes(
-        run_rank, args=(WORLD, config, str(tmp_path / "plan.json"), str(tmp_path), str(tmp_path / "init")),
-        nprocs=WORLD, join=False, start_method="spawn",
-    )
-    deadline = time.monotonic() + 120
-    # join returns when one process ends (False while others run) and raises when a rank failed, with its traceback
-    while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("FSDP ranks did not finish within 120 s")
-    ranks = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(WORLD)]
 
     losses, grads = reference(config, WORLD)
     for result in ranks:

@@ -14,6 +14,7 @@ from fsdp_worker import CONFIG, batch, build, lm_loss, tracked_peak
 
 import autockpt
 from autockpt.errors import InfeasibleBudgetError, PlanFileError, PlanMismatchError
+from autockpt.fsdp import FSDPPlanner
 from autockpt.fsdp.choose import (
     UnitOption,
     UnitPart,
@@ -40,10 +41,25 @@ def _decisions(choice: dict[str, UnitOption]) -> dict[str, UnitDecision]:
 
 
 def _plan(model=None, **kwargs) -> FSDPPlan:
+    """``plan_fsdp`` of the test decoder on rank 0's batch; a budget alone is answered by one planner per worker."""
+    if model is None and set(kwargs) <= {"budget_bytes"}:
+        return _default_planner().plan(budget_bytes=kwargs.get("budget_bytes", 10**9))
     ids, target = batch(CONFIG, rank=0, world=WORLD)
     options = {"world_size": WORLD, "example_inputs": (ids,), "example_target": target, "loss_fn": lm_loss,
                "budget_bytes": 10**9} | kwargs
     return autockpt.plan_fsdp(model if model is not None else build(CONFIG), **options)
+
+
+def _planner(model=None, **kwargs) -> FSDPPlanner:
+    """``_plan``'s model and batch traced once, for several budgets."""
+    ids, target = batch(CONFIG, rank=0, world=WORLD)
+    options = {"world_size": WORLD, "example_inputs": (ids,), "example_target": target, "loss_fn": lm_loss} | kwargs
+    return FSDPPlanner.from_model(model if model is not None else build(CONFIG), **options)
+
+
+@functools.cache
+def _default_planner() -> FSDPPlanner:
+    return _planner()
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +70,8 @@ def roomy() -> FSDPPlan:
 @pytest.fixture(scope="module")
 def pooled() -> FSDPPlan:
     """A plan with a host pool of 1 GB per rank at the lowest budget it keeps."""
-    return _plan(budget_bytes=_plan(host_pool_gb=1.0).min_feasible_bytes, host_pool_gb=1.0)
+    planner = _planner(host_pool_gb=1.0)
+    return planner.plan(budget_bytes=planner.plan(budget_bytes=10**9).min_feasible_bytes)
 
 
 def test_a_roomy_budget_checkpoints_nothing_and_names_the_blocks_as_units(roomy) -> None:
@@ -453,12 +470,11 @@ def test_a_hugging_face_llama_on_meta_plans_its_decoder_layers() -> None:
         autockpt.plan_fsdp(model, world_size=4, budget_bytes=10**9, example_inputs=(ids,),
                            example_kwargs={"labels": ids})
     model.config.use_cache = False
-    roomy = autockpt.plan_fsdp(model, world_size=4, budget_bytes=10**9, example_inputs=(ids,),
-                               example_kwargs={"labels": ids})
+    planner = FSDPPlanner.from_model(model, world_size=4, example_inputs=(ids,), example_kwargs={"labels": ids})
+    roomy = planner.plan(budget_bytes=10**9)
     assert roomy.units == ("model.layers.0", "model.layers.1", "")
     middle = (roomy.min_feasible_bytes + roomy.baseline_peak_bytes) // 2
-    fplan = autockpt.plan_fsdp(model, world_size=4, budget_bytes=middle, example_inputs=(ids,),
-                               example_kwargs={"labels": ids})
+    fplan = planner.plan(budget_bytes=middle)
     assert {fplan.decision(u) for u in fplan.units if u} != {UnitDecision.KEEP}
     assert fplan.predicted_peak_bytes <= middle
     assert {p.rsplit(".", 1)[1] for p in fplan.checkpointed_parts} <= {"self_attn", "mlp", "input_layernorm",
@@ -473,11 +489,11 @@ def parted() -> FSDPPlan:
     from autockpt.core.devices import device_spec
     from autockpt.measure.timing import RooflineTiming
 
-    roofline = RooflineTiming(device_spec("h100-sxm-80gb"))
-    roomy = _plan(build(LLAMA), timing=roofline)
-    budget = roomy.baseline_peak_bytes - (roomy.baseline_peak_bytes - roomy.min_feasible_bytes) // 10
     ids, target = batch(LLAMA, rank=0, world=WORLD)
-    return _plan(build(LLAMA), budget_bytes=budget, timing=roofline, example_inputs=(ids,), example_target=target)
+    planner = _planner(build(LLAMA), timing=RooflineTiming(device_spec("h100-sxm-80gb")), example_inputs=(ids,),
+                       example_target=target)
+    roomy = planner.plan(budget_bytes=10**9)
+    return planner.plan(budget_bytes=roomy.baseline_peak_bytes - (roomy.baseline_peak_bytes - roomy.min_feasible_bytes) // 10)
 
 
 def test_a_unit_may_have_one_of_its_parts_checkpointed_and_the_plan_measures_it(parted) -> None:
@@ -537,15 +553,15 @@ def test_an_applied_plan_checkpoints_its_parts_and_files_keep_them(parted, tmp_p
 
 
 def test_parts_are_a_units_children_or_the_children_of_its_module_lists() -> None:
-    from autockpt.fsdp.plan import _part_name
+    from autockpt.fsdp.unit_times import part_name
 
     block = torch.nn.Module()
     block.attn = torch.nn.Linear(2, 2)
     block.experts = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(2, 2))])
     modules = {f"layers.0{'.' + n if n else ''}": m for n, m in block.named_modules()}
-    assert _part_name("layers.0", "layers.0.attn", modules) == "attn"
-    assert _part_name("layers.0", "layers.0.experts.0.0", modules) == "experts.0"
-    assert _part_name("layers.0", "layers.0", modules) is None
+    assert part_name("layers.0", "layers.0.attn", modules) == "attn"
+    assert part_name("layers.0", "layers.0.experts.0.0", modules) == "experts.0"
+    assert part_name("layers.0", "layers.0", modules) is None
 
 
 def test_default_units_from_the_module_tree_take_the_outermost_list_of_identical_blocks_that_ran() -> None:

@@ -2,7 +2,7 @@
 chart of the schedule, or markdown). The presentation layer, beside ``report.py`` whose tables, categories and page
 style it uses: the library never imports it; ``PipelinePlan.report`` does, inside the method.
 
-This module reads a ``PipelinePlan`` by its fields (``PipelineRecord``) instead of importing ``pipeline.py``,
+This module reads a ``PipelinePlan`` by its fields (``PipelineRecord``) instead of importing ``pipeline/plan.py``,
 which imports this module when asked for a report: no import circle.
 """
 

@@ -1,6 +1,6 @@
 """Block program: solve each distinct repeated block once, then split the budget across its instances.
 
-The flat program (``ilp.py``) gives every candidate region of every layer its own variable and every backward event
+The flat program (``milp.py``) gives every candidate region of every layer its own variable and every backward event
 its own memory row; with a dozen identical layers that is hundreds of interchangeable variables, and the solver
 spends its time proving that permutations of one answer are no better. Here:
 

@@ -3,7 +3,7 @@
 Input: candidate cut points (unit boundaries where a cut is possible) and a table of *stage options*: for a stage
 position s and a run of units (from one candidate boundary to another), the fastest recompute plan that keeps that
 device's budget with the schedule's microbatches in flight there, and its time per microbatch (``StageOption``;
-``pipeline.py`` fills the table with the single-device planner). A split picks one option per stage, contiguous and
+``pipeline/plan.py`` fills the table with the single-device planner). A split picks one option per stage, contiguous and
 covering every unit. Its predicted step time is the schedule's: (microbatches + stages - 1) x the slowest stage's
 time per microbatch (fill, steady state and drain), plus the time to send activations and their gradients across
 every cut for every microbatch.

@@ -132,8 +132,8 @@ def torch_sac_milp(
     """PyTorch's module-level SAC MILP under ``budget_bytes``, applied through ``torch.utils.checkpoint``."""
     strategy = "torch_sac_milp"
     try:
-        from torch.distributed._tools.sac_ilp import sac_milp  # noqa: F401  (needs pulp)
         import pwlf  # noqa: F401  (SACEstimator's trade-off curves need it)
+        from torch.distributed._tools.sac_ilp import sac_milp  # noqa: F401  (needs pulp)
     except ImportError as error:
         return AnchorResult(strategy=strategy, status=AnchorStatus.UNAVAILABLE, reason=f"import failed: {error}")
     if not all(p.requires_grad for p in model.parameters()):
@@ -420,5 +420,5 @@ class _quiet:
         self.level = self.logger.level
         self.logger.setLevel(logging.CRITICAL)  # the MILP logs an ERROR when infeasible: reported in the result instead
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.logger.setLevel(self.level)

@@ -21,13 +21,13 @@ import pandas as pd
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import anchors  # noqa: E402
-from sweep import ExampleBatch, markdown_table, round_robin_ratios  # noqa: E402
+import anchors
+from sweep import ExampleBatch, markdown_table, round_robin_ratios
 
-import autockpt  # noqa: E402
-from autockpt.present import zoo# noqa: E402
-from autockpt.planning.planner import Planner, baseline_plan  # noqa: E402
-from autockpt.types import Action  # noqa: E402
+import autockpt
+from autockpt.planning.planner import Planner, baseline_plan
+from autockpt.present import zoo
+from autockpt.types import Action
 
 
 def planner_for(case: zoo.ZooCase, action: Action) -> Planner:

@@ -48,10 +48,10 @@ import sweep
 from results_readme import write_csv, write_section
 
 import autockpt
-from autockpt.present import zoo
-from autockpt.planning.planner import baseline_plan
-from autockpt.planning.compiled import compiled_module
 from autockpt.measure.step import alternating_step_seconds
+from autockpt.planning.compiled import compiled_module
+from autockpt.planning.planner import baseline_plan
+from autockpt.present import zoo
 
 logger = logging.getLogger("bench_compile")
 MB = 10**6

@@ -30,7 +30,6 @@ from typing import Any
 import pandas as pd
 import torch
 import transformers
-
 from bench_target1_bound import KINDS, solved
 
 import autockpt

@@ -35,15 +35,15 @@ from torch import nn
 from tqdm import tqdm
 
 import autockpt
-from autockpt.present import zoo
-from autockpt.measure.costs import free_machinery
-from autockpt.errors import InfeasibleBudgetError
 from autockpt.core.solve.base import Scorer
 from autockpt.core.solve.exact import exact_regions, min_peak_bytes
+from autockpt.errors import InfeasibleBudgetError
+from autockpt.measure.costs import free_machinery
+from autockpt.present import zoo
 from autockpt.types import Action, StepTrace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from random_graphs import random_model  # noqa: E402
+from random_graphs import random_model
 
 DEFAULT_FRACTIONS = (0.2, 0.5, 0.8)
 TOLERANCE = 0.01  # the target: within 1 % of the exact optimum

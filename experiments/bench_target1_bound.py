@@ -29,18 +29,18 @@ import pandas as pd
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sweep import markdown_table  # noqa: E402
+from sweep import markdown_table
 
-from autockpt.present import zoo# noqa: E402
-from autockpt.planning.planner import Planner, baseline_plan  # noqa: E402
-from autockpt.measure.costs import free_machinery  # noqa: E402
-from autockpt.core.solve.base import SolveResult  # noqa: E402
-from autockpt.core.solve.baselines import baseline_seed_plans  # noqa: E402
-from autockpt.core.solve.candidates import candidate_regions  # noqa: E402
-from autockpt.core.solve.default import solve_prepared  # noqa: E402
-from autockpt.core.solve.prepare import prepare  # noqa: E402
-from autockpt.core.structure import find_repeated_blocks  # noqa: E402
-from autockpt.types import Action  # noqa: E402
+from autockpt.core.solve.base import SolveResult
+from autockpt.core.solve.baselines import baseline_seed_plans
+from autockpt.core.solve.candidates import candidate_regions
+from autockpt.core.solve.default import solve_prepared
+from autockpt.core.solve.prepare import prepare
+from autockpt.core.structure import find_repeated_blocks
+from autockpt.measure.costs import free_machinery
+from autockpt.planning.planner import Planner, baseline_plan
+from autockpt.present import zoo
+from autockpt.types import Action
 
 KINDS = (Action.RECOMPUTE_TORCH, Action.RECOMPUTE_OWN)
 

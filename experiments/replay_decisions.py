@@ -42,9 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # pipeli
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_offload, bench_pipeline
 
 import autockpt
-from autockpt.records import plan_io
-from autockpt.errors import InfeasibleBudgetError
 from autockpt.core.solve.base import SolverOptions, recompute_actions
+from autockpt.errors import InfeasibleBudgetError
+from autockpt.records import plan_io
 from autockpt.types import Action, CaptureKind, CostModel, StepTrace
 
 FRACTIONS = (0.0, 0.1, 0.3, 0.6)

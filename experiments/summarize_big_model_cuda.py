@@ -46,7 +46,7 @@ def unfit_table(frame: pd.DataFrame) -> list[str]:
     for row in frame.to_dict("records"):
         outcome = row.get("outcome")
         outcome = "" if outcome != outcome or outcome is None else str(outcome)[:140]
-        mb = lambda v: "" if v != v or v is None else f"{float(v) / 1e6:.2f}"  # noqa: E731
+        mb = lambda v: "" if v != v or v is None else f"{float(v) / 1e6:.2f}"
         lines.append(
             f"| {row['model']} | {mb(row['unmodified_measured_bytes'])} | {mb(row['device_memory_bytes'])} "
             f"| {row.get('trace', '') if row.get('trace') == row.get('trace') else ''} | {mb(row.get('predicted_peak_bytes'))} "

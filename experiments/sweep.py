@@ -53,16 +53,17 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import anchors  # noqa: E402
-from bench_budget import step_time_ratio  # noqa: E402
-import autockpt  # noqa: E402
-from autockpt.present import zoo# noqa: E402
-from autockpt.planning.planner import Planner, baseline_plan  # noqa: E402
-from autockpt.measure.step import alternating_step_seconds  # noqa: E402
-from autockpt.core.solve.base import AUTO_CHECKPOINT  # noqa: E402
-from autockpt.types import Action  # noqa: E402
-from autockpt.planning.batch_size import ExampleBatch, TrialOutcome, max_batch_sizes  # noqa: E402
-from autockpt.core.solve.baselines import BASELINE_STRATEGIES, baseline_regions  # noqa: E402
+import anchors
+from bench_budget import step_time_ratio
+
+import autockpt
+from autockpt.core.solve.base import AUTO_CHECKPOINT
+from autockpt.core.solve.baselines import BASELINE_STRATEGIES, baseline_regions
+from autockpt.measure.step import alternating_step_seconds
+from autockpt.planning.batch_size import ExampleBatch, TrialOutcome, max_batch_sizes
+from autockpt.planning.planner import Planner, baseline_plan
+from autockpt.present import zoo
+from autockpt.types import Action
 
 logger = logging.getLogger("sweep")
 

@@ -26,10 +26,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import autockpt  # noqa: E402
-from autockpt.present import zoo# noqa: E402
-from autockpt.measure.loss import default_loss  # noqa: E402
-from autockpt.measure.step import alternating_step_seconds  # noqa: E402
+import autockpt
+from autockpt.measure.loss import default_loss
+from autockpt.measure.step import alternating_step_seconds
+from autockpt.present import zoo
 
 
 def self_cpu_ms_per_step(module: torch.nn.Module, case: zoo.ZooCase, steps: int) -> dict[str, tuple[float, float]]:
@@ -56,7 +56,7 @@ class _KernelClock(TorchDispatchMode):
         super().__init__()
         self.op_name, self.ms = op_name, []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.name() != self.op_name:
             return func(*args, **(kwargs or {}))
         started = time.perf_counter()

@@ -14,12 +14,12 @@ import torch
 from torch.utils import _pytree as pytree
 
 import autockpt
-from autockpt.present import zoo
+from autockpt.core.solve.base import Scorer, region_actions
 from autockpt.measure.capture import capture, plain_outputs
 from autockpt.measure.loss import default_loss
-from autockpt.runtime.rewrite import rewrite
-from autockpt.core.solve.base import Scorer, region_actions
 from autockpt.measure.trace import trace_step
+from autockpt.present import zoo
+from autockpt.runtime.rewrite import rewrite
 from autockpt.types import Action, ActionPrice, CostModel, Policy, Region, RegionAction, StepTrace
 
 needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")

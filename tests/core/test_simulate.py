@@ -14,13 +14,13 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import autockpt
-from autockpt.present import zoo
-from autockpt.measure.capture import capture
-from autockpt.measure.loss import default_loss
 from autockpt.core.simulate import _predict, region_windows, simulate
 from autockpt.core.solve.base import region_actions
 from autockpt.core.solve.candidates import candidate_regions
+from autockpt.measure.capture import capture
+from autockpt.measure.loss import default_loss
 from autockpt.measure.trace import trace_step
+from autockpt.present import zoo
 from autockpt.types import (
     Action,
     ActionPrice,
@@ -256,7 +256,7 @@ def test_loss_function_that_saves_activations_is_accounted() -> None:
     torch.manual_seed(0)
     model, x = Chain(depth=6), torch.randn(512, 128)
     model.head = nn.Linear(128, 2048)  # a wide output, so the loss's saved copy of it dominates the peak
-    loss_fn = lambda out: out.exp().mean()  # noqa: E731
+    loss_fn = lambda out: out.exp().mean()
     plan = autockpt.plan(model, budget_bytes=10**15, example_inputs=(x,), loss_fn=loss_fn)
     measured_profile = trace_step(capture(model, (x,), {}), (x,), {}, loss_fn)
     last = len(plan.nodes) - 1

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "experiments"))
-from results_readme import RESULTS_README, write_section  # noqa: E402
+from results_readme import RESULTS_README, write_section
 
 LOG = """# Results
 

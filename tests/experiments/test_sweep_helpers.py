@@ -15,7 +15,7 @@ from torch import nn
 from autockpt.present import zoo
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "experiments"))
-import sweep  # noqa: E402
+import sweep
 
 
 def _case_with_labels() -> zoo.ZooCase:

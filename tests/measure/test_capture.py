@@ -13,10 +13,10 @@ from edge_models import Chain, ShapeBranchConvNet
 from torch import fx, nn
 
 import autockpt
-from autockpt.present import zoo
 from autockpt.measure.capture import capture
 from autockpt.measure.loss import default_loss
 from autockpt.measure.trace import trace_step
+from autockpt.present import zoo
 from autockpt.types import CaptureKind
 
 # ------------------------------------------------------------------------------------------ the three paths

@@ -19,8 +19,8 @@ import autockpt
 from autockpt.measure.loop import with_foreign_bytes
 from autockpt.measure.step import StepMeasurement, foreign_bytes, held_beside_step
 from autockpt.measure.trace import step_tensors
-from autockpt.types import StepTrace
 from autockpt.planning.verify import in_planned_device
+from autockpt.types import StepTrace
 
 
 def half_way(trace: StepTrace) -> int:

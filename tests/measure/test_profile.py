@@ -10,10 +10,10 @@ from torch import nn
 
 import autockpt
 from autockpt.measure import trace as trace_module
-from autockpt.present import zoo
-from autockpt.planning.planner import baseline_plan
 from autockpt.measure.capture import capture
 from autockpt.measure.costs import measure_action_price
+from autockpt.planning.planner import baseline_plan
+from autockpt.present import zoo
 from autockpt.types import Action, ActionPrice, CostModel, Region
 
 

@@ -18,11 +18,10 @@ import torch.multiprocessing as mp
 from pipeline_worker import build, lm_loss, run_rank
 
 import autockpt
-from autockpt.record_types import PipelineRecord
+from autockpt.core.solve.split import SplitProblem, StageOption, exhaustive_split, solve_split
 from autockpt.errors import InfeasibleBudgetError, PlanMismatchError
 from autockpt.pipeline.run import stage_module_for
-from autockpt.core.solve.split import SplitProblem, StageOption, exhaustive_split, solve_split
-from autockpt.record_types import PipelineStageRecord
+from autockpt.record_types import PipelineRecord, PipelineStageRecord
 
 _CONFIG = {"seed": 0, "model": {"vocab": 1024, "width": 32, "layers": 4, "tied": False}}
 _MICROBATCHES = 4

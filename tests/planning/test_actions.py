@@ -11,9 +11,9 @@ import pytest
 from conftest import assert_same_step, budget_at, twin
 
 import autockpt
-from autockpt.present import zoo
-from autockpt.measure.step import measure_step
 from autockpt.core.simulate import simulate
+from autockpt.measure.step import measure_step
+from autockpt.present import zoo
 from autockpt.records.summary import region_rows
 from autockpt.types import Action, Placement, Policy, Region, RegionAction, Stage, StepTrace
 
@@ -65,7 +65,7 @@ def test_the_old_spelling_of_the_checkpoint_choice_still_plans_for_that_action()
         autockpt.Planner.from_model(case.model, example_inputs=case.args, loss_fn=case.loss_fn, checkpoint="offload_everything")
 
 
-def test_regions_with_different_actions_are_predicted_to_the_byte_and_train_like_pytorch(transformer_planner) -> None:  # noqa: ANN001
+def test_regions_with_different_actions_are_predicted_to_the_byte_and_train_like_pytorch(transformer_planner) -> None:
     case, planner = transformer_planner
     reference = twin(case)
     solved = planner.plan(budget_bytes=budget_at(planner, 0.35))
@@ -94,7 +94,7 @@ def test_regions_with_different_actions_are_predicted_to_the_byte_and_train_like
     assert [row.action for row in region_rows(plan)] == [a.action.value for a in mixed]
 
 
-def test_a_plan_file_round_trips_with_its_policy(transformer_planner, tmp_path: Path) -> None:  # noqa: ANN001
+def test_a_plan_file_round_trips_with_its_policy(transformer_planner, tmp_path: Path) -> None:
     _, planner = transformer_planner
     plan = planner.plan(budget_bytes=budget_at(planner, 0.5))
     plan.save(tmp_path / "plan.json")

@@ -20,8 +20,8 @@ from conftest import loss_of, mlp
 from torch import nn
 
 import autockpt
-from autockpt.planning.compiled import compiled_module
 from autockpt.measure.step import StepMeasurement
+from autockpt.planning.compiled import compiled_module
 from autockpt.records.plan import Plan
 from autockpt.runtime.rewrite import OptimizedModule
 

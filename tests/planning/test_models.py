@@ -113,7 +113,7 @@ def test_budget_is_kept_on_cuda() -> None:
     model = case.model.cuda()
     args = tuple(a.cuda() for a in case.args)
     ids = args[0]
-    loss_fn = lambda logits: torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())  # noqa: E731
+    loss_fn = lambda logits: torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     base = autockpt.plan(model, budget_bytes=10**15, example_inputs=args, loss_fn=loss_fn)
     budget = budget_at(base, 0.5)
     optimized = autockpt.optimize(model, budget_bytes=budget, example_inputs=args, loss_fn=loss_fn)

@@ -17,9 +17,9 @@ from conftest import loss_of, mlp
 
 import autockpt
 from autockpt.measure.step import StepMeasurement
+from autockpt.planning.verify import verified_module
 from autockpt.records.plan import Plan
 from autockpt.runtime.rewrite import OptimizedModule
-from autockpt.planning.verify import verified_module
 
 
 @dataclasses.dataclass

@@ -20,8 +20,8 @@ from conftest import assert_same_step, budget_at, needs_transformers, twin, zoo_
 from torch._dynamo.utils import counters
 
 import autockpt
-from autockpt.present import zoo
 from autockpt.measure.step import measure_compiled_step
+from autockpt.present import zoo
 from autockpt.types import Action
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "experiments"))

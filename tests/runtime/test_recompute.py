@@ -13,11 +13,11 @@ from conftest import FREE_MACHINERY, assert_same_step, budget_at, planner_for, t
 from torch import nn
 
 import autockpt
-from autockpt.present import zoo
-from autockpt.planning.planner import baseline_plan
-from autockpt.runtime.recompute import checkpointed_call
-from autockpt.core.solve.base import recompute_actions
 from autockpt.core.simulate import _predict, simulate
+from autockpt.core.solve.base import recompute_actions
+from autockpt.planning.planner import baseline_plan
+from autockpt.present import zoo
+from autockpt.runtime.recompute import checkpointed_call
 from autockpt.types import Action, CaptureKind, Region, RegionAction
 
 FUNCTION = autockpt.SolverOptions(checkpoint="recompute_function")
@@ -113,7 +113,7 @@ def test_autockpts_checkpoint_is_predicted_exactly_on_resnet_regions(first: str,
     assert abs(measured - plan.predicted_peak_bytes) <= 128, (measured, plan.predicted_peak_bytes)
 
 
-def test_a_plan_file_keeps_its_checkpoint_kind(tmp_path) -> None:  # noqa: ANN001
+def test_a_plan_file_keeps_its_checkpoint_kind(tmp_path) -> None:
     case = zoo.build("mlp")
     planner = planner_for(case, FUNCTION)
     the_plan = planner.plan(budget_bytes=budget_at(planner, 0.5))

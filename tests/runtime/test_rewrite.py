@@ -12,8 +12,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import autockpt
-from autockpt.present import zoo
 from autockpt.core.simulate import region_windows
+from autockpt.present import zoo
 
 
 def test_recomputed_flops_are_exactly_the_planned_units() -> None:

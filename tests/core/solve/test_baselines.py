@@ -8,8 +8,6 @@ from conftest import assert_same_step, needs_transformers, twin
 from torch import nn
 
 import autockpt
-from autockpt.present import zoo
-from autockpt.planning.planner import baseline_plan
 from autockpt.core.solve.baselines import (
     BASELINE_STRATEGIES,
     BaselinePolicy,
@@ -18,6 +16,8 @@ from autockpt.core.solve.baselines import (
     parse_strategy,
 )
 from autockpt.core.solve.candidates import is_unsafe, mutation_hazards
+from autockpt.planning.planner import baseline_plan
+from autockpt.present import zoo
 from autockpt.types import PlanStatus
 
 

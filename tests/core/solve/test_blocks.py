@@ -9,7 +9,6 @@ import pytest
 from conftest import assert_same_step, needs_transformers, twin
 
 import autockpt
-from autockpt.present import zoo
 from autockpt.core.solve.base import Scorer, SolverOptions
 from autockpt.core.solve.baselines import baseline_seed_plans
 from autockpt.core.solve.blocks import build_block_program, prepare_blocks, solve_block_chain
@@ -17,6 +16,7 @@ from autockpt.core.solve.candidates import candidate_regions
 from autockpt.core.solve.default import solve_prepared
 from autockpt.core.solve.prepare import prepare
 from autockpt.core.structure import find_repeated_blocks
+from autockpt.present import zoo
 from autockpt.types import Action, ActionPrice, CostModel
 
 pytestmark = needs_transformers  # the repeated blocks here are Hugging Face layers

@@ -9,8 +9,8 @@ from conftest import rewritten, with_regions
 from edge_models import WritesIntoAnEarlierTensor
 
 import autockpt
-from autockpt.measure.capture import capture
 from autockpt.core.solve.candidates import candidate_regions
+from autockpt.measure.capture import capture
 from autockpt.measure.trace import trace_step
 from autockpt.types import Region
 

@@ -10,9 +10,6 @@ from random_graphs import modelled_costs, random_model
 
 import autockpt
 import autockpt.present.zoo
-from autockpt.measure.capture import capture
-from autockpt.errors import InfeasibleBudgetError
-from autockpt.measure.loss import default_loss
 from autockpt.core.solve.base import Problem, Solver, SolveResult, SolverOptions
 from autockpt.core.solve.baselines import BaselineSolver, baseline_seed_plans
 from autockpt.core.solve.blocks import BlockSolver
@@ -23,6 +20,9 @@ from autockpt.core.solve.greedy import GreedySolver
 from autockpt.core.solve.milp import MilpSolver
 from autockpt.core.solve.prepare import prepare
 from autockpt.core.structure import find_repeated_blocks
+from autockpt.errors import InfeasibleBudgetError
+from autockpt.measure.capture import capture
+from autockpt.measure.loss import default_loss
 from autockpt.measure.trace import trace_step
 from autockpt.types import Action, PlanStatus
 

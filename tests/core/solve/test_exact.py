@@ -14,10 +14,10 @@ from conftest import torch_scorer
 from random_graphs import modelled_costs, modelled_planner
 
 import autockpt
-from autockpt.present import zoo
-from autockpt.errors import InfeasibleBudgetError
 from autockpt.core.solve.candidates import is_unsafe, mutation_hazards
 from autockpt.core.solve.exact import exact_regions, min_peak_bytes, removable_bytes, usable_regions
+from autockpt.errors import InfeasibleBudgetError
+from autockpt.present import zoo
 from autockpt.types import Region, StepTrace
 
 

@@ -7,11 +7,11 @@ import pytest
 from random_graphs import modelled_planner, scorer_of
 
 import autockpt
-from autockpt.present import zoo
 from autockpt.core.solve.candidates import candidate_regions
 from autockpt.core.solve.exact import min_peak_bytes
 from autockpt.core.solve.greedy import greedy_regions
 from autockpt.core.solve.prepare import prepare
+from autockpt.present import zoo
 
 
 @pytest.mark.parametrize("seed", [0, 5, 9])
@@ -45,7 +45,7 @@ def test_without_any_solution_in_time_a_greedy_plan_is_used(monkeypatch: pytest.
     planner = autockpt.Planner.from_model(case.model, example_inputs=case.args)
     budget = int(planner.trace.static_bytes + 0.6 * (planner.trace.baseline_peak_bytes - planner.trace.static_bytes))
 
-    def timed_out(problem, budget, options, solver, **_):  # noqa: ANN001
+    def timed_out(problem, budget, options, solver, **_):
         stats = SolverStats(status="No Solution Found", relative_gap=None, variables=1, constraints=1, programs=1)
         return ProgramAnswer(regions=() if budget is None else None, status=PlanStatus.FEASIBLE, stats=stats)
 

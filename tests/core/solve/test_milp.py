@@ -10,13 +10,13 @@ from conftest import FREE_MACHINERY, torch_scorer
 from torch import nn
 
 import autockpt
-from autockpt.present import zoo
-from autockpt.measure.capture import capture
 from autockpt.core.solve.base import SolveResult, SolverOptions
 from autockpt.core.solve.candidates import candidate_regions
 from autockpt.core.solve.default import solve_prepared
 from autockpt.core.solve.prepare import prepare
+from autockpt.measure.capture import capture
 from autockpt.measure.trace import trace_step
+from autockpt.present import zoo
 from autockpt.types import Action, Region, StepTrace
 
 
@@ -87,10 +87,10 @@ def test_ilp_finds_the_exhaustive_optimum_on_a_small_chain(solver: str) -> None:
 
 def test_a_cheaper_baseline_plan_is_returned_when_the_program_misses_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """Seeds: whatever the program answers, the plan is never worse than a baseline policy under the same budget."""
-    from autockpt.planning.planner import baseline_plan
     from autockpt.core.solve import default
     from autockpt.core.solve.base import ProgramAnswer
     from autockpt.core.solve.baselines import BASELINE_STRATEGIES
+    from autockpt.planning.planner import baseline_plan
     from autockpt.types import PlanStatus, SolverStats
 
     case = zoo.build("transformer")
@@ -100,7 +100,7 @@ def test_a_cheaper_baseline_plan_is_returned_when_the_program_misses_it(monkeypa
     )
     every_1 = baseline_plan(planner, "every_1")
 
-    def infeasible(problem, budget, options, solver, **_):  # noqa: ANN001
+    def infeasible(problem, budget, options, solver, **_):
         stats = SolverStats(status="Infeasible", relative_gap=None, variables=1, constraints=1, programs=1)
         return ProgramAnswer(regions=() if budget is None else None, status=PlanStatus.FEASIBLE, stats=stats)
 

@@ -11,9 +11,9 @@ import pytest
 from random_graphs import TORCH_CHECKPOINT, modelled_costs, modelled_machinery, modelled_planner, scorer_of
 
 import autockpt
-from autockpt.errors import InfeasibleBudgetError
 from autockpt.core.solve.base import ProgramAnswer
 from autockpt.core.solve.exact import exact_regions, min_peak_bytes, usable_regions
+from autockpt.errors import InfeasibleBudgetError
 from autockpt.types import PlanStatus, Region, SolverStats
 
 TOLERANCE = 0.01  # the target: production within 1 % of the exact optimum
@@ -99,7 +99,7 @@ def test_the_swap_pass_replaces_an_expensive_region_the_program_chose(
     exact = exact_regions(scorer, budget)
     assert scorer.simulate(long_region).recompute_ms > 1.5 * exact.overhead_ms  # room for the pass to win
 
-    def long_answer(problem, budget, options, solver, **_):  # noqa: ANN001
+    def long_answer(problem, budget, options, solver, **_):
         stats = SolverStats(status="Optimal", relative_gap=0.0, variables=1, constraints=1, programs=1)
         return ProgramAnswer(regions=long_region, status=PlanStatus.OPTIMAL, stats=stats)
 

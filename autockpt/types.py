@@ -8,6 +8,7 @@ the pipeline plan's stage records) is in ``record_types.py``.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -413,7 +414,7 @@ class Policy:
 
     def __post_init__(self) -> None:
         regions = self.regions
-        for before, after in zip(regions, regions[1:]):
+        for before, after in itertools.pairwise(regions):
             if after.first_unit <= before.last_unit:
                 raise ValueError(f"a Policy's regions must be disjoint and in unit order, got {before} then {after}")
 

@@ -11,6 +11,7 @@ optimized/unmodified (alternating runs in one process, median of per-pair ratios
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -90,7 +91,7 @@ def bench_model(name: str, size: str, fractions: list[float], repeats: int) -> l
 def markdown_table(table: pd.DataFrame) -> str:
     def cell(column: str, value: object) -> str:
         if isinstance(value, float):
-            if value != value:
+            if math.isnan(value):
                 return ""
             # bytes stay whole numbers (a refused row's blanks make pandas store the column as floats)
             return f"{value:.0f}" if column.endswith("_bytes") else f"{value:.3f}"

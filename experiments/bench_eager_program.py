@@ -41,7 +41,8 @@ ROOMY = 10**12
 
 
 def decoder(kind: str) -> torch.nn.Module:
-    common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8, vocab_size=2000)
+    common = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8,
+              "vocab_size": 2000}
     if kind == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, num_key_value_heads=2))
     if kind == "qwen2":

@@ -118,13 +118,13 @@ def run(case: zoo.ZooCase, loop: str) -> Row:
 def markdown(rows: list[Row]) -> str:
     kept = sum(r.kept for r in rows)
     lines = [
-        "`python experiments/bench_loop.py --out experiments/results/loop` (CPU, MemTracker around every micro-step "
-        f"of the user's own loop, two optimizer steps): the budget was kept on {kept} of {len(rows)} loops. Budget: "
-        "half-way from the loop's static bytes to the unmodified peak in that loop. \"bare plan\": planned for "
-        "forward + backward only at the same budget, run in the same loop. Bytes.",
+        ("`python experiments/bench_loop.py --out experiments/results/loop` (CPU, MemTracker around every micro-step "
+         f"of the user's own loop, two optimizer steps): the budget was kept on {kept} of {len(rows)} loops. Budget: "
+         "half-way from the loop's static bytes to the unmodified peak in that loop. \"bare plan\": planned for "
+         "forward + backward only at the same budget, run in the same loop. Bytes."),
         "",
-        "| model | loop | budget | predicted | verified | 1st step | later step | kept | unmodified 1st / later "
-        "| bare plan, later step | plan s |",
+        ("| model | loop | budget | predicted | verified | 1st step | later step | kept | unmodified 1st / later "
+         "| bare plan, later step | plan s |"),
         "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for r in rows:

@@ -70,8 +70,8 @@ def run(case: zoo.ZooCase) -> Row:
 def markdown(rows: list[Row]) -> str:
     kept = sum(r.kept for r in rows)
     lines = [
-        f"`python experiments/bench_min_feasible.py --out experiments/results/min_feasible` (CPU, MemTracker): "
-        f"optimize at the stated smallest feasible budget kept it on {kept} of {len(rows)} models.",
+        (f"`python experiments/bench_min_feasible.py --out experiments/results/min_feasible` (CPU, MemTracker): "
+         f"optimize at the stated smallest feasible budget kept it on {kept} of {len(rows)} models."),
         "",
         "| model | stated minimum (bytes) | measured peak at it | kept | seconds | error |",
         "|---|---:|---:|---|---:|---|",

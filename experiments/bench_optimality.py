@@ -178,10 +178,10 @@ def summary_markdown(frame: pd.DataFrame, command: str, costs: str) -> str:
         "",
         f"Command: `{command}`",
         "",
-        f"Forward times: {cost_text}. Both plans are scored by the simulator on the same profile. Budgets: the "
-        "production floor (InfeasibleBudgetError.min_feasible_bytes) plus a fraction of the gap to the unmodified "
-        "peak. ratio = production_ms / exact_ms (1.0 when both are 0); within 1 %: production_ms <= 1.01 * exact_ms "
-        "+ 1e-9 ms.",
+        (f"Forward times: {cost_text}. Both plans are scored by the simulator on the same profile. Budgets: the "
+         "production floor (InfeasibleBudgetError.min_feasible_bytes) plus a fraction of the gap to the unmodified "
+         "peak. ratio = production_ms / exact_ms (1.0 when both are 0); within 1 %: production_ms <= 1.01 * exact_ms "
+         "+ 1e-9 ms."),
         "",
     ]
     for kind in ("random", "real"):
@@ -195,9 +195,9 @@ def summary_markdown(frame: pd.DataFrame, command: str, costs: str) -> str:
             "",
             "| cases | graphs | within 1 % | share | median ratio | p90 ratio | max ratio | production over budget |",
             "|---|---|---|---|---|---|---|---|",
-            f"| {len(part)} | {part['graph'].nunique()} | {int(ok.sum())} | {ok.mean():.1%} | "
-            f"{statistics.median(ratios):.4f} | {_quantile(ratios, 0.9):.4f} | {ratios[-1]:.4f} | "
-            f"{int((part['production_peak'] > part['budget_bytes']).sum())} |",
+            (f"| {len(part)} | {part['graph'].nunique()} | {int(ok.sum())} | {ok.mean():.1%} | "
+             f"{statistics.median(ratios):.4f} | {_quantile(ratios, 0.9):.4f} | {ratios[-1]:.4f} | "
+             f"{int((part['production_peak'] > part['budget_bytes']).sum())} |"),
             "",
         ]
         for fraction, group in part.groupby("fraction", sort=False):
@@ -209,8 +209,8 @@ def summary_markdown(frame: pd.DataFrame, command: str, costs: str) -> str:
     if worst.empty:
         lines += ["None.", ""]
     else:
-        lines += ["| graph | units | fraction | budget | exact ms | production ms | ratio | exact regions (peak) | "
-                  "production regions (peak) |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [("| graph | units | fraction | budget | exact ms | production ms | ratio | exact regions (peak) | "
+                   "production regions (peak) |"), "|---|---|---|---|---|---|---|---|---|"]
         for _, row in worst.sort_values("ratio", ascending=False).iterrows():
             lines.append(
                 f"| {row['graph']} | {row['units']} | {row['fraction']} | {int(row['budget_bytes'])} | "
@@ -247,9 +247,9 @@ def summary_markdown(frame: pd.DataFrame, command: str, costs: str) -> str:
         lines += [
             "## Time",
             "",
-            f"Exact search: median {exact_s.median():.3f} s, max {exact_s.max():.2f} s, at most "
-            f"{int(compared['plans_examined'].max())} region sets examined ({int(compared['plans_simulated'].max())} "
-            f"simulated). Production solve: median {production_s.median():.3f} s, max {production_s.max():.2f} s.",
+            (f"Exact search: median {exact_s.median():.3f} s, max {exact_s.max():.2f} s, at most "
+             f"{int(compared['plans_examined'].max())} region sets examined ({int(compared['plans_simulated'].max())} "
+             f"simulated). Production solve: median {production_s.median():.3f} s, max {production_s.max():.2f} s."),
             "",
         ]
     return "\n".join(lines)

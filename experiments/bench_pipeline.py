@@ -192,18 +192,18 @@ def main() -> None:
 
     write_csv(args.out / "pipeline.csv", rows)
     lines = [
-        f"6-layer decoders of width 64, vocabulary 8192 (untied head), 1F1B, {MICROBATCHES} microbatches of 2 x 32 "
-        "tokens, outputs not returned; CPU, one gloo rank per stage. Budgets per device: `tight` half-way between "
-        "the smallest any split keeps and the smallest the even split keeps, `equal` 5 % above the smallest every "
-        "strategy keeps. Measured peak: the largest over ranks of autockpt's StorageTracker (steps 1-2) and torch's "
-        f"MemTracker (step 3); measured step: median over {ROUNDS} rounds of the slower rank, the plans stepped in turn "
-        "in one process group, 2 stages only. "
-        f"`python experiments/bench_pipeline.py --out {args.out}`",
+        (f"6-layer decoders of width 64, vocabulary 8192 (untied head), 1F1B, {MICROBATCHES} microbatches of 2 x 32 "
+         "tokens, outputs not returned; CPU, one gloo rank per stage. Budgets per device: `tight` half-way between "
+         "the smallest any split keeps and the smallest the even split keeps, `equal` 5 % above the smallest every "
+         "strategy keeps. Measured peak: the largest over ranks of autockpt's StorageTracker (steps 1-2) and torch's "
+         f"MemTracker (step 3); measured step: median over {ROUNDS} rounds of the slower rank, the plans stepped in turn "
+         "in one process group, 2 stages only. "
+         f"`python experiments/bench_pipeline.py --out {args.out}`"),
         "",
         *verdicts(rows),
         "",
-        "| model | stages | budget | split | cuts after unit | plan (s) | predicted max stage peak (B) | measured max "
-        "stage peak (B) | predicted step (ms) | measured step (ms) | recomputed regions | note |",
+        ("| model | stages | budget | split | cuts after unit | plan (s) | predicted max stage peak (B) | measured max "
+         "stage peak (B) | predicted step (ms) | measured step (ms) | recomputed regions | note |"),
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [

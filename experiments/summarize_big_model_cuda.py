@@ -17,23 +17,23 @@ FOLDER = Path(__file__).parent / "results" / "big_model_cuda"
 
 
 def gb(value: object) -> str:
-    return "" if value is None or value != value else f"{float(value) / 1e9:.2f}"
+    return "" if pd.isna(value) else f"{float(value) / 1e9:.2f}"
 
 
 def big_model_table(frame: pd.DataFrame) -> list[str]:
     lines = [
-        "| plan | budget GB | regions | predicted peak GB (CPU fake) | predicted (CUDA fake) | measured GB "
-        "(max_memory_allocated) | reserved GB | measured vs predicted | kept |",
+        ("| plan | budget GB | regions | predicted peak GB (CPU fake) | predicted (CUDA fake) | measured GB "
+         "(max_memory_allocated) | reserved GB | measured vs predicted | kept |"),
         "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in frame.to_dict("records"):
         measured = row.get("measured_peak_bytes")
-        versus = "" if measured != measured or measured is None else f"{row['measured_over_predicted_percent']:+.2f} %"
+        versus = "" if pd.isna(measured) else f"{row['measured_over_predicted_percent']:+.2f} %"
         outcome = row["outcome"] if row["outcome"] != "ran" else ""
         lines.append(
             f"| {row['plan']} | {gb(row['budget_bytes'])} | {row['regions']} | {gb(row['predicted_peak_cpu_fake_bytes'])} "
             f"| {gb(row.get('predicted_peak_cuda_fake_bytes'))} | {gb(measured) or outcome[:60]} "
-            f"| {gb(row.get('measured_reserved_bytes'))} | {versus} | {'' if row.get('kept_budget') != row.get('kept_budget') else row.get('kept_budget', '')} |"
+            f"| {gb(row.get('measured_reserved_bytes'))} | {versus} | {'' if pd.isna(row.get('kept_budget')) else row['kept_budget']} |"
         )
     return lines
 
@@ -45,8 +45,8 @@ def unfit_table(frame: pd.DataFrame) -> list[str]:
     ]
     for row in frame.to_dict("records"):
         outcome = row.get("outcome")
-        outcome = "" if outcome != outcome or outcome is None else str(outcome)[:140]
-        mb = lambda v: "" if v != v or v is None else f"{float(v) / 1e6:.2f}"
+        outcome = "" if pd.isna(outcome) else str(outcome)[:140]
+        mb = lambda v: "" if pd.isna(v) else f"{float(v) / 1e6:.2f}"
         lines.append(
             f"| {row['model']} | {mb(row['unmodified_measured_bytes'])} | {mb(row['device_memory_bytes'])} "
             f"| {row.get('trace', '') if row.get('trace') == row.get('trace') else ''} | {mb(row.get('predicted_peak_bytes'))} "

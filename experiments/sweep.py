@@ -200,7 +200,7 @@ class SweepConfig:
     batch_strategies: tuple[str, ...] = DEFAULT_BATCH_STRATEGIES
     out: Path = Path("experiments/results/sweep")
     quiet: bool = False
-    device: torch.device = torch.device("cpu")
+    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
 
 
 def sweep_model(name: str, config: SweepConfig, bar: tqdm) -> tuple[list[Point], dict[str, int]]:
@@ -487,7 +487,7 @@ def pareto_plot(points: pd.DataFrame, model: str, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, (strategy, sub) in enumerate(group.groupby("strategy", sort=False)):
         ours = strategy in AUTOCKPT_STRATEGIES
-        style = dict(marker=markers[i % len(markers)], s=90 if ours else 55)
+        style = {"marker": markers[i % len(markers)], "s": 90 if ours else 55}
         if ours:
             style.update(color={"autockpt": "black", "autockpt_torch": "tab:blue"}.get(strategy, "tab:red"), zorder=3)
         ax.scatter(sub.measured_peak_bytes / MB, sub.step_time_ratio, label=strategy, **style)
@@ -508,7 +508,7 @@ def pareto_plot(points: pd.DataFrame, model: str, path: Path) -> None:
 def markdown_table(table: pd.DataFrame) -> str:
     def cell(value: object) -> str:
         if isinstance(value, float):
-            if value != value:
+            if math.isnan(value):
                 return ""
             return str(int(value)) if value.is_integer() and abs(value) >= 1 else f"{value:.3f}"
         return str(value)
@@ -612,8 +612,8 @@ def report(config: SweepConfig, table: pd.DataFrame, points: pd.DataFrame, batch
         "# autockpt sweep",
         "",
         f"Command: `{command}`; wall time {wall_s:.0f} s.",
-        f"Machine: {machine}. Peaks in bytes (MB = 10^6); "
-        f"step-time ratio vs `none`, median of {config.repeats} alternating rounds.",
+        (f"Machine: {machine}. Peaks in bytes (MB = 10^6); "
+         f"step-time ratio vs `none`, median of {config.repeats} alternating rounds."),
         "",
     ]
     if not table.empty:
@@ -650,7 +650,7 @@ def sweep_sections(table: pd.DataFrame, points: pd.DataFrame) -> list[str]:
     if not missing.empty:
         lines += ["", "## Not measured", "", markdown_table(missing[["model", "strategy", "budget", "status", "notes"]])]
     keeps = table.assign(keeps=[("yes" if f in (True, "True") else "no") if s == "measured" else "n/a"
-                                for f, s in zip(table.feasible, table.status)])
+                                 for f, s in zip(table.feasible, table.status)])
     feasible = keeps.pivot_table(index=["model", "budget"], columns="strategy", values="keeps", aggfunc="first")
     lines += ["", "## Which strategy keeps which budget (measured peak <= budget; n/a: not measured)", "",
               markdown_table(feasible.reset_index().fillna("n/a"))]

@@ -129,10 +129,10 @@ def measure_sharded_step(
     once more as the bytes live when it starts plus what a foreach step adds over that (its states on the first step,
     its temporaries), measured on plain fake tensors of the local shards' shapes (``_foreach_step_bytes``: tracked
     exactly); the peak is the larger of the two."""
-    arguments = dict(world_size=world_size, units=units, checkpointed=checkpointed,
-                     reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, inputs=inputs,
-                     step_loss=step_loss, make_optimizer=make_optimizer, selective=selective, offloaded=offloaded,
-                     device_type=device_type, checkpointed_parts=checkpointed_parts)
+    arguments = {"world_size": world_size, "units": units, "checkpointed": checkpointed,
+                 "reshard_after_forward": reshard_after_forward, "mp_policy": mp_policy, "inputs": inputs,
+                 "step_loss": step_loss, "make_optimizer": make_optimizer, "selective": selective,
+                 "offloaded": offloaded, "device_type": device_type, "checkpointed_parts": checkpointed_parts}
     # the eager model's course, as on the ranks (a library seeing fake tensors would mask and repeat instead)
     args, kwargs, _ = inputs
     reads = recorded_reads(model, args, kwargs)

@@ -58,7 +58,7 @@ def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
             executable, extra_notes = attempt(model, args, kwargs)
             buffers.restore()
             _check_same_outputs(model, executable, args, kwargs)
-        except Exception as error:  # any failure means: try the next path
+        except Exception as error:  # noqa: BLE001  any failure means: try the next path
             buffers.restore()
             reason = f"{label} capture not used: {type(error).__name__}: {first_line(error)}"
             logger.info(reason)
@@ -362,8 +362,8 @@ class ModuleUnitRecorder:
 
 
 def _record_module_units(model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple[Unit, ...], tuple[ModuleSpan, ...]]:
-    with torch.random.fork_rng(devices=cuda_devices_of(args, kwargs, list(model.parameters()))), torch.no_grad():
-        with _runnable(model, args, kwargs) as (runnable, run_args, run_kwargs):
+    with (torch.random.fork_rng(devices=cuda_devices_of(args, kwargs, list(model.parameters()))), torch.no_grad(),
+          _runnable(model, args, kwargs) as (runnable, run_args, run_kwargs)):
             recorder = ModuleUnitRecorder(runnable)  # a copy has the model's module paths
             with recorder.recording():
                 runnable(*run_args, **run_kwargs)

@@ -154,7 +154,7 @@ def pareto_budgets(the_plan: Plan, points: int) -> list[int]:
     low, high = the_plan.min_feasible_bytes, the_plan.baseline_peak_bytes
     if points == 1 or high <= low:
         return [low]
-    return [int(round(low + (high - low) * i / (points - 1))) for i in range(points)]
+    return [round(low + (high - low) * i / (points - 1)) for i in range(points)]
 
 
 
@@ -167,12 +167,13 @@ def budget_to_bytes(budget_gb: Any, budget_bytes: Any) -> int:
         )
     name, value = ("budget_gb", budget_gb) if budget_gb is not None else ("budget_bytes", budget_bytes)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a positive number, got {describe_value(value)} ({type(value).__name__})")
+        # ValueError for every bad budget, as for one that is not positive: one exception to catch
+        raise ValueError(f"{name} must be a positive number, got {describe_value(value)} ({type(value).__name__})")  # noqa: TRY004
     if not math.isfinite(float(value)) or value <= 0:
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
     if name == "budget_bytes" and float(value) != int(value):
         raise ValueError(f"budget_bytes must be a whole number of bytes, got {value!r}; for GB use budget_gb=")
-    result = int(round(float(value) * GB)) if name == "budget_gb" else int(value)
+    result = round(float(value) * GB) if name == "budget_gb" else int(value)
     if result <= 0:
         raise ValueError(f"{name}={value!r} is less than one byte; give the budget in {'GB' if name == 'budget_gb' else 'bytes'}")
     return result

@@ -53,7 +53,7 @@ def parse_budget(text: str) -> int:
     value = float(match.group("number")) * scale
     if value < 1:
         raise UserInputError(f"budget {text!r} is less than one byte; give a positive budget such as 8GB")
-    return int(round(value))
+    return round(value)
 
 
 def parse_host_pool(text: str) -> float | str:

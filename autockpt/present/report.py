@@ -139,8 +139,8 @@ def report_html(plan: PlanRecord, *, depth: int = 2) -> str:
         f"<title>autockpt plan: {e(plan.fingerprint.model_class if plan.fingerprint else 'model')}</title>",
         f"<style>{REPORT_CSS}</style></head><body>",
         "<h1>autockpt memory plan</h1>",
-        "<p class='units'>GB = 10<sup>9</sup> bytes, GiB = 2<sup>30</sup> bytes. Everything below is predicted by "
-        "autockpt's simulator from one profiled step, except a measured peak, which is said.</p>",
+        ("<p class='units'>GB = 10<sup>9</sup> bytes, GiB = 2<sup>30</sup> bytes. Everything below is predicted by "
+         "autockpt's simulator from one profiled step, except a measured peak, which is said.</p>"),
         *notice,
         html_table(["", ""], _headline(plan), show_header=False, css="summary"),
         "<h2>Memory of one training step</h2>",

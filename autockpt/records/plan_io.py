@@ -15,6 +15,7 @@ import dataclasses
 import enum
 import hashlib
 import json
+import math
 import os
 import types
 import typing
@@ -235,7 +236,7 @@ def _encode(value: Any) -> Any:
         return value.value
     if isinstance(value, (tuple, list)):
         return [_encode(v) for v in value]
-    if isinstance(value, float) and not (value == value and abs(value) != float("inf")):
+    if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"cannot save the non-finite number {value} in a plan")
     return value
 

@@ -34,14 +34,14 @@ def eager_line(plan: PlanRecord) -> str:
 
 def plan_summary(plan: PlanRecord, *, max_regions: int = 12) -> str:
     lines = [
-        f"autockpt plan: strategy={plan.strategy}, capture={plan.capture.value}, status={plan.status.value}, "
-        f"solver={plan.solver}, checkpoint={plan.planned_action.value}",
+        (f"autockpt plan: strategy={plan.strategy}, capture={plan.capture.value}, status={plan.status.value}, "
+         f"solver={plan.solver}, checkpoint={plan.planned_action.value}"),
         f"  budget                 {format_bytes(plan.budget_bytes)}",
         f"  predicted peak         {format_bytes(plan.predicted_peak_bytes)}",
         f"  unmodified peak        {format_bytes(plan.baseline_peak_bytes)}",
         f"  smallest feasible      {format_bytes(plan.min_feasible_bytes)}{floor_note(plan)}",
-        f"  static (params, buffers, grads, inputs{', optimizer states' if _has_states(plan) else ''}) "
-        f"{format_bytes(plan.static_bytes)}",
+        (f"  static (params, buffers, grads, inputs{', optimizer states' if _has_states(plan) else ''}) "
+         f"{format_bytes(plan.static_bytes)}"),
         f"  training loop          {plan.loop.describe() if plan.loop else 'forward + backward (no optimizer step)'}",
         *([f"  made from              {plan.provenance.describe()}"] if plan.provenance is not None else []),
         *([f"  eager model            {eager_line(plan)}"] if eager_line(plan) else []),
@@ -49,8 +49,8 @@ def plan_summary(plan: PlanRecord, *, max_regions: int = 12) -> str:
         *([f"  measured peak          {measured_line(plan)}"] if plan.measured_peak_bytes is not None else []),
         f"  recomputed             {decisions_line(plan)}",
         f"  predicted overhead     +{100 * plan.predicted_overhead:.1f}% of the step ({overhead_breakdown(plan)})",
-        f"  time                   capture {plan.capture_time_s:.1f} s, profile {plan.profile_time_s:.1f} s, "
-        f"solve {plan.solve_time_s:.1f} s",
+        (f"  time                   capture {plan.capture_time_s:.1f} s, profile {plan.profile_time_s:.1f} s, "
+         f"solve {plan.solve_time_s:.1f} s"),
     ]
     if plan.host_pool_bytes:
         lines.append(f"  host pool              {pool_line(plan)}")

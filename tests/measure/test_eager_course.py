@@ -26,8 +26,8 @@ ROOMY = 10**12  # nothing recomputed: the captured program as it is
 def _decoder(kind: str) -> torch.nn.Module:
     import transformers
 
-    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=256,
-                  max_position_embeddings=512)
+    common = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "vocab_size": 256, "max_position_embeddings": 512}
     if kind == "llama-gqa":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, num_key_value_heads=2))
     if kind == "qwen2-gqa":

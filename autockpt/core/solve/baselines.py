@@ -129,8 +129,8 @@ def baseline_regions(graph: Graph, profile: StepTrace, strategy: str) -> Baselin
     if policy is BaselinePolicy.SQRT_N and graph.kind is CaptureKind.MODULE:
         return BaselineRegions(
             strategy=strategy, policy=policy, regions=(), available=False,
-            notes=("not available: module-level capture checkpoints whole submodule calls only, so segments of "
-                   "sqrt(n) units cannot be expressed",),
+            notes=(("not available: module-level capture checkpoints whole submodule calls only, so segments of "
+                    "sqrt(n) units cannot be expressed"),),
         )
     if policy is BaselinePolicy.EVERY_N:
         blocks = find_blocks(graph)
@@ -212,7 +212,7 @@ def find_blocks(graph: Graph) -> tuple[Block, ...]:
     for path in outermost:
         by_container.setdefault(_container(path), []).append(path)
     blocks: list[Block] = []
-    for container, children in by_container.items():
+    for children in by_container.values():
         children.sort(key=lambda p: spans[p][0])
         if any(c in has_children for c in children):
             blocks += [Block(paths=(c,), first_unit=spans[c][0], last_unit=spans[c][1]) for c in children]

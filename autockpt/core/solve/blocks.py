@@ -219,7 +219,7 @@ def _other_regions(
     for members in by_family.values():
         for a, b in itertools.combinations(range(len(members) + 1), 2):
             run = members[a:b]
-            contiguous = all(x.region.last_unit + 1 == y.region.first_unit for x, y in zip(run, run[1:]))
+            contiguous = all(x.region.last_unit + 1 == y.region.first_unit for x, y in itertools.pairwise(run))
             if 2 <= len(run) <= MAX_INSTANCES_PER_RUN and contiguous:
                 regions.append(Region(first_unit=run[0].region.first_unit, last_unit=run[-1].region.last_unit))
     others = []

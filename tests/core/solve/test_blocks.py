@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pulp
 import pytest
@@ -63,7 +64,7 @@ def test_layers_of_different_widths_are_not_a_family() -> None:
 
     widths = [24, 40, 56, 72, 88, 104]
     layers: list[nn.Module] = []
-    for a, b in zip(widths, widths[1:]):
+    for a, b in itertools.pairwise(widths):
         layers += [nn.Linear(a, b), nn.GELU(), nn.Linear(b, b), nn.LayerNorm(b)]
     model = nn.Sequential(*layers)
     planner = autockpt.Planner.from_model(model, example_inputs=(torch.randn(8, widths[0]),))
@@ -79,7 +80,7 @@ def test_the_chain_solver_matches_the_block_milp(gpt2_planner: autockpt.Planner)
     """Two solvers of one outer problem: the dynamic program (rounding gains down) and HiGHS/CBC on the MILP."""
     profile = gpt2_planner.trace
     scorer = Scorer(profile, gpt2_planner.costs, Action.RECOMPUTE_TORCH)  # the machinery priced as in planning
-    segments, candidates = candidate_regions(gpt2_planner.graph, profile)
+    _segments, candidates = candidate_regions(gpt2_planner.graph, profile)
     structure = find_repeated_blocks(gpt2_planner.graph, profile)
     problem = prepare_blocks(scorer, structure, candidates, scorer.simulate(()))
     assert problem is not None

@@ -69,7 +69,7 @@ def test_every_solver_keeps_the_contract_and_none_beats_the_exact_optimum(seed: 
 
 
 def test_a_budget_at_the_unmodified_peak_is_the_identity_plan_for_every_solver() -> None:
-    problem, graph = _problem(5)
+    problem, _graph = _problem(5)
     for solver in (DefaultSolver(), MilpSolver(), GreedySolver(), ExactSolver()):
         result = solver.solve(problem, problem.baseline.peak_bytes, SolverOptions())
         assert result.status is PlanStatus.IDENTITY and result.regions == (), solver.name

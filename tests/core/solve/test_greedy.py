@@ -3,6 +3,8 @@ candidates cheapest per byte freed while each lowers the simulated peak, and sto
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from random_graphs import modelled_planner, scorer_of
 
@@ -24,7 +26,7 @@ def test_greedy_regions_lower_the_peak_and_stop_once_the_budget_is_met(seed: int
     lowest = greedy_regions(problem, None)  # no budget: as low as this order gets
     floor = scorer.simulate(lowest).peak_bytes
     assert lowest and floor < baseline
-    assert all(a.last_unit < b.first_unit for a, b in zip(lowest, lowest[1:]))  # disjoint, in unit order
+    assert all(a.last_unit < b.first_unit for a, b in itertools.pairwise(lowest))  # disjoint, in unit order
     assert set(lowest) <= {candidate.region for candidate in problem.scored}
     assert floor >= min_peak_bytes(scorer)  # never below the exact floor
 

@@ -37,7 +37,7 @@ from autockpt.core.solve.split import Split, SplitProblem, StageOption, exhausti
 from autockpt.errors import CaptureError, InfeasibleBudgetError
 from autockpt.measure.capture import capture
 from autockpt.measure.timing import Timing
-from autockpt.pipeline.request import SPLIT_STRATEGIES, PipelineRequest
+from autockpt.pipeline.request import SPLIT_STRATEGIES, PipelineRequest, stage_budgets
 from autockpt.pipeline.stage_graphs import (
     shared_parameters,
 )
@@ -219,48 +219,107 @@ def compare_pipeline_splits(
     "even-layers", "parameter-balanced", or the cuts written as "after 12, 40"), the plan or the
     ``InfeasibleBudgetError`` that says the smallest budget that split keeps. ``plan_time_s`` of each plan counts
     from the start of this call."""
-    started = time.perf_counter()
-    options = resolve_options(options, solver_options=solver_options, checkpoint=checkpoint)
-    unsupported(options, "plan_pipeline", PIPELINE_UNSUPPORTED_OPTIONS)
+    common = {
+        "microbatches": microbatches, "schedule": schedule, "example_inputs": example_inputs,
+        "example_kwargs": example_kwargs, "example_target": example_target, "loss_fn": loss_fn,
+        "return_outputs": return_outputs,
+    }
+    resolved = resolve_options(options, solver_options=solver_options, checkpoint=checkpoint)
+    unsupported(resolved, "plan_pipeline", PIPELINE_UNSUPPORTED_OPTIONS)  # refused before the budget is read
     check_trace(trace)
-    request = PipelineRequest.check(
-        model, num_stages, budget_gb, budget_bytes, microbatches, schedule, example_inputs, example_kwargs,
-        example_target, loss_fn, splits, return_outputs,
+    PipelineRequest.check(model, num_stages, budget_gb, budget_bytes, splits=splits, **common)  # before capture
+    planner = PipelinePlanner.from_model(
+        model, num_stages, splits=splits, max_cut_candidates=max_cut_candidates, link_gb_per_s=link_gb_per_s,
+        options=options, trace=trace, timing=timing, target=target, device_memory_bytes=device_memory_bytes,
+        solver_options=solver_options, checkpoint=checkpoint, **common,
     )
-    results: dict[str, PipelinePlan | InfeasibleBudgetError] = {}
-    with preserved_model_state(model, request.microbatch_args, request.microbatch_kwargs):
-        enter_training_modes(model)
-        graph = capture(model, request.microbatch_args, request.microbatch_kwargs)
-        if graph.kind not in (CaptureKind.FX, CaptureKind.EXPORT):
-            raise CaptureError(
-                f"{type(model).__name__} could only be captured module by module ({'; '.join(graph.notes)}); a "
-                "pipeline split needs the whole forward as one graph (torch.fx or torch.export)"
+    return planner.compare(budget_gb, budget_bytes=budget_bytes)
+
+
+class PipelinePlanner:
+    """One model's pipeline step captured and profiled once, with a single-device planner per candidate stage
+    (``from_model``); ``compare`` and ``plan`` answer any number of budgets from it, each stage planner's floor
+    found once (``compare_pipeline_splits`` is ``PipelinePlanner.from_model(...).compare(budget)``)."""
+
+    def __init__(self, table: StageTable, graph: Any, whole: WholeStep, link_gb_per_s: float,
+                 fingerprint: Any, setup_s: float) -> None:
+        self.table, self.graph, self.whole, self.link_gb_per_s = table, graph, whole, link_gb_per_s
+        self.fingerprint, self.setup_s = fingerprint, setup_s
+
+    @classmethod
+    def from_model(
+        cls, model: nn.Module, num_stages: int = 2, *, microbatches: int = 4,
+        schedule: PipelineSchedule | str = PipelineSchedule.ONE_F_ONE_B, example_inputs: Any = (),
+        example_kwargs: Mapping[str, Any] | None = None, example_target: Any = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, return_outputs: bool = True,
+        splits: Sequence[str | Sequence[int]] = ("autockpt",), max_cut_candidates: int = 16,
+        link_gb_per_s: float | None = None, options: PlanOptions | None = None, trace: str = "auto",
+        timing: str | Timing = "auto", target: str | DeviceSpec | None = None, device_memory_bytes: int | None = None,
+        solver_options: Any = UNSET, checkpoint: Any = UNSET,
+    ) -> PipelinePlanner:
+        """Capture, profile and tabulate the step for ``splits`` (the arguments are ``plan_pipeline``'s, checked
+        here; no budget yet)."""
+        started = time.perf_counter()
+        options = resolve_options(options, solver_options=solver_options, checkpoint=checkpoint)
+        unsupported(options, "plan_pipeline", PIPELINE_UNSUPPORTED_OPTIONS)
+        check_trace(trace)
+        request = PipelineRequest.check(
+            model, num_stages, None, 1, microbatches, schedule, example_inputs, example_kwargs, example_target,
+            loss_fn, splits, return_outputs,
+        )  # a budget of 1 B until ``compare`` gives one
+        with preserved_model_state(model, request.microbatch_args, request.microbatch_kwargs):
+            enter_training_modes(model)
+            graph = capture(model, request.microbatch_args, request.microbatch_kwargs)
+            if graph.kind not in (CaptureKind.FX, CaptureKind.EXPORT):
+                raise CaptureError(
+                    f"{type(model).__name__} could only be captured module by module ({'; '.join(graph.notes)}); a "
+                    "pipeline split needs the whole forward as one graph (torch.fx or torch.export)"
+                )
+            whole = WholeStep.profile(
+                request, graph, trace=trace, timing=timing, target=target, device_memory_bytes=device_memory_bytes,
             )
-        whole = WholeStep.profile(
-            request, graph, trace=trace, timing=timing, target=target, device_memory_bytes=device_memory_bytes,
-        )
-        table = StageTable(request, graph, max_cut_candidates, options, whole)
-        link = link_gb_per_s if link_gb_per_s is not None else whole.link_gb_per_s()
-        fingerprint = plan_io.model_fingerprint(model, graph, request.microbatch_args, request.microbatch_kwargs)
-        for split in request.splits:
-            chosen = _choose_split(table, split, link, options.solver)
-            if chosen is None:
-                results[split_name(split)] = _infeasible(table, request, link, split)
-                continue
-            graphs = [table.graph_of(o.first_unit, o.last_unit, index=o.stage) for o in chosen.options]
-            stage_plans = tuple(table.entry(option).plan for option in chosen.options)
-            results[split_name(split)] = PipelinePlan(
-                num_stages=request.num_stages, microbatches=request.microbatches, schedule=request.schedule,
-                return_outputs=request.return_outputs, cuts=chosen.cuts,
-                stages=tuple(table.record(option) for option in chosen.options),
-                stage_plans=stage_plans,
-                shared_parameters=shared_parameters(graphs), predicted_step_ms=chosen.predicted_step_ms,
-                link_gb_per_s=link, strategy=split if isinstance(split, str) else "given",
-                capture=graph.kind, fingerprint=fingerprint, candidate_cuts=table.candidates,
-                plan_time_s=time.perf_counter() - started, notes=(*graph.notes, *whole.notes),
-                provenance=stage_plans[0].provenance,
-            )
-    return results
+            table = StageTable(request, graph, max_cut_candidates, options, whole)
+            link = link_gb_per_s if link_gb_per_s is not None else whole.link_gb_per_s()
+            fingerprint = plan_io.model_fingerprint(model, graph, request.microbatch_args, request.microbatch_kwargs)
+        return cls(table, graph, whole, link, fingerprint, time.perf_counter() - started)
+
+    def plan(self, budget_gb: float | Sequence[float] | None = None, *,
+             budget_bytes: int | Sequence[int] | None = None) -> PipelinePlan:
+        """The first split's plan (``from_model``'s ``splits``) at this budget, one for all devices or one per stage
+        (GB = 10^9 bytes); ``InfeasibleBudgetError`` with the smallest budget a split keeps when none keeps it."""
+        result = next(iter(self.compare(budget_gb, budget_bytes=budget_bytes).values()))
+        if isinstance(result, InfeasibleBudgetError):
+            raise result
+        return result
+
+    def compare(self, budget_gb: float | Sequence[float] | None = None, *,
+                budget_bytes: int | Sequence[int] | None = None) -> dict[str, PipelinePlan | InfeasibleBudgetError]:
+        """Every split's plan (or refusal) at this budget, by split name; ``plan_time_s``: the setup and this call."""
+        started = time.perf_counter()
+        table = self.table.with_budgets(stage_budgets(budget_gb, budget_bytes, self.table.request.num_stages))
+        request, graph, link = table.request, self.graph, self.link_gb_per_s
+        results: dict[str, PipelinePlan | InfeasibleBudgetError] = {}
+        with preserved_model_state(request.model, request.microbatch_args, request.microbatch_kwargs):
+            enter_training_modes(request.model)
+            for split in request.splits:
+                chosen = _choose_split(table, split, link, table.solver_options)
+                if chosen is None:
+                    results[split_name(split)] = _infeasible(table, request, link, split)
+                    continue
+                graphs = [table.graph_of(o.first_unit, o.last_unit, index=o.stage) for o in chosen.options]
+                stage_plans = tuple(table.entry(option).plan for option in chosen.options)
+                results[split_name(split)] = PipelinePlan(
+                    num_stages=request.num_stages, microbatches=request.microbatches, schedule=request.schedule,
+                    return_outputs=request.return_outputs, cuts=chosen.cuts,
+                    stages=tuple(table.record(option) for option in chosen.options),
+                    stage_plans=stage_plans,
+                    shared_parameters=shared_parameters(graphs), predicted_step_ms=chosen.predicted_step_ms,
+                    link_gb_per_s=link, strategy=split if isinstance(split, str) else "given",
+                    capture=graph.kind, fingerprint=self.fingerprint, candidate_cuts=table.candidates,
+                    plan_time_s=self.setup_s + time.perf_counter() - started, notes=(*graph.notes, *self.whole.notes),
+                    provenance=stage_plans[0].provenance,
+                )
+        return results
 
 
 def split_name(split: str | tuple[int, ...]) -> str:

@@ -107,10 +107,14 @@ class StageTable:
         return (stage == 0) == (first == 0) and (stage == self.request.num_stages - 1) == (last == self.num_units - 1)
 
     def at_budget(self, budget: int) -> StageTable:
-        """This table with every device's budget ``budget``: the same capture, crossings and stage planners, its
-        stage plans solved again."""
+        """This table with every device's budget ``budget`` (``with_budgets``)."""
+        return self.with_budgets((budget,) * self.request.num_stages)
+
+    def with_budgets(self, budgets: tuple[int, ...]) -> StageTable:
+        """This table with one budget per stage: the same capture, crossings and stage planners (their floors
+        found once), its stage plans solved again."""
         trial = copy.copy(self)
-        trial.request = dataclasses.replace(self.request, budgets_bytes=(budget,) * self.request.num_stages)
+        trial.request = dataclasses.replace(self.request, budgets_bytes=tuple(budgets))
         trial._entries = {}
         return trial
 

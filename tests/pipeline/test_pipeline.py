@@ -20,6 +20,7 @@ from pipeline_worker import build, lm_loss, run_rank
 import autockpt
 from autockpt.core.solve.split import SplitProblem, StageOption, exhaustive_split, solve_split
 from autockpt.errors import InfeasibleBudgetError, PlanMismatchError
+from autockpt.pipeline import PipelinePlanner
 from autockpt.pipeline.run import stage_module_for
 from autockpt.record_types import PipelineRecord, PipelineStageRecord
 
@@ -39,6 +40,22 @@ def _plan(config: dict, num_stages: int = 2, **kwargs) -> autockpt.PipelinePlan:
         build(config), num_stages, microbatches=_MICROBATCHES, example_inputs=(ids,), example_target=target,
         loss_fn=lm_loss, **kwargs,
     )
+
+
+_PLANNERS: dict[str, PipelinePlanner] = {}
+
+
+def _planner(config: dict, num_stages: int = 2) -> PipelinePlanner:
+    """One capture and profile per model and stage count in this worker, for every budget a test asks: the
+    autockpt split first (``plan``), the even split beside it (``compare``)."""
+    key = repr((config, num_stages))
+    if key not in _PLANNERS:
+        ids, target = _batch()
+        _PLANNERS[key] = PipelinePlanner.from_model(
+            build(config), num_stages, microbatches=_MICROBATCHES, example_inputs=(ids,), example_target=target,
+            loss_fn=lm_loss, splits=("autockpt", "even-layers"),
+        )
+    return _PLANNERS[key]
 
 
 def _run(config: dict, pplan: autockpt.PipelinePlan, tmp_path) -> list[dict]:
@@ -72,17 +89,26 @@ def _reference(config: dict) -> tuple[float, dict[str, torch.Tensor]]:
 def tight_budget() -> int:
     """A budget about 30 % of the way from the tightest split's floor to what the plain even split needs, so
     that recomputation and the split both matter."""
-    roomy = _plan(_CONFIG, budget_bytes=10**9, split="even-layers")
+    roomy = _planner(_CONFIG).compare(budget_bytes=10**9)["even-layers"]
     with pytest.raises(InfeasibleBudgetError) as refused:
-        _plan(_CONFIG, budget_bytes=100_000)
+        _planner(_CONFIG).plan(budget_bytes=100_000)
     floor = refused.value.min_feasible_bytes
     return int(floor + 0.3 * (max(s.predicted_peak_bytes for s in roomy.stages) - floor))
 
 
 @pytest.mark.slow
 def test_two_stages_give_the_single_process_loss_and_gradients_under_the_budget(tight_budget, tmp_path) -> None:
-    pplan = _plan(_CONFIG, budget_bytes=tight_budget)
+    pplan = _planner(_CONFIG).plan(budget_bytes=tight_budget)
     assert len(pplan.stages) == 2 and pplan.cuts
+    # a planner that answered other budgets first plans as plan_pipeline does from scratch (the same cuts, bytes
+    # and regions; times are measured again by each)
+    fresh = _plan(_CONFIG, budget_bytes=tight_budget)
+
+    def decided(plan: autockpt.PipelinePlan) -> tuple:
+        return plan.cuts, [(s.first_unit, s.last_unit, s.predicted_peak_bytes, s.retained_bytes,
+                            s.schedule_buffer_bytes) for s in plan.stages], [p.regions for p in plan.stage_plans]
+
+    assert decided(fresh) == decided(pplan)
     _assert_single_process_step_under_budget(_CONFIG, pplan, _run(_CONFIG, pplan, tmp_path))
 
 
@@ -112,12 +138,13 @@ def _assert_peaks_kept(stage: PipelineStageRecord, result: dict) -> None:
 @pytest.mark.slow
 def test_three_stages_give_the_single_process_loss_and_gradients_under_the_budget(tmp_path) -> None:
     config = {**_CONFIG, "model": {**_CONFIG["model"], "layers": 5}}
+    planner = _planner(config, num_stages=3)
     with pytest.raises(InfeasibleBudgetError) as refused:
-        _plan(config, num_stages=3, budget_bytes=100_000)
+        planner.plan(budget_bytes=100_000)
     floor = refused.value.min_feasible_bytes
-    roomy = _plan(config, num_stages=3, budget_bytes=10**9)
+    roomy = planner.plan(budget_bytes=10**9)
     budget = int(floor + 0.3 * (max(s.predicted_peak_bytes for s in roomy.stages) - floor))
-    pplan = _plan(config, num_stages=3, budget_bytes=budget)
+    pplan = planner.plan(budget_bytes=budget)
     assert len(pplan.cuts) == 2
     assert [s.microbatches_in_flight for s in pplan.stages] == [3, 2, 1]  # 1F1B: min(S - k, microbatches)
     _assert_single_process_step_under_budget(config, pplan, _run(config, pplan, tmp_path))
@@ -130,8 +157,8 @@ def test_tied_weights_are_held_by_both_stages_and_their_gradients_summed_at_the_
     stage's peak; 16 B over the stated minimum before they were counted)."""
     config = {**_CONFIG, "model": {**_CONFIG["model"], "tied": True}}
     with pytest.raises(InfeasibleBudgetError) as refused:
-        _plan(config, budget_bytes=100_000)
-    pplan = _plan(config, budget_bytes=refused.value.min_feasible_bytes)
+        _planner(config).plan(budget_bytes=100_000)
+    pplan = _planner(config).plan(budget_bytes=refused.value.min_feasible_bytes)
     assert [s.stages for s in pplan.shared_parameters] == [(0, 1)]
     results = _run(config, pplan, tmp_path)
     assert len(results[-1]["losses"]) == _MICROBATCHES  # the step filled the list it was given
@@ -145,20 +172,20 @@ def test_tied_weights_are_held_by_both_stages_and_their_gradients_summed_at_the_
 
 @pytest.mark.slow
 def test_the_chosen_split_keeps_a_budget_the_even_split_cannot(tight_budget) -> None:
-    with pytest.raises(InfeasibleBudgetError):
-        _plan(_CONFIG, budget_bytes=tight_budget, split="even-layers")
-    pplan = _plan(_CONFIG, budget_bytes=tight_budget)
+    answers = _planner(_CONFIG).compare(budget_bytes=tight_budget)
+    assert isinstance(answers["even-layers"], InfeasibleBudgetError)
+    pplan = answers["autockpt"]
     assert all(s.predicted_peak_bytes <= tight_budget for s in pplan.stages)
-    assert pplan.cuts != _plan(_CONFIG, budget_bytes=10**9, split="even-layers").cuts
+    assert pplan.cuts != _planner(_CONFIG).compare(budget_bytes=10**9)["even-layers"].cuts
 
 
 @pytest.mark.slow
 def test_an_infeasible_budget_names_the_smallest_one_and_that_one_plans(tmp_path) -> None:
     with pytest.raises(InfeasibleBudgetError) as refused:
-        _plan(_CONFIG, budget_bytes=100_000)
+        _planner(_CONFIG).plan(budget_bytes=100_000)
     smallest = refused.value.min_feasible_bytes
     assert "smallest budget a split keeps" in str(refused.value)
-    pplan = _plan(_CONFIG, budget_bytes=smallest)
+    pplan = _planner(_CONFIG).plan(budget_bytes=smallest)
     assert max(s.predicted_peak_bytes for s in pplan.stages) <= smallest
     pplan.save(tmp_path / "p.json")
     again = autockpt.load_pipeline_plan(tmp_path / "p.json")
@@ -172,7 +199,7 @@ def test_an_infeasible_budget_names_the_smallest_one_and_that_one_plans(tmp_path
 
 
 def test_a_pipeline_plan_says_how_its_stages_were_traced(tmp_path) -> None:
-    pplan = _plan(_CONFIG, budget_bytes=10**9, split="even-layers")
+    pplan = _planner(_CONFIG).compare(budget_bytes=10**9)["even-layers"]
     provenance = pplan.provenance
     assert (provenance.trace, provenance.timing, provenance.device) == ("measured", "measured", "cpu")
     assert all(the_plan.provenance == provenance for the_plan in pplan.stage_plans)

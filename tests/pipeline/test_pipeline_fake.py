@@ -18,7 +18,7 @@ import autockpt
 from autockpt.errors import InfeasibleBudgetError
 from autockpt.measure import sources
 from autockpt.measure.fake import FakeTrace
-from autockpt.pipeline import whole_step
+from autockpt.pipeline import PipelinePlanner, whole_step
 
 _CONFIG = {"seed": 0, "model": {"vocab": 1024, "width": 32, "layers": 4, "tied": False}}
 _TARGET = "h100-sxm-80gb"
@@ -71,12 +71,15 @@ def test_a_fake_pipeline_plan_is_the_measured_one_at_the_same_unit_times(monkeyp
     """Roofline times on one target for both: the same cuts, stage plans and predicted peaks, to the byte; under a
     device memory below the whole step's, trace="auto" plans the same on fakes and runs no real step. (Without the
     outputs returned, whose concatenation bounds the last stage, a budget near the floor makes a stage recompute.)"""
-    with pytest.raises(InfeasibleBudgetError) as refused:
-        _plan(build(_CONFIG), budget_bytes=100_000, trace="fake", target=_TARGET, return_outputs=False)
-    budget = int(refused.value.min_feasible_bytes * 1.02)
+    ids, target = _batch()
     model = build(_CONFIG)
+    fakes = PipelinePlanner.from_model(model, 2, microbatches=4, example_inputs=(ids,), example_target=target,
+                                       loss_fn=lm_loss, trace="fake", target=_TARGET, return_outputs=False)
+    with pytest.raises(InfeasibleBudgetError) as refused:
+        fakes.plan(budget_bytes=100_000)
+    budget = int(refused.value.min_feasible_bytes * 1.02)
     measured = _plan(model, budget_bytes=budget, trace="measured", target=_TARGET, return_outputs=False)
-    fake = _plan(model, budget_bytes=budget, trace="fake", target=_TARGET, return_outputs=False)
+    fake = fakes.plan(budget_bytes=budget)
     assert fake.cuts == measured.cuts
     assert _stage_peaks(fake) == _stage_peaks(measured)
     assert [p.regions for p in fake.stage_plans] == [p.regions for p in measured.stage_plans]

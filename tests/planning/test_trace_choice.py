@@ -209,23 +209,30 @@ def test_example_inputs_as_fake_tensors_or_a_plan_files_specs() -> None:
     from autockpt.records.plan_inputs import recorded_inputs
 
     real = zoo.build("gpt2", "tiny")
-    reference = autockpt.plan(real.model, budget_bytes=10**12, example_inputs=real.args, example_kwargs=real.kwargs, trace="fake")
+    # traced, not planned: the figures compared are the trace's (a plan would search its floor four times over)
+    reference = autockpt.Planner.from_model(real.model, example_inputs=real.args, example_kwargs=real.kwargs,
+                                            trace="fake")
     with torch.device("meta"):
         meta = zoo.build("gpt2", "tiny")
     with FakeTensorMode() as mode:
         fake_args = tuple(mode.from_tensor(a) for a in real.args)
         fake_kwargs = {k: mode.from_tensor(v) for k, v in real.kwargs.items()}
-    from_fakes = autockpt.plan(meta.model, budget_bytes=10**12, example_inputs=fake_args, example_kwargs=fake_kwargs)
+    from_fakes = autockpt.Planner.from_model(meta.model, example_inputs=fake_args, example_kwargs=fake_kwargs)
     assert from_fakes.provenance.trace == "fake"
-    assert (from_fakes.baseline_peak_bytes, from_fakes.static_bytes) == (reference.baseline_peak_bytes, reference.static_bytes)
+    assert figures(from_fakes) == figures(reference)
     # a plan file records each input's shape and dtype, not that two inputs are one tensor (ids given as labels too)
-    args, kwargs = recorded_inputs(meta.model, reference)
+    args, kwargs = recorded_inputs(meta.model, reference.plan(budget_bytes=10**12))
     assert all(t.device.type == "meta" for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor))
-    from_specs = autockpt.plan(meta.model, budget_bytes=10**12, example_inputs=args, example_kwargs=kwargs)
-    apart = autockpt.plan(real.model, budget_bytes=10**12, example_inputs=tuple(a.clone() for a in real.args),
-                          example_kwargs={k: v.clone() for k, v in real.kwargs.items()}, trace="fake")
+    from_specs = autockpt.Planner.from_model(meta.model, example_inputs=args, example_kwargs=kwargs)
+    apart = autockpt.Planner.from_model(real.model, example_inputs=tuple(a.clone() for a in real.args),
+                                        example_kwargs={k: v.clone() for k, v in real.kwargs.items()}, trace="fake")
     assert from_specs.provenance.trace == "fake"
-    assert (from_specs.baseline_peak_bytes, from_specs.static_bytes) == (apart.baseline_peak_bytes, apart.static_bytes)
+    assert figures(from_specs) == figures(apart)
+
+
+def figures(planner: autockpt.Planner) -> tuple[int, int]:
+    """The unmodified step's peak and the static bytes, as a plan of that trace states them."""
+    return planner.trace.baseline_peak_bytes, planner.trace.static_bytes
 
 
 def test_a_meta_model_with_real_token_ids_is_captured_as_a_graph_and_planned_as_the_real_one() -> None:

@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_offload, bench
 import autockpt
 from autockpt.core.solve.base import SolverOptions, recompute_actions
 from autockpt.errors import InfeasibleBudgetError
+from autockpt.planning import solving
 from autockpt.records import plan_io
 from autockpt.types import Action, CaptureKind, CostModel, StepTrace
 
@@ -204,7 +205,7 @@ def _recorded_values(planner: autockpt.Planner) -> tuple[dict[str, Any], dict[st
     """The planner's trace and prices as JSON values, checked to read back as the same values."""
     if planner.graph.kind is not CaptureKind.MODULE and Action.OFFLOAD not in planner.costs.actions:
         # priced now, so that nothing is calibrated while planning (an infeasible budget asks what pool would do)
-        planner._price(Action.OFFLOAD)
+        solving.price(planner, Action.OFFLOAD)
     trace, costs = plan_io._encode(planner.trace), plan_io._encode(planner.costs)
     if read_trace(trace) != planner.trace or read_costs(costs) != planner.costs:
         raise AssertionError("the trace or the prices do not read back as the values written")

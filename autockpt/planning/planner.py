@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
-import math
-import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -24,16 +21,11 @@ from torch import nn
 
 from autockpt.core.devices import DeviceSpec
 from autockpt.core.simulate import memory_curve, simulate
-from autockpt.core.solve.base import NO_PROGRAM, Problem, SolveResult, recompute_actions, region_actions
-from autockpt.core.solve.baselines import baseline_regions, baseline_seed_plans
-from autockpt.core.solve.candidates import candidate_regions
-from autockpt.core.solve.default import floor_by_bytes, refuse_static_over_budget, solve_prepared
-from autockpt.core.solve.joint import JointProblem, solve_joint, unbounded_pool
-from autockpt.core.solve.prepare import prepare
-from autockpt.core.structure import find_repeated_blocks
+from autockpt.core.solve.base import Problem, SolveResult, recompute_actions, region_actions
+from autockpt.core.solve.baselines import baseline_regions
+from autockpt.core.solve.joint import JointProblem
 from autockpt.errors import InfeasibleBudgetError
 from autockpt.measure.capture import capture
-from autockpt.measure.costs import calibrate, free_machinery
 from autockpt.measure.loop import with_foreign_bytes
 from autockpt.measure.sources import StepInputs, TraceSource
 from autockpt.measure.step import (
@@ -45,6 +37,7 @@ from autockpt.measure.step import (
 )
 from autockpt.measure.timing import Timing
 from autockpt.measure.trace import step_tensors
+from autockpt.planning import solving
 from autockpt.planning.build import built_step, refuse_offload, solves_by_blocks
 from autockpt.planning.courses import with_other_courses
 from autockpt.planning.options import (
@@ -71,12 +64,10 @@ from autockpt.types import (
     CostModel,
     Graph,
     Placement,
-    PlanStatus,
     Region,
     StepTrace,
     describe_value,
 )
-from autockpt.units import GB, format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -244,7 +235,7 @@ class Planner:
         if budget_gb is None and budget_bytes is None and self.device_memory_bytes is not None:
             budget_bytes = self.device_memory_bytes
         budget = budget_to_bytes(budget_gb, budget_bytes)
-        results, solve_time_s = self._solve_each(budget)
+        results, solve_time_s = solving.solve_each(self, budget)
         action = min(results, key=lambda a: results[a].timeline.overhead_ms)  # the first action on a tie
         if len(results) > 1:
             logger.info(
@@ -261,7 +252,7 @@ class Planner:
         points = []
         for budget in budgets:
             try:
-                results, _ = self._solve_each(int(budget))
+                results, _ = solving.solve_each(self, int(budget))
             except InfeasibleBudgetError:
                 points.append(
                     ParetoPoint(budget_bytes=int(budget), predicted_peak_bytes=None, predicted_overhead=None, regions=0)
@@ -283,7 +274,7 @@ class Planner:
         The plan's ``status`` is ``given`` and its budget is its own predicted peak.
         """
         action = action or self.actions[0]
-        self._price(action)
+        solving.price(self, action)
         self._follow_foreign_bytes()
         ordered = region_actions(sorted(regions, key=lambda r: r.first_unit), action)
         timeline = simulate(self.trace, self.costs, ordered)
@@ -342,45 +333,13 @@ class Planner:
 
     def plans_under(self, target_bytes: int, budget_bytes: int) -> list[Plan]:
         """One plan per action with a plan predicted under ``target_bytes``, recorded as made for ``budget_bytes``."""
-        results, solve_time_s = self._solve_each(target_bytes)
+        results, solve_time_s = solving.solve_each(self, target_bytes)
         return [self._plan_of(result, budget_bytes, solve_time_s) for result in results.values()]
 
     def floor_plans(self, floor_bytes: int, budget_bytes: int) -> list[Plan]:
-        """The floor's own plans, chosen by bytes alone: what a refusal measures to state its smallest budget and what
-        verification tries last (``verify.py``), so that the budget stated is the same for the same model and inputs
-        and kept at that budget. Per recompute action, ``solve.default.floor_by_bytes`` on the trace with every unit
-        timed alike and the machinery free; the plans of the actions whose peak is lowest, in action order, scored
-        with the measured times and recorded as made for ``budget_bytes``, with ``floor_bytes`` as their floor.
-        Empty with a host pool (the joint floor is not searched this way) or when no plan lowers the peak."""
-        if self.host_pool_bytes > 0:
-            return []
-        started = time.perf_counter()
-        self._follow_foreign_bytes()
-        # timed alike, no timing picks among byte-equal plans: the same bytes give the same plans
-        alike = dataclasses.replace(
-            self.trace, units=tuple(dataclasses.replace(unit, forward_ms=1.0) for unit in self.trace.units)
-        )
-        found: list[tuple[Action, tuple[Region, ...], int]] = []
-        for action in self.actions:
-            problem = self._prepared(alike, free_machinery(self.costs), action)
-            regions, timeline = floor_by_bytes(problem, self.solver_options)
-            if regions and timeline.peak_bytes < problem.baseline.peak_bytes:
-                found.append((action, regions, timeline.peak_bytes))
-        lowest = min((peak for _, _, peak in found), default=None)
-        baseline = simulate(self.trace, self.costs, ())
-        plans = []
-        for action, regions, peak in found:
-            if peak != lowest:
-                continue
-            ordered = region_actions(regions, action)
-            result = SolveResult(
-                region_actions=ordered, action=action, timeline=simulate(self.trace, self.costs, ordered),
-                baseline=baseline, min_feasible_bytes=floor_bytes, status=PlanStatus.FEASIBLE,
-                solver="the floor's plan, chosen by bytes", solve_time_s=time.perf_counter() - started,
-                stats=NO_PROGRAM,
-            )
-            plans.append(self._plan_of(result, budget_bytes, result.solve_time_s))
-        return plans
+        """The floor's own plans, chosen by bytes alone (``solving.floor_plans``): what a refusal measures to state
+        its smallest budget and what verification tries last."""
+        return solving.floor_plans(self, floor_bytes, budget_bytes)
 
     def measured_peak_bytes(self, module: OptimizedModule) -> int:
         return self.measure(module).peak_bytes
@@ -481,42 +440,6 @@ class Planner:
     def _solves_by_blocks(self) -> bool:
         return solves_by_blocks(self.options, self.graph)
 
-    def _solve_each(self, target_bytes: int) -> tuple[dict[Action, SolveResult], float]:
-        """Per action with a plan under ``target_bytes``: its cheapest plan, and the seconds all of it took
-        (preparing each action's problem the first time, floors, every action's solve). With a host pool, one joint
-        plan keyed by the action of its recompute-only rival. Each result's ``min_feasible_bytes`` is the lowest over
-        all actions; raises ``InfeasibleBudgetError`` when no action has a plan (at once under the static bytes). The
-        device bytes the step does not own are read again first: the plan is for the device as it is."""
-        self._on_stage("solve")
-        started = time.perf_counter()
-        self._follow_foreign_bytes()
-        refuse_static_over_budget(self.trace, target_bytes, lambda: self._solve_each(target_bytes))  # nothing prepared
-        context = self.context
-        results: dict[Action, SolveResult] = {}
-        infeasible: list[InfeasibleBudgetError] = []
-        solves = (
-            [functools.partial(solve_joint, self._joint_for(self.host_pool_bytes))] if self.host_pool_bytes > 0
-            else [functools.partial(solve_prepared, self._problem_for(action, context)) for action in self.actions]
-        )
-        for solve in solves:
-            try:
-                result = solve(target_bytes, self.solver_options)
-                results[result.action] = result
-            except InfeasibleBudgetError as error:
-                infeasible.append(error)
-        if not results:
-            lowest = min(infeasible, key=lambda error: error.min_feasible_bytes)  # the action that gets lowest
-            raise self._with_pool_needed(lowest, target_bytes)
-        floor = min([r.min_feasible_bytes for r in results.values()] + [e.min_feasible_bytes for e in infeasible])
-        complete = all(r.floor_complete for r in results.values())  # an infeasible action ran the full search
-        for action, result in results.items():
-            results[action] = dataclasses.replace(result, min_feasible_bytes=floor, floor_complete=complete)
-            logger.info(
-                "plan (%s): %s, %d regions, predicted peak %d bytes (target %d), solve %.1fs", action.value,
-                result.status.value, len(result.regions), result.timeline.peak_bytes, target_bytes, result.solve_time_s,
-            )
-        return results, time.perf_counter() - started
-
     def _follow_foreign_bytes(self) -> None:
         """Move the trace to the device bytes the step does not own now (``loop.with_foreign_bytes``: every event by
         the difference, as the loop's optimizer states raise them); the prepared problems are made again if it moved."""
@@ -528,61 +451,9 @@ class Planner:
             )
             self.trace = with_foreign_bytes(self.trace, now)
 
-    def _price(self, action: Action) -> None:
-        """Calibrate ``action`` when the cost model has no price for it (offload, for a planner made without a pool).
-        The problems prepared so far stay: the prices they use are unchanged."""
-        if action in self.costs.actions:
-            return
-        self.costs = calibrate(self._device, (*self.costs.actions, action))
-        if self._context is not None:
-            self._context = dataclasses.replace(self._context, costs=self.costs)
-
-    def _joint_for(self, pool_capacity_bytes: int) -> JointProblem:
-        """The joint problem over every recompute action planned for (each region its own) and offload."""
-        if pool_capacity_bytes not in self._joint:
-            context = self.context
-            self._joint[pool_capacity_bytes] = JointProblem(
-                tuple(self._problem_for(a, context) for a in self.actions), self._problem_for(Action.OFFLOAD, context),
-                pool_capacity_bytes,
-            )
-        return self._joint[pool_capacity_bytes]
-
     def _check_offload_possible(self, host_pool_gb: float | str) -> None:
         if self.graph.kind is CaptureKind.MODULE:
             refuse_offload(host_pool_gb, self.model, self.graph)
-
-    def _with_pool_needed(self, error: InfeasibleBudgetError, target_bytes: int) -> InfeasibleBudgetError:
-        """``error``, saying which host pool would make ``target_bytes`` feasible when a pool (or a larger one) would
-        (found by planning with a pool that holds every offload candidate; nothing changes when none would)."""
-        if self.graph.kind is CaptureKind.MODULE or target_bytes < self.trace.static_bytes:
-            return error
-        self._price(Action.OFFLOAD)
-        self._on_stage("solve")
-        joint = unbounded_pool(self._joint_for(self.host_pool_bytes))
-        if joint.pool_capacity_bytes <= self.host_pool_bytes:
-            return error
-        try:
-            needed = solve_joint(joint, target_bytes, self.solver_options).timeline.host_pool_bytes
-        except InfeasibleBudgetError:
-            return error
-        pool_gb = math.ceil(needed / GB * 1000) / 1000
-        return InfeasibleBudgetError(
-            f"{error} A host pool makes it feasible: with host_pool_gb={pool_gb} ({format_bytes(needed)}), the plan "
-            f"offloads saved tensors to host memory instead.",
-            budget_bytes=error.budget_bytes, min_feasible_bytes=error.min_feasible_bytes, host_pool_bytes_needed=needed,
-        )
-
-    def _problem_for(self, action: Action, context: PlanningContext) -> Problem:
-        if action not in self._problems:
-            self._problems[action] = self._prepared(self.trace, self.costs, action)
-        return self._problems[action]
-
-    def _prepared(self, trace: StepTrace, costs: CostModel, action: Action) -> Problem:
-        structure = find_repeated_blocks(self.graph, trace) if self._solves_by_blocks() else None
-        return prepare(
-            trace, costs, action, *candidate_regions(self.graph, trace),
-            seed_plans=baseline_seed_plans(self.graph, trace), structure=structure,
-        )
 
 
 def baseline_plan(planner: Planner, strategy: str, *, action: Action | None = None) -> Plan:

@@ -12,7 +12,7 @@ import torch
 
 import autockpt
 import autockpt.measure.sources
-import autockpt.planning.planner
+import autockpt.planning.solving
 from autockpt.measure.costs import calibrate, free_machinery
 from autockpt.measure.trace import trace_step
 from autockpt.types import StepTrace
@@ -65,7 +65,7 @@ def test_the_stated_minimum_is_the_same_whatever_the_measured_times(monkeypatch:
         return dataclasses.replace(trace, units=units)
 
     monkeypatch.setattr(autockpt.measure.sources, "trace_step", timed_to_order)
-    monkeypatch.setattr(autockpt.planning.planner, "calibrate", lambda *args, **kw: free_machinery(calibrate(*args, **kw)))
+    monkeypatch.setattr(autockpt.planning.solving, "calibrate", lambda *args, **kw: free_machinery(calibrate(*args, **kw)))
     stated = []
     for slow_first["now"] in (False, True):
         with pytest.raises(autockpt.InfeasibleBudgetError) as caught:

@@ -41,7 +41,7 @@ def test_a_budget_under_the_static_bytes_is_refused_before_anything_is_prepared(
     planner = _planner()  # a fresh planner: nothing prepared yet
     budget = trace.static_bytes // 3
     with monkeypatch.context() as patched:
-        patched.setattr("autockpt.planning.planner.prepare", lambda *a, **k: pytest.fail("prepared a problem"))
+        patched.setattr("autockpt.planning.solving.prepare", lambda *a, **k: pytest.fail("prepared a problem"))
         with pytest.raises(autockpt.InfeasibleBudgetError) as refused:
             planner.plan(budget_bytes=budget)
     error = refused.value

@@ -41,7 +41,7 @@ def test_a_loaded_plan_applies_without_solving_and_trains_like_pytorch(
     transformer_plan.save(tmp_path / "plan.json")
     case = zoo.build("transformer")  # a fresh model, as on another machine
     reference = twin(case)
-    monkeypatch.setattr("autockpt.planning.planner.solve_prepared", lambda *a, **k: pytest.fail("apply_plan must not solve"))
+    monkeypatch.setattr("autockpt.planning.solving.solve_prepared", lambda *a, **k: pytest.fail("apply_plan must not solve"))
     monkeypatch.setattr("autockpt.measure.sources.trace_step", lambda *a, **k: pytest.fail("apply_plan must not profile"))
     module = autockpt.apply_plan(case.model, autockpt.load_plan(tmp_path / "plan.json"), example_inputs=case.args)
     assert autockpt.get_plan(module).regions == transformer_plan.regions

@@ -53,7 +53,7 @@ def test_without_any_solution_in_time_a_greedy_plan_is_used(monkeypatch: pytest.
 
     monkeypatch.setattr(default, "solve_flat_program", timed_out)
     monkeypatch.setattr(default, "solve_block_program", timed_out)
-    monkeypatch.setattr(autockpt.planning.planner, "baseline_seed_plans", lambda graph, profile: [])  # no seed floor either
+    monkeypatch.setattr(autockpt.planning.solving, "baseline_seed_plans", lambda graph, profile: [])  # no seed floor either
     score = prepare.score_candidates
     monkeypatch.setattr(prepare, "score_candidates", lambda *args: (score(*args)[0], None))  # nor the best single region
     plan = planner.plan(budget_bytes=budget)

@@ -9,8 +9,10 @@ on every rank, as a torchrun script would build it.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import pickle
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -140,15 +142,22 @@ def run_rank(rank: int, world: int, jobs: list[tuple[dict[str, Any], str, str]],
     of a case's time on a 2-core machine, are paid once for all of them."""
     import autockpt
 
+    with _process_group(rank, world, init_file):
+        for config, plan_path, result_path in jobs:
+            result = _rank_result(config, autockpt.load_fsdp_plan(plan_path), rank, world)
+            with open(result_path, "wb") as out:
+                pickle.dump(result, out)
+
+
+@contextlib.contextmanager
+def _process_group(rank: int, world: int, init_file: str) -> Iterator[None]:
+    """This rank in a gloo group of ``world`` (one thread, a 60 s timeout), destroyed on the way out."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
     )
     try:
-        for config, plan_path, result_path in jobs:
-            result = _rank_result(config, autockpt.load_fsdp_plan(plan_path), rank, world)
-            with open(result_path, "wb") as out:
-                pickle.dump(result, out)
+        yield
     finally:
         dist.destroy_process_group()
 
@@ -190,11 +199,7 @@ def time_alternating(rank: int, world: int, config: dict[str, Any], plan_paths: 
 
     import autockpt
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
-    )
-    try:
+    with _process_group(rank, world, init_file):
         ids, target = batch(config, rank, world)
         plans = [autockpt.load_fsdp_plan(path) for path in plan_paths]
         peaks = [tracked_peak(config, fplan, ids, target)[0] for fplan in plans]
@@ -214,5 +219,3 @@ def time_alternating(rank: int, world: int, config: dict[str, Any], plan_paths: 
                     seconds[index].append(elapsed.item())
         with open(f"{out_dir}/alternating{rank}.pkl", "wb") as handle:
             pickle.dump({"seconds": seconds, "peaks": peaks}, handle)
-    finally:
-        dist.destroy_process_group()

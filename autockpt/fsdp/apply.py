@@ -13,7 +13,7 @@ from torch import nn
 
 from autockpt.errors import PlanMismatchError
 from autockpt.fsdp.record import FSDPPlan
-from autockpt.fsdp.shard import ROOT, fingerprint, is_sharded, shard
+from autockpt.fsdp.shard import ROOT, check_unsharded_module, fingerprint, shard
 from autockpt.types import describe_value
 
 logger = logging.getLogger(__name__)
@@ -33,13 +33,7 @@ def apply_fsdp(model: nn.Module, fplan: FSDPPlan, mesh: Any = None) -> nn.Module
             f"fplan must be an autockpt FSDPPlan (autockpt.plan_fsdp or autockpt.load_fsdp_plan), got "
             f"{describe_value(fplan)}"
         )
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if is_sharded(model):
-        raise ValueError(
-            f"{type(model).__name__} is already sharded (fully_shard was called on it or a submodule): apply the plan "
-            "to the model as built, before any fully_shard"
-        )
+    check_unsharded_module(model, "apply the plan to the model as built, before any fully_shard")
     modules = dict(model.named_modules())
     unknown = [u for u in (*fplan.units, *fplan.checkpointed, *fplan.selective, *fplan.offloaded,
                             *fplan.checkpointed_parts) if u != ROOT and u not in modules]

@@ -43,9 +43,9 @@ from autockpt.fsdp.record import FSDPPlan, RankFigures, UnitDecision
 from autockpt.fsdp.shard import (
     ROOT,
     check_units,
+    check_unsharded_module,
     describe_mp_policy,
     fingerprint,
-    is_sharded,
 )
 from autockpt.fsdp.unit_times import default_units, part_candidates, unit_times
 from autockpt.measure.costs import calibrate
@@ -130,13 +130,9 @@ class FSDPPlanner:
             raise ValueError(
                 f"plan_fsdp traces the step with trace='fake' only (no real step is run for N ranks); got trace={trace!r}"
             )
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if is_sharded(model):
-            raise ValueError(
-                f"{type(model).__name__} is already sharded (fully_shard was called on it or a submodule): plan the "
-                "model as it is before fully_shard (a fresh instance, or one on the meta device)"
-            )
+        check_unsharded_module(
+            model, "plan the model as it is before fully_shard (a fresh instance, or one on the meta device)"
+        )
         existing_fake_group(world_size)  # a real process group is refused before anything is traced
         spec = device_spec(target) if target is not None else None
         if not isinstance(reshard_after_forward, bool):

@@ -85,6 +85,16 @@ def is_sharded(model: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
+def check_unsharded_module(model: Any, advice: str) -> None:
+    """Refuse what is not an ``nn.Module``, or one ``fully_shard`` was already called on (``advice``: what to do)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if is_sharded(model):
+        raise ValueError(
+            f"{type(model).__name__} is already sharded (fully_shard was called on it or a submodule): {advice}"
+        )
+
+
 def check_units(model: nn.Module, units: Sequence[str]) -> tuple[str, ...]:
     """``units`` as module names of ``model``, the root last (added when missing); a name that is not a module, or a
     unit inside another unit, is refused with the names that exist."""

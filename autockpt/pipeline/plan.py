@@ -286,8 +286,9 @@ class PipelinePlanner:
     def plan(self, budget_gb: float | Sequence[float] | None = None, *,
              budget_bytes: int | Sequence[int] | None = None) -> PipelinePlan:
         """The first split's plan (``from_model``'s ``splits``) at this budget, one for all devices or one per stage
-        (GB = 10^9 bytes); ``InfeasibleBudgetError`` with the smallest budget a split keeps when none keeps it."""
-        result = next(iter(self.compare(budget_gb, budget_bytes=budget_bytes).values()))
+        (GB = 10^9 bytes); ``InfeasibleBudgetError`` with the smallest budget a split keeps when none keeps it.
+        The other splits are not planned."""
+        (result,) = self._answers(budget_gb, budget_bytes, self.table.request.splits[:1]).values()
         if isinstance(result, InfeasibleBudgetError):
             raise result
         return result
@@ -295,13 +296,17 @@ class PipelinePlanner:
     def compare(self, budget_gb: float | Sequence[float] | None = None, *,
                 budget_bytes: int | Sequence[int] | None = None) -> dict[str, PipelinePlan | InfeasibleBudgetError]:
         """Every split's plan (or refusal) at this budget, by split name; ``plan_time_s``: the setup and this call."""
+        return self._answers(budget_gb, budget_bytes, self.table.request.splits)
+
+    def _answers(self, budget_gb: Any, budget_bytes: Any,
+                 splits: Sequence[str | tuple[int, ...]]) -> dict[str, PipelinePlan | InfeasibleBudgetError]:
         started = time.perf_counter()
         table = self.table.with_budgets(stage_budgets(budget_gb, budget_bytes, self.table.request.num_stages))
         request, graph, link = table.request, self.graph, self.link_gb_per_s
         results: dict[str, PipelinePlan | InfeasibleBudgetError] = {}
         with preserved_model_state(request.model, request.microbatch_args, request.microbatch_kwargs):
             enter_training_modes(request.model)
-            for split in request.splits:
+            for split in splits:
                 chosen = _choose_split(table, split, link, table.solver_options)
                 if chosen is None:
                     results[split_name(split)] = _infeasible(table, request, link, split)

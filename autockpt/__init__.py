@@ -4,14 +4,12 @@
 
 Budgets are in GB = 10^9 bytes (``budget_gb``) or bytes (``budget_bytes``). The names below are the public facade;
 everything else lives in the subpackages (``autockpt.core``, ``measure``, ``runtime``, ``planning``, ``records``,
-``pipeline``, ``present``). Names that left the facade in 0.2 still work from ``autockpt`` in 0.2.x with a
-``DeprecationWarning`` that names their new home (CHANGELOG.md lists them).
+``pipeline``, ``present``). Names that left the facade in 0.2 were removed in 0.3; asking ``autockpt`` for one
+says where it lives (CHANGELOG.md lists them).
 """
 
 from __future__ import annotations
 
-import importlib
-import warnings
 from typing import Any
 
 from autockpt.core.devices import DeviceSpec
@@ -29,7 +27,7 @@ from autockpt.planning.planner import Planner
 from autockpt.records.plan import Plan, load_plan
 from autockpt.types import Action
 
-__version__ = "0.2.0"
+__version__ = "0.3.0.dev0"
 
 __all__ = [
     "Action",
@@ -59,55 +57,32 @@ __all__ = [
     "plan_pipeline",
 ]
 
-# The names that were in the facade in 0.1, and where they live now (``autockpt.X`` warns and returns them in 0.2.x).
-MOVED_NAMES = {
-    "BASELINE_STRATEGIES": "autockpt.core.solve.baselines",
-    "baseline_regions": "autockpt.core.solve.baselines",
-    "BatchSizeResult": "autockpt.planning.batch_size",
-    "ExampleBatch": "autockpt.planning.batch_size",
-    "max_batch_sizes": "autockpt.planning.batch_size",
+# The names that were in the facade in 0.1 and left it in 0.2 (with a warning) were removed in 0.3: asking for one
+# says where it lives now, rather than a bare AttributeError.
+REMOVED_NAMES = {
+    **dict.fromkeys(("BASELINE_STRATEGIES", "baseline_regions"), "autockpt.core.solve.baselines"),
+    **dict.fromkeys(("BatchSizeResult", "ExampleBatch", "max_batch_sizes"), "autockpt.planning.batch_size"),
     "MemoryEstimate": "autockpt.planning.estimate",
     "baseline_plan": "autockpt.planning.planner",
     "default_loss": "autockpt.measure.loss",
     "OptimizedModule": "autockpt.runtime.rewrite",
-    "CaptureError": "autockpt.errors",
-    "LossFunctionError": "autockpt.errors",
-    "PlanFileError": "autockpt.errors",
-    "ProfileError": "autockpt.errors",
-    "UnplannedStepError": "autockpt.errors",
-    "CaptureKind": "autockpt.types",
-    "Decision": "autockpt.types",
-    "MemoryCurve": "autockpt.types",
+    **dict.fromkeys(
+        ("CaptureError", "LossFunctionError", "PlanFileError", "ProfileError", "UnplannedStepError"), "autockpt.errors"
+    ),
+    **dict.fromkeys(
+        ("CaptureKind", "Decision", "MemoryCurve", "PipelineSchedule", "Placement", "PlanStatus", "Policy", "Region",
+         "RegionAction", "SolverStats", "Stage"),
+        "autockpt.types",
+    ),
     "ParetoPoint": "autockpt.record_types",
-    "PipelineSchedule": "autockpt.types",
-    "Placement": "autockpt.types",
-    "PlanStatus": "autockpt.types",
-    "Policy": "autockpt.types",
-    "Region": "autockpt.types",
-    "RegionAction": "autockpt.types",
-    "SolverStats": "autockpt.types",
-    "Stage": "autockpt.types",
+    "CheckpointKind": "autockpt (renamed Action)",
 }
 
 
-# Names of 0.1 that were renamed: the old name warns and returns the new one's value.
-RENAMED_NAMES = {"CheckpointKind": "autockpt.types"}  # autockpt.types.CheckpointKind -> Action (it warns as well)
-
-
 def __getattr__(name: str) -> Any:
-    if name in RENAMED_NAMES:
-        warnings.warn(
-            f"autockpt.{name} is renamed autockpt.Action (autockpt.{name} is removed in 0.3)",
-            DeprecationWarning, stacklevel=2,
+    if name in REMOVED_NAMES:
+        raise AttributeError(
+            f"autockpt.{name} was removed from the facade in 0.3: import it from {REMOVED_NAMES[name]} "
+            "(CHANGELOG.md, 0.3.0)"
         )
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            return getattr(importlib.import_module(RENAMED_NAMES[name]), name)
-    if name in MOVED_NAMES:
-        home = MOVED_NAMES[name]
-        warnings.warn(
-            f"autockpt.{name} left the facade in 0.2: import it from {home} (autockpt.{name} is removed in 0.3)",
-            DeprecationWarning, stacklevel=2,
-        )
-        return getattr(importlib.import_module(home), name)
     raise AttributeError(f"module 'autockpt' has no attribute {name!r}")

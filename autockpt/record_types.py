@@ -9,7 +9,6 @@ trace, costs, policy, timeline) are in ``types.py``.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 
 from autockpt.types import (
@@ -209,13 +208,6 @@ class PlanRecord:
     @property
     def regions(self) -> tuple[Region, ...]:
         return self.policy.regions
-
-    @property
-    def checkpoint_kind(self) -> Action:
-        """Deprecated (0.1's name): ``planned_action``."""
-        warnings.warn("Plan.checkpoint_kind is renamed Plan.planned_action; the old name goes in 0.3",
-                      DeprecationWarning, stacklevel=2)
-        return self.planned_action
 
     @property
     def region_overhead_ms(self) -> float:

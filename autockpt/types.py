@@ -9,7 +9,6 @@ the pipeline plan's stage records) is in ``record_types.py``.
 from __future__ import annotations
 
 import itertools
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -52,26 +51,6 @@ class Action(str, Enum):
     @property
     def recomputes(self) -> bool:
         return self in (Action.RECOMPUTE_TORCH, Action.RECOMPUTE_OWN)
-
-
-class _CheckpointKindMeta(type):
-    """``CheckpointKind`` of 0.1 is ``Action``: attribute access, calls and iteration go to ``Action``."""
-
-    def __getattr__(cls, name: str) -> Any:
-        return getattr(Action, name)
-
-    def __call__(cls, value: Any) -> Action:
-        return Action(value)
-
-    def __iter__(cls) -> Any:
-        return iter(Action)
-
-
-class _CheckpointKind(metaclass=_CheckpointKindMeta):
-    """The 0.1 name of ``Action``, with the 0.1 member names (``types.CheckpointKind`` warns, see ``__getattr__``)."""
-
-    TORCH_NON_REENTRANT = Action.RECOMPUTE_TORCH
-    RECOMPUTE_FUNCTION = Action.RECOMPUTE_OWN
 
 
 class Decision(str, Enum):
@@ -497,18 +476,3 @@ class PipelineSchedule(str, Enum):
     def in_flight(self, stage: int, num_stages: int, microbatches: int) -> int:
         """Microbatches whose activations a stage holds at once."""
         return min(num_stages - stage, microbatches) if self is PipelineSchedule.ONE_F_ONE_B else microbatches
-
-
-# 0.1 names, kept for 0.2.x: each warns and names what replaced it
-_RENAMED = {"CheckpointKind": ("Action", lambda: _CheckpointKind), "Profile": ("StepTrace", lambda: StepTrace)}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _RENAMED:
-        new_name, value = _RENAMED[name]
-        warnings.warn(
-            f"autockpt.types.{name} is renamed {new_name} (autockpt.types.{new_name}); the old name goes in 0.3",
-            DeprecationWarning, stacklevel=2,
-        )
-        return value()
-    raise AttributeError(f"module 'autockpt.types' has no attribute {name!r}")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -105,18 +104,16 @@ class Planner:
         profile_time_s: float = 0.0,
         notes: tuple[str, ...] = (),
         provenance: Provenance | None = None,
-        **legacy: Any,
+        **unexpected: Any,
     ) -> None:
-        if isinstance(graph, nn.Module):  # the 0.1 call, Planner(model, example_inputs=...): measure as it did
-            warnings.warn(
-                "Planner(model, example_inputs=...) is deprecated: use autockpt.Planner.from_model(model, ...) "
-                "(Planner(graph, trace, costs, options, step=...) now plans from values)",
-                DeprecationWarning, stacklevel=2,
+        if isinstance(graph, nn.Module):  # the 0.1 call, removed in 0.3
+            raise TypeError(
+                f"Planner({type(graph).__name__}(...), ...) was removed in 0.3: a Planner is made from captured values "
+                "(Planner(graph, trace, costs, options, step=...)); to plan a model, use "
+                "autockpt.Planner.from_model(model, example_inputs=...)"
             )
-            self.__dict__.update(Planner.from_model(graph, on_stage=on_stage, **legacy).__dict__)
-            return
-        if legacy:
-            raise TypeError(f"Planner() got unexpected keyword arguments {sorted(legacy)}")
+        if unexpected:
+            raise TypeError(f"Planner() got unexpected keyword arguments {sorted(unexpected)}")
         if not isinstance(graph, Graph) or not isinstance(trace, StepTrace) or not isinstance(costs, CostModel):
             raise TypeError(
                 "Planner(graph, trace, costs, options, step=...) takes a captured Graph, a StepTrace and a CostModel, "
@@ -220,13 +217,6 @@ class Planner:
     @property
     def model(self) -> nn.Module:
         return self.request.model
-
-    @property
-    def checkpoint_kinds(self) -> tuple[Action, ...]:
-        """Deprecated (0.1's name): ``actions``."""
-        warnings.warn("Planner.checkpoint_kinds is renamed Planner.actions; the old name goes in 0.3",
-                      DeprecationWarning, stacklevel=2)
-        return self.actions
 
     def plan(self, budget_gb: float | None = None, *, budget_bytes: int | None = None, pareto_points: int = 0) -> Plan:
         """The cheapest plan under the budget (GB = 10^9 bytes). ``pareto_points`` > 0 also solves that many budgets

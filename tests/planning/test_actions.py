@@ -15,21 +15,13 @@ from autockpt.core.simulate import simulate
 from autockpt.measure.step import measure_step
 from autockpt.present import zoo
 from autockpt.records.summary import region_rows
-from autockpt.types import Action, Placement, Policy, Region, RegionAction, Stage, StepTrace
+from autockpt.types import Action, Placement, Policy, Region, RegionAction, Stage
 
 V1_PLAN = Path(__file__).parents[1] / "data" / "plan_v1_transformer_tiny.json"  # written by the release before issue 20
 
 
-def test_checkpoint_kind_is_the_action_under_its_old_names() -> None:
+def test_the_action_values_are_those_plan_files_and_the_cli_use() -> None:
     assert Action is autockpt.Action
-    with pytest.warns(DeprecationWarning, match="renamed Action"):
-        from autockpt.types import CheckpointKind  # the 0.1 name: its members are Action's
-    assert CheckpointKind.TORCH_NON_REENTRANT is Action.RECOMPUTE_TORCH
-    assert CheckpointKind.RECOMPUTE_FUNCTION is Action.RECOMPUTE_OWN
-    assert CheckpointKind("recompute_function") is Action.RECOMPUTE_OWN and list(CheckpointKind) == list(Action)
-    with pytest.warns(DeprecationWarning, match="renamed StepTrace"):
-        from autockpt.types import Profile
-    assert Profile is StepTrace
     assert Action("torch_non_reentrant") is Action.RECOMPUTE_TORCH  # the values plan files and the CLI use
     assert list(Action) == [Action.RECOMPUTE_TORCH, Action.RECOMPUTE_OWN, Action.OFFLOAD]  # old names: aliases
 

@@ -1,8 +1,9 @@
 """PlanOptions (one validated options value for every entry point), the Planner over values and its trace-source seam,
-and the 0.2 facade with its deprecated names."""
+and the facade, with the names removed in 0.3."""
 
 from __future__ import annotations
 
+import importlib
 import warnings
 
 import pytest
@@ -10,7 +11,6 @@ import torch
 from conftest import loss_of, mlp
 
 import autockpt
-from autockpt.errors import CaptureError
 from autockpt.measure.sources import MeasuredTrace, StepInputs, TraceRequest
 from autockpt.planning.options import PlanOptions, resolve_options
 from autockpt.types import Graph, StepTrace
@@ -113,19 +113,19 @@ def test_the_planner_from_values_names_what_it_needs() -> None:
     assert measured_source.name == "measured"
 
 
-def test_the_old_planner_call_and_moved_names_still_work_with_a_warning() -> None:
+def test_the_names_removed_in_0_3_say_where_they_went() -> None:
     model, x = _example()
-    with pytest.warns(DeprecationWarning, match=r"Planner.from_model"):
-        planner = autockpt.Planner(model, example_inputs=(x,), loss_fn=loss_of)
-    assert planner.plan(budget_bytes=10**12).regions == ()
-    with pytest.warns(DeprecationWarning, match=r"import it from autockpt.errors"):
-        assert autockpt.CaptureError is CaptureError
-    with pytest.warns(DeprecationWarning, match="renamed autockpt.Action"):
-        assert autockpt.CheckpointKind.RECOMPUTE_FUNCTION is autockpt.Action.RECOMPUTE_OWN
-    with pytest.warns(DeprecationWarning, match="renamed Planner.actions"):
-        assert planner.checkpoint_kinds == planner.actions
-    with pytest.warns(DeprecationWarning, match="renamed Plan.planned_action"):
-        assert planner.plan(budget_bytes=10**12).checkpoint_kind is autockpt.Action.RECOMPUTE_TORCH
+    with pytest.raises(TypeError, match=r"removed in 0.3.*Planner.from_model"):
+        autockpt.Planner(model, example_inputs=(x,), loss_fn=loss_of)
+    with pytest.raises(AttributeError, match=r"removed from the facade in 0.3: import it from autockpt.errors"):
+        autockpt.CaptureError  # noqa: B018
+    with pytest.raises(AttributeError, match=r"renamed Action"):
+        autockpt.CheckpointKind  # noqa: B018
+    for removed in ("checkpoint_kinds",):
+        assert not hasattr(autockpt.Planner, removed)
+    assert not hasattr(autockpt.Plan, "checkpoint_kind")
+    with pytest.raises(ImportError):
+        from autockpt.types import CheckpointKind  # noqa: F401
     with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
         autockpt.not_a_name  # noqa: B018
 
@@ -136,6 +136,5 @@ def test_the_facade_is_small_and_every_name_resolves() -> None:
         warnings.simplefilter("error")  # a facade name never warns
         for name in autockpt.__all__:
             assert getattr(autockpt, name) is not None
-    for name in autockpt.MOVED_NAMES:
-        with pytest.warns(DeprecationWarning):
-            assert getattr(autockpt, name) is not None
+    for name, home in autockpt.REMOVED_NAMES.items():  # each removed name's new home has it
+        assert getattr(importlib.import_module(home.split()[0]), name.replace("CheckpointKind", "Action")) is not None

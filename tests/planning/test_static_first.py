@@ -10,13 +10,13 @@ import pytest
 import torch
 from conftest import FREE_MACHINERY
 from random_graphs import modelled_costs, random_model
+from solvers import ExactSolver
 
 import autockpt
 from autockpt.core.solve.base import SolverOptions
 from autockpt.core.solve.baselines import baseline_seed_plans
 from autockpt.core.solve.candidates import candidate_regions
 from autockpt.core.solve.default import solve_prepared
-from autockpt.core.solve.exact import ExactSolver
 from autockpt.core.solve.prepare import prepare
 from autockpt.core.solve.refine import end_of_step_bytes
 from autockpt.measure.capture import capture

@@ -1,15 +1,15 @@
-"""The solver contract: the problem every algorithm reads, the result every algorithm returns, and the protocol.
+"""The solver contract: the problem every algorithm reads and the result the solver returns.
 
 A ``Problem`` is one measured step (``StepTrace``), the prices of the actions (``CostModel``), the action the plan is
-made for, and the candidate regions scored alone by the simulator (``prepare.py`` builds it). A ``Solver`` turns a
-problem and a budget into a ``SolveResult``: the regions, their simulated timeline, and how they were found. Every
-algorithm in this package (``milp``, ``blocks``, ``greedy``, ``exact``, ``baselines``, and ``default``, which combines
-them) implements it, and the simulator (``problem.simulate``) judges them all.
+made for, and the candidate regions scored alone by the simulator (``prepare.py`` builds it). The default solver
+(``default.solve_prepared``) turns a problem and a budget into a ``SolveResult``: the regions, their simulated
+timeline, and how they were found. It combines the algorithms of this package (``milp``, ``blocks``, ``greedy``,
+``baselines``), each a ``Program`` or a function over a ``Problem``, and the simulator (``problem.simulate``) judges
+them all; ``exact`` is the reference the tests and experiments judge them by.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -57,13 +57,6 @@ class SolverOptions:
             raise ValueError(
                 f"need time_limit_s > 0 and 0 <= relative_gap < 1, got {self.time_limit_s}, {self.relative_gap}"
             )
-
-    def checkpoint_kinds(self, capture: CaptureKind) -> tuple[Action, ...]:
-        """Deprecated (0.1's name): ``recompute_actions(self.checkpoint, capture)``."""
-        warnings.warn("SolverOptions.checkpoint_kinds(capture) is deprecated: use "
-                      "autockpt.core.solve.base.recompute_actions(options.checkpoint, capture)", DeprecationWarning,
-                      stacklevel=2)
-        return recompute_actions(self.checkpoint, capture)
 
 
 def checked_checkpoint(choice: Action | str) -> Action | str:
@@ -265,17 +258,6 @@ class Program(Protocol):
         *,
         excluded: Sequence[tuple[Any, ...]] = (),
     ) -> ProgramAnswer: ...
-
-
-class Solver(Protocol):
-    """One algorithm: the cheapest regions it finds whose simulated peak is at most ``budget_bytes``.
-
-    Raises ``InfeasibleBudgetError`` (with the lowest peak it knows of) when it finds none.
-    """
-
-    name: str
-
-    def solve(self, problem: Problem, budget_bytes: int, options: SolverOptions) -> SolveResult: ...
 
 
 def summarise_programs(programs: list[SolverStats]) -> SolverStats:

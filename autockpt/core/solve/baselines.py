@@ -35,16 +35,14 @@ from __future__ import annotations
 import logging
 import math
 import re
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from autockpt.core.solve.base import NO_PROGRAM, Problem, SeedPlan, SolveResult, SolverOptions, region_actions
+from autockpt.core.solve.base import SeedPlan
 from autockpt.core.solve.candidates import candidate_regions, equal_saved_segments, is_unsafe, mutation_hazards
-from autockpt.core.solve.refine import no_plan_error
 from autockpt.core.structure import crossing_bytes
-from autockpt.types import CaptureKind, Graph, PlanStatus, Region, StepTrace
+from autockpt.types import CaptureKind, Graph, Region, StepTrace
 
 logger = logging.getLogger(__name__)
 
@@ -174,29 +172,6 @@ def baseline_seed_plans(graph: Graph, profile: StepTrace) -> list[SeedPlan]:
         if chosen.available and chosen.regions:
             seeds.append(SeedPlan(strategy, chosen.regions))
     return seeds
-
-
-class BaselineSolver:
-    """A baseline policy behind the solver contract: its regions on the graph, whatever the budget (status
-    ``given``); raises ``InfeasibleBudgetError`` when they do not fit it."""
-
-    def __init__(self, graph: Graph, strategy: str) -> None:
-        parse_strategy(strategy)
-        self.graph, self.strategy, self.name = graph, strategy, strategy
-
-    def solve(self, problem: Problem, budget_bytes: int, options: SolverOptions) -> SolveResult:
-        started = time.perf_counter()
-        chosen = baseline_regions(self.graph, problem.trace, self.strategy)
-        if not chosen.available:
-            raise ValueError(f"baseline {self.strategy!r}: {'; '.join(chosen.notes)}")
-        timeline = problem.simulate(chosen.regions)
-        if timeline.peak_bytes > budget_bytes:
-            raise no_plan_error(budget_bytes, timeline.peak_bytes)
-        return SolveResult(
-            region_actions=region_actions(chosen.regions, problem.action), action=problem.action, timeline=timeline, baseline=problem.baseline,
-            min_feasible_bytes=timeline.peak_bytes, status=PlanStatus.GIVEN, solver=self.name,
-            solve_time_s=time.perf_counter() - started, stats=NO_PROGRAM,
-        )
 
 
 # ------------------------------------------------------------------------------------------------ blocks

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pulp
 
-from autockpt.core.solve.base import Problem, ProgramAnswer, Scorer, SolveResult, SolverOptions
+from autockpt.core.solve.base import Problem, ProgramAnswer, Scorer, SolverOptions
 from autockpt.core.solve.block_types import BlockInstance, BlockPlan, BlockProblem, Chain, ChainOption, OtherRegion
 from autockpt.core.solve.candidates import safe_regions
 from autockpt.core.solve.pulp_tools import (
@@ -39,7 +39,6 @@ from autockpt.core.solve.pulp_tools import (
     is_proven_optimal,
     solve_and_write,
 )
-from autockpt.core.solve.refine import solve_with_program
 from autockpt.core.structure import RepeatedBlocks
 from autockpt.types import Phase, PlanStatus, Region, SolverStats, Timeline
 from autockpt.units import GB
@@ -543,13 +542,3 @@ def _most_retained(options: list[list[ChainOption]]) -> int:
 def _buckets_needed(bytes_needed: int, bucket: int) -> int:
     """Fewest retained buckets that relieve ``bytes_needed`` bytes (rounded up: buckets are rounded-down bytes)."""
     return 0 if bytes_needed <= 0 else -(-bytes_needed // bucket)
-
-
-class BlockSolver:
-    """The block program alone (chain DP where it applies), refined until the simulated peak fits; needs a problem
-    prepared with repeated blocks."""
-
-    name = "blocks"
-
-    def solve(self, problem: Problem, budget_bytes: int, options: SolverOptions) -> SolveResult:
-        return solve_with_program(problem, budget_bytes, options, solve_block_program, name=self.name)

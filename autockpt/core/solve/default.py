@@ -39,13 +39,6 @@ from autockpt.types import PlanStatus, Region, SolverStats, Timeline
 logger = logging.getLogger(__name__)
 
 
-class DefaultSolver:
-    name = "autockpt"
-
-    def solve(self, problem: Problem, budget_bytes: int, options: SolverOptions) -> SolveResult:
-        return solve_prepared(problem, budget_bytes, options)
-
-
 def solve_prepared(problem: Problem, budget_bytes: int, options: SolverOptions | None = None) -> SolveResult:
     """The cheapest plan under ``budget_bytes`` on a prepared problem (the floor is solved once per options). A
     budget under the static bytes is refused first, the floor searched only when the error's ``min_feasible_bytes``

@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from autockpt.core.solve.base import NO_PROGRAM, Problem, Scorer, SolveResult, SolverOptions, region_actions
+from autockpt.core.solve.base import Scorer
 from autockpt.core.solve.candidates import is_unsafe, mutation_hazards
-from autockpt.core.solve.refine import identity_result
 from autockpt.errors import InfeasibleBudgetError
-from autockpt.types import PlanStatus, Region, StepTrace
+from autockpt.types import Region, StepTrace
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -40,29 +38,6 @@ class ExactResult:
     overhead_ms: float  # simulated added step time of the plan (recompute + checkpoint machinery)
     plans_examined: int  # region sets considered, cheapest first, up to and including the optimum
     plans_simulated: int = 0  # of those, the ones the memory bound could not rule out (the rest were not simulated)
-
-
-class ExactSolver:
-    """``exact_regions`` behind the solver contract: the optimum over region plans, for graphs of up to
-    ``max_units`` units (tests and experiments judge the other solvers by it)."""
-
-    name = "exact"
-
-    def __init__(self, max_units: int = 14) -> None:
-        self.max_units = max_units
-
-    def solve(self, problem: Problem, budget_bytes: int, options: SolverOptions) -> SolveResult:
-        started = time.perf_counter()
-        floor = min_peak_bytes(problem.scorer, max_units=self.max_units)
-        min_feasible = min(floor, problem.baseline.peak_bytes)
-        if budget_bytes >= problem.baseline.peak_bytes:
-            return identity_result(problem, min_feasible, self.name, started, [NO_PROGRAM])
-        found = exact_regions(problem.scorer, budget_bytes, max_units=self.max_units)
-        return SolveResult(
-            region_actions=region_actions(found.regions, problem.action), action=problem.action, timeline=problem.simulate(found.regions),
-            baseline=problem.baseline, min_feasible_bytes=min_feasible, status=PlanStatus.OPTIMAL, solver=self.name,
-            solve_time_s=time.perf_counter() - started, stats=NO_PROGRAM,
-        )
 
 
 def exact_regions(scorer: Scorer, budget_bytes: int, *, max_units: int = 14) -> ExactResult:

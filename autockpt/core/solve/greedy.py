@@ -5,34 +5,8 @@ The fallback when a program finds no solution in time, and a baseline for the pr
 
 from __future__ import annotations
 
-import time
-
-from autockpt.core.solve.base import NO_PROGRAM, Problem, ScoredCandidate, SolveResult, SolverOptions, region_actions
-from autockpt.core.solve.refine import check_reachable, identity_result, no_plan_error
-from autockpt.types import PlanStatus, Region
-
-
-class GreedySolver:
-    """``greedy_regions`` at the budget; its floor is where the same order gets with no budget."""
-
-    name = "greedy"
-
-    def solve(self, problem: Problem, budget_bytes: int, options: SolverOptions) -> SolveResult:
-        started = time.perf_counter()
-        floor = problem.simulate(greedy_regions(problem, None)).peak_bytes
-        min_feasible = min(floor, problem.baseline.peak_bytes)
-        if budget_bytes >= problem.baseline.peak_bytes:
-            return identity_result(problem, min_feasible, self.name, started, [NO_PROGRAM])
-        check_reachable(problem, budget_bytes, min_feasible)
-        regions = greedy_regions(problem, budget_bytes)
-        timeline = problem.simulate(regions)
-        if timeline.peak_bytes > budget_bytes:
-            raise no_plan_error(budget_bytes, floor)
-        return SolveResult(
-            region_actions=region_actions(regions, problem.action), action=problem.action, timeline=timeline, baseline=problem.baseline,
-            min_feasible_bytes=min_feasible, status=PlanStatus.FEASIBLE, solver=self.name,
-            solve_time_s=time.perf_counter() - started, stats=NO_PROGRAM,
-        )
+from autockpt.core.solve.base import Problem, ScoredCandidate
+from autockpt.types import Region
 
 
 def greedy_regions(problem: Problem, budget_bytes: int | None) -> tuple[Region, ...]:

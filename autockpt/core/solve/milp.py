@@ -16,7 +16,7 @@ from typing import Any
 
 import pulp
 
-from autockpt.core.solve.base import Problem, ProgramAnswer, ScoredCandidate, SolveResult, SolverOptions
+from autockpt.core.solve.base import Problem, ProgramAnswer, ScoredCandidate, SolverOptions
 from autockpt.core.solve.pulp_tools import (
     add_no_good_cut,
     add_no_overlap,
@@ -24,18 +24,8 @@ from autockpt.core.solve.pulp_tools import (
     is_proven_optimal,
     solve_and_write,
 )
-from autockpt.core.solve.refine import solve_with_program
 from autockpt.types import PlanStatus, Region
 from autockpt.units import GB
-
-
-class MilpSolver:
-    """The flat program alone, refined until the simulated peak fits (no block program, no local search, no seeds)."""
-
-    name = "milp"
-
-    def solve(self, problem: Problem, budget_bytes: int, options: SolverOptions) -> SolveResult:
-        return solve_with_program(problem, budget_bytes, options, solve_flat_program, name=self.name)
 
 
 def solve_flat_program(

@@ -23,7 +23,6 @@ from autockpt.core.solve.base import (
     region_actions,
     summarise_programs,
 )
-from autockpt.core.solve.pulp_tools import solver_name
 from autockpt.errors import InfeasibleBudgetError
 from autockpt.types import PlanStatus, SolverStats, StepTrace, Timeline
 from autockpt.units import format_bytes
@@ -88,37 +87,6 @@ def refine(
         if search_high - search_low < 0.001 * budget_bytes:
             break
     return best
-
-
-def solve_with_program(
-    problem: Problem, budget_bytes: int, options: SolverOptions, program: Program, *, name: str
-) -> SolveResult:
-    """One program alone: its floor (``budget`` None), then ``refine`` at ``budget_bytes``; a budget under the static
-    bytes refused first (``refuse_static_over_budget``)."""
-    refuse_static_over_budget(
-        problem.trace, budget_bytes, lambda: solve_with_program(problem, budget_bytes, options, program, name=name)
-    )
-    started = time.perf_counter()
-    solver = solver_name(options)
-    programs: list[SolverStats] = []
-    floor_answer = program(problem, None, options, solver)
-    programs.append(floor_answer.stats)
-    floor_regions = floor_answer.regions or ()
-    floor_timeline = problem.simulate(floor_regions)
-    min_feasible = min(floor_timeline.peak_bytes, problem.baseline.peak_bytes)
-    if budget_bytes >= problem.baseline.peak_bytes:
-        return identity_result(problem, min_feasible, f"{name} ({solver})", started, programs)
-    check_reachable(problem, budget_bytes, min_feasible)
-    best = (floor_regions, floor_timeline, PlanStatus.FEASIBLE) if floor_timeline.peak_bytes <= budget_bytes else None
-    best = refine(problem, budget_bytes, options, program, solver, programs, best=best, rules_out_sets=True)
-    if best is None:
-        raise no_plan_error(budget_bytes, floor_timeline.peak_bytes)
-    regions, timeline, status = best
-    return SolveResult(
-        region_actions=region_actions(regions, problem.action), action=problem.action, timeline=timeline, baseline=problem.baseline,
-        min_feasible_bytes=min_feasible, status=status, solver=f"{name} ({solver})",
-        solve_time_s=time.perf_counter() - started, stats=summarise_programs(programs),
-    )
 
 
 def identity_result(

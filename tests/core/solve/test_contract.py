@@ -7,17 +7,13 @@ from __future__ import annotations
 import pytest
 from conftest import FREE_MACHINERY
 from random_graphs import modelled_costs, random_model
+from solvers import BaselineSolver, BlockSolver, DefaultSolver, ExactSolver, GreedySolver, MilpSolver, Solver
 
 import autockpt
 import autockpt.present.zoo
-from autockpt.core.solve.base import Problem, Solver, SolveResult, SolverOptions
-from autockpt.core.solve.baselines import BaselineSolver, baseline_seed_plans
-from autockpt.core.solve.blocks import BlockSolver
+from autockpt.core.solve.base import Problem, SolveResult, SolverOptions
+from autockpt.core.solve.baselines import baseline_seed_plans
 from autockpt.core.solve.candidates import candidate_regions
-from autockpt.core.solve.default import DefaultSolver
-from autockpt.core.solve.exact import ExactSolver
-from autockpt.core.solve.greedy import GreedySolver
-from autockpt.core.solve.milp import MilpSolver
 from autockpt.core.solve.prepare import prepare
 from autockpt.core.structure import find_repeated_blocks
 from autockpt.errors import InfeasibleBudgetError

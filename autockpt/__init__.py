@@ -17,13 +17,14 @@ from autockpt.core.solve.base import SolverOptions
 from autockpt.errors import AutockptError, InfeasibleBudgetError, PlanMismatchError
 from autockpt.fsdp import apply_fsdp, load_fsdp_plan, plan_fsdp
 from autockpt.measure.step import measure_step
-from autockpt.pipeline.plan import PipelinePlan, compare_pipeline_splits, load_pipeline_plan, plan_pipeline
+from autockpt.pipeline.plan import compare_pipeline_splits, plan_pipeline
 from autockpt.pipeline.run import pipeline_schedule
 from autockpt.planning.api import apply_plan, get_plan, optimize, plan
 from autockpt.planning.batch_size import max_batch_size
 from autockpt.planning.estimate import estimate
 from autockpt.planning.options import PlanOptions
 from autockpt.planning.planner import Planner
+from autockpt.records.pipeline_plan import PipelinePlan, load_pipeline_plan
 from autockpt.records.plan import Plan, load_plan
 from autockpt.types import Action
 

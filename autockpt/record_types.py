@@ -2,7 +2,7 @@
 
 ``PlanRecord`` (with its rows ``NodePlan``, the model's ``ModelFingerprint`` of ``TensorSpec``s, the budget sweep's
 ``ParetoPoint``s, the ``Provenance`` of its trace and timing and its ``MemoryBreakdown``s) is what ``records/plan.py``,
-``summary.py``, ``plan_io.py`` and the reports read; ``PipelineRecord`` is a pipeline plan, with its stages
+``summary.py``, ``codec.py`` and the reports read; ``PipelineRecord`` is a pipeline plan, with its stages
 (``PipelineStageRecord``) and tied parameters (``SharedParameter``). The values the stages pass to make them (graph,
 trace, costs, policy, timeline) are in ``types.py``.
 """
@@ -154,7 +154,7 @@ class PlanRecord:
     """The values of a plan: what autockpt decided for one model, inputs and budget, with its predictions.
 
     ``autockpt.Plan`` (``plan.py``) is this record with its report and save methods; the stages and the modules that
-    write plans (``summary.py``, ``report.py``, ``plan_io.py``) read this record. Bytes are exact integers.
+    write plans (``summary.py``, ``report.py``, ``codec.py``) read this record. Bytes are exact integers.
     """
 
     budget_bytes: int

@@ -45,7 +45,7 @@ import autockpt
 from autockpt.core.solve.base import SolverOptions, recompute_actions
 from autockpt.errors import InfeasibleBudgetError
 from autockpt.planning import solving
-from autockpt.records import plan_io
+from autockpt.records import codec, fingerprint
 from autockpt.types import Action, CaptureKind, CostModel, StepTrace
 
 FRACTIONS = (0.0, 0.1, 0.3, 0.6)
@@ -103,7 +103,7 @@ def pipeline_planners() -> tuple[tuple[autockpt.Planner, int], ...]:
 
 def stage_key(planner: autockpt.Planner) -> str:
     """A stage planner's identity across runs: its graph (the search may make the stages in another order)."""
-    return plan_io.graph_digest(planner.graph.kind.value, planner.graph.units)
+    return fingerprint.graph_digest(planner.graph.kind.value, planner.graph.units)
 
 
 def planner_for(case: dict[str, Any]) -> autockpt.Planner:
@@ -148,8 +148,8 @@ def _module_classes(graph: Any) -> dict[str, str]:
 def _graph_values(graph: Any) -> dict[str, Any]:
     return {
         "kind": graph.kind.value,
-        "units": [plan_io._encode(u) for u in graph.units],
-        "module_spans": [plan_io._encode(s) for s in graph.module_spans],
+        "units": [codec.encode(u) for u in graph.units],
+        "module_spans": [codec.encode(s) for s in graph.module_spans],
         "notes": list(graph.notes),
         "module_classes": _module_classes(graph),
     }
@@ -206,7 +206,7 @@ def _recorded_values(planner: autockpt.Planner) -> tuple[dict[str, Any], dict[st
     if planner.graph.kind is not CaptureKind.MODULE and Action.OFFLOAD not in planner.costs.actions:
         # priced now, so that nothing is calibrated while planning (an infeasible budget asks what pool would do)
         solving.price(planner, Action.OFFLOAD)
-    trace, costs = plan_io._encode(planner.trace), plan_io._encode(planner.costs)
+    trace, costs = codec.encode(planner.trace), codec.encode(planner.costs)
     if read_trace(trace) != planner.trace or read_costs(costs) != planner.costs:
         raise AssertionError("the trace or the prices do not read back as the values written")
     return trace, costs
@@ -260,11 +260,11 @@ def record(out: Path) -> None:
 
 
 def read_trace(data: dict[str, Any]) -> StepTrace:
-    return plan_io._decode(StepTrace, data)
+    return codec.decode(StepTrace, data)
 
 
 def read_costs(data: dict[str, Any]) -> CostModel:
-    return plan_io._decode(CostModel, data)
+    return codec.decode(CostModel, data)
 
 
 def first_difference(recorded: Any, replayed: Any, where: str = "") -> str | None:

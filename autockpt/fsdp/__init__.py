@@ -7,6 +7,6 @@ from __future__ import annotations
 from autockpt.fsdp.apply import apply_fsdp
 from autockpt.fsdp.offload import unit_pool
 from autockpt.fsdp.plan import FSDPPlanner, plan_fsdp
-from autockpt.fsdp.record import FSDPPlan, UnitDecision, load_fsdp_plan
+from autockpt.records.fsdp_plan import FSDPPlan, UnitDecision, load_fsdp_plan
 
 __all__ = ["FSDPPlan", "FSDPPlanner", "UnitDecision", "apply_fsdp", "load_fsdp_plan", "plan_fsdp", "unit_pool"]

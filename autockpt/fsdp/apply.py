@@ -12,8 +12,9 @@ from typing import Any
 from torch import nn
 
 from autockpt.errors import PlanMismatchError
-from autockpt.fsdp.record import FSDPPlan
-from autockpt.fsdp.shard import ROOT, check_unsharded_module, fingerprint, shard
+from autockpt.fsdp.shard import ROOT, check_unsharded_module, parameter_digest, shard
+from autockpt.records.fingerprint import check_parameters
+from autockpt.records.fsdp_plan import FSDPPlan
 from autockpt.types import describe_value
 
 logger = logging.getLogger(__name__)
@@ -42,11 +43,13 @@ def apply_fsdp(model: nn.Module, fplan: FSDPPlan, mesh: Any = None) -> nn.Module
             f"the plan's unit(s) or part(s) {unknown} are not modules of {type(model).__name__}: apply the plan to "
             "the model it was made for, or plan this model (autockpt.plan_fsdp)"
         )
-    if fingerprint(model, fplan.units) != fplan.fingerprint:
-        raise PlanMismatchError(
+    remedy = "plan this model (autockpt.plan_fsdp) or apply the plan to the one it was made for"
+    if fplan.fingerprint is not None:
+        check_parameters(fplan.fingerprint, model, remedy)
+    elif fplan.parameter_digest is not None and parameter_digest(model, fplan.units) != fplan.parameter_digest:
+        raise PlanMismatchError(  # a plan of 0.2: its digest says only that something differs
             f"the plan was made for another model: {type(model).__name__}'s parameter names, shapes or dtypes differ "
-            "from the planned model's; plan this model (autockpt.plan_fsdp) or apply the plan to the one it was "
-            "made for"
+            f"from the planned model's; {remedy}"
         )
     if mesh is None:
         if not dist.is_initialized():

@@ -35,7 +35,7 @@ import pulp
 
 from autockpt.core.solve.base import SolverOptions
 from autockpt.core.solve.pulp_tools import has_solution, make_solver, solver_name
-from autockpt.fsdp.record import UnitDecision
+from autockpt.records.fsdp_plan import UnitDecision
 from autockpt.types import LinkPrice
 
 logger = logging.getLogger(__name__)

@@ -30,9 +30,9 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from autockpt.fsdp.offload import unit_pool
-from autockpt.fsdp.record import TimelinePoint
 from autockpt.fsdp.shard import ROOT, shard
 from autockpt.measure.eager_paths import ValueReads, eager_library_paths, is_data_dependent_error, recorded_reads
+from autockpt.records.fsdp_plan import TimelinePoint
 
 logger = logging.getLogger(__name__)
 

@@ -39,13 +39,11 @@ from autockpt.fsdp.choose import (
     step_time,
 )
 from autockpt.fsdp.fake_world import RankMemory, existing_fake_group, fake_world, measure_sharded_step
-from autockpt.fsdp.record import FSDPPlan, RankFigures, UnitDecision
 from autockpt.fsdp.shard import (
     ROOT,
     check_units,
     check_unsharded_module,
     describe_mp_policy,
-    fingerprint,
 )
 from autockpt.fsdp.unit_times import default_units, part_candidates, unit_times
 from autockpt.measure.costs import calibrate
@@ -54,6 +52,9 @@ from autockpt.measure.loss import checked_loss, default_loss
 from autockpt.measure.sources import example_arguments
 from autockpt.planning.options import budget_to_bytes
 from autockpt.planning.planner import Planner
+from autockpt.record_types import ModelFingerprint
+from autockpt.records.fingerprint import model_fingerprint
+from autockpt.records.fsdp_plan import FSDPPlan, RankFigures, UnitDecision
 from autockpt.types import LinkPrice, describe_value
 from autockpt.units import format_bytes
 
@@ -104,12 +105,13 @@ class FSDPPlanner:
     def __init__(self, model: nn.Module, *, world_size: int, unit_names: tuple[str, ...], times: dict[str, UnitTimes],
                  spec: Any, pool_limit: int | None, reshard_after_forward: bool, mp_policy: Any,
                  make_optimizer: Callable[[list], Any] | None, device_type: str, provenance: Any,
-                 measure: Callable[[Mapping[str, UnitOption]], RankMemory]) -> None:
+                 fingerprint: ModelFingerprint, measure: Callable[[Mapping[str, UnitOption]], RankMemory]) -> None:
         self.model, self.world_size, self.unit_names, self.spec = model, world_size, unit_names, spec
         self.inner = [u for u in unit_names if u != ROOT]
         self.root, self.blocks = times[ROOT], [times[u] for u in self.inner]
         self.pool_limit, self.reshard_after_forward, self.mp_policy = pool_limit, reshard_after_forward, mp_policy
         self.make_optimizer, self.device_type, self.provenance = make_optimizer, device_type, provenance
+        self.fingerprint = fingerprint
         self._measure_on_fakes = measure
         self._measured: dict[frozenset, RankMemory] = {}  # by what the decisions do (``_key``)
 
@@ -171,7 +173,7 @@ class FSDPPlanner:
         return cls(model, world_size=world_size, unit_names=tuple(unit_names), times=times, spec=spec,
                    pool_limit=pool_limit, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
                    make_optimizer=make_optimizer, device_type=device_type, provenance=planner.provenance,
-                   measure=measure)
+                   fingerprint=model_fingerprint(model, planner.graph, args, kwargs), measure=measure)
 
     def measure(self, decisions: Mapping[str, UnitOption]) -> RankMemory:
         """The sharded step under ``decisions`` on the fake process group, measured once per distinct decisions."""
@@ -284,7 +286,7 @@ class FSDPPlanner:
             predicted_step_ms=predicted.step_ms, baseline_step_ms=plain.step_ms, floor_step_ms=full.step_ms,
             exposed_collective_ms=predicted.exposed_collective_ms, interconnect_gb_per_s=gb_per_s,
             optimizer_step_ms=optimizer_ms, checkpointed_parts=chosen["checkpointed_parts"],
-            provenance=self.provenance, fingerprint=fingerprint(self.model, self.unit_names), notes=tuple(notes),
+            provenance=self.provenance, fingerprint=self.fingerprint, notes=tuple(notes),
         )
 
 

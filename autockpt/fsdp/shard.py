@@ -195,9 +195,9 @@ def shard(
     return model
 
 
-def fingerprint(model: nn.Module, units: Sequence[str]) -> str:
-    """sha256 of the parameter names, shapes and dtypes and the unit names: what decides whether a plan fits a
-    model (values and devices are not read, so a meta model has the fingerprint of its real self)."""
+def parameter_digest(model: nn.Module, units: Sequence[str]) -> str:
+    """sha256 of the parameter names, shapes and dtypes and the unit names: what FSDP plans of 0.2 recorded to
+    decide whether they fit a model (``FSDPPlan.parameter_digest``; plans of 0.3 carry a ``ModelFingerprint``)."""
     digest = hashlib.sha256()
     for name, param in model.named_parameters():
         digest.update(f"{name}:{tuple(param.shape)}:{str(param.dtype).removeprefix('torch.')};".encode())

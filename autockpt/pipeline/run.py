@@ -23,11 +23,11 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from autockpt.errors import PlanMismatchError
 from autockpt.measure.capture import capture
-from autockpt.pipeline.plan import PipelinePlan
 from autockpt.pipeline.stage_graphs import build_stage_graphs
 from autockpt.planning.api import apply_plan
+from autockpt.records.fingerprint import model_fingerprint
+from autockpt.records.pipeline_plan import PipelinePlan
 from autockpt.records.plan_inputs import recorded_inputs
-from autockpt.records.plan_io import model_fingerprint
 from autockpt.runtime.model_state import enter_training_modes, preserved_model_state
 from autockpt.types import PipelineSchedule
 

@@ -22,9 +22,9 @@ from autockpt.planning.compiled import compiled_module
 from autockpt.planning.options import UNSET, PlanOptions, budget_to_bytes, resolve_options, unsupported
 from autockpt.planning.planner import Planner
 from autockpt.planning.shapes import attach_shape_variants
+from autockpt.records.fingerprint import check_fingerprint, model_fingerprint
 from autockpt.records.plan import Plan
 from autockpt.records.plan_inputs import in_recorded_form, recorded_inputs
-from autockpt.records.plan_io import check_fingerprint, model_fingerprint
 from autockpt.runtime.model_state import enter_training_modes, preserved_model_state
 from autockpt.runtime.rewrite import OptimizedModule, rewrite
 

@@ -52,8 +52,8 @@ from autockpt.planning.policy import PlanningContext, assemble_plan
 from autockpt.planning.shapes import attach_shape_variants
 from autockpt.planning.verify import verified_module
 from autockpt.record_types import ParetoPoint, Provenance
+from autockpt.records.fingerprint import check_fingerprint, model_fingerprint
 from autockpt.records.plan import Plan
-from autockpt.records.plan_io import check_fingerprint, model_fingerprint
 from autockpt.runtime.model_state import enter_training_modes, preserved_model_state
 from autockpt.runtime.offload import available_host_bytes
 from autockpt.runtime.rewrite import OptimizedModule, rewrite

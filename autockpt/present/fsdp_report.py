@@ -21,7 +21,7 @@ from autockpt.present.page import (
 from autockpt.units import format_bytes
 
 if TYPE_CHECKING:
-    from autockpt.fsdp.record import FSDPPlan
+    from autockpt.records.fsdp_plan import FSDPPlan
 
 # one colour per FSDPMemTracker category, in the order the tracker lists them
 _COLOURS = ("#4c72b0", "#a1c9f4", "#dd8452", "#ffb482", "#55a868", "#8de5a1", "#c44e52", "#8172b3", "#937860",

@@ -1,6 +1,6 @@
 """Plan: the record of what autockpt decided (``record_types.PlanRecord``) with the methods a person calls on it.
 
-It sits above the modules that format and store plans (``summary.py``, ``plan_io.py``), which read the record and never
+It sits above the modules that format and store plans (``summary.py``, ``codec.py``), which read the record and never
 import this module; the stages build ``Plan`` values and pass them on without calling these methods. The HTML report
 is the presentation layer's (``present/report.py``, matplotlib): ``report()`` finds its writer by name when called
 (``presentation_writer``), so no record imports presentation code.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from autockpt.record_types import PlanRecord
-from autockpt.records import plan_io, summary
+from autockpt.records import codec, summary
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -37,7 +37,7 @@ class Plan(PlanRecord):
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the plan as JSON (schema-versioned, no pickle); ``autockpt.load_plan`` reads it back."""
-        plan_io.save_plan(self, path)
+        codec.save_record(self, path, codec.PLAN_SCHEMA)
 
     def report(self, path: str | os.PathLike[str], *, depth: int = 2) -> None:
         """Write a self-contained report: HTML when ``path`` ends in .html/.htm, markdown otherwise."""
@@ -52,5 +52,5 @@ def presentation_writer(qualified_name: str) -> Callable[..., Any]:
 
 
 def load_plan(path: str | os.PathLike[str]) -> Plan:
-    """Read a plan written by ``Plan.save`` (or ``autockpt plan --out``); schema versions 1 to 5."""
-    return plan_io.read_plan(path, Plan)
+    """Read a plan written by ``Plan.save`` (or ``autockpt plan --out``), of any schema version since 1."""
+    return codec.read_record(path, Plan, codec.PLAN_SCHEMA)

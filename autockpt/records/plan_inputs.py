@@ -24,7 +24,7 @@ from torch import nn
 from autockpt.errors import PlanMismatchError
 from autockpt.measure.trace import device_of
 from autockpt.record_types import PlanRecord, TensorSpec
-from autockpt.records.plan_io import describe_spec, is_integral
+from autockpt.records.fingerprint import describe_spec, is_integral
 from autockpt.runtime.rewrite import CallForm
 
 logger = logging.getLogger(__name__)

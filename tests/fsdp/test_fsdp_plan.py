@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,12 +27,13 @@ from autockpt.fsdp.choose import (
     step_time,
 )
 from autockpt.fsdp.fake_world import fake_world, measure_sharded_step
-from autockpt.fsdp.record import FSDPPlan, UnitDecision
-from autockpt.fsdp.shard import checkpoint_kind, container_blocks
+from autockpt.fsdp.shard import checkpoint_kind, container_blocks, parameter_digest
 from autockpt.measure.loop import NAMED_OPTIMIZERS
+from autockpt.records.fsdp_plan import FSDPPlan, UnitDecision
 from autockpt.types import LinkPrice
 
 WORLD = 2
+V4_FSDP_PLAN = Path(__file__).parents[1] / "data" / "fsdp_plan_v4.json"  # as 0.2 wrote it (tests/data)
 FULL, SELECTIVE, OFFLOAD, PARTS = UnitDecision.FULL, UnitDecision.SELECTIVE, UnitDecision.OFFLOAD, UnitDecision.PARTS
 LLAMA = {**CONFIG, "kind": "llama", "model": {**CONFIG["model"], "heads": 4}}  # RMSNorm, attention, SwiGLU
 
@@ -194,7 +196,9 @@ def test_a_meta_model_on_meta_inputs_stays_on_meta_and_plans_as_the_real_one(roo
     ids, target = batch(CONFIG, rank=0, world=WORLD)
     fplan = _plan(model, example_inputs=(ids.to("meta"),), example_target=target.to("meta"))
     assert all(p.device.type == "meta" for p in model.parameters())
-    assert fplan.fingerprint == roomy.fingerprint
+    # the same model: the same graph and parameters (a meta input has no value range to record)
+    assert (fplan.fingerprint.graph_digest, fplan.fingerprint.parameters) == (roomy.fingerprint.graph_digest,
+                                                                             roomy.fingerprint.parameters)
     assert fplan.baseline_peak_bytes == roomy.baseline_peak_bytes
 
 
@@ -218,18 +222,20 @@ def test_save_and_load_give_the_same_plan(roomy, tmp_path) -> None:
                                     host_pool_bytes=12_345, host_pool_limit_bytes=10**9, exposed_copy_ms=0.5)
     assert autockpt.load_fsdp_plan(offloaded.save(tmp_path / "offloaded.json")) == offloaded
     assert [offloaded.decision(u).value for u in fplan.units] == ["full", "full_offload", "offload", "keep", "keep"]
-    data = json.loads((tmp_path / "plan.json").read_text())  # a version 2 file: nothing offloaded
-    for key in ("offloaded", "host_pool_bytes", "host_pool_limit_bytes", "exposed_copy_ms"):
-        del data[key]
-    (tmp_path / "v2.json").write_text(json.dumps({**data, "version": 2}))
-    assert autockpt.load_fsdp_plan(tmp_path / "v2.json") == fplan
+    legacy = json.loads(V4_FSDP_PLAN.read_text())  # as 0.2 wrote it: its own layout, key "version"
+    assert legacy["version"] == 4 and "schema_version" not in legacy
+    for key in ("checkpointed_parts", "offloaded", "host_pool_bytes", "host_pool_limit_bytes", "exposed_copy_ms"):
+        del legacy[key]  # a version 2 file: nothing offloaded, no parts
+    (tmp_path / "v2.json").write_text(json.dumps({**legacy, "version": 2}))
+    v2 = autockpt.load_fsdp_plan(tmp_path / "v2.json")
+    assert v2.offloaded == () and v2.selective and v2.fingerprint is None and v2.parameter_digest == legacy["fingerprint"]
     for key in ("selective", "selective_peak_bytes", "selective_step_ms"):  # a version 1 file: whole units only
-        del data[key]
-    (tmp_path / "v1.json").write_text(json.dumps({**data, "version": 1}))
+        del legacy[key]
+    (tmp_path / "v1.json").write_text(json.dumps({**legacy, "version": 1}))
     old = autockpt.load_fsdp_plan(tmp_path / "v1.json")
-    assert old.selective == () and old.checkpointed == fplan.checkpointed and old.selective_peak_bytes is None
-    (tmp_path / "v9.json").write_text(json.dumps({**data, "version": 9}))
-    with pytest.raises(PlanFileError, match="reads versions 1, 2, 3, 4"):
+    assert old.selective == () and old.checkpointed == v2.checkpointed and old.selective_peak_bytes is None
+    (tmp_path / "v9.json").write_text(json.dumps({**legacy, "version": 9}))
+    with pytest.raises(PlanFileError, match="FSDP plans of versions 1, 2, 3, 4 \\(0.2\\) and schema version 6"):
         autockpt.load_fsdp_plan(tmp_path / "v9.json")
     with pytest.raises(ValueError, match="both fully and selectively"):
         dataclasses.replace(fplan, checkpointed=fplan.units[:1], selective=fplan.units[:1])
@@ -238,7 +244,7 @@ def test_save_and_load_give_the_same_plan(roomy, tmp_path) -> None:
     with pytest.raises(ValueError, match="never checkpointed or offloaded"):
         dataclasses.replace(fplan, offloaded=("",))
     (tmp_path / "other.json").write_text('{"schema": "autockpt.plan"}')
-    with pytest.raises(PlanFileError, match="not an autockpt FSDP plan"):
+    with pytest.raises(PlanFileError, match="not an FSDP plan.*autockpt.load_plan reads it"):
         autockpt.load_fsdp_plan(tmp_path / "other.json")
 
 
@@ -255,8 +261,8 @@ def test_the_report_shows_rank_0_over_the_step_against_the_budget(roomy, tmp_pat
     assert "Rank 0 over the second step" in markdown and "| layers.3 backward peak |" in markdown
     page = roomy.report(tmp_path / "plan.html").read_text()
     assert page.count("<svg") == 1 and "stroke-dasharray" in page and "layers.0 forward peak" in page
-    data = json.loads(roomy.save(tmp_path / "plan.json").read_text())
-    for rank in data["ranks"]:  # a file saved before the timeline was recorded
+    data = json.loads(V4_FSDP_PLAN.read_text())
+    for rank in data["ranks"]:  # a file of 0.2 saved before the timeline was recorded
         del rank["timeline"]
     (tmp_path / "old.json").write_text(json.dumps(data))
     old = autockpt.load_fsdp_plan(tmp_path / "old.json")
@@ -295,8 +301,12 @@ def test_apply_refuses_what_the_plan_was_not_made_for(roomy) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     other = build({**CONFIG, "model": {**CONFIG["model"], "width": 16}})
-    with pytest.raises(PlanMismatchError, match="made for another model"):
+    with pytest.raises(PlanMismatchError, match=r"made for another model.*\n  parameter \S+: plan float32\[\d+, 64\], given float32\[\d+, 16\]"):
         autockpt.apply_fsdp(other, roomy)
+    legacy = autockpt.load_fsdp_plan(V4_FSDP_PLAN)  # a plan of 0.2 carries a digest of its parameters and units
+    assert parameter_digest(build(CONFIG), legacy.units) == legacy.parameter_digest
+    with pytest.raises(PlanMismatchError, match="made for another model"):
+        autockpt.apply_fsdp(other, legacy)
     with pytest.raises(TypeError, match="FSDPPlan"):
         autockpt.apply_fsdp(build(CONFIG), object())
     dist.init_process_group("fake", rank=0, world_size=3, store=FakeStore())
@@ -526,11 +536,7 @@ def test_an_applied_plan_checkpoints_its_parts_and_files_keep_them(parted, tmp_p
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     assert autockpt.load_fsdp_plan(parted.save(tmp_path / "parts.json")) == parted
-    data = json.loads((tmp_path / "parts.json").read_text())
-    assert data["version"] == 4
-    del data["checkpointed_parts"]  # a version 3 file: no parts
-    (tmp_path / "v3.json").write_text(json.dumps({**data, "version": 3}))
-    assert autockpt.load_fsdp_plan(tmp_path / "v3.json") == dataclasses.replace(parted, checkpointed_parts=())
+    assert json.loads((tmp_path / "parts.json").read_text())["schema_version"] == 6  # the one codec's version
     unit = parted.unit_of(parted.checkpointed_parts[0])
     with pytest.raises(ValueError, match="must lie inside a unit that is otherwise kept"):
         dataclasses.replace(parted, checkpointed=(*parted.checkpointed, unit))

@@ -32,7 +32,7 @@ def test_a_saved_plan_reads_back_equal(transformer_plan: autockpt.Plan, tmp_path
     loaded = autockpt.load_plan(tmp_path / "plan.json")
     assert loaded == transformer_plan
     document = json.loads((tmp_path / "plan.json").read_text())
-    assert document["schema"] == "autockpt.plan" and document["schema_version"] == 5
+    assert document["schema"] == "autockpt.plan" and document["schema_version"] == 6
 
 
 def test_a_loaded_plan_applies_without_solving_and_trains_like_pytorch(
@@ -77,7 +77,7 @@ def test_a_changed_graph_is_named_at_its_first_difference(transformer_plan: auto
     ("content", "message"),
     [
         ("not json", "is not JSON"),
-        ('{"hello": 1}', "not an autockpt plan"),
+        ('{"hello": 1}', "not a single-device plan"),
         ('{"schema": "autockpt.plan", "schema_version": 99, "plan": {}}', "schema version 99"),
         ('{"schema": "autockpt.plan", "schema_version": 1, "plan": {"budget_bytes": "x"}}', "not a valid autockpt plan"),
     ],

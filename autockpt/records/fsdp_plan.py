@@ -1,34 +1,23 @@
 """``FSDPPlan``: what ``plan_fsdp`` decided for a model sharded by FSDP2 over N ranks (``UnitDecision`` per unit),
-with ``summary()``, ``save()`` (JSON, schema "autockpt.fsdp_plan" version 4, never pickle; files of versions 1 to 3,
-without checkpointed parts, still load), ``report()`` (markdown or HTML, written by ``present/fsdp_report.py``) and
-``load_fsdp_plan``.
+with ``summary()``, ``save()`` (JSON by the one plan codec, ``codec.py``: schema "autockpt.fsdp_plan"; the files of
+0.2 still load), ``report()`` (markdown or HTML, written by ``present/fsdp_report.py``) and ``load_fsdp_plan``.
 
 Bytes are ``int`` bytes per rank; GB = 10^9 bytes and GiB = 2^30 bytes, both written wherever a size is shown.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any
 
-from autockpt.errors import PlanFileError
-from autockpt.record_types import Provenance
+from autockpt.record_types import ModelFingerprint, Provenance
+from autockpt.records import codec
 from autockpt.records.plan import presentation_writer
 from autockpt.units import format_bytes
 
 logger = logging.getLogger(__name__)
-
-SCHEMA = "autockpt.fsdp_plan"
-SCHEMA_VERSION = 4
-# version 1: whole-unit plans, no ``selective`` units; 1 and 2: no ``offloaded`` ones; 1 to 3: no
-# ``checkpointed_parts`` (a reader of version 3 would drop them silently: hence version 4)
-READABLE_VERSIONS = (1, 2, 3, 4)
-
 
 class UnitDecision(str, Enum):
     """What a plan does with one FSDP unit's activations: keep them all, recompute one module inside it (parts:
@@ -114,7 +103,10 @@ class FSDPPlan:
     exposed_collective_ms: float
     interconnect_gb_per_s: float | None
     provenance: Provenance
-    fingerprint: str
+    # the model planned (``records/fingerprint.py``); ``apply_fsdp`` checks its parameters. Plans of 0.2 carry
+    # ``parameter_digest`` instead (sha256 of parameter names, shapes, dtypes and the units: ``shard.parameter_digest``)
+    fingerprint: ModelFingerprint | None = None
+    parameter_digest: str | None = None
     notes: tuple[str, ...] = ()
     selective: tuple[str, ...] = ()  # units under selective checkpointing (disjoint from ``checkpointed``)
     selective_peak_bytes: int | None = None  # every unit selective, measured on the fake process group
@@ -212,8 +204,8 @@ class FSDPPlan:
         return "\n".join(lines)
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.write_text(json.dumps(plan_to_json(self), indent=1))
+        """Write the plan as JSON (no pickle); ``autockpt.load_fsdp_plan`` reads it back."""
+        path = codec.save_record(self, path, codec.FSDP_SCHEMA)
         logger.info("FSDP plan saved to %s", path)
         return path
 
@@ -225,48 +217,6 @@ class FSDPPlan:
         return Path(path)
 
 
-def plan_to_json(fplan: FSDPPlan) -> dict[str, Any]:
-    data = dataclasses.asdict(fplan)
-    data["ranks"] = [{"rank": r.rank, "peak_bytes": r.peak_bytes, "breakdown": dict(r.breakdown),
-                      "timeline": [{"label": t.label, "breakdown": dict(t.breakdown)} for t in r.timeline]}
-                     for r in fplan.ranks]
-    return {"schema": SCHEMA, "version": SCHEMA_VERSION, **data}
-
-
 def load_fsdp_plan(path: str | Path) -> FSDPPlan:
-    """Read a plan written by ``FSDPPlan.save``."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise PlanFileError(f"could not read an FSDP plan from {path}: {error}; give a file FSDPPlan.save wrote") \
-            from error
-    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-        raise PlanFileError(
-            f"{path} is not an autockpt FSDP plan (schema {data.get('schema') if isinstance(data, dict) else None!r},"
-            f" expected {SCHEMA!r}): give a file FSDPPlan.save wrote (a single-device plan loads with "
-            "autockpt.load_plan)"
-        )
-    if data.get("version") not in READABLE_VERSIONS:
-        raise PlanFileError(
-            f"{path} has FSDP plan schema version {data.get('version')!r}; this autockpt reads versions "
-            f"{', '.join(map(str, READABLE_VERSIONS))}: plan again with this version"
-        )
-    try:
-        fields = {k: v for k, v in data.items() if k not in ("schema", "version")}
-        fields["units"] = tuple(fields["units"])
-        fields["checkpointed"] = tuple(fields["checkpointed"])
-        fields["selective"] = tuple(fields.get("selective", ()))  # version 1: whole-unit decisions only
-        fields["offloaded"] = tuple(fields.get("offloaded", ()))  # versions 1 and 2: nothing offloaded
-        fields["checkpointed_parts"] = tuple(fields.get("checkpointed_parts", ()))  # versions 1 to 3: none
-        fields["notes"] = tuple(fields.get("notes", ()))
-        fields["provenance"] = Provenance(**fields["provenance"])
-        fields["ranks"] = tuple(
-            RankFigures(rank=r["rank"], peak_bytes=r["peak_bytes"], breakdown=tuple(r["breakdown"].items()),
-                        timeline=tuple(TimelinePoint(label=t["label"], breakdown=tuple(t["breakdown"].items()))
-                                       for t in r.get("timeline", ())))  # absent before the timeline was recorded
-            for r in fields["ranks"]
-        )
-        return FSDPPlan(**fields)
-    except (KeyError, TypeError, ValueError) as error:
-        raise PlanFileError(f"{path} is an FSDP plan with a missing or wrong field ({error}): plan again") from error
+    """Read a plan written by ``FSDPPlan.save`` (of this version, or of 0.2)."""
+    return codec.read_record(path, FSDPPlan, codec.FSDP_SCHEMA)

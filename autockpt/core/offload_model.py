@@ -40,7 +40,7 @@ def slot_bytes(storage_bytes: int) -> int:
 
 
 class RegionWindow(Protocol):
-    """What this module reads of ``simulate.RegionWindow`` (simulate imports this module, not the other way)."""
+    """What this module reads of ``region_rules.RegionWindow`` (simulate imports this module, not the other way)."""
 
     first_backward_event: int | None
 
@@ -77,7 +77,7 @@ def offload_transfers(
     windows: Sequence[RegionWindow],
 ) -> OffloadTransfers:
     """The transfers of the plan's offloaded regions (``region_of``: each unit's region; ``windows``: each region's
-    backward events, from ``simulate.region_windows``)."""
+    backward events, from ``region_rules.region_windows``)."""
     offloaded = [r for r, ra in enumerate(region_actions) if ra.action is Action.OFFLOAD]
     if not offloaded:
         return NO_TRANSFERS

@@ -14,7 +14,7 @@ changes, storage by storage (the rule of each action below; ``recompute.py`` run
   (from the event each went in, the rest of which it then raises: ``StorageLife.gradient_versions``, per version of
   the storage, as an in-place op's output has a gradient of its own; ``exit_gradient``); under autocast it also
   makes the gradients of the parameters whose cached casts the region read only when its backward is done
-  (``_late_leaf_gradients``);
+  (``late_leaf_gradients``);
 * storages saved by units outside every region live as measured;
 * storages no unit owns live as measured, whatever the plan: under autocast, the low-precision copies of parameters
   that autocast's cache holds to the end of the step (``trace.py``), which a recomputation takes from the cache
@@ -33,7 +33,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autockpt.core.offload_model import MovedStorage, offload_transfers, slot_bytes
+from autockpt.core.offload_model import MovedStorage, OffloadTransfers, offload_transfers, slot_bytes
+from autockpt.core.region_rules import (
+    RegionWindow,
+    exit_gradient,
+    is_region_output,
+    late_leaf_gradients,
+    region_at,
+    region_windows,
+    stops_early,
+    unit_regions,
+)
 from autockpt.core.storage_replay import (
     REGION_FACTS_SIZE,
     RegionFacts,
@@ -53,71 +63,6 @@ from autockpt.types import (
     StorageLife,
     Timeline,
 )
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RegionWindow:
-    """Where a region's recomputation happens on the measured timeline, and how far it runs."""
-
-    first_backward_event: int | None  # the unpack that triggers recomputation; None: nothing saved inside
-    last_backward_event: int | None  # the checkpoint frame (and the region's inputs) is released here
-    last_saver_unit: int | None  # the last unit that saves anything (parameters included) for backward
-    last_recomputed_unit: int | None  # the last unit whose kernels run again; None: nothing is re-run
-
-
-def region_windows(trace: StepTrace, region_actions: Sequence[RegionAction]) -> list[RegionWindow]:
-    """Where each region is recomputed (the first backward event that unpacks what one of its units saved), and how
-    far the recomputation runs.
-
-    Under torch's non-reentrant checkpoint it stops as soon as the region's last saved tensor is packed again (early
-    stop). Autograd packs an op's saved *inputs* before running its kernel, so when the last saver saves only tensors
-    made before it (a matmul saving its operands) its kernel is skipped; when it saves its own output it runs.
-    autockpt's own checkpoint runs the whole region: backward starts from the outputs' gradient functions.
-    """
-    index = storage_index(trace)
-    windows = []
-    for region_action in region_actions:
-        region, early_stop = region_action.region, _stops_early(region_action.action)
-        # units that saved anything (their saved tensors are unpacked in backward) -> first and last such event
-        spans = {
-            u: index.backward_span_of_unit[u]
-            for u in range(region.first_unit, region.last_unit + 1)
-            if index.backward_span_of_unit[u] is not None
-        }
-        last_saver = max(spans, default=None)
-        recomputed = None
-        if last_saver is not None and not early_stop:
-            recomputed = region.last_unit
-        elif last_saver is not None:
-            recomputed = last_saver if last_saver in index.saves_own_output else last_saver - 1
-            recomputed = recomputed if recomputed >= region.first_unit else None
-        windows.append(
-            RegionWindow(
-                first_backward_event=min((first for first, _ in spans.values()), default=None),
-                last_backward_event=max((last for _, last in spans.values()), default=None),
-                last_saver_unit=last_saver,
-                last_recomputed_unit=recomputed,
-            )
-        )
-    return windows
-
-
-def _stops_early(action: Action) -> bool:
-    """Whether the region's recomputation stops at its last saved tensor (torch's non-reentrant checkpoint)."""
-    return action is Action.RECOMPUTE_TORCH
-
-
-def unit_regions(num_units: int, regions: Sequence[Region]) -> list[int | None]:
-    """Region index of every unit (None when not checkpointed); raises on overlapping regions."""
-    region_of: list[int | None] = [None] * num_units
-    for r, region in enumerate(regions):
-        if region.last_unit >= num_units:
-            raise ValueError(f"region {region} reaches past the last unit ({num_units - 1})")
-        for unit in range(region.first_unit, region.last_unit + 1):
-            if region_of[unit] is not None:
-                raise ValueError(f"regions overlap at unit {unit}: {regions[region_of[unit]]} and {region}")
-            region_of[unit] = r
-    return region_of
 
 
 def machinery_ms(trace: StepTrace, costs: CostModel, region_actions: Sequence[RegionAction]) -> float:
@@ -181,120 +126,45 @@ class _Prediction:
     pool_bytes: list[int]  # per event: host pool slots taken so far this step (offload; not device memory)
 
 
+@dataclass(slots=True)
+class _PlanChanges:
+    """What a plan changes on the measured timeline, as difference arrays over the events (``_add``)."""
+
+    plan: list[int]  # every byte the plan adds or removes
+    forward: list[int]  # detailed: of which the original forward storages
+    copies: list[int]  # detailed: of which recomputed copies
+    pool: list[int]  # detailed: host pool slots (kept until the step ends)
+    copy_bytes_at_burst: list[int]  # per region: the copies alive when its recomputation starts
+    late_raises: dict[int, list[int]]  # event -> [its peak after held gradients went, their bytes]
+
+    @classmethod
+    def empty(cls, num_events: int, num_regions: int) -> _PlanChanges:
+        return cls(*([0] * (num_events + 1) for _ in range(4)), [0] * num_regions, {})
+
+
+def _add(delta: list[int], first: int, last: int, nbytes: int) -> None:
+    if first <= last:
+        delta[first] += nbytes
+        delta[last + 1] -= nbytes
+
+
 def _predict(
     trace: StepTrace, costs: CostModel, region_actions: Sequence[RegionAction], *, detailed: bool
 ) -> _Prediction:
     """``detailed``: also split the bytes into forward storages and recomputed copies (for memory curves)."""
-    num_events = len(trace.events)
     regions = [ra.region for ra in region_actions]
     actions = [ra.action for ra in region_actions]
     _check_gradient_lifetimes(trace, actions)
     region_of = unit_regions(len(trace.units), regions)
     windows = region_windows(trace, region_actions)
-    index = storage_index(trace)
     transfers = offload_transfers(trace, costs, region_actions, region_of, windows)
-    copy_bytes_at_burst = [0] * len(regions)
-    late_raises: dict[int, list[int]] = {}  # event -> [its peak after held gradients went, their bytes]
-    plan_delta = [0] * (num_events + 1)  # what the plan changes, on top of the measured timeline (difference array)
-    forward_delta = [0] * (num_events + 1)  # detailed: the plan's changes to the original forward storages
-    copy_delta = [0] * (num_events + 1)  # detailed: recomputed copies
-    pool_delta = [0] * (num_events + 1)  # detailed: host pool slots (kept until the step ends)
-
-    def add(delta: list[int], first: int, last: int, nbytes: int) -> None:
-        if first <= last:
-            delta[first] += nbytes
-            delta[last + 1] -= nbytes
-
-    # only storages that a region's unit makes, reads or saves can change
-    touched = sorted({s for region in regions for u in range(region.first_unit, region.last_unit + 1)
-                      for s in index.storages_of_unit[u]})
-    for position in touched:
-        storage = trace.storages[position]
-        base_free = storage.free_event if storage.free_event is not None else num_events - 1
-        moved = transfers.moves.get(position, ())
-        plan_free = _plan_free_event(storage, region_of, windows, base_free, transfers.regions, moved)
-        if plan_free != base_free:
-            first, last, nbytes = (plan_free + 1, base_free, -storage.nbytes) if plan_free < base_free else (
-                base_free + 1, plan_free, storage.nbytes)
-            add(plan_delta, first, last, nbytes)
-            if detailed:
-                add(forward_delta, first, last, nbytes)
-        for copy in moved:  # each copy brought back from the pool, until its last saver has unpacked it
-            add(plan_delta, copy.fetch_event, copy.last_release_event, storage.nbytes)
-            if detailed:
-                add(copy_delta, copy.fetch_event, copy.last_release_event, storage.nbytes)
-                add(pool_delta, copy.pack_event, num_events - 1, slot_bytes(storage.nbytes))
-        home = _region(region_of, storage.producer_unit)
-        if home is None or home in transfers.regions:
-            continue
-        releases = [
-            e for u, e in zip(storage.saver_units, storage.saver_release_events) if _region(region_of, u) == home
-        ]
-        window = windows[home]
-        gradient_free, late_peak = exit_gradient(storage, region_of, home)
-        if (
-            actions[home] is Action.RECOMPUTE_OWN  # it holds the gradients of the region's outputs
-            and window.first_backward_event is not None
-            and gradient_free is not None
-            and _is_region_output(storage, region_of, home)
-        ):
-            # the checkpoint holds the gradients of the region's outputs until the region's backward is done (in
-            # the measured step they were gone after ``gradient_free``); in the event it went in, the rest of the
-            # event has it too
-            add(plan_delta, max(gradient_free + 1, window.first_backward_event), window.last_backward_event,
-                storage.nbytes)
-            if late_peak is not None and window.first_backward_event <= gradient_free <= window.last_backward_event:
-                level = late_raises.setdefault(gradient_free, [0, 0])
-                level[0], level[1] = max(level[0], late_peak), level[1] + storage.nbytes
-        if releases and window.first_backward_event is not None:
-            add(plan_delta, window.first_backward_event, max(releases), storage.nbytes)
-            if detailed:
-                add(copy_delta, window.first_backward_event, max(releases), storage.nbytes)
-            copy_bytes_at_burst[home] += storage.nbytes
-
-    last_backward = [window.last_backward_event for window in windows]
-    for first, last, nbytes in _late_leaf_gradients(trace, region_of, last_backward, actions):
-        add(plan_delta, first, last, nbytes)
-
-    event_bytes, forward_bytes, copy_bytes, pool_bytes = [], [], [], []
-    running = forward_running = copy_running = pool_running = 0
-    for event in trace.events:
-        running += plan_delta[event.index]
-        event_bytes.append(event.peak_bytes + running)
-        if event.index in late_raises:
-            late_peak, held = late_raises[event.index]
-            event_bytes[-1] = max(event_bytes[-1], late_peak + held + running)
-        if detailed:
-            forward_running += forward_delta[event.index]
-            copy_running += copy_delta[event.index]
-            forward_bytes.append(index.forward_bytes[event.index] + forward_running)
-            copy_bytes.append(copy_running)
-            pool_running += pool_delta[event.index]
-            pool_bytes.append(pool_running)
-
-    burst_bytes = []
-    recompute_ms = 0.0
-    rerun_units: list[int] = []
-    for r, (region, window) in enumerate(zip(regions, windows)):
-        if window.first_backward_event is None or r in transfers.regions:  # an offloaded region re-runs nothing
-            burst_bytes.append(0)
-            continue
-        c = window.first_backward_event
-        offset = sum(plan_delta[: c + 1])
-        before_recompute = trace.events[c].start_bytes + offset - copy_bytes_at_burst[r]
-        replay = _replay_peak(trace, region, window, region_of, r, early_stop=_stops_early(actions[r]))
-        if window.last_recomputed_unit is not None:
-            rerun = range(region.first_unit, window.last_recomputed_unit + 1)
-            recompute_ms += sum(trace.units[u].forward_ms for u in rerun)
-            rerun_units += rerun
-        burst = before_recompute + replay
-        burst_bytes.append(burst)
-        if burst > event_bytes[c]:
-            if detailed:
-                copy_bytes[c] += burst - event_bytes[c]
-            event_bytes[c] = burst
-
-    peak_event = max(range(num_events), key=event_bytes.__getitem__)
+    changes = _storage_changes(trace, actions, regions, region_of, windows, transfers, detailed=detailed)
+    event_bytes, forward_bytes, copy_bytes, pool_bytes = _event_series(trace, changes, detailed=detailed)
+    burst_bytes, recompute_ms, rerun_units = _recompute_bursts(
+        trace, actions, regions, region_of, windows, transfers.regions, changes, event_bytes,
+        copy_bytes if detailed else None,
+    )
+    peak_event = max(range(len(trace.events)), key=event_bytes.__getitem__)
     machinery = machinery_ms(trace, costs, region_actions)
     timeline = Timeline(
         event_bytes=tuple(event_bytes),
@@ -310,6 +180,124 @@ def _predict(
         host_pool_bytes=transfers.pool_bytes,
     )
     return _Prediction(timeline=timeline, forward_bytes=forward_bytes, copy_bytes=copy_bytes, pool_bytes=pool_bytes)
+
+
+def _storage_changes(
+    trace: StepTrace, actions: Sequence[Action], regions: Sequence[Region], region_of: list[int | None],
+    windows: Sequence[RegionWindow], transfers: OffloadTransfers, *, detailed: bool,
+) -> _PlanChanges:
+    """Each storage a region's unit makes, reads or saves (only those can change), under the plan's rules."""
+    num_events = len(trace.events)
+    index = storage_index(trace)
+    changes = _PlanChanges.empty(num_events, len(regions))
+    touched = sorted({s for region in regions for u in range(region.first_unit, region.last_unit + 1)
+                      for s in index.storages_of_unit[u]})
+    for position in touched:
+        storage = trace.storages[position]
+        base_free = storage.free_event if storage.free_event is not None else num_events - 1
+        moved = transfers.moves.get(position, ())
+        plan_free = _plan_free_event(storage, region_of, windows, base_free, transfers.regions, moved)
+        if plan_free != base_free:
+            first, last, nbytes = (plan_free + 1, base_free, -storage.nbytes) if plan_free < base_free else (
+                base_free + 1, plan_free, storage.nbytes)
+            _add(changes.plan, first, last, nbytes)
+            if detailed:
+                _add(changes.forward, first, last, nbytes)
+        for copy in moved:  # each copy brought back from the pool, until its last saver has unpacked it
+            _add(changes.plan, copy.fetch_event, copy.last_release_event, storage.nbytes)
+            if detailed:
+                _add(changes.copies, copy.fetch_event, copy.last_release_event, storage.nbytes)
+                _add(changes.pool, copy.pack_event, num_events - 1, slot_bytes(storage.nbytes))
+        home = region_at(region_of, storage.producer_unit)
+        if home is None or home in transfers.regions:
+            continue
+        _recomputed_storage(storage, actions[home], windows[home], region_of, home, changes, detailed=detailed)
+    last_backward = [window.last_backward_event for window in windows]
+    for first, last, nbytes in late_leaf_gradients(trace, region_of, last_backward, actions):
+        _add(changes.plan, first, last, nbytes)
+    return changes
+
+
+def _recomputed_storage(
+    storage: StorageLife, action: Action, window: RegionWindow, region_of: list[int | None], home: int,
+    changes: _PlanChanges, *, detailed: bool,
+) -> None:
+    """A storage made in recomputed region ``home``: its fresh copy in backward, and the gradient autockpt's own
+    checkpoint holds when the storage is one of the region's outputs."""
+    releases = [e for u, e in zip(storage.saver_units, storage.saver_release_events) if region_at(region_of, u) == home]
+    gradient_free, late_peak = exit_gradient(storage, region_of, home)
+    if (
+        action is Action.RECOMPUTE_OWN  # it holds the gradients of the region's outputs
+        and window.first_backward_event is not None
+        and gradient_free is not None
+        and is_region_output(storage, region_of, home)
+    ):
+        # the checkpoint holds the gradients of the region's outputs until the region's backward is done (in the
+        # measured step they were gone after ``gradient_free``); in the event it went in, the rest of the event has
+        # it too
+        _add(changes.plan, max(gradient_free + 1, window.first_backward_event), window.last_backward_event,
+             storage.nbytes)
+        if late_peak is not None and window.first_backward_event <= gradient_free <= window.last_backward_event:
+            level = changes.late_raises.setdefault(gradient_free, [0, 0])
+            level[0], level[1] = max(level[0], late_peak), level[1] + storage.nbytes
+    if releases and window.first_backward_event is not None:
+        _add(changes.plan, window.first_backward_event, max(releases), storage.nbytes)
+        if detailed:
+            _add(changes.copies, window.first_backward_event, max(releases), storage.nbytes)
+        changes.copy_bytes_at_burst[home] += storage.nbytes
+
+
+def _event_series(
+    trace: StepTrace, changes: _PlanChanges, *, detailed: bool
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Per event: the step's bytes under the plan, and (detailed) its forward storages, copies and pool slots."""
+    forward_made = storage_index(trace).forward_bytes
+    event_bytes, forward_bytes, copy_bytes, pool_bytes = [], [], [], []
+    running = forward_running = copy_running = pool_running = 0
+    for event in trace.events:
+        running += changes.plan[event.index]
+        event_bytes.append(event.peak_bytes + running)
+        if event.index in changes.late_raises:
+            late_peak, held = changes.late_raises[event.index]
+            event_bytes[-1] = max(event_bytes[-1], late_peak + held + running)
+        if detailed:
+            forward_running += changes.forward[event.index]
+            copy_running += changes.copies[event.index]
+            forward_bytes.append(forward_made[event.index] + forward_running)
+            copy_bytes.append(copy_running)
+            pool_running += changes.pool[event.index]
+            pool_bytes.append(pool_running)
+    return event_bytes, forward_bytes, copy_bytes, pool_bytes
+
+
+def _recompute_bursts(
+    trace: StepTrace, actions: Sequence[Action], regions: Sequence[Region], region_of: list[int | None],
+    windows: Sequence[RegionWindow], offloaded: frozenset[int], changes: _PlanChanges, event_bytes: list[int],
+    copy_bytes: list[int] | None,
+) -> tuple[list[int], float, list[int]]:
+    """Each recomputed region's burst where its backward starts (raising that event's bytes, and the copies' share
+    of them when ``copy_bytes`` is given), the recomputed kernels' time and the units run again."""
+    burst_bytes = []
+    recompute_ms = 0.0
+    rerun_units: list[int] = []
+    for r, (region, window) in enumerate(zip(regions, windows)):
+        if window.first_backward_event is None or r in offloaded:  # an offloaded region re-runs nothing
+            burst_bytes.append(0)
+            continue
+        c = window.first_backward_event
+        before_recompute = trace.events[c].start_bytes + sum(changes.plan[: c + 1]) - changes.copy_bytes_at_burst[r]
+        replay = _replay_peak(trace, region, window, region_of, r, early_stop=stops_early(actions[r]))
+        if window.last_recomputed_unit is not None:
+            rerun = range(region.first_unit, window.last_recomputed_unit + 1)
+            recompute_ms += sum(trace.units[u].forward_ms for u in rerun)
+            rerun_units += rerun
+        burst = before_recompute + replay
+        burst_bytes.append(burst)
+        if burst > event_bytes[c]:
+            if copy_bytes is not None:
+                copy_bytes[c] += burst - event_bytes[c]
+            event_bytes[c] = burst
+    return burst_bytes, recompute_ms, rerun_units
 
 
 def _check_gradient_lifetimes(trace: StepTrace, actions: Sequence[Action]) -> None:
@@ -347,7 +335,7 @@ def _predict_fast(trace: StepTrace, costs: CostModel, region_actions: Sequence[R
     if Action.RECOMPUTE_OWN in actions and storage_index(trace).unowned:  # one per cast leaf: the reference's loop
         last_backward = [f.last_backward if f.last_backward >= 0 else None for f in facts]
         regions_of_units = [r if r >= 0 else None for r in region_of[: arrays.num_units].tolist()]
-        for first, last, nbytes in _late_leaf_gradients(trace, regions_of_units, last_backward, actions):
+        for first, last, nbytes in late_leaf_gradients(trace, regions_of_units, last_backward, actions):
             plan_delta[first] += nbytes
             plan_delta[last + 1] -= nbytes
     running = np.cumsum(plan_delta[:num_events])
@@ -403,7 +391,7 @@ def _region_facts(trace: StepTrace, arrays: StorageArrays, region: Region, actio
     recompute_ms = 0.0
     replay = 0
     if window.first_backward_event is not None:
-        replay = replay_peak_alone(trace, arrays, region, window, early_stop=_stops_early(action))
+        replay = replay_peak_alone(trace, arrays, region, window, early_stop=stops_early(action))
         if window.last_recomputed_unit is not None:
             rerun = list(range(region.first_unit, window.last_recomputed_unit + 1))
             recompute_ms = sum(arrays.forward_ms[region.first_unit : window.last_recomputed_unit + 1])
@@ -419,11 +407,6 @@ def _region_facts(trace: StepTrace, arrays: StorageArrays, region: Region, actio
         arrays.region_facts.clear()
     arrays.region_facts[key] = facts
     return facts
-
-
-def _region(region_of: list[int | None], unit: int) -> int | None:
-    """Region of a unit; work outside the graph (unit -1: the loss, autograd's start) is in none."""
-    return region_of[unit] if unit >= 0 else None
 
 
 def _plan_free_event(
@@ -444,19 +427,19 @@ def _plan_free_event(
     """
     if storage.free_event is None:
         return base_free
-    home = _region(region_of, storage.producer_unit)
+    home = region_at(region_of, storage.producer_unit)
     home = None if home in offloaded else home  # an offloaded region holds nothing of its own
     held_by_regions = [
         windows[r].last_backward_event
-        for r in {_region(region_of, user) for user in storage.user_units}
+        for r in {region_at(region_of, user) for user in storage.user_units}
         if r is not None and r != home and r not in offloaded and windows[r].last_backward_event is not None
     ]
-    saved_in_home = home is not None and any(_region(region_of, s) == home for s in storage.saver_units)
+    saved_in_home = home is not None and any(region_at(region_of, s) == home for s in storage.saver_units)
     if not saved_in_home and not moved:
         return max([base_free, *held_by_regions])
     holds = [storage.last_forward_use_event, *held_by_regions]
     for saver, release in zip(storage.saver_units, storage.saver_release_events):
-        saver_region = _region(region_of, saver)
+        saver_region = region_at(region_of, saver)
         # autograd keeps it for a unit in no region, and for one in an offloaded region that did not move it
         if saver_region is None or (saver_region in offloaded and not moved):
             holds.append(release)
@@ -495,11 +478,11 @@ def _replay_peak(
         for storage in storages.made_by_unit[unit]:
             if storage.free_event is not None and storage.free_event <= storage.alloc_event:
                 continue  # a temporary of the unit itself: inside ``rise``
-            saved_in_region = any(_region(region_of, s) == r for s in storage.saver_units)
-            if saved_in_region or any(_region(region_of, u) != r for u in storage.user_units):
+            saved_in_region = any(region_at(region_of, s) == r for s in storage.saver_units)
+            if saved_in_region or any(region_at(region_of, u) != r for u in storage.user_units):
                 live += storage.nbytes
                 continue
-            later_readers = [u for u in storage.user_units if _region(region_of, u) == r and u > unit]
+            later_readers = [u for u in storage.user_units if region_at(region_of, u) == r and u > unit]
             if later_readers:
                 live += storage.nbytes
                 readers_left[storage.index] = max(later_readers)
@@ -509,50 +492,3 @@ def _replay_peak(
             live -= transient_bytes.pop(index)
             del readers_left[index]
     return peak
-
-
-def _late_leaf_gradients(
-    trace: StepTrace,
-    region_of: Sequence[int | None],
-    last_backward: Sequence[int | None],
-    actions: Sequence[Action],
-) -> list[tuple[int, int, int]]:
-    """(first event, last event, bytes added) for the leaf gradients autockpt's own checkpoint makes late
-    (``region_of``: each unit's region; ``last_backward``: each region's last backward event).
-
-    Its backward differentiates the recomputed region with ``torch.autograd.grad``. There the gradient function of
-    each cast autocast cached in forward (a float32 parameter's low-precision copy; ``trace.py`` records the event
-    the parameter's gradient was made in as the copy's ``gradient_free_event``) is older than everything the
-    recomputation recorded, and autograd runs ready nodes newest first, so those casts back to float32 all run at
-    the end of the region's backward. Until then each such parameter's low-precision gradient is held and its
-    float32 gradient, twice the bytes (autocast casts to 16-bit types), is not made yet: the step holds the copy's
-    bytes less. From the region's last backward event on it is as measured; the event the gradient was made in is
-    left as measured too (its peak may come before the float32 gradient did).
-    """
-    changes = []
-    for storage in storage_index(trace).unowned:
-        made_at = storage.gradient_free_event
-        if made_at is None:
-            continue
-        unit = trace.events[made_at].unit  # the backward event of the unit that used the copy
-        r = region_of[unit] if unit >= 0 else None
-        last = last_backward[r] if r is not None else None
-        if r is not None and actions[r] is Action.RECOMPUTE_OWN and last is not None and made_at + 1 <= last - 1:
-            changes.append((made_at + 1, last - 1, -storage.nbytes))
-    return changes
-
-
-def exit_gradient(storage: StorageLife, region_of: Sequence[int | None], home: int) -> tuple[int | None, int | None]:
-    """(free event, peak of that event after it) of the gradient of the version of ``storage`` that region ``home``
-    returns: the version its last writer in the region made (the producer, or an in-place op after it). The
-    storage's last gradient (no later peak) where versions were not recorded."""
-    writer = max([storage.producer_unit, *(u for u in storage.mutator_units if _region(region_of, u) == home)])
-    for version in storage.gradient_versions:
-        if version.writer_unit == writer:
-            return version.free_event, version.late_peak_bytes
-    return storage.gradient_free_event, None
-
-
-def _is_region_output(storage: StorageLife, region_of: list[int | None], r: int) -> bool:
-    """Made in region ``r`` and read after it: by a unit outside it, by the loss, or as part of the model output."""
-    return storage.free_event is None or any(_region(region_of, u) != r for u in storage.user_units)

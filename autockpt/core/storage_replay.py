@@ -20,7 +20,7 @@ from autockpt.types import Action, MemoryEvent, Phase, Region, StepTrace, Storag
 
 
 class ReplayWindow(Protocol):
-    """What ``replay_peak_alone`` reads of ``simulate.RegionWindow`` (simulate imports this module, not the other
+    """What ``replay_peak_alone`` reads of ``region_rules.RegionWindow`` (simulate imports this module, not the other
     way)."""
 
     last_saver_unit: int | None
@@ -225,7 +225,7 @@ def storage_deltas(
 
 
 def _exit_gradients(a: StorageArrays, region_of: np.ndarray, home: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``simulate.exit_gradient`` of every storage: its gradient's free event (-1: not recorded) and that event's
+    """``region_rules.exit_gradient`` of every storage: its gradient's free event (-1: not recorded) and that event's
     later peak (-1: none), for the version its home region returns."""
     writer = a.producer.copy()
     owner_home = home[a.mutator_owner]

@@ -10,7 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autockpt.core.breakdown import memory_breakdown
-from autockpt.core.simulate import memory_curve, unit_regions
+from autockpt.core.region_rules import unit_regions
+from autockpt.core.simulate import memory_curve
 from autockpt.core.solve.base import SolveResult
 from autockpt.record_types import ModelFingerprint, NodePlan, Provenance
 from autockpt.records.plan import Plan

@@ -14,7 +14,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import autockpt
-from autockpt.core.simulate import _predict, region_windows, simulate
+from autockpt.core.region_rules import region_windows
+from autockpt.core.simulate import _predict, simulate
 from autockpt.core.solve.base import region_actions
 from autockpt.core.solve.candidates import candidate_regions
 from autockpt.measure.capture import capture

@@ -109,7 +109,7 @@ def test_memtracker_measures_an_optimized_bf16_step_as_the_prediction_and_measur
     backward does not keep (the loss reads a float32 copy of them); here by all of their bytes."""
     model, ids = _decoder()
     with bf16():
-        planner = autockpt.Planner(model, example_inputs=(ids,), example_kwargs={"labels": ids})
+        planner = autockpt.Planner.from_model(model, example_inputs=(ids,), example_kwargs={"labels": ids})
         probe = planner.plan(budget_bytes=10**15)
         floor, top = probe.min_feasible_bytes, probe.baseline_peak_bytes
         budget = int(floor + 0.4 * (top - floor))

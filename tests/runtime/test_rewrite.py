@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import autockpt
-from autockpt.core.simulate import region_windows
+from autockpt.core.region_rules import region_windows
 from autockpt.present import zoo
 
 

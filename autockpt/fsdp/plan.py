@@ -50,11 +50,12 @@ from autockpt.measure.costs import calibrate
 from autockpt.measure.loop import NAMED_OPTIMIZERS
 from autockpt.measure.loss import checked_loss, default_loss
 from autockpt.measure.sources import example_arguments
-from autockpt.planning.options import budget_to_bytes
+from autockpt.planning.options import PlanOptions, budget_to_bytes, pool_bytes_of, resolve_options
 from autockpt.planning.planner import Planner
 from autockpt.record_types import ModelFingerprint
 from autockpt.records.fingerprint import model_fingerprint
 from autockpt.records.fsdp_plan import FSDPPlan, RankFigures, UnitDecision
+from autockpt.runtime.offload import available_host_bytes
 from autockpt.types import LinkPrice, describe_value
 from autockpt.units import format_bytes
 
@@ -64,37 +65,46 @@ logger = logging.getLogger(__name__)
 def plan_fsdp(
     model: nn.Module, *, world_size: int, budget_gb: float | None = None, budget_bytes: int | None = None,
     example_inputs: Any = (), example_kwargs: Any = None, example_target: Any = None,
-    loss_fn: Callable[..., Any] | None = None, optimizer: Any = "adamw", units: Sequence[str] | None = None,
-    reshard_after_forward: bool = True, mp_policy: Any = None, target: Any = None, trace: str = "fake",
-    timing: Any = "auto", host_pool_gb: float | None = None,
+    loss_fn: Callable[..., Any] | None = None, units: Sequence[str] | None = None,
+    reshard_after_forward: bool = True, mp_policy: Any = None, options: PlanOptions | None = None,
+    **option_keywords: Any,
 ) -> FSDPPlan:
     """Plan checkpointing per FSDP unit (keep, one part such as its attention or MLP, selective or whole) for
     ``model`` sharded by FSDP2 over ``world_size`` ranks, under a per-rank budget.
 
     ``example_inputs`` / ``example_kwargs`` / ``example_target``: ONE rank's batch (real or meta tensors; the model
     may be on the meta device and is not changed). ``loss_fn(output, target)`` with a target, ``loss_fn(output)``
-    without (default: ``output.loss``, else the sum of the floating-point outputs). ``optimizer``: "adamw" (default),
-    "adam", "sgd", None (no step), or a function making one from a list of parameters (``torch.optim.AdamW``,
-    ``functools.partial(...)``); the budget covers forward, backward and two optimizer steps (the first makes the
-    states) and the rank's inputs, the step as torch runs it on the target's device type (this machine's without a
-    target): on CUDA a group's ``foreach=None`` (the default) means the foreach step and its temporaries.
+    without (default: ``output.loss``, else the sum of the floating-point outputs).
+
+    Options: ``options=PlanOptions(...)`` or its fields as keyword arguments; those it cannot honour are refused by
+    name (``FSDP_REFUSED``). ``optimizer``: None (the default, as everywhere: no step), "adamw", "adam", "sgd", or a
+    function making one from a list of parameters (``torch.optim.AdamW``, ``functools.partial(...)``); with one, the
+    budget covers forward, backward and two optimizer steps (the first makes the states) and the rank's inputs, the
+    step as torch runs it on the target's device type (this machine's without a target): on CUDA a group's
+    ``foreach=None`` (the default) means the foreach step and its temporaries. ``trace``: "auto" or "fake" (the step
+    of N ranks is never run: always a fake trace).
     ``units``: the module names ``fully_shard`` wraps (default: the repeated blocks autockpt finds in the traced
     step); the root is always sharded last and never checkpointed. ``mp_policy``: a
     ``torch.distributed.fsdp.MixedPrecisionPolicy`` or None. ``target``: a device name ("h100-sxm-80gb") or
     ``DeviceSpec``: roofline times and its GPU-to-GPU link for the collectives; its memory is the budget when none
-    is given. ``host_pool_gb``: a host pool per rank (GB = 10^9 bytes) that units may be offloaded into (keep or
-    checkpoint whole, with what they save, or their inputs, moved to the host between forward and backward); None
-    (default): nothing offloaded. Raises ``InfeasibleBudgetError`` (``min_feasible_bytes``: every unit checkpointed,
+    is given. ``host_pool_gb``: a host pool per rank (GB = 10^9 bytes, or "auto") that units may be offloaded into
+    (keep or checkpoint whole, with what they save, or their inputs, moved to the host between forward and backward);
+    0 (default): nothing offloaded. Raises ``InfeasibleBudgetError`` (``min_feasible_bytes``: every unit checkpointed,
     with its inputs offloaded when the pool holds them) below the floor."""
     if budget_gb is not None or budget_bytes is not None:
         budget_to_bytes(budget_gb, budget_bytes)  # a bad budget is refused before anything is traced
     planner = FSDPPlanner.from_model(
         model, world_size=world_size, example_inputs=example_inputs, example_kwargs=example_kwargs,
-        example_target=example_target, loss_fn=loss_fn, optimizer=optimizer, units=units,
-        reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, target=target, trace=trace, timing=timing,
-        host_pool_gb=host_pool_gb,
+        example_target=example_target, loss_fn=loss_fn, units=units, reshard_after_forward=reshard_after_forward,
+        mp_policy=mp_policy, options=options, **option_keywords,
     )
     return planner.plan(budget_gb, budget_bytes=budget_bytes)
+
+
+# what an FSDP plan cannot honour: it decides per unit (keep, parts, selective, whole, offload) with its own
+# knapsack, for a loop of full steps that holds the output, and has no module to return
+FSDP_REFUSED = ("checkpoint", "gradient_accumulation_steps", "solver", "strict", "compiled", "output_held",
+                "device_memory_bytes")
 
 
 class FSDPPlanner:
@@ -118,17 +128,19 @@ class FSDPPlanner:
     @classmethod
     def from_model(
         cls, model: nn.Module, *, world_size: int, example_inputs: Any = (), example_kwargs: Any = None,
-        example_target: Any = None, loss_fn: Callable[..., Any] | None = None, optimizer: Any = "adamw",
-        units: Sequence[str] | None = None, reshard_after_forward: bool = True, mp_policy: Any = None,
-        target: Any = None, trace: str = "fake", timing: Any = "auto", host_pool_gb: float | None = None,
+        example_target: Any = None, loss_fn: Callable[..., Any] | None = None, units: Sequence[str] | None = None,
+        reshard_after_forward: bool = True, mp_policy: Any = None, options: PlanOptions | None = None,
+        **option_keywords: Any,
     ) -> FSDPPlanner:
         """The step captured and traced on one rank's batch (fake trace), the units found and timed; the arguments
         are ``plan_fsdp``'s, checked here."""
+        options = resolve_options(options, option_keywords, entry_point="plan_fsdp", refused=FSDP_REFUSED)
+        trace, timing, target = options.trace, options.timing, options.target
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(
                 f"world_size must be an integer >= 1 (the number of ranks), got {describe_value(world_size)}"
             )
-        if trace != "fake":
+        if trace not in ("auto", "fake"):
             raise ValueError(
                 f"plan_fsdp traces the step with trace='fake' only (no real step is run for N ranks); got trace={trace!r}"
             )
@@ -140,8 +152,8 @@ class FSDPPlanner:
         if not isinstance(reshard_after_forward, bool):
             raise TypeError(f"reshard_after_forward must be True or False, got {describe_value(reshard_after_forward)}")
         _check_mp_policy(mp_policy)
-        pool_limit = _pool_limit_bytes(host_pool_gb)
-        make_optimizer = _optimizer_factory(optimizer)
+        pool_limit = None if options.host_pool_gb == 0 else pool_bytes_of(options.host_pool_gb, available_host_bytes)
+        make_optimizer = _optimizer_factory(options.optimizer)
         step_loss = _step_loss(loss_fn, example_target)
         args, kwargs = example_arguments(example_inputs, example_kwargs)  # a list is the arguments, as everywhere
 
@@ -356,17 +368,6 @@ def _link(spec: Any) -> LinkPrice:
     if spec is not None:
         return link_price(spec)
     return calibrate(torch.device("cpu"), (), link=True).link
-
-
-def _pool_limit_bytes(host_pool_gb: Any) -> int | None:
-    if host_pool_gb is None:
-        return None
-    if isinstance(host_pool_gb, bool) or not isinstance(host_pool_gb, (int, float)) or not host_pool_gb > 0:
-        raise ValueError(
-            f"host_pool_gb must be a positive number of GB (10^9 bytes) per rank, or None for no offload; got "
-            f"{describe_value(host_pool_gb)}"
-        )
-    return int(host_pool_gb * 1e9)
 
 
 def _measure_selective(measure: Callable[..., RankMemory], inner: Sequence[str]) -> RankMemory:

@@ -8,8 +8,8 @@
 * memory: physical memory (the cgroup's limit when lower) on a CPU, ``total_memory`` on CUDA.
 
 What the matmul reaches at that size is the calibrated "peak", not the vendor's: smaller matmuls reach less, so the
-roofline of a step of small matmuls runs faster than the step (``experiments/bench_roofline.py`` says by how much).
-Each device is calibrated once per process.
+roofline of a step of small matmuls runs faster than the step (``experiments/bench/bench_roofline.py`` says by how
+much). Each device is calibrated once per process.
 """
 
 from __future__ import annotations

@@ -77,7 +77,10 @@ def check_accumulation_steps(gradient_accumulation_steps: Any) -> int:
 
 def optimizer_factory(model: nn.Module, optimizer: Any) -> Callable[[], torch.optim.Optimizer]:
     """A function that makes a fresh optimizer like ``optimizer`` over ``model``'s parameters; ``optimizer`` itself is
-    left as it was (an instance is rebuilt from its class, param groups and a copy of its state)."""
+    left as it was (an instance is rebuilt from its class, param groups and a copy of its state). A name
+    (``NAMED_OPTIMIZERS``) stands for its factory."""
+    if isinstance(optimizer, str):
+        optimizer = named_optimizer(optimizer)
     params = list(model.parameters())
     if isinstance(optimizer, torch.optim.Optimizer):
         known = {id(p) for p in params}

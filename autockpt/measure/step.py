@@ -235,7 +235,7 @@ def measure_compiled_step(
     plus what existed before it (parameters, buffers, inputs, gradients when accumulating, optimizer states on the
     second step, tensors named by ``held_beside_step``: the profiler has no events for blocks allocated before it
     started). It sees buffers an op allocates and frees inside itself, which MemTracker's storage accounting does
-    not; on the eager decoders of experiments/bench_compile.py it nonetheless read 1-6 % below MemTracker (not
+    not; on the eager decoders of experiments/bench/bench_compile.py it nonetheless read 1-6 % below MemTracker (not
     investigated). ``static_from``: the module whose parameters and buffers are the step's (default ``module``; give
     the compiled module's original). Run the module once before, so that compiling is not measured.
     """

@@ -346,22 +346,56 @@ def _assemble(
     tracker = tracked.tracker
     events = tuple(
         MemoryEvent(
-            index=i,
-            phase=e.phase,
-            unit=e.unit,
-            start_bytes=e.start_bytes,
-            peak_bytes=e.peak_bytes,
+            index=i, phase=e.phase, unit=e.unit, start_bytes=e.start_bytes, peak_bytes=e.peak_bytes,
             pack_peak_bytes=e.pack_peak_bytes,
         )
         for i, e in enumerate(tracker.events)
     )
-    storages = []
+    storages, output_bytes, cached_casts = _storage_lives(graph, tracked, len(events), gradient_lifetimes)
+    record_bytes = {r.index: r.nbytes for r in tracker.records if r.index not in cached_casts}
+    units = tuple(
+        UnitCost(
+            index=u.index,
+            forward_ms=0.0,
+            flops=flops[u.index],
+            output_bytes=output_bytes[u.index],
+            saved_bytes=sum(record_bytes.get(i, 0) for i in tracked.saved_by_unit.get(u.index, ())),
+            saved_tensors=tracked.packs_by_unit.get(u.index, 0),
+        )
+        for u in graph.units
+    )
+    params = list(graph.model.parameters())
+    gradient_added = [0] * (len(events) + 1)
+    for event, nbytes in tracked.gradient_allocations:
+        gradient_added[event] += nbytes
+    return StepTrace(
+        units=units,
+        storages=storages,
+        events=events,
+        parameter_bytes=unique_storage_bytes(params),
+        buffer_bytes=unique_storage_bytes(list(graph.model.buffers())),
+        input_bytes=unique_storage_bytes([t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]),
+        gradient_bytes=sum(p.numel() * p.element_size() for p in params if p.requires_grad),
+        baseline_peak_bytes=max(e.peak_bytes for e in events),
+        forward_ms=0.0,
+        step_ms=0.0,
+        gradient_bytes_by_event=tuple(itertools.accumulate(gradient_added[: len(events)])),
+        gradient_lifetimes=gradient_lifetimes,
+    )
+
+
+def _storage_lives(
+    graph: Graph, tracked: _TrackedStep, num_events: int, gradient_lifetimes: bool
+) -> tuple[tuple[StorageLife, ...], list[int], set[int]]:
+    """Every storage made in forward as a ``StorageLife``, the bytes each unit outputs, and the records that are
+    autocast's cached casts."""
+    storages: list[StorageLife] = []
     output_bytes = [0] * len(graph.units)
     cached_casts: set[int] = set()
-    for record in tracker.records:
+    for record in tracked.tracker.records:
         if record.phase is not Phase.FORWARD:
             continue
-        free_event = record.free_event if record.free_event != len(events) - 1 else None
+        free_event = record.free_event if record.free_event != num_events - 1 else None
         if record.autocast_cast is not None and free_event is None:
             # held by autocast's cache to the context's end: like a parameter, no unit's output or saved tensor,
             # so no plan frees or remakes it; the unit that made it keeps it in its forward event's bytes. Its
@@ -395,46 +429,12 @@ def _assemble(
                 saver_release_events=tuple(record.release_event_by_saver[u] for u in savers),
                 mutator_units=tuple(sorted(u for u in record.mutators if u >= 0)),
                 gradient_free_event=_last_free_event(
-                    [g for gradients in record.gradients_by_writer.values() for g in gradients], len(events)
+                    [g for gradients in record.gradients_by_writer.values() for g in gradients], num_events
                 ),
-                gradient_versions=_gradient_versions(record, len(events)),
+                gradient_versions=_gradient_versions(record, num_events),
             )
         )
-    record_bytes = {r.index: r.nbytes for r in tracker.records if r.index not in cached_casts}
-    units = tuple(
-        UnitCost(
-            index=u.index,
-            forward_ms=0.0,
-            flops=flops[u.index],
-            output_bytes=output_bytes[u.index],
-            saved_bytes=sum(record_bytes.get(i, 0) for i in tracked.saved_by_unit.get(u.index, ())),
-            saved_tensors=tracked.packs_by_unit.get(u.index, 0),
-        )
-        for u in graph.units
-    )
-    params = list(graph.model.parameters())
-    parameter_bytes = unique_storage_bytes(params)
-    buffer_bytes = unique_storage_bytes(list(graph.model.buffers()))
-    input_bytes = unique_storage_bytes([t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
-    gradient_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-    gradient_added = [0] * (len(events) + 1)
-    for event, nbytes in tracked.gradient_allocations:
-        gradient_added[event] += nbytes
-    gradient_by_event = list(itertools.accumulate(gradient_added[: len(events)]))
-    return StepTrace(
-        units=units,
-        storages=tuple(storages),
-        events=events,
-        parameter_bytes=parameter_bytes,
-        buffer_bytes=buffer_bytes,
-        input_bytes=input_bytes,
-        gradient_bytes=gradient_bytes,
-        baseline_peak_bytes=max(e.peak_bytes for e in events),
-        forward_ms=0.0,
-        step_ms=0.0,
-        gradient_bytes_by_event=tuple(gradient_by_event),
-        gradient_lifetimes=gradient_lifetimes,
-    )
+    return tuple(storages), output_bytes, cached_casts
 
 
 def _with_times(untimed: StepTrace, unit_ms: list[float], step_ms: float, timed_at: list[int]) -> StepTrace:

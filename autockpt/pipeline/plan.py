@@ -29,19 +29,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from autockpt.core.devices import DeviceSpec
 from autockpt.core.solve.base import SolverOptions
 from autockpt.core.solve.split import Split, SplitProblem, StageOption, exhaustive_split, solve_split, step_ms
 from autockpt.errors import CaptureError, InfeasibleBudgetError
 from autockpt.measure.capture import capture
-from autockpt.measure.timing import Timing
 from autockpt.pipeline.request import SPLIT_STRATEGIES, PipelineRequest, stage_budgets
 from autockpt.pipeline.stage_graphs import (
     shared_parameters,
 )
 from autockpt.pipeline.stage_table import StageTable
 from autockpt.pipeline.whole_step import WholeStep, check_trace
-from autockpt.planning.options import UNSET, PlanOptions, resolve_options, unsupported
+from autockpt.planning.options import PlanOptions, resolve_options
 from autockpt.records.fingerprint import model_fingerprint
 from autockpt.records.pipeline_plan import PipelinePlan
 from autockpt.runtime.model_state import enter_training_modes, preserved_model_state
@@ -52,9 +50,14 @@ logger = logging.getLogger(__name__)
 
 # a split given by name instead of solved (the baselines of the benchmark)
 # PlanOptions the pipeline planner does not plan yet: given, they are refused, never ignored
-PIPELINE_UNSUPPORTED_OPTIONS = (
-    "optimizer", "host_pool_gb", "gradient_accumulation_steps", "strict", "compiled", "output_held",
-)
+PIPELINE_REFUSED = ("optimizer", "host_pool_gb", "gradient_accumulation_steps", "strict", "compiled", "output_held")
+
+
+def pipeline_options(options: PlanOptions | None, option_keywords: Mapping[str, Any]) -> PlanOptions:
+    """The options of a pipeline plan: ``PlanOptions`` less what it refuses, its trace a name."""
+    resolved = resolve_options(options, option_keywords, entry_point="plan_pipeline", refused=PIPELINE_REFUSED)
+    check_trace(resolved.trace)
+    return resolved
 
 
 def plan_pipeline(
@@ -74,12 +77,7 @@ def plan_pipeline(
     max_cut_candidates: int = 16,
     link_gb_per_s: float | None = None,
     options: PlanOptions | None = None,
-    trace: str = "auto",
-    timing: str | Timing = "auto",
-    target: str | DeviceSpec | None = None,
-    device_memory_bytes: int | None = None,
-    solver_options: Any = UNSET,
-    checkpoint: Any = UNSET,
+    **option_keywords: Any,
 ) -> PipelinePlan:
     """Split ``model`` into ``num_stages`` pipeline stages and plan each stage's recompute, so that every device
     keeps its budget (one for all, or a list with one per stage; GB = 10^9 bytes) under ``schedule`` with
@@ -95,7 +93,9 @@ def plan_pipeline(
     Raises ``InfeasibleBudgetError`` with the smallest per-device budget that a split keeps when none keeps the given
     one.
 
-    ``trace``, ``timing``, ``target``, ``device_memory_bytes``: as for ``Planner.from_model``. ``trace="auto"`` traces
+    Options: ``options=PlanOptions(...)`` or its fields as keyword arguments. ``trace``, ``timing``, ``target``,
+    ``device_memory_bytes``: as for ``Planner.from_model`` (``trace`` a name: a ``TraceSource`` is for one device).
+    ``trace="auto"`` traces
     the whole step on fake tensors (no real step, no weights read; exact memory) when the model or its inputs are on
     the meta device (``with torch.device("meta"): model = ...``) or when the fake trace predicts the unmodified step
     above the device memory (given, the target's, or on CUDA what is free), and then traces every stage on fakes
@@ -105,16 +105,15 @@ def plan_pipeline(
     without a target. The user's model is left as it was (a meta model stays on meta);
     the plan's notes say which trace and timing made it, and each stage plan's ``provenance`` too.
 
-    ``options`` (``PlanOptions``; or its keyword spelling ``solver_options=``, ``checkpoint=``): the stages are
-    planned with its checkpoint choice and solver options; an optimizer, host pool, gradient accumulation, strict or
-    compiled option is refused (``ValueError``): the pipeline planner does not plan them yet.
+    The stages are planned with the options' checkpoint choice and solver options; an optimizer, host pool, gradient
+    accumulation, loop, strict or compiled option is refused by name (``ValueError``): the pipeline planner does not
+    plan them yet (``PIPELINE_REFUSED``).
     """
     (result,) = compare_pipeline_splits(
         model, num_stages, budget_gb, splits=(split,), budget_bytes=budget_bytes, microbatches=microbatches,
         schedule=schedule, example_inputs=example_inputs, example_kwargs=example_kwargs, example_target=example_target,
         loss_fn=loss_fn, return_outputs=return_outputs, max_cut_candidates=max_cut_candidates,
-        link_gb_per_s=link_gb_per_s, options=options, trace=trace, timing=timing, target=target,
-        device_memory_bytes=device_memory_bytes, solver_options=solver_options, checkpoint=checkpoint,
+        link_gb_per_s=link_gb_per_s, options=options, **option_keywords,
     ).values()
     if isinstance(result, InfeasibleBudgetError):
         raise result
@@ -138,12 +137,7 @@ def compare_pipeline_splits(
     max_cut_candidates: int = 16,
     link_gb_per_s: float | None = None,
     options: PlanOptions | None = None,
-    trace: str = "auto",
-    timing: str | Timing = "auto",
-    target: str | DeviceSpec | None = None,
-    device_memory_bytes: int | None = None,
-    solver_options: Any = UNSET,
-    checkpoint: Any = UNSET,
+    **option_keywords: Any,
 ) -> dict[str, PipelinePlan | InfeasibleBudgetError]:
     """``plan_pipeline`` for several splits on one profile of the step (one capture, one timing, one planner per
     candidate stage), so that their predictions share one cost model: by split name ("autockpt", "exhaustive",
@@ -155,14 +149,11 @@ def compare_pipeline_splits(
         "example_kwargs": example_kwargs, "example_target": example_target, "loss_fn": loss_fn,
         "return_outputs": return_outputs,
     }
-    resolved = resolve_options(options, solver_options=solver_options, checkpoint=checkpoint)
-    unsupported(resolved, "plan_pipeline", PIPELINE_UNSUPPORTED_OPTIONS)  # refused before the budget is read
-    check_trace(trace)
+    resolved = pipeline_options(options, option_keywords)  # refused before the budget is read
     PipelineRequest.check(model, num_stages, budget_gb, budget_bytes, splits=splits, **common)  # before capture
     planner = PipelinePlanner.from_model(
         model, num_stages, splits=splits, max_cut_candidates=max_cut_candidates, link_gb_per_s=link_gb_per_s,
-        options=options, trace=trace, timing=timing, target=target, device_memory_bytes=device_memory_bytes,
-        solver_options=solver_options, checkpoint=checkpoint, **common,
+        options=resolved, **common,
     )
     return planner.compare(budget_gb, budget_bytes=budget_bytes)
 
@@ -184,16 +175,12 @@ class PipelinePlanner:
         example_kwargs: Mapping[str, Any] | None = None, example_target: Any = None,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, return_outputs: bool = True,
         splits: Sequence[str | Sequence[int]] = ("autockpt",), max_cut_candidates: int = 16,
-        link_gb_per_s: float | None = None, options: PlanOptions | None = None, trace: str = "auto",
-        timing: str | Timing = "auto", target: str | DeviceSpec | None = None, device_memory_bytes: int | None = None,
-        solver_options: Any = UNSET, checkpoint: Any = UNSET,
+        link_gb_per_s: float | None = None, options: PlanOptions | None = None, **option_keywords: Any,
     ) -> PipelinePlanner:
         """Capture, profile and tabulate the step for ``splits`` (the arguments are ``plan_pipeline``'s, checked
         here; no budget yet)."""
         started = time.perf_counter()
-        options = resolve_options(options, solver_options=solver_options, checkpoint=checkpoint)
-        unsupported(options, "plan_pipeline", PIPELINE_UNSUPPORTED_OPTIONS)
-        check_trace(trace)
+        options = pipeline_options(options, option_keywords)
         request = PipelineRequest.check(
             model, num_stages, None, 1, microbatches, schedule, example_inputs, example_kwargs, example_target,
             loss_fn, splits, return_outputs,
@@ -207,7 +194,8 @@ class PipelinePlanner:
                     "pipeline split needs the whole forward as one graph (torch.fx or torch.export)"
                 )
             whole = WholeStep.profile(
-                request, graph, trace=trace, timing=timing, target=target, device_memory_bytes=device_memory_bytes,
+                request, graph, trace=options.trace, timing=options.timing, target=options.target,
+                device_memory_bytes=options.device_memory_bytes,
             )
             table = StageTable(request, graph, max_cut_candidates, options, whole)
             link = link_gb_per_s if link_gb_per_s is not None else whole.link_gb_per_s()

@@ -133,8 +133,9 @@ class StageTable:
                 self.whole.stage_module(stage.module), example_inputs=args, example_kwargs=kwargs, loss_fn=self.stage_loss(stage),
                 # every microbatch after the first runs its backward with the step's gradients alive, and each
                 # accumulation makes a new gradient beside the old one: the loop of gradient accumulation
-                options=dataclasses.replace(self.options, gradient_accumulation_steps=self.request.microbatches),
-                **self.whole.planner_arguments(),  # on fakes when the whole step was, for the same device
+                # on fakes when the whole step was, for the same device
+                options=dataclasses.replace(self.options, gradient_accumulation_steps=self.request.microbatches,
+                                            **self.whole.planner_arguments()),
             )
         return self._planners[key]
 

@@ -37,7 +37,8 @@ from autockpt.measure.timing import with_timing
 from autockpt.measure.trace import trace_step
 from autockpt.pipeline.request import PipelineRequest
 from autockpt.pipeline.stage_graphs import CrossingValue, crossing_tensors, graph_values
-from autockpt.planning.build import TRACES, device_memory_for, traced_step
+from autockpt.planning.build import device_memory_for, traced_step
+from autockpt.planning.options import TRACES
 from autockpt.record_types import Provenance
 from autockpt.types import CostModel, Graph, StepTrace
 

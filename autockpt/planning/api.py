@@ -15,11 +15,10 @@ import torch
 from torch import nn
 
 from autockpt.measure.capture import capture
-from autockpt.measure.sources import StepInputs, TraceSource
-from autockpt.measure.timing import Timing
+from autockpt.measure.sources import StepInputs
 from autockpt.planning.build import without_values
 from autockpt.planning.compiled import compiled_module
-from autockpt.planning.options import UNSET, PlanOptions, budget_to_bytes, resolve_options, unsupported
+from autockpt.planning.options import PlanOptions, budget_to_bytes, resolve_options
 from autockpt.planning.planner import Planner
 from autockpt.planning.shapes import attach_shape_variants
 from autockpt.records.fingerprint import check_fingerprint, model_fingerprint
@@ -38,19 +37,14 @@ def optimize(
     example_kwargs: Mapping[str, Any] | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     options: PlanOptions | None = None,
-    solver_options: Any = UNSET,
-    checkpoint: Any = UNSET,
-    host_pool_gb: Any = UNSET,
-    strict: Any = UNSET,
-    optimizer: Any = UNSET,
-    gradient_accumulation_steps: Any = UNSET,
-    compiled: Any = UNSET,
-    output_held: Any = UNSET,
-    trace: str | TraceSource = "auto",
-    timing: str | Timing = "auto",
-    device_memory_bytes: int | None = None,
+    **option_keywords: Any,
 ) -> nn.Module:
     """Return a module that trains like ``model`` with a step peak of at most the budget (GB = 10^9 bytes).
+
+    Options: ``options=autockpt.PlanOptions(...)``, or any of its fields as keyword arguments (``checkpoint``,
+    ``host_pool_gb``, ``optimizer``, ``gradient_accumulation_steps``, ``output_held``, ``strict``, ``compiled``,
+    ``solver``, ``trace``, ``timing``, ``device_memory_bytes``); ``PlanOptions`` documents each. ``target`` is refused:
+    the returned module is measured here (plan for another device with ``autockpt.plan``).
 
     The returned module shares ``model``'s parameters and buffers (same ``state_dict`` keys) and returns the same
     outputs and gradients. Before returning, one real training step on the example inputs is measured; if it went
@@ -59,53 +53,29 @@ def optimize(
     steps are timed against each other and the faster is returned. ``autockpt.get_plan(result)`` tells what was
     decided and what was measured.
 
-    ``host_pool_gb`` (GB = 10^9 bytes): the most host memory the plan may offload saved tensors into (one buffer,
-    allocated once, pinned on CUDA, sized by the plan); the program then chooses per region between keeping,
-    recomputing and offloading. 0 (default): recompute only. ``"auto"``: up to half the host memory available now.
-    On CPU the pool is ordinary host memory: the step's device peak is then what MemTracker counts minus the pool.
-
     Inputs: a step whose tensors are no larger than the example's in every dimension (same rank and dtype; other
     arguments equal; extra arguments of at most one element such as a loop's ``num_items_in_batch``) runs under the
     plan, captured at its shapes the first time (``OptimizedModule.shape_variants()``). A larger step runs the
     original model with a warning, over the budget; ``strict=True`` raises ``UnplannedStepError`` instead.
 
-    The loop: with ``optimizer`` (the optimizer over ``model``'s parameters that will train it, or a function making
-    one from a list of parameters, e.g. ``torch.optim.AdamW``) the budget covers ``optimizer.step()`` too, its states
-    alive through every step and its temporaries; the optimizer is copied to measure it, never stepped. With
-    ``gradient_accumulation_steps`` > 1 it covers micro-steps that start with the earlier ones' gradients alive
-    (also the setting for a loop that zeroes gradients in place instead of setting them to None). ``output_held=False``
-    plans for a loop that drops the model's output before backward (Hugging Face's ``Trainer``, torchtitan,
-    ``model(**batch).loss.backward()``); the default holds it through the step (``PlanOptions.output_held``).
-
     ``compiled=True`` (or a dict of ``torch.compile`` keyword arguments): return ``torch.compile`` of the optimized
-    module, with the budget kept by the *compiled* step (the partitioner re-decides what is saved, so the eager plan's
-    peak does not carry over): the compiled step is measured (``torch.cuda.max_memory_allocated``; on CPU the
-    allocator's events in ``torch.profiler``, which count more than MemTracker) and planned tighter while it is over;
-    of the plans whose compiled step fits, the fastest compiled step is kept (timed against each other;
-    ``autockpt.planning.compiled``). ``autockpt.get_plan(result)`` is the plan. The optimizer and gradient accumulation are measured as in eager mode
-    (the optimizer step itself runs uncompiled). Not with a host pool.
+    module, with the budget kept by the *compiled* step (the partitioner re-decides what is saved): the compiled step
+    is measured and planned tighter while it is over; of the plans whose compiled step fits, the fastest compiled step
+    is kept (``autockpt.planning.compiled``). Not with a host pool.
 
-    A step that does not fit is never run: ``trace="auto"`` (default) plans from a fake trace (``FakeTensorMode``: the
-    step's exact memory, no real step) when the fake trace predicts the unmodified step above the device memory
-    (``device_memory_bytes``; on CUDA, by default, what is free plus what the step's tensors hold), with times from
-    each op benchmarked alone (``timing="auto"``); then only the optimized step is measured, as always. Without a
-    budget the budget is ``device_memory_bytes``. ``trace="measured"`` / ``"fake"`` force either trace
-    (``Planner.from_model``). A model on the meta device has no weights to train: ``autockpt.plan`` it instead.
+    A step that does not fit is never run: ``trace="auto"`` plans from a fake trace when it predicts the unmodified
+    step above the device memory; then only the optimized step is measured, as always. Without a budget the budget is
+    ``device_memory_bytes``. A model on the meta device has no weights to train: ``autockpt.plan`` it instead.
     """
-    if budget_gb is None and budget_bytes is None and device_memory_bytes is not None:
-        budget_bytes = device_memory_bytes
+    options = resolve_options(options, option_keywords, entry_point="autockpt.optimize", refused=("target",))
+    if budget_gb is None and budget_bytes is None and options.device_memory_bytes is not None:
+        budget_bytes = options.device_memory_bytes
     budget = budget_to_bytes(budget_gb, budget_bytes)
     refuse_meta(model, example_inputs, example_kwargs)
-    options = resolve_options(
-        options, solver_options=solver_options, checkpoint=checkpoint, host_pool_gb=host_pool_gb, strict=strict,
-        optimizer=optimizer, gradient_accumulation_steps=gradient_accumulation_steps, compiled=compiled,
-        output_held=output_held,
-    )
     # the planner plans and verifies eager steps; compiling them is compiled_module's (Planner.optimize refuses it)
     planner = Planner.from_model(
         model, example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
-        options=dataclasses.replace(options, compiled=False), trace=trace, timing=timing,
-        device_memory_bytes=device_memory_bytes,
+        options=dataclasses.replace(options, compiled=False),
     )
     if options.compiled is not False:
         compile_options = options.compiled if isinstance(options.compiled, Mapping) else {}
@@ -126,36 +96,23 @@ def plan(
     example_kwargs: Mapping[str, Any] | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     options: PlanOptions | None = None,
-    solver_options: Any = UNSET,
-    checkpoint: Any = UNSET,
-    host_pool_gb: Any = UNSET,
-    optimizer: Any = UNSET,
-    gradient_accumulation_steps: Any = UNSET,
-    output_held: Any = UNSET,
-    trace: str | TraceSource = "auto",
-    timing: str | Timing = "auto",
-    target: Any = None,
-    device_memory_bytes: int | None = None,
+    **option_keywords: Any,
 ) -> Plan:
     """Like ``optimize`` but only plans (no rewrite, no verification step): returns the Plan. With the default
     checkpoint choice ("auto") it is the plan with the smaller *predicted* overhead of the recompute actions
-    (``optimize`` times them instead).
+    (``optimize`` times them instead). Options as for ``optimize`` (``PlanOptions``), ``target`` included; ``strict``
+    and ``compiled`` are refused (they are about the module ``optimize`` returns).
 
     Planning for a device you do not have: build the model on the meta device (``with torch.device("meta"):``) and
     name the device, ``target="h100-sxm-80gb"`` (``autockpt.core.devices.DEVICE_SPECS``) or an ``autockpt.DeviceSpec``:
     the step is traced on fake tensors (``trace="auto"``), timed by the roofline of the target, and the budget
     defaults to the target's memory (or ``device_memory_bytes``). ``Plan.provenance`` says which trace and timing
     made the plan and for which device."""
+    options = resolve_options(options, option_keywords, entry_point="autockpt.plan", refused=("strict", "compiled"))
     if budget_gb is not None or budget_bytes is not None:
         budget_to_bytes(budget_gb, budget_bytes)  # checked before anything is traced
-    options = resolve_options(
-        options, solver_options=solver_options, checkpoint=checkpoint, host_pool_gb=host_pool_gb, optimizer=optimizer,
-        gradient_accumulation_steps=gradient_accumulation_steps, output_held=output_held,
-    )
-    unsupported(options, "autockpt.plan", ("strict", "compiled"))  # they are about the returned module: optimize's
     planner = Planner.from_model(
         model, example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn, options=options,
-        trace=trace, timing=timing, target=target, device_memory_bytes=device_memory_bytes,
     )
     return planner.plan(budget_gb, budget_bytes=budget_bytes)  # no budget: the device's memory, when known
 

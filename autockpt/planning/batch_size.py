@@ -21,6 +21,7 @@ followed by a larger one that does (the peak grows with the batch). How a batch 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -31,12 +32,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from autockpt.core.solve.base import SolverOptions
 from autockpt.core.solve.baselines import parse_strategy
 from autockpt.errors import FakeStepError, InfeasibleBudgetError
 from autockpt.measure.step import measure_step
-from autockpt.planning.build import TRACES, model_on_meta
-from autockpt.planning.options import budget_to_bytes
+from autockpt.planning.build import model_on_meta
+from autockpt.planning.options import TRACES, PlanOptions, budget_to_bytes, resolve_options
 from autockpt.planning.planner import Planner, baseline_plan
 from autockpt.records.plan import Plan
 from autockpt.types import describe_value
@@ -102,8 +102,8 @@ def max_batch_size(
     start: int = 1,
     limit: int = 1 << 16,
     precision: int = 1,
-    solver_options: SolverOptions | None = None,
-    trace: str = "auto",
+    options: PlanOptions | None = None,
+    **option_keywords: Any,
 ) -> BatchSizeResult:
     """The largest batch size whose step under ``strategy`` measures at most the budget (GB = 10^9 bytes).
 
@@ -111,12 +111,13 @@ def max_batch_size(
     (``autockpt.core.solve.baselines``: "none", "every_1", "sqrt_n", ...), whose plan is applied and measured.
     ``model_factory()`` is called once; ``input_factory(n)`` returns an ``ExampleBatch`` (or a tuple of positional
     inputs) of batch size ``n``. The search stops when the largest fitting and the smallest non-fitting batch are at
-    most ``precision`` apart (1: exact). ``trace``: "auto" / "fake" search on fake traces and measure only the answer;
-    "measured" measures every batch tried (module docstring).
+    most ``precision`` apart (1: exact). Options: ``PlanOptions``, or its fields as keyword arguments; ``trace``:
+    "auto" / "fake" search on fake traces and measure only the answer, "measured" measures every batch tried (module
+    docstring). ``strict``, ``compiled`` and ``target`` are refused (every answer is measured here, eagerly).
     """
     return max_batch_sizes(
         model_factory, input_factory, budget_gb=budget_gb, budget_bytes=budget_bytes, strategies=(strategy,),
-        start=start, limit=limit, precision=precision, solver_options=solver_options, trace=trace,
+        start=start, limit=limit, precision=precision, options=options, **option_keywords,
     )[strategy]
 
 
@@ -130,14 +131,20 @@ def max_batch_sizes(
     start: int = 1,
     limit: int = 1 << 16,
     precision: int = 1,
-    solver_options: SolverOptions | None = None,
     on_trial: Callable[[BatchTrial], None] | None = None,
-    trace: str = "auto",
+    options: PlanOptions | None = None,
+    **option_keywords: Any,
 ) -> dict[str, BatchSizeResult]:
     """``max_batch_size`` for several strategies, sharing one capture and profile per batch size tried."""
+    options = resolve_options(
+        options, option_keywords, entry_point="autockpt.max_batch_size", refused=("strict", "compiled", "target")
+    )
     budget = budget_to_bytes(budget_gb, budget_bytes)
-    if trace not in TRACES:
-        raise ValueError(f"trace={trace!r}: choose one of {', '.join(TRACES)}")
+    if not isinstance(options.trace, str):
+        raise TypeError(
+            f"max_batch_size switches between the fake and the measured trace: give trace as one of {', '.join(TRACES)}"
+            f", not {type(options.trace).__name__}"
+        )
     strategies = tuple(strategies)
     if not strategies:
         raise ValueError("give at least one strategy, e.g. strategies=('autockpt', 'every_1')")
@@ -152,7 +159,7 @@ def max_batch_sizes(
     model = model_factory()
     if not isinstance(model, nn.Module):
         raise TypeError(f"model_factory() must return an nn.Module, got {type(model).__name__}")
-    searcher = _Searcher(model, input_factory, budget, solver_options, on_trial, trace)
+    searcher = _Searcher(model, input_factory, budget, options, on_trial)
     return {name: searcher.search(name, start, limit, precision) for name in strategies}
 
 
@@ -164,15 +171,14 @@ class _Searcher:
         model: nn.Module,
         input_factory: Callable[[int], ExampleBatch | tuple],
         budget: int,
-        solver_options: SolverOptions | None,
+        options: PlanOptions,
         on_trial: Callable[[BatchTrial], None] | None,
-        trace: str,
     ) -> None:
-        self.trace = trace  # "measured": every trial measured; "fake"/"auto": predicted, the answer measured
+        self.trace = options.trace  # "measured": every trial measured; "fake"/"auto": predicted, the answer measured
         self.model = model
         self.input_factory = input_factory
         self.budget = budget
-        self.solver_options = solver_options
+        self.options = options
         self.on_trial = on_trial or (lambda trial: None)
         self.planners: dict[int, tuple[Planner | None, ExampleBatch, str]] = {}
 
@@ -315,7 +321,7 @@ class _Searcher:
         def make(trace: str) -> Planner:
             return Planner.from_model(
                 self.model, example_inputs=batch.args, example_kwargs=dict(batch.kwargs), loss_fn=batch.loss_fn,
-                solver_options=self.solver_options, trace=trace,
+                options=dataclasses.replace(self.options, trace=trace),
             )
 
         if not self.predicts:

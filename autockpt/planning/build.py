@@ -37,7 +37,7 @@ from autockpt.measure.costs import calibrate
 from autockpt.measure.fake import FakeTrace
 from autockpt.measure.fake_copy import has_no_values, meta_of_fake, model_on_meta, without_values
 from autockpt.measure.sources import MeasuredTrace, StepInputs, TraceRequest, TraceSource
-from autockpt.measure.timing import Timing, with_timing
+from autockpt.measure.timing import with_timing
 from autockpt.planning.eager_check import compare_with_eager
 from autockpt.planning.options import PlanOptions, checkpoint_choice
 from autockpt.record_types import Provenance
@@ -47,7 +47,6 @@ from autockpt.units import format_bytes
 
 logger = logging.getLogger(__name__)
 
-TRACES = ("auto", "fake", "measured")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -116,18 +115,6 @@ def _same_layout_on(
     made = torch.empty(0, dtype=tensor.dtype, device=device)
     made.set_(storages[key], tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
     return made.requires_grad_(tensor.requires_grad)
-
-
-def check_trace(trace: Any) -> None:
-    if isinstance(trace, str):
-        if trace not in TRACES:
-            raise ValueError(f"trace={trace!r}: choose one of {', '.join(TRACES)}, or give a TraceSource")
-        return
-    if not callable(getattr(trace, "trace", None)):
-        raise TypeError(
-            f"trace must be one of {TRACES} or a TraceSource (an object with name and trace(graph, step, request)), "
-            f"got {type(trace).__name__}"
-        )
 
 
 def device_memory_for(
@@ -256,22 +243,14 @@ class BuiltStep:
     profile_time_s: float
 
 
-def built_step(
-    step: StepInputs,
-    options: PlanOptions,
-    *,
-    on_stage: Callable[[str], None] | None,
-    trace: str | TraceSource,
-    timing: str | Timing,
-    target: str | DeviceSpec | None,
-    device_memory_bytes: int | None,
-) -> BuiltStep:
-    """``Planner.from_model``'s work on a checked step: capture, trace, time and price."""
-    check_trace(trace)
+def built_step(step: StepInputs, options: PlanOptions, *, on_stage: Callable[[str], None] | None) -> BuiltStep:
+    """``Planner.from_model``'s work on a checked step: capture, trace, time and price (where the step is known from
+    and for which device: ``options.trace``, ``timing``, ``target``, ``device_memory_bytes``)."""
+    trace, timing, target = options.trace, options.timing, options.target
     without_values = on_meta(step)  # before the inputs are aligned: placeholders stand for no values
     step = aligned_step(step)
     spec = device_spec(target) if target is not None else None
-    memory = device_memory_for(step, device_memory_bytes, spec)
+    memory = device_memory_for(step, options.device_memory_bytes, spec)
     stage = on_stage or (lambda name: None)
     # a model on the meta device is planned for the CPU, where its fake step runs and its machinery is priced
     price_device = torch.device("cpu") if step.device.type == "meta" else step.device

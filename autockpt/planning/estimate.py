@@ -4,14 +4,15 @@ Like ``accelerate estimate-memory`` but traced on a step (capture + profile, not
 includes what accelerate omits: activations saved for backward and the temporaries of the step. The optimizer's
 states and the peak of ``optimizer.step()`` are measured too (``loop.measure_optimizer_step``: a fresh optimizer of
 that kind stepped twice on the model's parameters, which are put back). A model on the meta device, or a step
-predicted over the device memory, is traced on fake tensors (``trace=``): the same bytes, no real step.
+predicted over the device memory, is traced on fake tensors (``trace=``): the same bytes, no real step. The optimizer
+counted is ``PlanOptions.optimizer``'s (None by default: none).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,10 +20,9 @@ from torch import nn
 
 from autockpt.core.simulate import memory_curve
 from autockpt.measure.fake import FakeTrace
-from autockpt.measure.loop import measure_optimizer_step, named_optimizer, optimizer_factory, step_in_loop
-from autockpt.measure.sources import TraceSource
-from autockpt.measure.timing import Timing
+from autockpt.measure.loop import NAMED_OPTIMIZERS, measure_optimizer_step, optimizer_factory, step_in_loop
 from autockpt.measure.trace import device_of
+from autockpt.planning.options import PlanOptions, resolve_options
 from autockpt.planning.planner import Planner
 from autockpt.record_types import Provenance
 from autockpt.records.summary import enclosing_modules
@@ -31,15 +31,6 @@ from autockpt.units import format_bytes
 
 if TYPE_CHECKING:
     import pandas as pd
-
-
-class OptimizerKind(str, Enum):
-    """Optimizer whose step is added to the estimate (``loop.NAMED_OPTIMIZERS``)."""
-
-    ADAM = "adam"  # exp_avg and exp_avg_sq: 2 x trainable parameter bytes
-    ADAMW = "adamw"  # same state as Adam
-    SGD = "sgd"  # SGD with momentum: one buffer, 1 x trainable parameter bytes (without momentum use "none")
-    NONE = "none"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,7 +49,7 @@ class MemoryEstimate:
     """Memory of one unmodified training step. GB = 10^9 bytes, GiB = 2^30 bytes in the text table."""
 
     model_class: str
-    optimizer: OptimizerKind
+    optimizer: str  # the optimizer whose states and step are counted: its name ("adam", ...), its class, or "none"
     parameter_bytes: int
     buffer_bytes: int
     input_bytes: int
@@ -80,7 +71,7 @@ class MemoryEstimate:
             ("buffers", self.buffer_bytes),
             ("inputs", self.input_bytes),
             ("gradients", self.gradient_bytes),
-            (f"optimizer state ({self.optimizer.value})", self.optimizer_state_bytes),
+            (f"optimizer state ({self.optimizer})", self.optimizer_state_bytes),
             ("activations saved for backward", self.activation_bytes),
             ("  at the peak: activations alive", self.peak_activation_bytes),
             ("  at the peak: gradients so far", self.peak_gradient_bytes),
@@ -122,45 +113,55 @@ class MemoryEstimate:
         return self.table()
 
 
+# what an estimate cannot honour: it plans nothing, holds the output (the unmodified step) and runs no loop
+ESTIMATE_REFUSED = ("checkpoint", "host_pool_gb", "gradient_accumulation_steps", "solver", "strict", "compiled",
+                    "output_held")
+
+
 def estimate(
     model: nn.Module,
     *,
     example_inputs: Any = (),
     example_kwargs: Mapping[str, Any] | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    optimizer: str | OptimizerKind = OptimizerKind.ADAM,
     depth: int = 2,
-    trace: str | TraceSource = "auto",
-    timing: str | Timing = "auto",
-    target: Any = None,
-    device_memory_bytes: int | None = None,
+    options: PlanOptions | None = None,
+    **option_keywords: Any,
 ) -> MemoryEstimate:
     """Measure one training step of ``model`` on the example inputs and break its memory down.
 
-    ``optimizer`` is "adam", "adamw", "sgd" (with momentum) or "none"; ``depth`` limits the per-module table
-    (0: the model only). The model is left as it was. ``trace``, ``timing``, ``target`` and ``device_memory_bytes``
-    as for ``Planner.from_model``: a model on the meta device (or a step predicted over the device memory) is traced
-    on fake tensors, its optimizer's states and step too, and no real step runs.
+    Options (``PlanOptions``, or its fields as keyword arguments): ``optimizer`` (None, the default, counts no
+    optimizer; a name, "adam", "adamw", "sgd" (with momentum); or a factory such as ``torch.optim.AdamW``), and
+    ``trace``, ``timing``, ``target``, ``device_memory_bytes`` as for ``Planner.from_model``: a model on the meta
+    device (or a step predicted over the device memory) is traced on fake tensors, its optimizer's states and step
+    too, and no real step runs. The options about a plan or a loop are refused (``ESTIMATE_REFUSED``). ``depth``
+    limits the per-module table (0: the model only). The model is left as it was.
     """
-    kind = _optimizer_kind(optimizer)
+    options = resolve_options(options, option_keywords, entry_point="autockpt.estimate", refused=ESTIMATE_REFUSED)
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
         raise ValueError(f"depth must be an integer >= 0 (module nesting levels in the table), got {depth!r}")
-    # no plan is made: one recompute action keeps the trace to what the estimate reads
+    # no plan is made: one recompute action keeps the trace to what the estimate reads; the optimizer is measured
+    # apart (its states and step), not in the traced loop
     planner = Planner.from_model(
         model, example_inputs=example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn,
-        checkpoint=Action.RECOMPUTE_TORCH, trace=trace, timing=timing, target=target,
-        device_memory_bytes=device_memory_bytes,
+        options=dataclasses.replace(options, checkpoint=Action.RECOMPUTE_TORCH, optimizer=None),
     )
-    return estimate_from_planner(planner, kind, depth)
+    return estimate_from_planner(planner, options.optimizer, depth)
 
 
-def estimate_from_planner(planner: Planner, optimizer: OptimizerKind, depth: int) -> MemoryEstimate:
+def estimate_from_planner(planner: Planner, optimizer: Any, depth: int) -> MemoryEstimate:
+    """The estimate of a planner's unmodified step, with ``optimizer`` (a ``PlanOptions.optimizer`` value)."""
     measured = planner.trace
     curve = memory_curve(measured, planner.costs, ())
     peak_event = max(range(len(curve.phases)), key=curve.total_bytes.__getitem__)
-    make = named_optimizer(optimizer.value)
+    make = NAMED_OPTIMIZERS[optimizer] if isinstance(optimizer, str) else optimizer
     cost = None
     if make is not None and planner.provenance is not None and planner.provenance.trace == "fake":
+        if isinstance(make, torch.optim.Optimizer):
+            raise ValueError(
+                f"optimizer={type(make).__name__}(...): a fake trace has no real parameters to rebuild it over; give "
+                "its class or a factory (torch.optim.AdamW) or a name ('adamw')"
+            )
         planned_for = planner.target.device_type if planner.target is not None else None
         cost = FakeTrace().optimizer_step(planner.graph, planner.request, make, planned_for)  # no real weights
     elif make is not None:
@@ -172,7 +173,7 @@ def estimate_from_planner(planner: Planner, optimizer: OptimizerKind, depth: int
     in_loop = step_in_loop(measured, TrainingLoop(optimizer=cost)) if cost is not None else measured
     return MemoryEstimate(
         model_class=type(planner.model).__name__,
-        optimizer=optimizer,
+        optimizer=_optimizer_label(optimizer),
         parameter_bytes=measured.parameter_bytes,
         buffer_bytes=measured.buffer_bytes,
         input_bytes=measured.input_bytes,
@@ -188,6 +189,15 @@ def estimate_from_planner(planner: Planner, optimizer: OptimizerKind, depth: int
         modules=_module_table(planner, measured, depth),
         provenance=planner.provenance,
     )
+
+
+def _optimizer_label(optimizer: Any) -> str:
+    if optimizer is None or isinstance(optimizer, str):
+        return optimizer or "none"
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return type(optimizer).__name__
+    function = getattr(optimizer, "func", optimizer)  # a functools.partial: the function it binds
+    return getattr(function, "__name__", type(optimizer).__name__)
 
 
 def _module_table(planner: Planner, measured: StepTrace, depth: int) -> tuple[ModuleMemory, ...]:
@@ -218,14 +228,6 @@ def _module_order(model: nn.Module) -> Callable[[str], tuple[int, str]]:
     """Sort modules in definition order (as ``named_modules`` lists them), unknown paths last."""
     order = {name: index for index, (name, _) in enumerate(model.named_modules())}
     return lambda path: (order.get(path, len(order)), path)
-
-
-def _optimizer_kind(optimizer: Any) -> OptimizerKind:
-    try:
-        return OptimizerKind(optimizer)
-    except ValueError:
-        choices = ", ".join(k.value for k in OptimizerKind)
-        raise ValueError(f"optimizer must be one of {choices}; got {optimizer!r}") from None
 
 
 def _gb(nbytes: int) -> str:

@@ -1,21 +1,29 @@
 """PlanOptions: the one value that carries what every entry point shares (how to checkpoint, the host pool, the loop,
-the solver, strictness, compilation). ``optimize``, ``plan``, ``Planner.from_model`` and ``plan_pipeline`` take it as
-``options=``; their keyword arguments of the same names stay as the friendly spelling (``resolve_options``).
+the solver, strictness, compilation, which trace and timing, the device planned for). Every entry point
+(``optimize``, ``plan``, ``Planner.from_model``, ``plan_pipeline``, ``compare_pipeline_splits``, ``plan_fsdp``,
+``estimate``, ``max_batch_size``, the command line) takes it as ``options=``; its fields given as keyword arguments
+are the friendly spelling, checked against this one definition (``resolve_options``): an unknown name is a
+``TypeError`` that lists the options, an option the entry point cannot honour is refused by name.
 
-A new option is added here once: a field, its check in ``__post_init__``, and the entry points that do not support it
-yet name it in ``unsupported``'s refusal.
+A new option is added here once: a field with its default and its line in the docstring, its check in
+``__post_init__``, and the entry points that cannot honour it name it in their ``refused``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
 import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from autockpt.core.devices import DeviceSpec, device_spec
 from autockpt.core.solve.base import SolverOptions, checked_checkpoint
-from autockpt.measure.loop import OptimizerSpec, check_accumulation_steps
+from autockpt.measure.loop import NAMED_OPTIMIZERS, OptimizerSpec, check_accumulation_steps
+from autockpt.measure.sources import TraceSource
+from autockpt.measure.timing import TIMINGS, Timing
 from autockpt.types import Action, describe_value
 from autockpt.units import GB
 
@@ -49,6 +57,15 @@ class PlanOptions:
     Face's ``Trainer``, torchtitan's train step (``del pred``) and ``model(**batch).loss.backward()``: the plan counts
     what of it backward does not keep (a causal LM's logits) as freed there. The optimized module checks the loop on
     its first steps and says when it differs.
+
+    Where the step is known from and the device planned for: ``trace``: "auto" (a fake trace when the unmodified step
+    would not fit the device memory, else a measured one), "measured", "fake", or a ``TraceSource``; ``timing``:
+    "auto", "measured", "roofline", "benchmark", or a ``Timing``; ``target``: a device of the table
+    (``autockpt.core.devices``, e.g. "h100-sxm-80gb") or a ``DeviceSpec`` to plan for another device than the model's
+    (None: the model's); ``device_memory_bytes``: the memory of the device planned for (None: the target's, or on
+    CUDA what is free now).
+
+    ``optimizer`` also takes a name: "adam", "adamw", "sgd" (torch's, with momentum for SGD) or "none" (None).
     """
 
     checkpoint: Action | str = "auto"
@@ -59,15 +76,16 @@ class PlanOptions:
     strict: bool = False
     compiled: bool | Mapping[str, Any] = False
     output_held: bool = True
+    trace: str | TraceSource = "auto"
+    timing: str | Timing = "auto"
+    target: str | DeviceSpec | None = None
+    device_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "checkpoint", checked_checkpoint(self.checkpoint))
         host_pool_gb_checked(self.host_pool_gb)
-        if self.optimizer is not None and not callable(self.optimizer) and not hasattr(self.optimizer, "step"):
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer or a function making one from a list of parameters "
-                f"(e.g. torch.optim.AdamW), got {describe_value(self.optimizer)}"
-            )
+        object.__setattr__(self, "optimizer", _checked_optimizer(self.optimizer))
+        _check_where(self.trace, self.timing, self.target, self.device_memory_bytes)
         check_accumulation_steps(self.gradient_accumulation_steps)
         if not isinstance(self.solver, SolverOptions):
             raise TypeError(f"solver must be autockpt.SolverOptions, got {describe_value(self.solver)}")
@@ -95,38 +113,107 @@ class PlanOptions:
         return tuple(f.name for f in fields(self) if getattr(self, f.name) != getattr(default, f.name))
 
 
-def resolve_options(options: PlanOptions | None, **keywords: Any) -> PlanOptions:
-    """``options`` with the keyword arguments the caller gave (those not ``UNSET``). A keyword ``solver_options`` is
-    the older spelling of ``solver``. An option given both ways must agree: else ``ValueError`` naming it."""
+def _checked_optimizer(optimizer: Any) -> Any:
+    """The optimizer option: None, an optimizer, a function making one, or a name ("none" is None)."""
+    if isinstance(optimizer, str):
+        if optimizer == "none":
+            return None
+        if optimizer not in NAMED_OPTIMIZERS:
+            raise ValueError(
+                f"optimizer={optimizer!r}: the names are {', '.join([*NAMED_OPTIMIZERS, 'none'])}; or give a "
+                "torch.optim.Optimizer, or a function making one from a list of parameters (torch.optim.AdamW)"
+            )
+        return optimizer
+    if optimizer is not None and not callable(optimizer) and not hasattr(optimizer, "step"):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, a function making one from a list of parameters "
+            f"(e.g. torch.optim.AdamW) or a name ({', '.join(NAMED_OPTIMIZERS)}), got {describe_value(optimizer)}"
+        )
+    return optimizer
+
+
+TRACES = ("auto", "fake", "measured")
+
+
+def _check_where(trace: Any, timing: Any, target: Any, device_memory_bytes: Any) -> None:
+    """The trace, timing, target and device memory options (what they mean: ``PlanOptions``)."""
+    if isinstance(trace, str):
+        if trace not in TRACES:
+            raise ValueError(f"trace={trace!r}: choose one of {', '.join(TRACES)}, or give a TraceSource")
+    elif not callable(getattr(trace, "trace", None)):
+        raise TypeError(
+            f"trace must be one of {TRACES} or a TraceSource (an object with name and trace(graph, step, request)), "
+            f"got {type(trace).__name__}"
+        )
+    if isinstance(timing, str):
+        if timing not in TIMINGS:
+            raise ValueError(f"timing={timing!r}: choose one of {', '.join(TIMINGS)}, or give a Timing")
+    elif not callable(getattr(timing, "timed", None)):
+        raise TypeError(f"timing must be one of {TIMINGS} or a Timing (name, timed), got {type(timing).__name__}")
+    if target is not None:
+        device_spec(target)  # an unknown name raises, listing the table
+    if device_memory_bytes is not None and (
+        isinstance(device_memory_bytes, bool) or not isinstance(device_memory_bytes, int) or device_memory_bytes <= 0
+    ):
+        raise ValueError(
+            f"device_memory_bytes must be a positive whole number of bytes, got {describe_value(device_memory_bytes)}"
+        )
+
+
+OPTION_NAMES = tuple(f.name for f in fields(PlanOptions))
+_OLDER_SPELLINGS = {"solver_options": "solver", "trace_source": "trace"}  # older name -> the field; None: default
+
+
+def resolve_options(
+    options: PlanOptions | None, keywords: Mapping[str, Any], *, entry_point: str, refused: Sequence[str] = ()
+) -> PlanOptions:
+    """``options`` with the options given as keyword arguments (``keywords``: what the entry point's
+    ``**option_keywords`` collected). A name that is not a ``PlanOptions`` field is a ``TypeError`` naming the
+    options (and the closest one); ``solver_options`` is the older spelling of ``solver``. An option given both ways
+    must agree, else ``ValueError`` naming it. An option in ``refused`` that differs from its default is refused by
+    name: the entry point cannot honour it."""
     if options is not None and not isinstance(options, PlanOptions):
         raise TypeError(f"options must be autockpt.PlanOptions, got {describe_value(options)}")
-    given = {name: value for name, value in keywords.items() if value is not UNSET}
-    if "solver_options" in given:
-        solver = given.pop("solver_options")
-        if solver is not None:
-            given["solver"] = solver
-    if "checkpoint" in given and given["checkpoint"] is None:  # None: the default choice (an older spelling)
-        del given["checkpoint"]
+    unknown = [name for name in keywords if name not in OPTION_NAMES and name not in _OLDER_SPELLINGS]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], OPTION_NAMES, n=1)
+        raise TypeError(
+            f"{entry_point}() got an unexpected keyword argument {unknown[0]!r}"
+            + (f" (did you mean {close[0]!r}?)" if close else "")
+            + f"; its options are the fields of autockpt.PlanOptions: {', '.join(OPTION_NAMES)}"
+        )
+    resolved = _merged(options, {name: value for name, value in keywords.items() if value is not UNSET})
+    refusing = [name for name in refused if name in resolved.given()]
+    if refusing:
+        raise ValueError(
+            f"{entry_point} cannot honour {', '.join(refusing)} (given: "
+            + ", ".join(f"{name}={getattr(resolved, name)!r}" for name in refusing)
+            + "); leave it at its default"
+        )
+    return resolved
+
+
+def _merged(options: PlanOptions | None, given: dict[str, Any]) -> PlanOptions:
+    for older, name in _OLDER_SPELLINGS.items():
+        if older in given:
+            value = given.pop(older)
+            if name in given and value is not None and given[name] != value:
+                raise ValueError(f"give {name}= or {older}= (its older name), not both")
+            if value is not None:
+                given[name] = value
+    for name in ("checkpoint", "host_pool_gb"):  # None: the default (an older spelling: plan_fsdp's pool)
+        if name in given and given[name] is None:
+            del given[name]
     if options is None:
         return PlanOptions(**given)
+    merged = dataclasses.replace(options, **given)  # each value as PlanOptions keeps it ("none" is None)
     for name, value in given.items():
-        if getattr(options, name) != value:
+        if getattr(merged, name) != getattr(options, name):
             raise ValueError(
                 f"{name}={value!r} disagrees with options.{name}={getattr(options, name)!r}; give it once, either as "
                 "a keyword argument or in PlanOptions"
             )
     return options
-
-
-def unsupported(options: PlanOptions, entry_point: str, names: tuple[str, ...]) -> None:
-    """Refuse the options ``entry_point`` does not support yet (never ignore them silently)."""
-    refused = [name for name in names if name in options.given()]
-    if refused:
-        raise ValueError(
-            f"{entry_point} does not support {', '.join(refused)} yet (given: "
-            + ", ".join(f"{name}={getattr(options, name)!r}" for name in refused)
-            + "); leave it at its default"
-        )
 
 
 def host_pool_gb_checked(host_pool_gb: Any) -> float | str:

@@ -26,7 +26,7 @@ from autockpt.core.solve.joint import JointProblem
 from autockpt.errors import InfeasibleBudgetError
 from autockpt.measure.capture import capture
 from autockpt.measure.loop import with_foreign_bytes
-from autockpt.measure.sources import StepInputs, TraceSource
+from autockpt.measure.sources import StepInputs
 from autockpt.measure.step import (
     StepMeasurement,
     alternating_step_seconds,
@@ -34,13 +34,11 @@ from autockpt.measure.step import (
     measure_compiled_step,
     measure_step,
 )
-from autockpt.measure.timing import Timing
 from autockpt.measure.trace import step_tensors
 from autockpt.planning import solving
 from autockpt.planning.build import built_step, refuse_offload, solves_by_blocks
 from autockpt.planning.courses import with_other_courses
 from autockpt.planning.options import (
-    UNSET,
     PlanOptions,
     budget_to_bytes,
     checkpoint_choice,
@@ -164,44 +162,26 @@ class Planner:
         loss_fn: Callable[[Any], Any] | None = None,
         options: PlanOptions | None = None,
         on_stage: Callable[[str], None] | None = None,
-        trace: str | TraceSource = "auto",
-        timing: str | Timing = "auto",
-        target: Any = None,
-        device_memory_bytes: int | None = None,
-        trace_source: TraceSource | None = None,
-        checkpoint: Any = UNSET,
-        host_pool_gb: Any = UNSET,
-        optimizer: Any = UNSET,
-        gradient_accumulation_steps: Any = UNSET,
-        solver_options: Any = UNSET,
+        **option_keywords: Any,
     ) -> Planner:
         """Capture ``model`` on the example call, trace the step and price the actions; then plan from those values
-        (``build.py``). The keyword options are the friendly spelling of ``options`` (``PlanOptions``).
+        (``build.py``). Options: ``options=PlanOptions(...)`` or its fields as keyword arguments (``PlanOptions``);
+        ``trace_source=`` is ``trace``'s older spelling.
 
         ``trace``: "measured" runs the unmodified step on the model's device; "fake" runs it on fake tensors (no real
         step, exact memory; a model on the meta device stays there); "auto" (default) is fake when the model or
         inputs are on the meta device or when the fake trace predicts the unmodified step above the device memory,
-        measured otherwise; or a ``TraceSource`` (``trace_source=`` is its older spelling).
-        ``device_memory_bytes``: the memory of the device planned for (default: the target's; on CUDA the free memory
-        plus what the step's tensors hold); it is ``plan()``'s budget when none is given.
+        measured otherwise; or a ``TraceSource``. ``device_memory_bytes``: the memory of the device planned for
+        (default: the target's; on CUDA the free memory plus what the step's tensors hold); it is ``plan()``'s budget
+        when none is given.
 
         ``timing`` ("auto", "measured", "benchmark", "roofline", or a ``measure.timing.Timing``) gives the trace its
         times, for ``target`` (a table name such as "h100-sxm-80gb" or an ``autockpt.DeviceSpec``; None: the model's
         device). "auto": measured with a measured trace, benchmark (each op alone on the local device) with a fake
         one, roofline for a target. The plans record which trace and timing made them (``Plan.provenance``)."""
-        options = resolve_options(
-            options, checkpoint=checkpoint, host_pool_gb=host_pool_gb, optimizer=optimizer,
-            gradient_accumulation_steps=gradient_accumulation_steps, solver_options=solver_options,
-        )
-        if trace_source is not None:
-            if trace != "auto":
-                raise ValueError(f"give trace={trace!r} or trace_source=..., not both (trace_source is trace's older name)")
-            trace = trace_source
+        options = resolve_options(options, option_keywords, entry_point="Planner.from_model")
         step = StepInputs.check(model, example_inputs, example_kwargs, loss_fn)
-        built = built_step(
-            step, options, on_stage=on_stage, trace=trace, timing=timing, target=target,
-            device_memory_bytes=device_memory_bytes,
-        )
+        built = built_step(step, options, on_stage=on_stage)
         planner = cls(
             built.graph, built.trace, built.costs, options, step=built.step, on_stage=on_stage, notes=built.notes,
             capture_time_s=built.capture_time_s, profile_time_s=built.profile_time_s, provenance=built.provenance,

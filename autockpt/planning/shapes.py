@@ -28,9 +28,10 @@ from torch.utils import _pytree as pytree
 
 from autockpt.measure.capture import capture
 from autockpt.record_types import PlanRecord
+from autockpt.runtime.call_form import CallForm, input_signature
 from autockpt.runtime.model_state import preserved_model_state
 from autockpt.runtime.offload import HostPool
-from autockpt.runtime.rewrite import CallForm, OptimizedModule, input_signature, rewrite
+from autockpt.runtime.rewrite import OptimizedModule, rewrite
 from autockpt.types import CaptureKind, Graph, Placement, Policy, Region, RegionAction, Unit
 
 logger = logging.getLogger(__name__)

@@ -11,244 +11,22 @@ to do and exit with status 1 (2 for click's own usage errors); ``--debug`` shows
 from __future__ import annotations
 
 import csv
-import importlib
-import os
-import re
+import dataclasses
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from autockpt.errors import AutockptError
-from autockpt.measure.loop import named_optimizer
+from autockpt.present.workload import UserInputError, load_workload, parse_budget, parse_host_pool
 from autockpt.types import Action
 from autockpt.units import format_bytes
 
-# --------------------------------------------------------------------------------------------- parsing values
-
-
-class UserInputError(AutockptError, ValueError):
-    """A command-line value autockpt cannot use; the message says what to give instead."""
-
-
-_DECIMAL = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_BINARY = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_BUDGET = re.compile(r"^\s*(?P<number>(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?)\s*(?P<unit>[a-zA-Z]*)\s*$")
-
-
-def parse_budget(text: str) -> int:
-    """'8GB' (10^9), '7.5GiB' (2^30), '500MB', '1e9' or '123456789' (bytes) -> bytes."""
-    match = _BUDGET.match(text)
-    unit = match.group("unit").lower() if match else ""
-    scale = _DECIMAL.get(unit) or _BINARY.get(unit)
-    if match is None or scale is None:
-        raise UserInputError(
-            f"budget {text!r} not understood: give a number and a unit, e.g. 8GB (GB = 10^9 bytes), 7.5GiB "
-            "(GiB = 2^30 bytes), 500MB, or a plain number of bytes"
-        )
-    value = float(match.group("number")) * scale
-    if value < 1:
-        raise UserInputError(f"budget {text!r} is less than one byte; give a positive budget such as 8GB")
-    return round(value)
-
-
-def parse_host_pool(text: str) -> float | str:
-    """'0' (no pool), 'auto' (half the host memory available), or a size like '--budget' -> ``host_pool_gb``."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    if text.strip() in ("0", "0GB", "0.0"):
-        return 0
-    try:
-        return parse_budget(text) / 1e9
-    except UserInputError:
-        raise UserInputError(
-            f"--host-pool {text!r} not understood: give 0 (no offloading), auto (up to half the host memory available), "
-            "or a size such as 16GB (GB = 10^9 bytes) or 8GiB"
-        ) from None
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class InputSpec:
-    """One example input described on the command line: ``name=dtype[d0,d1,...]:fill``."""
-
-    name: str | None  # None: a positional argument
-    dtype: str
-    shape: tuple[int, ...]
-    fill: str  # randn | rand | zeros | ones | high=N (integers uniform in [0, N))
-
-
-_DTYPES = {
-    "float32": "float32", "float": "float32", "fp32": "float32", "float16": "float16", "half": "float16",
-    "fp16": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16", "float64": "float64", "double": "float64",
-    "int64": "int64", "long": "int64", "int32": "int32", "int": "int32", "int16": "int16", "int8": "int8",
-    "uint8": "uint8", "bool": "bool",
-}
-_SPEC = re.compile(r"^(?:(?P<name>[A-Za-z_]\w*)=)?(?P<dtype>\w+)\[(?P<shape>[\d,\s]*)\](?::(?P<fill>[\w=.]+))?$")
-_SPEC_HELP = (
-    "write it as name=dtype[d0,d1,...] (a keyword argument) or dtype[d0,...] (positional), optionally followed by "
-    ":randn, :rand, :zeros, :ones or :high=N (integers in [0, N)); e.g. input_ids=int64[4,512]:high=50257 or "
-    "x=float32[8,3,224,224]"
-)
-
-
-def parse_input_spec(text: str) -> InputSpec:
-    match = _SPEC.match(text.strip())
-    if match is None:
-        raise UserInputError(f"input spec {text!r} not understood: {_SPEC_HELP}")
-    dtype = _DTYPES.get(match.group("dtype").lower())
-    if dtype is None:
-        raise UserInputError(
-            f"input spec {text!r}: unknown dtype {match.group('dtype')!r}; use one of {', '.join(sorted(set(_DTYPES.values())))}"
-        )
-    dims = [d.strip() for d in match.group("shape").split(",") if d.strip()]
-    shape = tuple(int(d) for d in dims)
-    if any(d <= 0 for d in shape):
-        raise UserInputError(f"input spec {text!r}: every dimension must be a positive integer, got {list(shape)}")
-    floating = dtype.startswith(("float", "bfloat"))
-    fill = match.group("fill") or ("randn" if floating else "high=2")
-    if fill.startswith("high="):
-        high = fill.removeprefix("high=")
-        if floating or not high.isdigit() or int(high) < 1:
-            raise UserInputError(f"input spec {text!r}: ':high=N' takes a positive integer N and an integer dtype")
-    elif fill not in ("randn", "rand", "zeros", "ones") or (fill in ("randn", "rand") and not floating):
-        raise UserInputError(f"input spec {text!r}: fill {fill!r} does not fit dtype {dtype}; {_SPEC_HELP}")
-    return InputSpec(name=match.group("name"), dtype=dtype, shape=shape, fill=fill)
-
-
-def make_tensor(spec: InputSpec, device: str) -> Any:
-    import torch
-
-    dtype = getattr(torch, spec.dtype)
-    if spec.fill == "randn":
-        return torch.randn(spec.shape, dtype=dtype, device=device)
-    if spec.fill == "rand":
-        return torch.rand(spec.shape, dtype=dtype, device=device)
-    if spec.fill in ("zeros", "ones"):
-        return getattr(torch, spec.fill)(spec.shape, dtype=dtype, device=device)
-    high = int(spec.fill.removeprefix("high="))
-    return torch.randint(0, high, spec.shape, device=device).to(dtype)
-
-
-# ----------------------------------------------------------------------------------------------- loading models
-
-
-@dataclass(frozen=True, kw_only=True)
-class Workload:
-    """What a command plans for: a model, its example inputs and its loss."""
-
-    label: str
-    model: Any
-    args: tuple
-    kwargs: dict
-    loss_fn: Callable[[Any], Any] | None
-
-
-def resolve_reference(reference: str, what: str) -> Callable[..., Any]:
-    """'package.module:attribute' -> the attribute (the current directory is importable, as with ``python -m``)."""
-    module_name, _, attribute = reference.partition(":")
-    if not module_name or not attribute:
-        raise UserInputError(f"{what} {reference!r} must look like package.module:function")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise UserInputError(
-            f"cannot import {module_name!r} (from {what} {reference!r}): {error}. Check the spelling, and run from the "
-            "directory that contains the package or install it"
-        ) from error
-    found = module
-    for part in attribute.split("."):
-        if not hasattr(found, part):
-            raise UserInputError(f"{module_name!r} has no attribute {attribute!r} (from {what} {reference!r})")
-        found = getattr(found, part)
-    if not callable(found):
-        raise UserInputError(f"{reference!r} is a {type(found).__name__}, not a function: {what} must name a callable")
-    return found
-
-
-def load_workload(
-    model_ref: str, size: str, input_texts: tuple[str, ...], inputs_ref: str | None, device: str, seed: int,
-    *, meta: bool = False,
-) -> Workload:
-    """The model and example inputs the command plans; ``meta``: the model is built on the meta device (no weights
-    anywhere: planned from a fake trace), the example inputs on ``device``."""
-    import contextlib
-
-    import torch
-    from torch import nn
-
-    from autockpt.present import zoo
-
-    torch.manual_seed(seed)
-    loss_fn = None
-    building = torch.device("meta") if meta else contextlib.nullcontext()
-    if model_ref in zoo.BUILDERS:
-        with building:
-            case = zoo.build(model_ref, size, seed=seed)
-        model, args, kwargs, loss_fn = case.model, case.args, dict(case.kwargs), case.loss_fn
-        label = f"{model_ref} ({size})"
-    elif ":" in model_ref:
-        factory = resolve_reference(model_ref, "MODEL")
-        with building:
-            model = _call_user(factory, f"the model factory {model_ref!r}")
-        if not isinstance(model, nn.Module):
-            raise UserInputError(f"the model factory {model_ref!r} returned a {type(model).__name__}, not a torch.nn.Module")
-        args, kwargs, label = (), {}, model_ref
-    else:
-        raise UserInputError(
-            f"MODEL {model_ref!r} is neither a built-in example ({', '.join(sorted(zoo.BUILDERS))}) nor a "
-            "package.module:factory reference to a function that returns an nn.Module"
-        )
-    if input_texts and inputs_ref:
-        raise UserInputError("give --input specs or --inputs package.module:function, not both")
-    if input_texts:
-        specs = [parse_input_spec(text) for text in input_texts]
-        args = tuple(make_tensor(s, device) for s in specs if s.name is None)
-        kwargs = {s.name: make_tensor(s, device) for s in specs if s.name is not None}
-    elif inputs_ref:
-        made = _call_user(resolve_reference(inputs_ref, "--inputs"), f"the input function {inputs_ref!r}")
-        args, kwargs = _split_inputs(made, inputs_ref)
-    elif model_ref not in zoo.BUILDERS:
-        raise UserInputError(
-            f"no example inputs for {model_ref!r}: give --input SPEC (e.g. --input 'x=float32[8,3,224,224]') or "
-            "--inputs package.module:make_inputs"
-        )
-    if not meta:
-        model = model.to(device)
-    def placed(value: Any) -> Any:  # an input built on the meta device (--meta) stays there: the trace is fake
-        return value.to(device) if isinstance(value, torch.Tensor) and value.device.type != "meta" else value
-
-    args = tuple(placed(a) for a in args)
-    kwargs = {k: placed(v) for k, v in kwargs.items()}
-    return Workload(label=label, model=model, args=args, kwargs=kwargs, loss_fn=loss_fn)
-
-
-def _call_user(function: Callable[[], Any], what: str) -> Any:
-    try:
-        return function()
-    except Exception as error:  # the user's code: report it as one line, the traceback with --debug
-        raise UserInputError(f"{what} raised {type(error).__name__}: {error}") from error
-
-
-def _split_inputs(made: Any, reference: str) -> tuple[tuple, dict]:
-    import torch
-
-    if isinstance(made, torch.Tensor):
-        return (made,), {}
-    if isinstance(made, dict):
-        return (), dict(made)
-    if isinstance(made, (tuple, list)):
-        return tuple(made), {}
-    raise UserInputError(
-        f"the input function {reference!r} returned a {type(made).__name__}; return a tensor, a tuple of positional "
-        "arguments, or a dict of keyword arguments"
-    )
-
+if TYPE_CHECKING:
+    from autockpt.planning.options import PlanOptions
 
 # ------------------------------------------------------------------------------------------------------ progress
 
@@ -361,19 +139,24 @@ def _device_options(command: Callable[..., Any]) -> Callable[..., Any]:
     return command
 
 
-def _device_arguments(target: str | None, device_memory: str | None, trace: str, timing: str) -> dict[str, Any]:
-    """The Planner.from_model keywords of the device options, checked."""
-    from autockpt.core.devices import device_spec
+def _plan_options(
+    *, solver: str = "auto", time_limit: float = 10.0, checkpoint: str = "auto", host_pool: str = "0",
+    optimizer: str = "none", grad_accumulation: int = 1, output_dropped: bool = False, target: str | None = None,
+    device_memory: str | None = None, trace: str = "auto", timing: str = "auto",
+) -> PlanOptions:
+    """The command line's flags as the one ``PlanOptions`` (its checks, said as a usage error)."""
+    from autockpt.core.solve.base import SolverOptions
+    from autockpt.planning.options import PlanOptions
 
-    if target is not None:
-        try:
-            device_spec(target)
-        except ValueError as unknown:
-            raise UserInputError(str(unknown)) from unknown
-    return {
-        "target": target, "device_memory_bytes": parse_budget(device_memory) if device_memory else None,
-        "trace": trace, "timing": timing,
-    }
+    try:
+        return PlanOptions(
+            solver=SolverOptions(solver=solver, time_limit_s=time_limit), checkpoint=checkpoint,
+            host_pool_gb=parse_host_pool(host_pool), optimizer=optimizer, gradient_accumulation_steps=grad_accumulation,
+            output_held=not output_dropped, target=target,
+            device_memory_bytes=parse_budget(device_memory) if device_memory else None, trace=trace, timing=timing,
+        )
+    except (TypeError, ValueError) as refused:
+        raise UserInputError(str(refused)) from refused
 
 
 def _loop_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -385,6 +168,9 @@ def _loop_options(command: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--grad-accumulation", type=click.IntRange(min=1), default=1, show_default=True,
                      help="gradient accumulation micro-steps: above 1 the budget covers steps that start with "
                           "gradients alive (also for loops that zero gradients in place)"),
+        click.option("--output-dropped", is_flag=True,
+                     help="the loop drops the model's output before backward (Hugging Face's Trainer, torchtitan, "
+                          "model(**batch).loss.backward()): PlanOptions.output_held=False"),
     ]
     for option in reversed(options):
         command = option(command)
@@ -404,8 +190,8 @@ def main(ctx: click.Context, debug: bool, quiet: bool) -> None:
 
 @main.command()
 @_model_options
-@click.option("--optimizer", type=click.Choice(["adam", "adamw", "sgd", "none"]), default="adam", show_default=True,
-              help="optimizer whose state to count (sgd: with momentum)")
+@click.option("--optimizer", type=click.Choice(["none", "adam", "adamw", "sgd"]), default="none", show_default=True,
+              help="optimizer whose state and step to count (sgd: with momentum)")
 @click.option("--depth", type=click.IntRange(min=0), default=2, show_default=True, help="module nesting in the table")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), help="also write the breakdown as CSV")
 @_device_options
@@ -420,15 +206,16 @@ def estimate(
     MODEL is a built-in example (gpt2, bert, t5, llama, vit, unet, vae, mlp, cnn, transformer, control_flow) or
     package.module:factory, a function returning an nn.Module.
     """
-    from autockpt.planning.estimate import OptimizerKind, estimate_from_planner
+    from autockpt.planning.estimate import estimate_from_planner
     from autockpt.planning.planner import Planner
 
-    device_arguments = _device_arguments(target, device_memory, trace, timing)
+    options = _plan_options(optimizer=optimizer, target=target, device_memory=device_memory, trace=trace, timing=timing)
     work = load_workload(model, size, inputs, inputs_ref, device, seed, meta=meta)
     with stage_progress(2, ctx.meta["autockpt.quiet"]) as progress:
+        # as autockpt.estimate: the optimizer measured apart from the traced step
         planner = Planner.from_model(work.model, example_inputs=work.args, example_kwargs=work.kwargs, loss_fn=work.loss_fn,
-                          on_stage=progress, **device_arguments)
-    breakdown = estimate_from_planner(planner, OptimizerKind(optimizer), depth)
+                                     on_stage=progress, options=dataclasses.replace(options, optimizer=None))
+    breakdown = estimate_from_planner(planner, options.optimizer, depth)
     click.echo(breakdown.table())
     if csv_path:
         breakdown.to_dataframe().to_csv(csv_path, index=False)
@@ -452,27 +239,27 @@ def estimate(
 def plan(
     ctx: click.Context, model: str, inputs: tuple[str, ...], inputs_ref: str | None, size: str, device: str, seed: int,
     budget: str | None, report_path: str | None, out_path: str | None, pareto_points: int, depth: int, solver: str,
-    time_limit: float, checkpoint: str, host_pool: str, optimizer: str, grad_accumulation: int, target: str | None,
-    meta: bool, device_memory: str | None, trace: str, timing: str,
+    time_limit: float, checkpoint: str, host_pool: str, optimizer: str, grad_accumulation: int, output_dropped: bool,
+    target: str | None, meta: bool, device_memory: str | None, trace: str, timing: str,
 ) -> None:
     """Plan MODEL's training step under --budget and print what was decided; nothing is rewritten.
 
     Apply the saved plan on the training machine with autockpt.apply_plan(model, autockpt.load_plan(path), ...).
     """
-    from autockpt.core.solve.base import SolverOptions
     from autockpt.planning.planner import Planner
 
-    device_arguments = _device_arguments(target, device_memory, trace, timing)
+    options = _plan_options(
+        solver=solver, time_limit=time_limit, checkpoint=checkpoint, host_pool=host_pool, optimizer=optimizer,
+        grad_accumulation=grad_accumulation, output_dropped=output_dropped, target=target, device_memory=device_memory,
+        trace=trace, timing=timing,
+    )
     if budget is None and target is None and device_memory is None:
         raise UserInputError("give --budget (e.g. --budget 8GB), or --device-memory / --target, whose memory is the budget")
     budget_bytes = parse_budget(budget) if budget is not None else None
     work = load_workload(model, size, inputs, inputs_ref, device, seed, meta=meta)
-    options = SolverOptions(solver=solver, time_limit_s=time_limit)
     with stage_progress(3 + pareto_points, ctx.meta["autockpt.quiet"]) as progress:
         planner = Planner.from_model(work.model, example_inputs=work.args, example_kwargs=work.kwargs, loss_fn=work.loss_fn,
-                          solver_options=options, checkpoint=checkpoint, host_pool_gb=parse_host_pool(host_pool),
-                          on_stage=progress, optimizer=named_optimizer(optimizer),
-                          gradient_accumulation_steps=grad_accumulation, **device_arguments)
+                                     on_stage=progress, options=options)
         the_plan = planner.plan(budget_bytes=budget_bytes, pareto_points=pareto_points)
     click.echo(the_plan.summary())
     if out_path:
@@ -494,15 +281,18 @@ def plan(
 def sweep(
     ctx: click.Context, model: str, inputs: tuple[str, ...], inputs_ref: str | None, size: str, device: str, seed: int,
     budgets: str, out_dir: str, solver: str, time_limit: float, checkpoint: str, host_pool: str, optimizer: str,
-    grad_accumulation: int,
+    grad_accumulation: int, output_dropped: bool,
 ) -> None:
     """Plan MODEL at several budgets (one capture and profile) and write the Pareto curve of predicted peak vs
     predicted overhead."""
     from tqdm import tqdm
 
-    from autockpt.core.solve.base import SolverOptions
     from autockpt.planning.planner import Planner
 
+    options = _plan_options(
+        solver=solver, time_limit=time_limit, checkpoint=checkpoint, host_pool=host_pool, optimizer=optimizer,
+        grad_accumulation=grad_accumulation, output_dropped=output_dropped,
+    )
     budget_list = [parse_budget(text) for text in budgets.split(",") if text.strip()]
     if not budget_list:
         raise UserInputError(f"--budgets {budgets!r} lists no budget; give e.g. --budgets 2GB,4GB,6GB")
@@ -510,9 +300,7 @@ def sweep(
     quiet = ctx.meta["autockpt.quiet"]
     with stage_progress(2, quiet) as progress:
         planner = Planner.from_model(work.model, example_inputs=work.args, example_kwargs=work.kwargs, loss_fn=work.loss_fn,
-                          solver_options=SolverOptions(solver=solver, time_limit_s=time_limit),
-                          checkpoint=checkpoint, host_pool_gb=parse_host_pool(host_pool), on_stage=progress,
-                          optimizer=named_optimizer(optimizer), gradient_accumulation_steps=grad_accumulation)
+                                     on_stage=progress, options=options)
     points = [
         planner.pareto([budget])[0]
         for budget in tqdm(budget_list, desc="budgets", disable=quiet or not sys.stderr.isatty(), leave=False)

@@ -196,7 +196,7 @@ class FSDPPlan:
             (f"  offloaded         {', '.join(self.offloaded) or '(none)'}: a host pool of "
              f"{format_bytes(self.host_pool_bytes)} per rank (bound {format_bytes(self.host_pool_limit_bytes)}), "
              f"{self.exposed_copy_ms:.3f} ms of copies exposed" if self.host_pool_limit_bytes is not None
-             else "  offloaded         (no host pool given: host_pool_gb=None)"),
+             else "  offloaded         (no host pool given: host_pool_gb=0)"),
             f"  known by          {self.provenance.describe()}",
             "  rank 0 at its peak: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.ranks[0].breakdown if v),
         ]

@@ -7,7 +7,7 @@ other values by their repr. That is enough to run the model once for capturing: 
 normal distribution, integer tensors uniformly in the recorded range (token ids stay below the vocabulary size),
 values read back with ``ast.literal_eval``. Nested containers are rebuilt as tuples (integer keys) and dicts.
 
-Given inputs are rearranged by the model's forward signature into the plan's form (``rewrite.CallForm``): the same
+Given inputs are rearranged by the model's forward signature into the plan's form (``call_form.CallForm``): the same
 tensors apply positionally or by keyword, as the optimized module takes them.
 """
 
@@ -25,7 +25,7 @@ from autockpt.errors import PlanMismatchError
 from autockpt.measure.trace import device_of
 from autockpt.record_types import PlanRecord, TensorSpec
 from autockpt.records.fingerprint import describe_spec, is_integral
-from autockpt.runtime.rewrite import CallForm
+from autockpt.runtime.call_form import CallForm
 
 logger = logging.getLogger(__name__)
 

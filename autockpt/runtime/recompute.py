@@ -18,7 +18,7 @@ Under ``Action.RECOMPUTE_OWN`` a region runs as one autograd Function:
 Why not ``torch.utils.checkpoint``: the non-reentrant version passes every saved tensor through Python hooks three
 times (a holder in forward, a repack while recomputing, an unpack in backward): about 0.012 ms per saved tensor on a
 2-core CPU, against about 0.003 ms here; the same GPT-2 plan at Hugging Face's peak ran 1.24x instead of 1.32x
-(``experiments/bench_checkpoint.py``). But the whole region is re-run, so on conv nets, where early stop skips a
+(``experiments/bench/bench_checkpoint.py``). But the whole region is re-run, so on conv nets, where early stop skips a
 region's last convolution, torch's is often faster: this is an action of its own (``Action.RECOMPUTE_OWN``). The reentrant version
 avoids the hooks but accumulates parameter gradients inside its own backward, so ``torch.autograd.grad`` fails and a
 region whose inputs need no gradient loses its parameters' gradients.

@@ -1,14 +1,13 @@
-"""experiments/results_readme.write_section: a script rewrites its own section of the results log and nothing else."""
+"""experiments/common/results_readme.write_section: a script rewrites its own section of its results folder's README
+and nothing else."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "experiments"))
-from results_readme import RESULTS_README, write_section
+from experiments.common.results_readme import RESULTS_DIR, RESULTS_INDEX, folder_readme, write_section
 
 LOG = """# Results
 
@@ -86,9 +85,45 @@ def test_broken_markers_raise(tmp_path: Path) -> None:
         write_section("two words", "x", readme=readme)
 
 
-def test_the_results_log_has_each_scripts_section_once() -> None:
-    text = RESULTS_README.read_text()
-    for name in ("sweep", "sweep_cuda", "bench_budget_gpt2", "bench_budget_small", "bench_target1_bound",
-                 "bench_checkpoint", "bench_optimality", "bench_optimality_measured", "bench_scale"):
+def test_without_a_readme_the_section_goes_to_the_output_folders_own(tmp_path: Path) -> None:
+    assert folder_readme(tmp_path / "sweep") == tmp_path / "sweep" / "README.md"  # a folder not made yet
+    assert folder_readme(tmp_path / "budget" / "bench_budget_small.csv") == tmp_path / "budget" / "README.md"
+    assert write_section("sweep", "trial run", output=tmp_path / "sweep")
+    assert (tmp_path / "sweep" / "README.md").read_text() == (
+        "## sweep\n\n<!-- BEGIN sweep -->\n\ntrial run\n\n<!-- END sweep -->\n"
+    )
+    with pytest.raises(ValueError, match="readme= or output="):
+        write_section("sweep", "x")
+    with pytest.raises(ValueError, match="kept by hand"):  # --out experiments/results: the index, not a folder
+        write_section("sweep", "x", output=RESULTS_DIR)
+
+
+# each script's section -> the results folder (under experiments/results) whose README it is written into
+SECTIONS = {
+    "sweep": "sweep", "sweep_cuda": "sweep_cuda", "sweep_hf_peak": "sweep_hf_peak",
+    "bench_budget_gpt2": "budget", "bench_budget_small": "budget",
+    "bench_target1_bound": "target1_bound", "bench_checkpoint": "checkpoint_kinds",
+    "bench_optimality": "optimality", "bench_optimality_measured": "optimality",
+    "bench_scale": "scale", "bench_scale_llama": "scale", "bench_scale_real": "scale",
+    "bench_offload_cpu": "offload_bench_cpu", "bench_offload_cuda": "offload_bench_cuda",
+    "offload_runtime_cuda": "offload_cuda", "bench_min_feasible": "min_feasible", "bench_loop": "loop",
+    "bench_autocast": "autocast", "probe_dynamo_segments": "dynamo_segments", "bench_pipeline": "pipeline",
+    "bench_compile": "compile", "bench_cuda_prediction": "cuda_prediction", "bench_roofline": "roofline",
+    "bench_fsdp": "fsdp", "bench_output_loop": "output_loop",
+}
+
+
+def test_each_results_folder_readme_has_its_scripts_sections_once() -> None:
+    for name, folder in SECTIONS.items():
+        text = (RESULTS_DIR / folder / "README.md").read_text()
         assert text.count(f"<!-- BEGIN {name} -->") == 1 and text.count(f"<!-- END {name} -->") == 1, name
         assert text.index(f"<!-- BEGIN {name} -->") < text.index(f"<!-- END {name} -->"), name
+
+
+def test_the_results_index_names_every_results_folder_and_no_script_writes_it() -> None:
+    index = RESULTS_INDEX.read_text()
+    assert "<!-- BEGIN" not in index
+    for path in sorted(RESULTS_DIR.iterdir()):
+        if path.name not in ("README.md", "HISTORY.md", "tmp"):
+            link = f"]({path.name}/" if path.is_dir() else f"]({path.name})"
+            assert link in index, f"experiments/results/README.md has no row linking {path.name}"

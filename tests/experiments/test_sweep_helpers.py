@@ -1,21 +1,17 @@
-"""The sweep's plumbing (experiments/sweep.py): moving a zoo case's tensors, the --device flag, and freeing one model
-before the next is measured (on CUDA every measurement counts all the process holds on the device)."""
+"""The sweep's plumbing (experiments/bench/sweep.py): moving a zoo case's tensors, the --device flag, and freeing one
+model before the next is measured (on CUDA every measurement counts all the process holds on the device)."""
 
 from __future__ import annotations
 
 import gc
-import sys
 import weakref
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from autockpt.present import zoo
-
-sys.path.insert(0, str(Path(__file__).parents[2] / "experiments"))
-import sweep
+from experiments.bench import sweep
 
 
 def _case_with_labels() -> zoo.ZooCase:

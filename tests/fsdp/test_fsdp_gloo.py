@@ -1,7 +1,7 @@
 """FSDP2 plans run on two gloo ranks (issue 38): planned in this process on the fake process group, applied by
 ``apply_fsdp`` on every rank (a meta model, then ``to_empty``), trained two AdamW steps on each rank's half of the
 global batch. PyTorch is the reference: the single-process model on the global batch. Every case runs on one pair of
-ranks, spawned once with a timeout; they destroy their process group (``fsdp_worker.py``)."""
+ranks, spawned once with a timeout; they destroy their process group (``experiments/common/fsdp_worker.py``)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from conftest import needs_transformers
-from fsdp_worker import CONFIG, batch, build, lm_loss, reference, run_rank
 
 from autockpt.core.devices import device_spec
 from autockpt.fsdp import FSDPPlanner
 from autockpt.measure.timing import RooflineTiming
+from experiments.common.fsdp_worker import CONFIG, batch, build, lm_loss, reference, run_rank
 
 logger = logging.getLogger(__name__)
 WORLD = 2
@@ -64,7 +64,9 @@ def _plan_case(case: str, folder: Path) -> PlannedCase:
         config["model"]["heads"] = 4
     try:
         ids, target = batch(config, rank=0, world=WORLD)
-        common = {"world_size": WORLD, "example_inputs": (ids,), "example_target": target, "loss_fn": lm_loss}
+        # the ranks step AdamW (fsdp_worker): the plan covers that loop
+        common = {"world_size": WORLD, "example_inputs": (ids,), "example_target": target, "loss_fn": lm_loss,
+                  "optimizer": "adamw"}
         if low == "tenth":
             common["timing"] = RooflineTiming(device_spec("h100-sxm-80gb"))
         planner = FSDPPlanner.from_model(build(config), **common)  # traced once for every budget below

@@ -5,19 +5,15 @@ branches on a tensor's value, and (2) those graphs to keep running while autockp
 ``TorchDispatchMode``s) measure the step. Neither holds on torch 2.13: a graph break inside a loop skips the whole
 frame (no graph at all), and one step under a dispatch mode leaves the frame's code running eagerly from then on
 (unless the mode declares ``ignore_compile_internals()``; MemTracker does not).
-These tests pin that (experiments/probe_dynamo_segments.py measures it with the floors): when one of them starts
+These tests pin that (experiments/probes/probe_dynamo_segments.py measures it with the floors): when one of them starts
 failing after a torch upgrade, the capture path becomes possible.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "experiments"))
-import probe_dynamo_segments as probe
+import experiments.probes.probe_dynamo_segments as probe
 
 
 def test_a_branch_inside_a_loop_of_layers_gives_dynamo_no_graph() -> None:

@@ -138,8 +138,8 @@ def test_bad_loop_arguments_say_what_to_do() -> None:
         autockpt.plan(model, budget_bytes=10**9, example_inputs=(x,), gradient_accumulation_steps=0)
     with pytest.raises(TypeError, match="returned list, not a torch.optim.Optimizer"):
         autockpt.plan(model, budget_bytes=10**9, example_inputs=(x,), optimizer=lambda params: list(params))
-    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
-        autockpt.plan(model, budget_bytes=10**9, example_inputs=(x,), optimizer="adamw")
+    with pytest.raises(ValueError, match="optimizer='lion': the names are adam, adamw, sgd, none"):
+        autockpt.plan(model, budget_bytes=10**9, example_inputs=(x,), optimizer="lion")
 
 
 def test_a_saved_plan_keeps_its_loop(tmp_path: object) -> None:

@@ -1,7 +1,7 @@
 """Pipeline plans (issue 22): split, per-stage plans, and runs on torch.distributed.pipelining under gloo.
 
 PyTorch is the reference: the single-process model's loss and gradients on the same batch. Ranks are spawned with a
-timeout and destroy their process groups (``pipeline_worker.py``).
+timeout and destroy their process groups (``experiments/common/pipeline_worker.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
-from pipeline_worker import build, lm_loss, run_rank
 
 import autockpt
 from autockpt.core.solve.split import SplitProblem, StageOption, exhaustive_split, solve_split
@@ -23,6 +22,7 @@ from autockpt.errors import InfeasibleBudgetError, PlanMismatchError
 from autockpt.pipeline import PipelinePlanner
 from autockpt.pipeline.run import stage_module_for
 from autockpt.record_types import PipelineRecord, PipelineStageRecord
+from experiments.common.pipeline_worker import build, lm_loss, run_rank
 
 _CONFIG = {"seed": 0, "model": {"vocab": 1024, "width": 32, "layers": 4, "tied": False}}
 _MICROBATCHES = 4

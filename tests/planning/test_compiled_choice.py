@@ -4,7 +4,7 @@ leaves headroom, every plan whose compiled step fits is a candidate, and the fas
 are compiled before the budget is refused.
 
 The eager prediction of what recomputation costs does not carry over to compiled code (Inductor fuses what a region
-recomputes): on CPU, in experiments/bench_compile.py, the looser plans chosen by their predicted overhead ran slower
+recomputes): on CPU, in experiments/bench/bench_compile.py, the looser plans chosen by their predicted overhead ran slower
 compiled than a tighter one. The planner here is real; only the compiled step's readings (a chosen amount under the
 eager peak) and the step times are scripted, so which plan is faster is the test's choice.
 """

@@ -1,6 +1,6 @@
 """The smallest feasible budget autockpt states is kept when measured (issue 23, item 2): a Hugging Face ResNet
 (BatchNorm, residual convs) measured 8 bytes over its predicted floor, so ``optimize`` at the stated minimum raised.
-``experiments/bench_min_feasible.py`` runs every zoo model the same way (too slow for the suite)."""
+``experiments/bench/bench_min_feasible.py`` runs every zoo model the same way (too slow for the suite)."""
 
 from __future__ import annotations
 

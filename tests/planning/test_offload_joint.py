@@ -16,7 +16,7 @@ import autockpt
 from autockpt.core.simulate import simulate
 from autockpt.planning.policy import assemble_plan
 from autockpt.present import zoo
-from autockpt.present.cli import UserInputError, parse_host_pool
+from autockpt.present.workload import UserInputError, parse_host_pool
 from autockpt.types import Action, Decision, RegionAction
 
 SLACK_BYTES = 1024  # as tests/runtime/test_offload_plans.py: exact on the conv net, 512 bytes high on the MLP

@@ -32,6 +32,11 @@ def _example() -> tuple[torch.nn.Module, torch.Tensor]:
         ({"compiled": "max-autotune"}, "give True, False, or a dict of torch.compile keyword arguments"),
         ({"compiled": True, "host_pool_gb": 1}, "offloading is not measured under torch.compile"),
         ({"optimizer": 3}, "optimizer must be a torch.optim.Optimizer"),
+        ({"optimizer": "lion"}, "optimizer='lion': the names are adam, adamw, sgd, none"),
+        ({"trace": "real"}, "trace='real': choose one of auto, fake, measured"),
+        ({"timing": "fast"}, "timing='fast': choose one of auto, measured, roofline, benchmark"),
+        ({"target": "h900"}, "unknown device 'h900'"),
+        ({"device_memory_bytes": 0}, "device_memory_bytes must be a positive whole number"),
     ],
 )
 def test_plan_options_refuse_bad_values_saying_what_was_given(given: dict, says: str) -> None:
@@ -40,12 +45,44 @@ def test_plan_options_refuse_bad_values_saying_what_was_given(given: dict, says:
 
 
 def test_an_option_given_both_ways_must_agree() -> None:
-    options = PlanOptions(strict=True, gradient_accumulation_steps=2)
-    assert resolve_options(options, strict=True) is options
+    options = PlanOptions(strict=True, gradient_accumulation_steps=2, optimizer="none")
+    assert options.optimizer is None  # "none" is None, the one default
+    assert resolve_options(options, {"strict": True, "optimizer": "none"}, entry_point="f") is options
     with pytest.raises(ValueError, match=r"strict=False disagrees with options.strict=True"):
-        resolve_options(options, strict=False)
-    assert resolve_options(None, gradient_accumulation_steps=3).gradient_accumulation_steps == 3
-    assert resolve_options(None, solver_options=autockpt.SolverOptions(time_limit_s=3)).solver.time_limit_s == 3
+        resolve_options(options, {"strict": False}, entry_point="f")
+    assert resolve_options(None, {"gradient_accumulation_steps": 3}, entry_point="f").gradient_accumulation_steps == 3
+    older = resolve_options(None, {"solver_options": autockpt.SolverOptions(time_limit_s=3)}, entry_point="f")
+    assert older.solver.time_limit_s == 3
+
+
+def test_every_entry_point_takes_the_options_and_checks_their_names() -> None:
+    """Issue 47, item 1: one definition; the keyword spelling is checked against it, not listed again by hand."""
+    model, x = _example()
+    entry_points = {
+        "autockpt.optimize": lambda **kw: autockpt.optimize(model, budget_bytes=10**12, example_inputs=(x,), **kw),
+        "autockpt.plan": lambda **kw: autockpt.plan(model, budget_bytes=10**12, example_inputs=(x,), **kw),
+        "Planner.from_model": lambda **kw: autockpt.Planner.from_model(model, example_inputs=(x,), **kw),
+        "autockpt.estimate": lambda **kw: autockpt.estimate(model, example_inputs=(x,), **kw),
+        "plan_pipeline": lambda **kw: autockpt.plan_pipeline(model, 2, budget_bytes=10**9, example_inputs=(x,), **kw),
+        "plan_fsdp": lambda **kw: autockpt.plan_fsdp(model, world_size=2, budget_bytes=10**9, example_inputs=(x,), **kw),
+        "autockpt.max_batch_size": lambda **kw: autockpt.max_batch_size(
+            lambda: model, lambda n: (x[:n],), budget_bytes=10**9, **kw),
+    }
+    for name, call in entry_points.items():
+        with pytest.raises(TypeError, match=rf"{name}\(\) got an unexpected keyword argument 'checkpointt' \(did you "
+                                            r"mean 'checkpoint'\?\); its options are the fields of autockpt.PlanOptions"):
+            call(checkpointt="auto")
+        with pytest.raises(TypeError, match="options must be autockpt.PlanOptions"):
+            call(options={"checkpoint": "auto"})
+    # what an entry point cannot honour is refused by name, never ignored
+    refused = {"autockpt.optimize": "target", "autockpt.plan": "strict", "autockpt.estimate": "checkpoint",
+               "plan_pipeline": "optimizer", "plan_fsdp": "gradient_accumulation_steps",
+               "autockpt.max_batch_size": "compiled"}
+    values = {"target": "h100", "strict": True, "checkpoint": "recompute_function", "optimizer": "adamw",
+              "gradient_accumulation_steps": 2, "compiled": True}
+    for name, option in refused.items():
+        with pytest.raises(ValueError, match=rf"{name} cannot honour {option} \(given: {option}="):
+            entry_points[name](options=PlanOptions(**{option: values[option]}))
 
 
 def test_optimize_takes_options_and_keeps_strict() -> None:
@@ -60,14 +97,14 @@ def test_optimize_takes_options_and_keeps_strict() -> None:
 
 def test_plan_refuses_the_options_of_the_returned_module() -> None:
     model, x = _example()
-    with pytest.raises(ValueError, match=r"autockpt.plan does not support strict yet"):
+    with pytest.raises(ValueError, match=r"autockpt.plan cannot honour strict"):
         autockpt.plan(model, budget_bytes=10**12, example_inputs=(x,), loss_fn=loss_of, options=PlanOptions(strict=True))
 
 
 def test_the_pipeline_planner_refuses_options_it_does_not_plan() -> None:
     model, x = _example()
     for options in (PlanOptions(optimizer=torch.optim.AdamW), PlanOptions(host_pool_gb=1)):
-        with pytest.raises(ValueError, match=r"plan_pipeline does not support (optimizer|host_pool_gb) yet"):
+        with pytest.raises(ValueError, match=r"plan_pipeline cannot honour (optimizer|host_pool_gb)"):
             autockpt.plan_pipeline(model, 2, budget_bytes=10**9, example_inputs=(x,), loss_fn=lambda o, t: o.sum(),
                                    options=options)
 

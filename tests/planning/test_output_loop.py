@@ -9,9 +9,9 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from pipeline_worker import Decoder
 
 import autockpt
+from experiments.common.pipeline_worker import Decoder
 
 WATCH_LOGGER = "autockpt.runtime.output_watch"
 

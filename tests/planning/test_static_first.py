@@ -9,7 +9,6 @@ import math
 import pytest
 import torch
 from conftest import FREE_MACHINERY
-from random_graphs import modelled_costs, random_model
 from solvers import ExactSolver
 
 import autockpt
@@ -23,6 +22,7 @@ from autockpt.measure.capture import capture
 from autockpt.measure.loss import default_loss
 from autockpt.measure.trace import trace_step
 from autockpt.types import Action
+from experiments.common.random_graphs import modelled_costs, random_model
 
 
 def _planner() -> autockpt.Planner:

@@ -131,7 +131,7 @@ def test_bad_trace_arguments_say_what_was_expected() -> None:
     case = zoo.build("mlp", "tiny")
     with pytest.raises(ValueError, match="trace='exact': choose one of auto, fake, measured"):
         autockpt.plan(case.model, 1.0, example_inputs=case.args, trace="exact")
-    with pytest.raises(ValueError, match="device_memory_bytes must be a positive int"):
+    with pytest.raises(ValueError, match="device_memory_bytes must be a positive whole number of bytes, got -5"):
         autockpt.plan(case.model, 1.0, example_inputs=case.args, device_memory_bytes=-5)
     with pytest.raises(ValueError, match="unknown device 'h900'"):
         autockpt.plan(case.model, example_inputs=case.args, target="h900")

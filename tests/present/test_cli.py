@@ -12,7 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 import autockpt
-from autockpt.present.cli import main, parse_budget, parse_input_spec
+from autockpt.present.cli import main
+from autockpt.present.workload import parse_budget, parse_input_spec
 
 MLP = ["cli_models:small_mlp", "--input", "float32[128,64]"]
 

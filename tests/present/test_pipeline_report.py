@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from pipeline_worker import build, lm_loss
 
 import autockpt
 from autockpt.present.pipeline_report import schedule_boxes, schedule_order, stage_memory
 from autockpt.record_types import SharedParameter
 from autockpt.types import PipelineSchedule
 from autockpt.units import format_bytes
+from experiments.common.pipeline_worker import build, lm_loss
 
 _CONFIG = {"seed": 0, "model": {"vocab": 1024, "width": 32, "layers": 4, "tied": False}}
 _BUDGET = 1_500_000  # the smallest a split of this model keeps is about 1.33 MB: tight enough to draw the budget

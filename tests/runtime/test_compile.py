@@ -8,9 +8,7 @@ sweep's method): MemTracker does not see inside compiled code.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,9 +21,7 @@ import autockpt
 from autockpt.measure.step import measure_compiled_step
 from autockpt.present import zoo
 from autockpt.types import Action
-
-sys.path.insert(0, str(Path(__file__).parents[2] / "experiments"))
-from anchors import profiler_peak_bytes
+from experiments.common.anchors import profiler_peak_bytes
 
 RECOMPUTE_ACTIONS = (Action.RECOMPUTE_TORCH, Action.RECOMPUTE_OWN)
 

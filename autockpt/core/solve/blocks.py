@@ -30,7 +30,8 @@ import numpy as np
 import pulp
 
 from autockpt.core.solve.base import Problem, ProgramAnswer, Scorer, SolverOptions
-from autockpt.core.solve.block_types import BlockInstance, BlockPlan, BlockProblem, Chain, ChainOption, OtherRegion
+from autockpt.core.solve.block_chain import overlaps_any, prepare_chain, retained_gain, solve_block_chain
+from autockpt.core.solve.block_types import BlockInstance, BlockPlan, BlockProblem, OtherRegion
 from autockpt.core.solve.candidates import safe_regions
 from autockpt.core.solve.pulp_tools import (
     add_no_good_cut,
@@ -96,7 +97,7 @@ def prepare_blocks(
         instances=instances, menus=menus, need_bytes=need, cost_ms=cost, others=others, base_bytes=base,
         outside_events=np.flatnonzero(~in_window),
     )
-    problem.chain = _prepare_chain(problem)
+    problem.chain = prepare_chain(problem)
     logger.debug(
         "block program: %d instances of %d families, menus %s, %d other regions",
         len(instances), len(menus), [len(m) for m in menus], len(others),
@@ -148,7 +149,7 @@ def _menu(scorer: Scorer, instances: list[BlockInstance], candidates: Sequence[R
             continue  # frees nothing anywhere
         rerun = tuple(u - start for u in alone.rerun_units)
         singles.append(BlockPlan(
-            ((a, b),), rerun, alone.overhead_ms, _retained_gain(gains, representative), gains[representative.window]
+            ((a, b),), rerun, alone.overhead_ms, retained_gain(gains, representative), gains[representative.window]
         ))
     plans = _disjoint_combinations(singles, len(representative.window))
     if plans is None:
@@ -161,12 +162,6 @@ def _alone(scorer: Scorer, region: Region, base: np.ndarray) -> tuple[Timeline, 
     """``region`` checkpointed alone: its timeline, and the bytes it saves at every event (negative: costs)."""
     alone = scorer.simulate((region,))
     return alone, base - np.asarray(alone.event_bytes, dtype=np.int64)
-
-
-def _retained_gain(gains: np.ndarray, instance: BlockInstance) -> int:
-    """Bytes not held between ``instance``'s forward and its backward (the least over those events)."""
-    between = gains[instance.forward_end + 1 : instance.backward_start]
-    return int(between.min()) if len(between) else 0
 
 
 def _disjoint_combinations(singles: list[BlockPlan], window_length: int) -> list[BlockPlan] | None:
@@ -211,7 +206,7 @@ def _other_regions(
     scorer: Scorer, instances: list[BlockInstance], candidates: Sequence[Region], base: np.ndarray
 ) -> list[OtherRegion]:
     """Regions outside every instance (embedding, head), and runs of whole consecutive instances of one family."""
-    regions = [c for c in candidates if not _overlaps_any(c, instances)]
+    regions = [c for c in candidates if not overlaps_any(c, instances)]
     by_family: dict[int, list[BlockInstance]] = {}
     for instance in instances:
         by_family.setdefault(instance.family, []).append(instance)
@@ -267,7 +262,32 @@ def build_block_program(
         if chosen is not None:
             add_no_good_cut(prob, f"not_plan_{n}", chosen, everything)
 
-    rows: dict[tuple, int] = {}  # coefficients -> largest constant: identical rows but the constant collapse to one
+    rows = _memory_rows(problem, x, y, overlapping)
+    variables = {v.name: v for row in x for v in row} | {v.name: v for v in y}
+    for r, (key, constant) in enumerate(rows.items()):
+        worst = constant + sum(c for _, c in key if c > 0)
+        if budget is not None and worst <= budget:
+            continue  # holds whatever is chosen
+        expression = pulp.LpAffineExpression([(variables[name], c) for name, c in key], constant=constant)
+        if peak is not None:
+            expression.addterm(peak, -GB)
+        prob += pulp.LpConstraint(expression, pulp.LpConstraintLE, f"memory_row_{r}", budget or 0)
+
+    def chosen_regions() -> tuple[Region, ...]:
+        choice = [next((m for m, v in enumerate(row, start=1) if (v.value() or 0) > 0.5), 0) for row in x]
+        return problem.regions_of(choice, [c for c, v in enumerate(y) if (v.value() or 0) > 0.5])
+
+    return prob, chosen_regions
+
+
+def _memory_rows(
+    problem: BlockProblem, x: list[list[pulp.LpVariable]], y: list[pulp.LpVariable], overlapping: list[list[int]]
+) -> dict[tuple, int]:
+    """The memory rows of the block program, as (variable name, coefficient) terms -> constant: the worst bytes in
+    each instance's window and at each event outside the blocks. Identical rows but the constant collapse to one
+    (the largest constant)."""
+    instances, menus, others = problem.instances, problem.menus, problem.others
+    rows: dict[tuple, int] = {}
 
     def add_row(terms: list[tuple[pulp.LpVariable, int]], constant: int) -> None:
         key = tuple(sorted((v.name, c) for v, c in terms if c != 0))
@@ -297,22 +317,7 @@ def build_block_program(
                 terms += [(x[j][m], -int(r)) for m, r in enumerate(retained[j])]
         terms += [(y[c], -int(o.gains[event])) for c, o in enumerate(others)]
         add_row(terms, int(problem.base_bytes[event]))
-
-    variables = {v.name: v for row in x for v in row} | {v.name: v for v in y}
-    for r, (key, constant) in enumerate(rows.items()):
-        worst = constant + sum(c for _, c in key if c > 0)
-        if budget is not None and worst <= budget:
-            continue  # holds whatever is chosen
-        expression = pulp.LpAffineExpression([(variables[name], c) for name, c in key], constant=constant)
-        if peak is not None:
-            expression.addterm(peak, -GB)
-        prob += pulp.LpConstraint(expression, pulp.LpConstraintLE, f"memory_row_{r}", budget or 0)
-
-    def chosen_regions() -> tuple[Region, ...]:
-        choice = [next((m for m, v in enumerate(row, start=1) if (v.value() or 0) > 0.5), 0) for row in x]
-        return problem.regions_of(choice, [c for c, v in enumerate(y) if (v.value() or 0) > 0.5])
-
-    return prob, chosen_regions
+    return rows
 
 
 def solve_block_program(
@@ -370,175 +375,3 @@ def _variables_for(
             chosen.append(y[c])
             remaining.discard(other.region)
     return None if remaining else chosen
-
-
-def _overlaps_any(region: Region, instances: Sequence[BlockInstance]) -> bool:
-    return any(region.overlaps(i.region) for i in instances)
-
-
-# --- the outer problem as a dynamic program over the chain of instances ------------------------------------------
-
-STATES = 10_000  # retained-gain buckets; gains are rounded down, so rows are pessimistic by < instances / STATES of the range
-MAX_OTHER_SETS = 64  # sets of regions outside the blocks tried one by one; more than this: the MILP solves it
-
-
-def solve_block_chain(problem: BlockProblem, budget: int) -> tuple[Region, ...] | None | type[NotImplemented]:
-    """The outer problem solved exactly (up to rounding retained gains down) by dynamic programming.
-
-    When instance k runs, the instances before it hold their retained gains and the ones after hold nothing, so every
-    memory row is a lower bound on the retained gain summed over a prefix of the chain. A dynamic program over that
-    prefix sum, once per set of regions outside the blocks, finds the cheapest plan in milliseconds where the MILP
-    spends seconds telling identical layers apart. Returns the regions, None if no plan meets ``budget`` in the
-    model, or NotImplemented when the problem is not such a chain (the MILP then solves it).
-    """
-    chain = problem.chain
-    if chain is None:
-        return NotImplemented
-    best: tuple[float, tuple[Region, ...]] | None = None
-    for other_set in chain.outside_sets:
-        chosen = [chain.outside[i] for i in other_set]
-        found = _cheapest_chain(problem, chain.options, chosen, budget, chain.outside_prefix)
-        if found is not None and (best is None or found[0] < best[0]):
-            best = found
-    return None if best is None else best[1]
-
-
-def _prepare_chain(problem: BlockProblem) -> Chain | None:
-    """The chain form of the outer problem, or None when its rows are not a chain or too many outside sets."""
-    outside_prefix = _prefix_of_outside_rows(problem)
-    if outside_prefix is None:
-        return None
-    outside = [c for c, o in enumerate(problem.others) if not _overlaps_any(o.region, problem.instances)]
-    outside_sets = _disjoint_sets([problem.others[c].region for c in outside], MAX_OTHER_SETS)
-    if outside_sets is None:
-        return None
-    runs = [c for c in range(len(problem.others)) if c not in outside]
-    return Chain(_chain_options(problem, runs), outside_prefix, outside, outside_sets)
-
-
-def _prefix_of_outside_rows(problem: BlockProblem) -> list[int] | None:
-    """Per outside event, how many leading instances hold their gains there; None when the rows are not a chain
-    (instance k's window must see exactly the k instances before it, every outside event a prefix of them)."""
-    instances = problem.instances
-
-    def prefix(active: list[bool]) -> int | None:
-        count = sum(active)
-        return count if all(active[:count]) else None
-
-    for k, instance in enumerate(instances):
-        active = [j.forward_end < instance.window[0] and j.backward_start > instance.window[-1] for j in instances]
-        if prefix(active) != k:
-            return None
-    outside = []
-    for event in problem.outside_events:
-        count = prefix([j.forward_end < event < j.backward_start for j in instances])
-        if count is None:
-            return None
-        outside.append(count)
-    return outside
-
-
-def _disjoint_sets(regions: list[Region], limit: int) -> list[tuple[int, ...]] | None:
-    """Every set of pairwise non-overlapping regions (as indices), or None if there are more than ``limit``."""
-    sets: list[tuple[int, ...]] = [()]
-    for index, region in enumerate(regions):
-        sets += [s + (index,) for s in sets if not any(region.overlaps(regions[i]) for i in s)]
-        if len(sets) > limit:
-            return None
-    return sets
-
-
-def _chain_options(problem: BlockProblem, runs: list[int]) -> list[list[ChainOption]]:
-    """Per instance: the options starting there (its menu plans, runs of whole instances from it)."""
-    options: list[list[ChainOption]] = []
-    first_of = {i.region.first_unit: k for k, i in enumerate(problem.instances)}
-    for k, instance in enumerate(problem.instances):
-        menu = problem.menus[instance.family]
-        here = [
-            ChainOption(k, 1, float(problem.cost_ms[k][m]), plan.retained_gain_bytes, problem.need_bytes[k][m : m + 1], m, None)
-            for m, plan in enumerate(menu)
-        ]
-        for index in runs:
-            run = problem.others[index]
-            if first_of.get(run.region.first_unit) != k:
-                continue
-            covered = [i for i in problem.instances if run.region.overlaps(i.region)]
-            need = np.array([(problem.base_bytes[i.window] - run.gains[i.window]).max() for i in covered])
-            retained = _retained_gain(run.gains, covered[-1])
-            here.append(ChainOption(k, len(covered), run.cost_ms, retained, need, None, index))
-        options.append(here)
-    return options
-
-
-def _cheapest_chain(
-    problem: BlockProblem, options: list[list[ChainOption]], chosen_others: list[int], budget: int, outside_prefix: list[int]
-) -> tuple[float, tuple[Region, ...]] | None:
-    """The cheapest choice of options along the chain with ``chosen_others`` checkpointed too."""
-    instances, others = problem.instances, problem.others
-    num = len(instances)
-    # the chosen outside regions lower every row by their gain there (constant over an instance's window)
-    window_relief = [sum(int(others[c].gains[i.window].min()) for c in chosen_others) for i in instances]
-    most_retained = _most_retained(options)
-    bucket = max(1, -(-most_retained // STATES))
-    size = most_retained // bucket + 1
-    lower = [0] * (num + 1)  # per prefix length: the least retained bucket the outside events allow
-    for event, count in zip(problem.outside_events, outside_prefix):
-        bytes_here = int(problem.base_bytes[event]) - sum(int(others[c].gains[event]) for c in chosen_others)
-        lower[count] = max(lower[count], _buckets_needed(bytes_here - budget, bucket))
-    cost = [np.full(size, np.inf) for _ in range(num + 1)]
-    back = [np.full(size, -1, dtype=np.int64) for _ in range(num + 1)]  # option id that reached each state
-    prev_state = [np.full(size, -1, dtype=np.int64) for _ in range(num + 1)]
-    cost[0][0] = 0.0
-    states = np.arange(size)
-    option_list: list[ChainOption] = []
-    for k in range(num + 1):
-        cost[k][states < lower[k]] = np.inf
-        if k == num:
-            break
-        for option in options[k]:
-            if option.retained_gain_bytes < 0:
-                continue
-            # worst bytes in each covered instance's window: need - (earlier gains) - outside relief <= budget
-            relief = np.array(window_relief[k : k + option.length])
-            least = _buckets_needed(int((option.need_bytes - relief).max()) - budget, bucket)
-            shift = option.retained_gain_bytes // bucket
-            source = cost[k][: size - shift].copy()
-            source[: max(least, 0)] = np.inf
-            candidate = source + option.cost_ms
-            target = cost[k + option.length][shift:]
-            better = candidate < target
-            if better.any():
-                option_list.append(option)
-                target[better] = candidate[better]
-                back[k + option.length][shift:][better] = len(option_list) - 1
-                prev_state[k + option.length][shift:][better] = states[: size - shift][better]
-    end = cost[num]
-    if not np.isfinite(end).any():
-        return None
-    state, position = int(end.argmin()), num
-    plan_of = [0] * num
-    runs: list[int] = []
-    while position > 0:
-        option = option_list[int(back[position][state])]
-        state = int(prev_state[position][state])
-        position = option.first
-        if option.plan is not None:
-            plan_of[option.first] = option.plan
-        else:
-            runs.append(option.other)
-    total = float(end.min()) + sum(others[c].cost_ms for c in chosen_others)
-    return total, problem.regions_of(plan_of, [*chosen_others, *runs])
-
-
-def _most_retained(options: list[list[ChainOption]]) -> int:
-    """The largest retained gain any path along the chain can add up (sizes the state space, not a guess)."""
-    best = [0] + [-1] * len(options)
-    for k, here in enumerate(options):
-        for option in here:
-            best[k + option.length] = max(best[k + option.length], best[k] + max(option.retained_gain_bytes, 0))
-    return max(best[-1], 0)
-
-
-def _buckets_needed(bytes_needed: int, bucket: int) -> int:
-    """Fewest retained buckets that relieve ``bytes_needed`` bytes (rounded up: buckets are rounded-down bytes)."""
-    return 0 if bytes_needed <= 0 else -(-bytes_needed // bucket)

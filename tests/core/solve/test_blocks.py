@@ -12,7 +12,8 @@ from conftest import assert_same_step, needs_transformers, twin
 import autockpt
 from autockpt.core.solve.base import Scorer, SolverOptions
 from autockpt.core.solve.baselines import baseline_seed_plans
-from autockpt.core.solve.blocks import build_block_program, prepare_blocks, solve_block_chain
+from autockpt.core.solve.block_chain import solve_block_chain
+from autockpt.core.solve.blocks import build_block_program, prepare_blocks
 from autockpt.core.solve.candidates import candidate_regions
 from autockpt.core.solve.default import solve_prepared
 from autockpt.core.solve.prepare import prepare

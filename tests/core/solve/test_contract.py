@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 from conftest import FREE_MACHINERY
-from random_graphs import modelled_costs, random_model
 from solvers import BaselineSolver, BlockSolver, DefaultSolver, ExactSolver, GreedySolver, MilpSolver, Solver
 
 import autockpt
@@ -21,6 +20,7 @@ from autockpt.measure.capture import capture
 from autockpt.measure.loss import default_loss
 from autockpt.measure.trace import trace_step
 from autockpt.types import Action, PlanStatus
+from experiments.common.random_graphs import modelled_costs, random_model
 
 
 def _problem(seed: int) -> tuple[Problem, autockpt.types.Graph]:

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 from conftest import torch_scorer
-from random_graphs import modelled_costs, modelled_planner
 
 import autockpt
 from autockpt.core.solve.candidates import is_unsafe, mutation_hazards
@@ -19,6 +18,7 @@ from autockpt.core.solve.exact import exact_regions, min_peak_bytes, removable_b
 from autockpt.errors import InfeasibleBudgetError
 from autockpt.present import zoo
 from autockpt.types import Region, StepTrace
+from experiments.common.random_graphs import modelled_costs, modelled_planner
 
 
 def _all_region_sets(profile: StepTrace) -> list[tuple[Region, ...]]:

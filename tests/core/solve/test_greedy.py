@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from random_graphs import modelled_planner, scorer_of
 
 import autockpt
 from autockpt.core.solve.candidates import candidate_regions
@@ -14,6 +13,7 @@ from autockpt.core.solve.exact import min_peak_bytes
 from autockpt.core.solve.greedy import greedy_regions
 from autockpt.core.solve.prepare import prepare
 from autockpt.present import zoo
+from experiments.common.random_graphs import modelled_planner, scorer_of
 
 
 @pytest.mark.parametrize("seed", [0, 5, 9])

@@ -8,19 +8,25 @@ microsecond ops on a shared CPU are noise, and would make which plan is cheapest
 from __future__ import annotations
 
 import pytest
-from random_graphs import TORCH_CHECKPOINT, modelled_costs, modelled_machinery, modelled_planner, scorer_of
 
 import autockpt
 from autockpt.core.solve.base import ProgramAnswer
 from autockpt.core.solve.exact import exact_regions, min_peak_bytes, usable_regions
 from autockpt.errors import InfeasibleBudgetError
 from autockpt.types import PlanStatus, Region, SolverStats
+from experiments.common.random_graphs import (
+    TORCH_CHECKPOINT,
+    modelled_costs,
+    modelled_machinery,
+    modelled_planner,
+    scorer_of,
+)
 
 TOLERANCE = 0.01  # the target: production within 1 % of the exact optimum
 
 # The first six seeds whose peak some region plan lowers (the others have floor == unmodified peak: nothing to
 # compare), at 0.3 and 0.7 of the way from the production floor to the unmodified peak; then cases where
-# experiments/bench_optimality.py once found the production plan over 1 %, one per cause, now fixed:
+# experiments/bench/bench_optimality.py once found the production plan over 1 %, one per cause, now fixed:
 # 40 / 2: no candidate started after unit 0, which saves nothing (candidates now also come without leading units that
 # save nothing); 48: the forward events of a two-unit segment formed one constraint block (small graphs now get a
 # segment per unit); 27: two regions whose gains the program adds up simulated over budget together (plans that
@@ -60,7 +66,7 @@ def test_production_plan_is_within_one_percent_of_the_exact_optimum(seed: int, f
     )
 
 
-# Seeds where experiments/bench_optimality.py once found the production floor above the exact floor: the programs add
+# Seeds where experiments/bench/bench_optimality.py once found the production floor above the exact floor: the programs add
 # gains up, and these graphs have regions that interact (a recomputation burst on top of another region's gain).
 # Fixed by offering the best single region as a seed and a local descent from every floor plan with the simulator.
 FLOOR_SEEDS = [24, 38, 47, 54, 68]

@@ -31,16 +31,6 @@ if TYPE_CHECKING:
     from autockpt.records.plan import Plan
 
 
-class _Unset:
-    """A keyword argument the caller did not give (its value then comes from ``options``)."""
-
-    def __repr__(self) -> str:
-        return "<from options>"
-
-
-UNSET: Any = _Unset()
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlanOptions:
     """What to plan with, checked when made. GB = 10^9 bytes.
@@ -182,7 +172,7 @@ def resolve_options(
             + (f" (did you mean {close[0]!r}?)" if close else "")
             + f"; its options are the fields of autockpt.PlanOptions: {', '.join(OPTION_NAMES)}"
         )
-    resolved = _merged(options, {name: value for name, value in keywords.items() if value is not UNSET})
+    resolved = _merged(options, dict(keywords))
     refusing = [name for name in refused if name in resolved.given()]
     if refusing:
         raise ValueError(
@@ -244,7 +234,6 @@ def pareto_budgets(the_plan: Plan, points: int) -> list[int]:
     return [round(low + (high - low) * i / (points - 1)) for i in range(points)]
 
 
-
 def budget_to_bytes(budget_gb: Any, budget_bytes: Any) -> int:
     """Check the budget arguments; GB = 10^9 bytes."""
     if (budget_gb is None) == (budget_bytes is None):
@@ -264,7 +253,6 @@ def budget_to_bytes(budget_gb: Any, budget_bytes: Any) -> int:
     if result <= 0:
         raise ValueError(f"{name}={value!r} is less than one byte; give the budget in {'GB' if name == 'budget_gb' else 'bytes'}")
     return result
-
 
 
 def checkpoint_choice(options: PlanOptions) -> Action | str:

@@ -141,7 +141,7 @@ def test_without_a_plan_for_the_course_strict_mode_says_which_check_failed() -> 
     applied = autockpt.apply_plan(model, the_plan, example_inputs=args, example_kwargs=kwargs, strict=True)
     padded = dict(kwargs, attention_mask=kwargs["attention_mask"].clone())
     padded["attention_mask"][1, :3] = 0
-    with pytest.raises(autockpt.UnplannedStepError, match="another course"):
+    with pytest.raises(autockpt.errors.UnplannedStepError, match="another course"):
         applied(*args, **padded)
 
 

@@ -12,6 +12,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 import autockpt
+from autockpt import SolverOptions
 from autockpt.errors import FakeStepError
 from autockpt.measure import sources, step
 from autockpt.planning.batch_size import ExampleBatch, max_batch_size
@@ -190,7 +191,8 @@ def test_a_plan_from_the_fake_trace_measures_as_predicted_and_under_its_budget(n
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     call = {"example_inputs": case.args, "example_kwargs": case.kwargs, "loss_fn": case.loss_fn}
     with autocast:
-        planner = autockpt.Planner.from_model(case.model, **call, trace="fake")
+        # a 5 % gap (1 % by default): what is checked holds for any plan, and the UNet's programs take half the time
+        planner = autockpt.Planner.from_model(case.model, **call, trace="fake", solver=SolverOptions(relative_gap=0.05))
         with pytest.raises(autockpt.InfeasibleBudgetError) as floor:
             planner.plan(budget_bytes=1)
         budget = (floor.value.min_feasible_bytes + planner.trace.baseline_peak_bytes) // 2

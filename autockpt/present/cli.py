@@ -82,7 +82,13 @@ class _Group(click.Group):
 
 def _model_options(command: Callable[..., Any]) -> Callable[..., Any]:
     options = [
-        click.argument("model"),
+        click.argument("model", required=False),
+        click.option("--hf-config", metavar="PATH_OR_NAME",
+                     help="instead of MODEL: a Hugging Face config (config.json, its folder, or a hub name where the "
+                          "network allows), built on the meta device in its dtype and planned from a fake trace"),
+        click.option("--batch", type=click.IntRange(min=1), help="with --hf-config: token ids of this batch size "
+                     "(default 1; labels = the ids)"),
+        click.option("--seq", type=click.IntRange(min=1), help="with --hf-config: token ids of this length (default 512)"),
         click.option("--input", "inputs", multiple=True, metavar="SPEC",
                      help="example input, e.g. 'input_ids=int64[4,512]:high=50257' or 'float32[8,3,224,224]' (repeat)"),
         click.option("--inputs", "inputs_ref", metavar="MODULE:FUNCTION",
@@ -95,6 +101,11 @@ def _model_options(command: Callable[..., Any]) -> Callable[..., Any]:
     for option in reversed(options):
         command = option(command)
     return command
+
+
+def _tokens(batch: int | None, seq: int | None) -> tuple[int, int] | None:
+    """--batch / --seq as the (batch, sequence) of an --hf-config model's token ids; None when neither is given."""
+    return None if batch is None and seq is None else (batch or 1, seq or 512)
 
 
 def _solver_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -197,20 +208,23 @@ def main(ctx: click.Context, debug: bool, quiet: bool) -> None:
 @_device_options
 @click.pass_context
 def estimate(
-    ctx: click.Context, model: str, inputs: tuple[str, ...], inputs_ref: str | None, size: str, device: str, seed: int,
+    ctx: click.Context, model: str | None, hf_config: str | None, batch: int | None, seq: int | None,
+    inputs: tuple[str, ...], inputs_ref: str | None, size: str, device: str, seed: int,
     optimizer: str, depth: int, csv_path: str | None, target: str | None, meta: bool, device_memory: str | None,
     trace: str, timing: str,
 ) -> None:
     """Memory of one training step of MODEL: parameters, gradients, optimizer state, activations, temporaries.
 
     MODEL is a built-in example (gpt2, bert, t5, llama, vit, unet, vae, mlp, cnn, transformer, control_flow) or
-    package.module:factory, a function returning an nn.Module.
+    package.module:factory, a function returning an nn.Module; or give --hf-config instead (a Hugging Face config,
+    built on the meta device).
     """
     from autockpt.planning.estimate import estimate_from_planner
     from autockpt.planning.planner import Planner
 
     options = _plan_options(optimizer=optimizer, target=target, device_memory=device_memory, trace=trace, timing=timing)
-    work = load_workload(model, size, inputs, inputs_ref, device, seed, meta=meta)
+    work = load_workload(model, size, inputs, inputs_ref, device, seed, meta=meta, hf_config=hf_config,
+                         tokens=_tokens(batch, seq))
     with stage_progress(2, ctx.meta["autockpt.quiet"]) as progress:
         # as autockpt.estimate: the optimizer measured apart from the traced step
         planner = Planner.from_model(work.model, example_inputs=work.args, example_kwargs=work.kwargs, loss_fn=work.loss_fn,
@@ -237,7 +251,8 @@ def estimate(
 @_device_options
 @click.pass_context
 def plan(
-    ctx: click.Context, model: str, inputs: tuple[str, ...], inputs_ref: str | None, size: str, device: str, seed: int,
+    ctx: click.Context, model: str | None, hf_config: str | None, batch: int | None, seq: int | None,
+    inputs: tuple[str, ...], inputs_ref: str | None, size: str, device: str, seed: int,
     budget: str | None, report_path: str | None, out_path: str | None, pareto_points: int, depth: int, solver: str,
     time_limit: float, checkpoint: str, host_pool: str, optimizer: str, grad_accumulation: int, output_dropped: bool,
     target: str | None, meta: bool, device_memory: str | None, trace: str, timing: str,
@@ -256,7 +271,8 @@ def plan(
     if budget is None and target is None and device_memory is None:
         raise UserInputError("give --budget (e.g. --budget 8GB), or --device-memory / --target, whose memory is the budget")
     budget_bytes = parse_budget(budget) if budget is not None else None
-    work = load_workload(model, size, inputs, inputs_ref, device, seed, meta=meta)
+    work = load_workload(model, size, inputs, inputs_ref, device, seed, meta=meta, hf_config=hf_config,
+                         tokens=_tokens(batch, seq))
     with stage_progress(3 + pareto_points, ctx.meta["autockpt.quiet"]) as progress:
         planner = Planner.from_model(work.model, example_inputs=work.args, example_kwargs=work.kwargs, loss_fn=work.loss_fn,
                                      on_stage=progress, options=options)
@@ -279,7 +295,8 @@ def plan(
 @_loop_options
 @click.pass_context
 def sweep(
-    ctx: click.Context, model: str, inputs: tuple[str, ...], inputs_ref: str | None, size: str, device: str, seed: int,
+    ctx: click.Context, model: str | None, hf_config: str | None, batch: int | None, seq: int | None,
+    inputs: tuple[str, ...], inputs_ref: str | None, size: str, device: str, seed: int,
     budgets: str, out_dir: str, solver: str, time_limit: float, checkpoint: str, host_pool: str, optimizer: str,
     grad_accumulation: int, output_dropped: bool,
 ) -> None:
@@ -296,7 +313,7 @@ def sweep(
     budget_list = [parse_budget(text) for text in budgets.split(",") if text.strip()]
     if not budget_list:
         raise UserInputError(f"--budgets {budgets!r} lists no budget; give e.g. --budgets 2GB,4GB,6GB")
-    work = load_workload(model, size, inputs, inputs_ref, device, seed)
+    work = load_workload(model, size, inputs, inputs_ref, device, seed, hf_config=hf_config, tokens=_tokens(batch, seq))
     quiet = ctx.meta["autockpt.quiet"]
     with stage_progress(2, quiet) as progress:
         planner = Planner.from_model(work.model, example_inputs=work.args, example_kwargs=work.kwargs, loss_fn=work.loss_fn,

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from autockpt.errors import AutockptError
+from autockpt.errors import AutockptError, first_line
 
 # --------------------------------------------------------------------------------------------- parsing values
 
@@ -159,11 +159,20 @@ def resolve_reference(reference: str, what: str) -> Callable[..., Any]:
 
 
 def load_workload(
-    model_ref: str, size: str, input_texts: tuple[str, ...], inputs_ref: str | None, device: str, seed: int,
-    *, meta: bool = False,
+    model_ref: str | None, size: str, input_texts: tuple[str, ...], inputs_ref: str | None, device: str, seed: int,
+    *, meta: bool = False, hf_config: str | None = None, tokens: tuple[int, int] | None = None,
 ) -> Workload:
     """The model and example inputs the command plans; ``meta``: the model is built on the meta device (no weights
-    anywhere: planned from a fake trace), the example inputs on ``device``."""
+    anywhere: planned from a fake trace), the example inputs on ``device``. ``hf_config``: a Hugging Face config
+    (``hf_config_workload``) instead of ``model_ref``."""
+    if (model_ref is None) == (hf_config is None):
+        raise UserInputError(
+            "give MODEL (a built-in example or package.module:factory) or --hf-config PATH_OR_NAME, one of the two"
+        )
+    if hf_config is not None:
+        return hf_config_workload(hf_config, input_texts, inputs_ref, device, seed, tokens or (1, 512))
+    if tokens is not None:
+        raise UserInputError("--batch and --seq size the token ids of an --hf-config model; give --input for MODEL")
     import contextlib
 
     import torch
@@ -213,6 +222,57 @@ def load_workload(
     args = tuple(placed(a) for a in args)
     kwargs = {k: placed(v) for k, v in kwargs.items()}
     return Workload(label=label, model=model, args=args, kwargs=kwargs, loss_fn=loss_fn)
+
+
+def hf_config_workload(
+    config_ref: str, input_texts: tuple[str, ...], inputs_ref: str | None, device: str, seed: int,
+    tokens: tuple[int, int],
+) -> Workload:
+    """A Hugging Face model built from its config alone, on the meta device (no weights anywhere, as ``accelerate
+    estimate-memory`` takes a model name): a causal LM (``AutoModelForCausalLM``), else the bare model
+    (``AutoModel``), in the config's dtype. ``config_ref``: a ``config.json``, a folder holding one, or a hub name
+    where the network allows. Inputs: ``--input`` specs, or token ids of ``tokens`` (batch, sequence) below the
+    vocabulary, the labels the same ids (the model's own loss, ``output.loss``)."""
+    import torch
+
+    try:
+        import transformers
+    except ImportError as missing:
+        raise UserInputError("--hf-config needs transformers: pip install 'autockpt[zoo]'") from missing
+    try:
+        config = transformers.AutoConfig.from_pretrained(config_ref)
+    except (OSError, ValueError) as error:
+        raise UserInputError(
+            f"--hf-config {config_ref!r}: no Hugging Face config there ({type(error).__name__}: {first_line(error)}); "
+            "give a config.json, a folder holding one, or a hub name (needs the network)"
+        ) from error
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        try:
+            model, kind = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype), "causal LM"
+        except ValueError:  # not a causal LM: the bare model (an encoder, a vision backbone)
+            model, kind = transformers.AutoModel.from_config(config, dtype=dtype), "model"
+    label = f"{type(model).__name__} from {config_ref} ({kind}, {str(dtype).removeprefix('torch.')}, meta)"
+    if input_texts and inputs_ref:
+        raise UserInputError("give --input specs or --inputs package.module:function, not both")
+    if input_texts:
+        specs = [parse_input_spec(text) for text in input_texts]
+        args = tuple(make_tensor(s, device) for s in specs if s.name is None)
+        kwargs = {s.name: make_tensor(s, device) for s in specs if s.name is not None}
+        return Workload(label=label, model=model, args=args, kwargs=kwargs, loss_fn=None)
+    if inputs_ref:
+        made = _call_user(resolve_reference(inputs_ref, "--inputs"), f"the input function {inputs_ref!r}")
+        args, kwargs = _split_inputs(made, inputs_ref)
+        return Workload(label=label, model=model, args=args, kwargs=kwargs, loss_fn=None)
+    vocab = getattr(config, "vocab_size", None)
+    if not isinstance(vocab, int) or kind != "causal LM":
+        raise UserInputError(
+            f"{label}: give its inputs with --input SPEC (token ids need a causal LM with a vocab_size)"
+        )
+    ids = torch.randint(0, vocab, tokens, device=device)
+    return Workload(label=label, model=model, args=(), kwargs={"input_ids": ids, "labels": ids}, loss_fn=None)
 
 
 def _call_user(function: Callable[[], Any], what: str) -> Any:

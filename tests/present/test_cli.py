@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from conftest import needs_transformers
 
 import autockpt
 from autockpt.present.cli import main
@@ -153,3 +154,31 @@ def test_python_dash_m_and_the_console_script_run_the_same_cli() -> None:
 def test_demo_runs_a_built_in_example() -> None:
     code, out, _ = run("demo", "--model", "mlp", "--size", "tiny")
     assert code == 0 and "within budget" in out
+
+
+@needs_transformers
+def test_a_hugging_face_config_is_planned_on_the_meta_device(tmp_path: Path) -> None:
+    """Issue 48, item 6: ``--hf-config`` builds the model from its config alone, on the meta device, in the config's
+    dtype, with token ids of --batch x --seq (labels = ids): the estimate is the API's on the same meta model."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=1000)
+    config.dtype = "bfloat16"
+    config.to_json_file(tmp_path / "config.json")
+    code, out, _ = run("estimate", "--hf-config", str(tmp_path / "config.json"), "--batch", "2", "--seq", "32",
+                       "--optimizer", "adamw", "--depth", "0")
+    assert code == 0 and "made from: fake trace" in out
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    ids = torch.randint(0, 1000, (2, 32))
+    api = autockpt.estimate(model, example_kwargs={"input_ids": ids, "labels": ids}, optimizer="adamw", depth=0)
+    for name, value in api.rows():
+        assert re.search(rf"{re.escape(name)}\s+{value:,d} B", out), (name, value, out)
+    code, out, _ = run("plan", "--hf-config", str(tmp_path), "--seq", "32", "--budget", "2MB", "--pareto", "0")
+    assert code == 0 and "trace: fake" in out
+    assert "give MODEL" in one_line_error("estimate", "gpt2", "--hf-config", str(tmp_path))
+    assert "give MODEL" in one_line_error("estimate")
+    assert "no Hugging Face config there" in one_line_error("estimate", "--hf-config", str(tmp_path / "missing"))
+    assert "--batch and --seq size the token ids" in one_line_error("estimate", "gpt2", "--seq", "8")

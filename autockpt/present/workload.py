@@ -200,15 +200,9 @@ def load_workload(
             f"MODEL {model_ref!r} is neither a built-in example ({', '.join(sorted(zoo.BUILDERS))}) nor a "
             "package.module:factory reference to a function that returns an nn.Module"
         )
-    if input_texts and inputs_ref:
-        raise UserInputError("give --input specs or --inputs package.module:function, not both")
-    if input_texts:
-        specs = [parse_input_spec(text) for text in input_texts]
-        args = tuple(make_tensor(s, device) for s in specs if s.name is None)
-        kwargs = {s.name: make_tensor(s, device) for s in specs if s.name is not None}
-    elif inputs_ref:
-        made = _call_user(resolve_reference(inputs_ref, "--inputs"), f"the input function {inputs_ref!r}")
-        args, kwargs = _split_inputs(made, inputs_ref)
+    given = _given_inputs(input_texts, inputs_ref, device)
+    if given is not None:
+        args, kwargs = given
     elif model_ref not in zoo.BUILDERS:
         raise UserInputError(
             f"no example inputs for {model_ref!r}: give --input SPEC (e.g. --input 'x=float32[8,3,224,224]') or "
@@ -255,17 +249,9 @@ def hf_config_workload(
         except ValueError:  # not a causal LM: the bare model (an encoder, a vision backbone)
             model, kind = transformers.AutoModel.from_config(config, dtype=dtype), "model"
     label = f"{type(model).__name__} from {config_ref} ({kind}, {str(dtype).removeprefix('torch.')}, meta)"
-    if input_texts and inputs_ref:
-        raise UserInputError("give --input specs or --inputs package.module:function, not both")
-    if input_texts:
-        specs = [parse_input_spec(text) for text in input_texts]
-        args = tuple(make_tensor(s, device) for s in specs if s.name is None)
-        kwargs = {s.name: make_tensor(s, device) for s in specs if s.name is not None}
-        return Workload(label=label, model=model, args=args, kwargs=kwargs, loss_fn=None)
-    if inputs_ref:
-        made = _call_user(resolve_reference(inputs_ref, "--inputs"), f"the input function {inputs_ref!r}")
-        args, kwargs = _split_inputs(made, inputs_ref)
-        return Workload(label=label, model=model, args=args, kwargs=kwargs, loss_fn=None)
+    given = _given_inputs(input_texts, inputs_ref, device)
+    if given is not None:
+        return Workload(label=label, model=model, args=given[0], kwargs=given[1], loss_fn=None)
     vocab = getattr(config, "vocab_size", None)
     if not isinstance(vocab, int) or kind != "causal LM":
         raise UserInputError(
@@ -273,6 +259,20 @@ def hf_config_workload(
         )
     ids = torch.randint(0, vocab, tokens, device=device)
     return Workload(label=label, model=model, args=(), kwargs={"input_ids": ids, "labels": ids}, loss_fn=None)
+
+
+def _given_inputs(input_texts: tuple[str, ...], inputs_ref: str | None, device: str) -> tuple[tuple, dict] | None:
+    """The example inputs given by ``--input`` specs or an ``--inputs`` function; None when neither was given."""
+    if input_texts and inputs_ref:
+        raise UserInputError("give --input specs or --inputs package.module:function, not both")
+    if input_texts:
+        specs = [parse_input_spec(text) for text in input_texts]
+        return (tuple(make_tensor(s, device) for s in specs if s.name is None),
+                {s.name: make_tensor(s, device) for s in specs if s.name is not None})
+    if inputs_ref:
+        made = _call_user(resolve_reference(inputs_ref, "--inputs"), f"the input function {inputs_ref!r}")
+        return _split_inputs(made, inputs_ref)
+    return None
 
 
 def _call_user(function: Callable[[], Any], what: str) -> Any:

@@ -44,7 +44,7 @@ from autockpt.errors import InfeasibleBudgetError
 from autockpt.planning import solving
 from autockpt.records import codec, fingerprint
 from autockpt.types import Action, CaptureKind, CostModel, StepTrace
-from experiments.common.results_readme import REPO_ROOT
+from experiments.common.results_readme import REPO_ROOT, write_section
 
 FRACTIONS = (0.0, 0.1, 0.3, 0.6)
 ACTIONS = (Action.RECOMPUTE_TORCH, Action.RECOMPUTE_OWN)
@@ -299,11 +299,19 @@ def replay_case(case: dict[str, Any]) -> str | None:
     return first_difference(case["decisions"], decisions, "decisions")
 
 
-def replay(path: Path) -> int:
+def replay(path: Path, log: Path | None = None) -> int:
+    """Replay every case of ``path``, printing one line per case; with ``log``, the lines also go to that file (a
+    header says what was replayed at which commit) and its folder's README lists every replay log there."""
     started = time.perf_counter()
+    lines: list[str] = []
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
     with gzip.open(path, "rt") as handle:
         document = json.load(handle)
-    print(f"{path}: {len(document['cases'])} cases recorded at {document['commit'][:10]} (torch {document['torch']})")
+    say(f"{path}: {len(document['cases'])} cases recorded at {document['commit'][:10]} (torch {document['torch']})")
     different = 0
     for case in document["cases"]:
         case_started = time.perf_counter()
@@ -315,12 +323,37 @@ def replay(path: Path) -> int:
         seconds = time.perf_counter() - case_started
         if found:
             different += 1
-            print(f"{case['name']}: DIFFERENT ({seconds:.1f} s): {found}", flush=True)
+            say(f"{case['name']}: DIFFERENT ({seconds:.1f} s): {found}")
         else:
-            print(f"{case['name']}: same ({plans} plans, {seconds:.1f} s)", flush=True)
+            say(f"{case['name']}: same ({plans} plans, {seconds:.1f} s)")
     total = len(document["cases"])
-    print(f"{total - different} of {total} cases same, {different} different, {time.perf_counter() - started:.0f} s")
+    say(f"{total - different} of {total} cases same, {different} different, {time.perf_counter() - started:.0f} s")
+    if log is not None:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True, cwd=REPO_ROOT,
+        ).stdout.strip() or "an unknown commit"
+        header = f"# replayed at {commit}: python -m experiments.tools.replay_decisions replay {path} --log {log}"
+        log.write_text("\n".join([header, *lines]) + "\n")
+        write_logs_section(log.parent)
     return 1 if different else 0
+
+
+def write_logs_section(folder: Path) -> None:
+    """The folder's README section "replay": every replay log in it, with its first line (what was replayed, when)
+    and its last (how many cases decided the same)."""
+    rows = ["| log | what | result |", "|---|---|---|"]
+    for log in sorted(folder.glob("replay_*.log")):
+        text = [line for line in log.read_text().splitlines() if line.strip()]
+        what = text[0].lstrip("# ").replace("|", "/") if text else ""
+        result = next((line for line in reversed(text) if "cases same" in line), "(no summary line)")
+        rows.append(f"| [`{log.name}`]({log.name}) | {what} | {result} |")
+    intro = (
+        "Replays of recorded decisions (`decisions.json.gz` and the records the logs name) after refactors that must not "
+        "change behaviour: the planner's regions, actions, predicted peaks, floors and statuses on recorded inputs. "
+        "Each log is the replay's own output; this table is rewritten by `python -m experiments.tools.replay_decisions "
+        "replay FILE --log experiments/results/replay/replay_NAME.log`."
+    )
+    write_section("replay", intro + "\n\n" + "\n".join(rows), output=folder / "README.md")
 
 
 def main() -> None:
@@ -330,12 +363,13 @@ def main() -> None:
     recording.add_argument("--out", type=Path, required=True)
     replaying = commands.add_parser("replay", help="plan every recorded case on its recorded values and compare")
     replaying.add_argument("file", type=Path)
+    replaying.add_argument("--log", type=Path, help="also write the lines to this file, and list it in its folder's README")
     args = parser.parse_args()
     torch.set_num_threads(1)  # the machine is shared; the decisions do not depend on it
     if args.command == "record":
         record(args.out)
     else:
-        sys.exit(replay(args.file))
+        sys.exit(replay(args.file, args.log))
 
 
 if __name__ == "__main__":

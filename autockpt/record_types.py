@@ -91,6 +91,7 @@ class MemoryBreakdown:
 
     event: int  # the event of the step's timeline (``StepTrace.events``)
     phase: Phase
+    moment: str = ""  # where in the step that event is, in words ("backward of layers.3.mlp"); "" in older files
     parameter_bytes: int
     gradient_bytes: int  # parameter gradients made so far
     optimizer_state_bytes: int
@@ -204,6 +205,9 @@ class PlanRecord:
     # schema version 4 or older, or plans not made by autockpt's planner)
     breakdown: MemoryBreakdown | None = None
     baseline_breakdown: MemoryBreakdown | None = None
+    # the same at the peak of the floor's plan (``min_feasible_bytes``): what sets the floor (None: files of schema 6
+    # or older, a joint program's floor, plans not made by the planner)
+    floor_breakdown: MemoryBreakdown | None = None
 
     @property
     def regions(self) -> tuple[Region, ...]:

@@ -6,6 +6,7 @@ what each holds at its peak by category (``core/breakdown.py``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -13,14 +14,16 @@ from autockpt.core.breakdown import memory_breakdown
 from autockpt.core.region_rules import unit_regions
 from autockpt.core.simulate import memory_curve
 from autockpt.core.solve.base import SolveResult
-from autockpt.record_types import ModelFingerprint, NodePlan, Provenance
+from autockpt.record_types import MemoryBreakdown, ModelFingerprint, NodePlan, Provenance
 from autockpt.records.plan import Plan
 from autockpt.types import (
+    OUTSIDE_GRAPH_UNIT,
     Action,
     CostModel,
     Decision,
     Graph,
     MemoryCurve,
+    Phase,
     Placement,
     PlanStatus,
     Policy,
@@ -129,9 +132,34 @@ def assemble_plan(
         loop=trace.loop,
         foreign_bytes=trace.foreign_bytes,
         provenance=context.provenance,
-        breakdown=memory_breakdown(trace, memory_after),
-        baseline_breakdown=memory_breakdown(trace, context.memory_before),
+        breakdown=_breakdown(context, memory_after),
+        baseline_breakdown=_breakdown(context, context.memory_before),
+        floor_breakdown=(
+            _breakdown(context, memory_curve(trace, context.costs, result.floor_region_actions))
+            if solved and result.floor_region_actions is not None else None
+        ),
     )
+
+
+def _breakdown(context: PlanningContext, curve: MemoryCurve) -> MemoryBreakdown:
+    """``curve`` at its peak by category, with where in the step that peak is, in words."""
+    found = memory_breakdown(context.trace, curve)
+    return dataclasses.replace(found, moment=moment_of(context.trace, context.graph, found.event))
+
+
+def moment_of(trace: StepTrace, graph: Graph, event: int) -> str:
+    """Where event ``event`` of the step is: "forward of layers.3.mlp (aten.mm)", "backward of lm_head (...)", the
+    loss, or the end of backward, where the optimizer's step runs when the loop has one."""
+    moment = trace.events[event]
+    if moment.unit == OUTSIDE_GRAPH_UNIT:
+        if moment.phase is Phase.FORWARD:
+            return "the loss (after the model's forward)"
+        if event == len(trace.events) - 1:
+            return ("the end of backward, then optimizer.step()"
+                    if trace.loop is not None and trace.loop.optimizer is not None else "the end of backward")
+        return "the start of backward (the loss's gradient)"
+    unit = graph.units[moment.unit]
+    return f"{moment.phase.value} of {unit.module_path or 'the model'} ({unit.op})"
 
 
 def _decision(action: Action | None) -> Decision:

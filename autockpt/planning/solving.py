@@ -125,8 +125,12 @@ def solve_each(planner: PlannerState, target_bytes: int) -> tuple[dict[Action, S
         raise with_pool_needed(planner, lowest, target_bytes)
     floor = min([r.min_feasible_bytes for r in results.values()] + [e.min_feasible_bytes for e in infeasible])
     complete = all(r.floor_complete for r in results.values())  # an infeasible action ran the full search
+    lowest = min(results.values(), key=lambda r: r.min_feasible_bytes)  # the action whose plan sets the floor
+    floor_plan = lowest.floor_region_actions if lowest.min_feasible_bytes == floor else None
     for action, result in results.items():
-        results[action] = dataclasses.replace(result, min_feasible_bytes=floor, floor_complete=complete)
+        results[action] = dataclasses.replace(
+            result, min_feasible_bytes=floor, floor_complete=complete, floor_region_actions=floor_plan,
+        )
         logger.info(
             "plan (%s): %s, %d regions, predicted peak %d bytes (target %d), solve %.1fs", action.value,
             result.status.value, len(result.regions), result.timeline.peak_bytes, target_bytes, result.solve_time_s,

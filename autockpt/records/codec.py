@@ -2,7 +2,7 @@
 
 A plan file is plain JSON, never pickle::
 
-    {"schema": "autockpt.plan" | "autockpt.pipeline_plan" | "autockpt.fsdp_plan", "schema_version": 6, "plan": {...}}
+    {"schema": "autockpt.plan" | "autockpt.pipeline_plan" | "autockpt.fsdp_plan", "schema_version": 7, "plan": {...}}
 
 ``plan`` holds the record's dataclass fields as they are (enums by value, tuples as lists); a reader builds the
 record back from its type hints and refuses a field the type does not have. One version number covers every kind:
@@ -10,12 +10,14 @@ a change to any record's fields is a new ``SCHEMA_VERSION``, and every older fil
 
 * single-device plans: 1 regions and one checkpoint kind (read as a policy on one stage); 2 a policy and per-action
   prices; 3 integer inputs' value ranges; 4 the training loop the budget covers; 5 provenance and memory breakdowns.
-  Versions 2 to 5 read as 6 without what they lack;
+  Versions 2 to 5 read without what they lack;
 * pipeline plans (from version 4): the same numbers (their stage plans are single-device plans);
 * FSDP plans, before 0.3: their own layout, ``{"schema": "autockpt.fsdp_plan", "version": 1 to 4, <fields>}``
   (1 whole units only; 2 selective units; 3 offloaded units; 4 checkpointed parts), with a 32-hex digest of the
   parameters and units instead of a ``ModelFingerprint`` (kept as ``FSDPPlan.parameter_digest``);
-* 6 (0.3): every kind in this layout, FSDP plans with a ``ModelFingerprint``.
+* 6 (0.3): every kind in this layout, FSDP plans with a ``ModelFingerprint``;
+* 7: a plan's ``floor_breakdown`` (what its floor's peak holds) and each breakdown's ``moment`` (where in the step).
+  Versions 2 to 6 read as 7 without them.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any
 
 from autockpt.errors import PlanFileError
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 PLAN_SCHEMA = "autockpt.plan"
 PIPELINE_SCHEMA = "autockpt.pipeline_plan"
 FSDP_SCHEMA = "autockpt.fsdp_plan"
@@ -64,11 +66,11 @@ def _as_is(version: int, data: Any) -> Any:
 KINDS = {
     kind.schema: kind for kind in (
         RecordKind(PLAN_SCHEMA, "a single-device plan", "Plan.save", "autockpt.load_plan",
-                   (1, 2, 3, 4, 5, SCHEMA_VERSION), _plan_upgrade),
+                   (1, 2, 3, 4, 5, 6, SCHEMA_VERSION), _plan_upgrade),
         # pipeline plans came with version 4
         RecordKind(PIPELINE_SCHEMA, "a pipeline plan", "PipelinePlan.save", "autockpt.load_pipeline_plan",
-                   (4, 5, SCHEMA_VERSION), _as_is),
-        RecordKind(FSDP_SCHEMA, "an FSDP plan", "FSDPPlan.save", "autockpt.load_fsdp_plan", (SCHEMA_VERSION,), _as_is),
+                   (4, 5, 6, SCHEMA_VERSION), _as_is),
+        RecordKind(FSDP_SCHEMA, "an FSDP plan", "FSDPPlan.save", "autockpt.load_fsdp_plan", (6, SCHEMA_VERSION), _as_is),
     )
 }
 LEGACY_FSDP_VERSIONS = (1, 2, 3, 4)  # FSDP plans of 0.2: key "version", fields at the top level
@@ -124,7 +126,8 @@ def _versioned_data(path: str | os.PathLike[str], document: dict[str, Any], kind
         if version not in LEGACY_FSDP_VERSIONS:
             raise PlanFileError(
                 f"{str(path)!r} has FSDP plan version {version!r}; this autockpt reads FSDP plans of versions "
-                f"{', '.join(map(str, LEGACY_FSDP_VERSIONS))} (0.2) and schema version {SCHEMA_VERSION}: plan again"
+                f"{', '.join(map(str, LEGACY_FSDP_VERSIONS))} (0.2) and schema versions {', '.join(map(str, kind.versions))}: "
+                "plan again"
             )
         return SCHEMA_VERSION, _legacy_fsdp_as_current(path, document)
     version = document.get("schema_version")

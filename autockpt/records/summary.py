@@ -32,6 +32,16 @@ def eager_line(plan: PlanRecord) -> str:
             f"({100 * (captured / eager - 1):+.2f} %)")
 
 
+def floor_line(plan: PlanRecord) -> str:
+    """Where the floor's plan peaks and the largest categories it holds there: what a lower budget would have to
+    shrink ("the end of backward, then optimizer.step(): temporaries 12.4 GB, parameters 2.5 GB")."""
+    floor = plan.floor_breakdown
+    assert floor is not None
+    largest = sorted((row for row in floor.rows() if row[1]), key=lambda row: -row[1])[:3]
+    held = ", ".join(f"{name} {format_bytes(size)}" for name, size in largest)
+    return f"{floor.moment or floor.phase.value}: {held}"
+
+
 def plan_summary(plan: PlanRecord, *, max_regions: int = 12) -> str:
     lines = [
         (f"autockpt plan: strategy={plan.strategy}, capture={plan.capture.value}, status={plan.status.value}, "
@@ -40,6 +50,7 @@ def plan_summary(plan: PlanRecord, *, max_regions: int = 12) -> str:
         f"  predicted peak         {format_bytes(plan.predicted_peak_bytes)}",
         f"  unmodified peak        {format_bytes(plan.baseline_peak_bytes)}",
         f"  smallest feasible      {format_bytes(plan.min_feasible_bytes)}{floor_note(plan)}",
+        *([f"  the floor is set at    {floor_line(plan)}"] if plan.floor_breakdown is not None else []),
         (f"  static (params, buffers, grads, inputs{', optimizer states' if _has_states(plan) else ''}) "
          f"{format_bytes(plan.static_bytes)}"),
         f"  training loop          {plan.loop.describe() if plan.loop else 'forward + backward (no optimizer step)'}",

@@ -236,7 +236,7 @@ def test_save_and_load_give_the_same_plan(roomy, tmp_path) -> None:
     old = autockpt.load_fsdp_plan(tmp_path / "v1.json")
     assert old.selective == () and old.checkpointed == v2.checkpointed and old.selective_peak_bytes is None
     (tmp_path / "v9.json").write_text(json.dumps({**legacy, "version": 9}))
-    with pytest.raises(PlanFileError, match="FSDP plans of versions 1, 2, 3, 4 \\(0.2\\) and schema version 6"):
+    with pytest.raises(PlanFileError, match="FSDP plans of versions 1, 2, 3, 4 \\(0.2\\) and schema versions 6, 7"):
         autockpt.load_fsdp_plan(tmp_path / "v9.json")
     with pytest.raises(ValueError, match="both fully and selectively"):
         dataclasses.replace(fplan, checkpointed=fplan.units[:1], selective=fplan.units[:1])
@@ -540,7 +540,7 @@ def test_an_applied_plan_checkpoints_its_parts_and_files_keep_them(parted, tmp_p
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     assert autockpt.load_fsdp_plan(parted.save(tmp_path / "parts.json")) == parted
-    assert json.loads((tmp_path / "parts.json").read_text())["schema_version"] == 6  # the one codec's version
+    assert json.loads((tmp_path / "parts.json").read_text())["schema_version"] == 7  # the one codec's version
     unit = parted.unit_of(parted.checkpointed_parts[0])
     with pytest.raises(ValueError, match="must lie inside a unit that is otherwise kept"):
         dataclasses.replace(parted, checkpointed=(*parted.checkpointed, unit))

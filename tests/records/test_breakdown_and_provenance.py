@@ -56,6 +56,26 @@ def test_the_categories_add_up_to_the_peaks_and_static_ones_are_the_trace_s(gpt2
 
 
 @needs_transformers
+def test_the_floor_s_peak_is_broken_down_and_the_summary_says_where_it_is(gpt2_fake: Planned) -> None:
+    """Issue 48, item 7: the plan records what its floor's plan holds at its peak (``Plan.floor_breakdown``, adding
+    up to ``min_feasible_bytes``) and where in the step that is; the summary names it with its largest categories."""
+    planner, plan = gpt2_fake
+    floor = plan.floor_breakdown
+    assert floor is not None and plan.floor_complete
+    assert floor.total_bytes == plan.min_feasible_bytes < plan.breakdown.total_bytes
+    assert floor.moment and plan.breakdown.moment and plan.baseline_breakdown.moment
+    event = planner.trace.events[floor.event]
+    if event.unit >= 0:  # a unit's forward or backward: named by its module and op
+        unit = planner.graph.units[event.unit]
+        assert floor.moment == f"{event.phase.value} of {unit.module_path or 'the model'} ({unit.op})"
+    line = next(line for line in plan.summary().splitlines() if "the floor is set at" in line)
+    largest = max(floor.rows(), key=lambda row: row[1])
+    assert floor.moment in line and f"{largest[0]} {format_bytes(largest[1])}" in line
+    # the floor's plan is one the planner itself finds at that budget
+    assert planner.plan(budget_bytes=plan.min_feasible_bytes).predicted_peak_bytes <= plan.min_feasible_bytes
+
+
+@needs_transformers
 def test_the_logits_are_the_output_and_what_the_loss_makes_of_it(gpt2_fake: Planned) -> None:
     planner, _ = gpt2_fake
     units = planner.graph.units
@@ -108,7 +128,7 @@ def test_a_plan_file_of_version_4_loads_without_provenance_or_breakdown(gpt2_fak
     _, plan = gpt2_fake
     plan.save(tmp_path / "plan.json")
     document = json.loads((tmp_path / "plan.json").read_text())
-    assert document["schema_version"] == 6
+    assert document["schema_version"] == 7
     document["schema_version"] = 4
     for name in ("provenance", "breakdown", "baseline_breakdown"):
         del document["plan"][name]

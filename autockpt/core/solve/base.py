@@ -101,6 +101,9 @@ class SolveResult:
     solve_time_s: float
     stats: SolverStats
     floor_complete: bool = True  # False: min_feasible_bytes is the quick floor's (``solve/default.py``)
+    # the plan whose peak is min_feasible_bytes (() when none lowers the unmodified peak; None: not known, a joint
+    # program's floor): what the plan's summary says sets the floor
+    floor_region_actions: tuple[RegionAction, ...] | None = None
 
     @property
     def regions(self) -> tuple[Region, ...]:

@@ -52,8 +52,9 @@ def solve_prepared(problem: Problem, budget_bytes: int, options: SolverOptions |
     programs: list[SolverStats] = [floor.stats]
     fallbacks: list[str] = ["memory floor"] if floor.greedy else []
     min_feasible = min(floor.timeline.peak_bytes, baseline.peak_bytes)
+    floor_plan = region_actions(floor.regions if floor.timeline.peak_bytes < baseline.peak_bytes else (), problem.action)
     if budget_bytes >= baseline.peak_bytes:
-        return identity_result(problem, min_feasible, solver, started, programs)
+        return identity_result(problem, min_feasible, solver, started, programs, floor_plan)
     check_reachable(problem, budget_bytes, min_feasible)
 
     best = (floor.regions, floor.timeline, PlanStatus.FEASIBLE) if floor.timeline.peak_bytes <= budget_bytes else None
@@ -91,6 +92,7 @@ def solve_prepared(problem: Problem, budget_bytes: int, options: SolverOptions |
     return SolveResult(
         region_actions=region_actions(regions, problem.action), action=problem.action, timeline=timeline, baseline=baseline, min_feasible_bytes=min_feasible,
         floor_complete=floor.complete, status=status, solver=solver, solve_time_s=time.perf_counter() - started, stats=summarise_programs(programs),
+        floor_region_actions=floor_plan,
     )
 
 

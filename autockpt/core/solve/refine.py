@@ -90,13 +90,15 @@ def refine(
 
 
 def identity_result(
-    problem: Problem, min_feasible_bytes: int, solver: str, started: float, programs: Sequence[SolverStats]
+    problem: Problem, min_feasible_bytes: int, solver: str, started: float, programs: Sequence[SolverStats],
+    floor_region_actions: tuple[Any, ...] | None = None,
 ) -> SolveResult:
     """The budget is at or above the unmodified peak: nothing to do."""
     return SolveResult(
         region_actions=region_actions((), problem.action), action=problem.action, timeline=problem.baseline, baseline=problem.baseline,
         min_feasible_bytes=min_feasible_bytes, status=PlanStatus.IDENTITY, solver=solver,
         solve_time_s=time.perf_counter() - started, stats=summarise_programs(list(programs)),
+        floor_region_actions=floor_region_actions,
     )
 
 

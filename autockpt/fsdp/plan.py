@@ -47,7 +47,7 @@ from autockpt.fsdp.shard import (
 )
 from autockpt.fsdp.unit_times import default_units, part_candidates, unit_times
 from autockpt.measure.costs import calibrate
-from autockpt.measure.loop import NAMED_OPTIMIZERS
+from autockpt.measure.loop import named_optimizer
 from autockpt.measure.loss import checked_loss, default_loss
 from autockpt.measure.sources import example_arguments
 from autockpt.planning.options import PlanOptions, budget_to_bytes, pool_bytes_of, resolve_options
@@ -420,15 +420,10 @@ def _check_mp_policy(mp_policy: Any) -> None:
 
 
 def _optimizer_factory(optimizer: Any) -> Callable[[list], Any] | None:
-    if optimizer is None or optimizer == "none":
+    if optimizer is None:
         return None
-    if isinstance(optimizer, str):
-        if optimizer not in NAMED_OPTIMIZERS:
-            raise ValueError(
-                f"optimizer must be one of {', '.join([*NAMED_OPTIMIZERS, 'none'])} or a function making one from a "
-                f"list of parameters (torch.optim.AdamW); got {optimizer!r}"
-            )
-        return NAMED_OPTIMIZERS[optimizer]
+    if isinstance(optimizer, str):  # a name PlanOptions checked ("none" is None there)
+        return named_optimizer(optimizer)
     if isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer: give a function making one from the sharded parameters (e.g. torch.optim.AdamW or "

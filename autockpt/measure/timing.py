@@ -179,6 +179,15 @@ class BenchmarkReport:
     roofline_spec: str | None = None
 
 
+def check_timing(timing: object) -> None:
+    """A timing is one of ``TIMINGS`` or a ``Timing`` (an object with ``name`` and ``timed``)."""
+    if isinstance(timing, str):
+        if timing not in TIMINGS:
+            raise ValueError(f"timing={timing!r}: choose one of {', '.join(TIMINGS)}, or give a Timing")
+    elif not callable(getattr(timing, "timed", None)):
+        raise TypeError(f"timing must be one of {TIMINGS} or a Timing (name, timed), got {type(timing).__name__}")
+
+
 def timing_for(
     timing: str | Timing, target: str | DeviceSpec | None, device: torch.device, *, trace_measured: bool = True
 ) -> Timing:
@@ -187,12 +196,9 @@ def timing_for(
     times (``trace_measured``) or not (a fake trace). "auto": roofline with a target; without one, measured when the
     trace has measured times, else benchmark. "roofline" without a target: the model's device, calibrated
     (``local_device_spec``; the CPU for a model on the meta device). "benchmark" times the local device only."""
+    check_timing(timing)
     if not isinstance(timing, str):
-        if not callable(getattr(timing, "timed", None)):
-            raise TypeError(f"timing must be one of {TIMINGS} or a Timing (name, timed), got {type(timing).__name__}")
         return timing
-    if timing not in TIMINGS:
-        raise ValueError(f"timing={timing!r}: choose one of {', '.join(TIMINGS)}, or give a Timing")
     spec = device_spec(target) if target is not None else None
     if timing == "measured":
         if spec is not None:

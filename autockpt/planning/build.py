@@ -122,11 +122,7 @@ def device_memory_for(
 ) -> int | None:
     """The device memory to plan for: ``device_memory_bytes`` as given, else the target's, else on CUDA what is free
     now plus what this process's allocator holds (``local_memory_bytes``); None on a CPU without either."""
-    if device_memory_bytes is not None:
-        if isinstance(device_memory_bytes, bool) or not isinstance(device_memory_bytes, int) or device_memory_bytes <= 0:
-            raise ValueError(
-                f"device_memory_bytes must be a positive int (bytes on the device), got {device_memory_bytes!r}"
-            )
+    if device_memory_bytes is not None:  # checked when PlanOptions was made
         return device_memory_bytes
     if target is not None:
         return target.memory_bytes

@@ -20,7 +20,7 @@ from torch import nn
 
 from autockpt.core.simulate import memory_curve
 from autockpt.measure.fake import FakeTrace
-from autockpt.measure.loop import NAMED_OPTIMIZERS, measure_optimizer_step, optimizer_factory, step_in_loop
+from autockpt.measure.loop import measure_optimizer_step, named_optimizer, optimizer_factory, step_in_loop
 from autockpt.measure.trace import device_of
 from autockpt.planning.options import PlanOptions, resolve_options
 from autockpt.planning.planner import Planner
@@ -154,7 +154,7 @@ def estimate_from_planner(planner: Planner, optimizer: Any, depth: int) -> Memor
     measured = planner.trace
     curve = memory_curve(measured, planner.costs, ())
     peak_event = max(range(len(curve.phases)), key=curve.total_bytes.__getitem__)
-    make = NAMED_OPTIMIZERS[optimizer] if isinstance(optimizer, str) else optimizer
+    make = named_optimizer(optimizer) if isinstance(optimizer, str) else optimizer
     cost = None
     if make is not None and planner.provenance is not None and planner.provenance.trace == "fake":
         if isinstance(make, torch.optim.Optimizer):

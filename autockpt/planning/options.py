@@ -23,7 +23,7 @@ from autockpt.core.devices import DeviceSpec, device_spec
 from autockpt.core.solve.base import SolverOptions, checked_checkpoint
 from autockpt.measure.loop import NAMED_OPTIMIZERS, OptimizerSpec, check_accumulation_steps
 from autockpt.measure.sources import TraceSource
-from autockpt.measure.timing import TIMINGS, Timing
+from autockpt.measure.timing import Timing, check_timing
 from autockpt.types import Action, describe_value
 from autockpt.units import GB
 
@@ -135,11 +135,7 @@ def _check_where(trace: Any, timing: Any, target: Any, device_memory_bytes: Any)
             f"trace must be one of {TRACES} or a TraceSource (an object with name and trace(graph, step, request)), "
             f"got {type(trace).__name__}"
         )
-    if isinstance(timing, str):
-        if timing not in TIMINGS:
-            raise ValueError(f"timing={timing!r}: choose one of {', '.join(TIMINGS)}, or give a Timing")
-    elif not callable(getattr(timing, "timed", None)):
-        raise TypeError(f"timing must be one of {TIMINGS} or a Timing (name, timed), got {type(timing).__name__}")
+    check_timing(timing)
     if target is not None:
         device_spec(target)  # an unknown name raises, listing the table
     if device_memory_bytes is not None and (

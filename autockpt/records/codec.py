@@ -29,7 +29,6 @@ import math
 import os
 import types
 import typing
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,32 +44,24 @@ RecordT = typing.TypeVar("RecordT")
 @dataclasses.dataclass(frozen=True, slots=True)
 class RecordKind:
     """One kind of plan file: what its ``schema`` key says, how a person calls it, what writes and reads it, and
-    which versions load (older data is brought to the current layout by ``upgrade``)."""
+    which versions load (fields a version lacks take their defaults; the two older layouts, single-device plans of
+    version 1 and FSDP plans of 0.2, are brought to the current one as they are read)."""
 
     schema: str
     called: str  # "a single-device plan"
     writer: str  # "Plan.save"
     loader: str  # "autockpt.load_plan"
     versions: tuple[int, ...]
-    upgrade: Callable[[int, Any], Any]  # (the file's version, its record's data) -> the data in the current layout
-
-
-def _plan_upgrade(version: int, data: Any) -> Any:
-    return _version_1_as_2(data) if version == 1 else data
-
-
-def _as_is(version: int, data: Any) -> Any:
-    return data
 
 
 KINDS = {
     kind.schema: kind for kind in (
         RecordKind(PLAN_SCHEMA, "a single-device plan", "Plan.save", "autockpt.load_plan",
-                   (1, 2, 3, 4, 5, 6, SCHEMA_VERSION), _plan_upgrade),
+                   (1, 2, 3, 4, 5, 6, SCHEMA_VERSION)),
         # pipeline plans came with version 4
         RecordKind(PIPELINE_SCHEMA, "a pipeline plan", "PipelinePlan.save", "autockpt.load_pipeline_plan",
-                   (4, 5, 6, SCHEMA_VERSION), _as_is),
-        RecordKind(FSDP_SCHEMA, "an FSDP plan", "FSDPPlan.save", "autockpt.load_fsdp_plan", (6, SCHEMA_VERSION), _as_is),
+                   (4, 5, 6, SCHEMA_VERSION)),
+        RecordKind(FSDP_SCHEMA, "an FSDP plan", "FSDPPlan.save", "autockpt.load_fsdp_plan", (6, SCHEMA_VERSION)),
     )
 }
 LEGACY_FSDP_VERSIONS = (1, 2, 3, 4)  # FSDP plans of 0.2: key "version", fields at the top level
@@ -90,7 +81,9 @@ def read_record(path: str | os.PathLike[str], record_type: type[RecordT], schema
     document = _document(path, kind)
     version, data = _versioned_data(path, document, kind)
     try:
-        return decode(record_type, kind.upgrade(version, data))
+        if kind.schema == PLAN_SCHEMA and version == 1:  # regions and one kind: as the policy of version 2
+            data = _version_1_as_2(data)
+        return decode(record_type, data)
     except (KeyError, TypeError, ValueError) as error:
         raise PlanFileError(
             f"{str(path)!r} is not a valid autockpt plan ({kind.called}): {type(error).__name__}: {error}; make the "

@@ -208,6 +208,9 @@ class PlanRecord:
     # the same at the peak of the floor's plan (``min_feasible_bytes``): what sets the floor (None: files of schema 6
     # or older, a joint program's floor, plans not made by the planner)
     floor_breakdown: MemoryBreakdown | None = None
+    # the output projection and the cross-entropy run in chunks of this many tokens (``measure/chunked_tail.py``);
+    # 0: the loss runs as the model wrote it (and in files of schema 7 or older)
+    loss_chunk_tokens: int = 0
 
     @property
     def regions(self) -> tuple[Region, ...]:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from autockpt.core.structure import find_repeated_blocks
 from autockpt.errors import LossFunctionError, ProfileError
@@ -314,8 +314,39 @@ def timed_steps(
     return unit_ms_runs, step_ms_runs
 
 
+def flop_counter() -> FlopCounterMode:
+    """torch's FLOP counter, with attention over grouped-query keys and values counted where torch's own formula
+    refuses them (torch 2.11: "query/key/value shapes are incompatible" for SDPA with ``enable_gqa``, which fails the
+    trace of every GQA decoder on CUDA): the keys and values are counted as repeated to the query's heads, as the
+    kernel computes them (torch 2.13's formula counts them so)."""
+    mapping = {op: _grouped_query_tolerant(formula) for op, formula in flop_registry.items()
+               if "attention" in str(op) and "flex" not in str(op)}
+    return FlopCounterMode(display=False, custom_mapping=mapping)
+
+
+def _grouped_query_tolerant(formula: Callable[..., int]) -> Callable[..., int]:
+    def counted(*args: Any, **kwargs: Any) -> int:
+        try:
+            return formula(*args, **kwargs)
+        except AssertionError:
+            # the first query, key, value: 4-D tensors in a row (forward: args 0-2; backward: after the gradient)
+            start = next((i for i in range(len(args) - 2) if all(
+                isinstance(a, torch.Tensor) and a.dim() == 4 for a in args[i:i + 3])), None)
+            if start is None:
+                raise
+            query, key, value = args[start:start + 3]
+            heads = query.shape[1]
+            if key.shape[1] == 0 or heads % key.shape[1]:
+                raise
+            repeated = [torch.Size((t.shape[0], heads, *t.shape[2:])) for t in (key, value)]
+            return formula(*args[:start + 1], *repeated, *args[start + 3:], **kwargs)  # shapes stand for tensors
+
+    counted._get_raw = True  # type: ignore[attr-defined]  # the registry's formula takes the raw call already
+    return counted
+
+
 def _unit_flops(graph: Graph, args: tuple, kwargs: dict) -> list[int]:
-    counter = FlopCounterMode(display=False)
+    counter = flop_counter()
     marks: list[tuple[int, int]] = []
 
     def on_unit(index: int) -> None:

@@ -18,6 +18,7 @@ from autockpt.measure.capture import capture
 from autockpt.measure.sources import StepInputs
 from autockpt.planning.build import without_values
 from autockpt.planning.compiled import compiled_module
+from autockpt.planning.loss_chunks import chunked_graph
 from autockpt.planning.options import PlanOptions, budget_to_bytes, resolve_options
 from autockpt.planning.planner import Planner
 from autockpt.planning.shapes import attach_shape_variants
@@ -157,6 +158,8 @@ def apply_plan(
     with preserved_model_state(model, args, kwargs):
         enter_training_modes(model)
         graph = capture(model, args, kwargs)
+        if the_plan.loss_chunk_tokens:  # the program the plan was made for: the loss in chunks
+            graph = chunked_graph(graph, the_plan.loss_chunk_tokens)
         check_fingerprint(the_plan, model_fingerprint(model, graph, args, kwargs), graph.units)
         module = rewrite(graph, the_plan.policy, args, kwargs, plan=the_plan)
     attach_shape_variants(module, graph, (args, kwargs))

@@ -242,14 +242,11 @@ class BuiltStep:
 def built_step(step: StepInputs, options: PlanOptions, *, on_stage: Callable[[str], None] | None) -> BuiltStep:
     """``Planner.from_model``'s work on a checked step: capture, trace, time and price (where the step is known from
     and for which device: ``options.trace``, ``timing``, ``target``, ``device_memory_bytes``)."""
-    trace, timing, target = options.trace, options.timing, options.target
     without_values = on_meta(step)  # before the inputs are aligned: placeholders stand for no values
     step = aligned_step(step)
-    spec = device_spec(target) if target is not None else None
+    spec = device_spec(options.target) if options.target is not None else None
     memory = device_memory_for(step, options.device_memory_bytes, spec)
     stage = on_stage or (lambda name: None)
-    # a model on the meta device is planned for the CPU, where its fake step runs and its machinery is priced
-    price_device = torch.device("cpu") if step.device.type == "meta" else step.device
     with preserved_model_state(step.model, step.args, step.kwargs):
         enter_training_modes(step.model)
         stage("capture")
@@ -257,38 +254,70 @@ def built_step(step: StepInputs, options: PlanOptions, *, on_stage: Callable[[st
         graph = capture(step.model, step.args, step.kwargs)
         captured = time.perf_counter()
         stage("profile")
-        actions = recompute_actions(checkpoint_choice(options), graph.kind)
-        chosen = traced_step(trace, graph, step, TraceRequest(
-            time_repeated_blocks_once=solves_by_blocks(options, graph),
-            gradient_lifetimes=Action.RECOMPUTE_OWN in actions,
-            optimizer=options.optimizer, gradient_accumulation_steps=options.gradient_accumulation_steps,
-            output_held=options.output_held, planned_device_type=spec.device_type if spec is not None else None,
-        ), memory, without_values=without_values)
-        if chosen.reason:
-            logger.info("trace='auto' chose the %s trace: %s", chosen.source, chosen.reason)
-        if chosen.trace.loop is not None:
-            logger.info("%s", chosen.trace.loop.describe())
-        offload = (Action.OFFLOAD,) if options.host_pool_gb != 0 else ()
-        if offload and graph.kind is CaptureKind.MODULE:
-            refuse_offload(options.host_pool_gb, step.model, graph)
-        costs = calibrate(price_device, (*actions, *offload))
-        timed = with_timing(timing, spec, graph, step, chosen.trace, costs)  # measured, benchmark or roofline
+        return _traced_and_priced(
+            step, graph, options, options.trace, spec, memory, without_values, capture_time_s=captured - started,
+        )
+
+
+def built_for_graph(built: BuiltStep, graph: Graph, options: PlanOptions) -> BuiltStep:
+    """``built``'s step with another program of it (the loss computed in chunks: ``planning/loss_chunks.py``), traced
+    by the trace source that traced ``built`` (the same choice of "auto"), timed and priced alike."""
+    trace = options.trace if not isinstance(options.trace, str) else (
+        built.provenance.trace if built.provenance.trace in ("measured", "fake") else options.trace)
+    spec = device_spec(options.target) if options.target is not None else None
+    with preserved_model_state(built.step.model, built.step.args, built.step.kwargs):
+        enter_training_modes(built.step.model)
+        return _traced_and_priced(
+            built.step, graph, options, trace, spec, built.provenance.device_memory_bytes, not built.example_values,
+            capture_time_s=built.capture_time_s, eager=built.provenance,
+        )
+
+
+def _traced_and_priced(
+    step: StepInputs, graph: Graph, options: PlanOptions, trace: str | TraceSource, spec: DeviceSpec | None,
+    memory: int | None, without_values: bool, *, capture_time_s: float, eager: Provenance | None = None,
+) -> BuiltStep:
+    """Trace, time and price ``graph`` (a capture of ``step``), with the self-check against the eager model where a
+    real step ran (``eager``: its figures known already, from the model's own captured program)."""
+    started = time.perf_counter()
+    # a model on the meta device is planned for the CPU, where its fake step runs and its machinery is priced
+    price_device = torch.device("cpu") if step.device.type == "meta" else step.device
+    actions = recompute_actions(checkpoint_choice(options), graph.kind)
+    chosen = traced_step(trace, graph, step, TraceRequest(
+        time_repeated_blocks_once=solves_by_blocks(options, graph),
+        gradient_lifetimes=Action.RECOMPUTE_OWN in actions,
+        optimizer=options.optimizer, gradient_accumulation_steps=options.gradient_accumulation_steps,
+        output_held=options.output_held, planned_device_type=spec.device_type if spec is not None else None,
+    ), memory, without_values=without_values)
+    if chosen.reason:
+        logger.info("trace='auto' chose the %s trace: %s", chosen.source, chosen.reason)
+    if chosen.trace.loop is not None:
+        logger.info("%s", chosen.trace.loop.describe())
+    offload = (Action.OFFLOAD,) if options.host_pool_gb != 0 else ()
+    if offload and graph.kind is CaptureKind.MODULE:
+        refuse_offload(options.host_pool_gb, step.model, graph)
+    costs = calibrate(price_device, (*actions, *offload))
+    timed = with_timing(options.timing, spec, graph, step, chosen.trace, costs)  # measured, benchmark or roofline
+    compared = None
+    if eager is None and chosen.source == "measured":
         # where a real step ran, the self-check: the captured program against the user's eager model
         # (the trace measured the captured program's step already, unless it covers a loop around it)
         traced = simulate(timed.trace, timed.costs, ()).peak_bytes if timed.trace.loop is None else None
-        eager = compare_with_eager(step, graph, traced) if chosen.source == "measured" else None
+        compared = compare_with_eager(step, graph, traced)
     provenance = Provenance(
         trace=chosen.source, timing=timed.timing, device=spec.name if spec is not None else str(price_device),
         device_memory_bytes=memory, reason=chosen.reason,
-        eager_peak_bytes=eager.eager_peak_bytes if eager is not None else None,
-        captured_peak_bytes=eager.captured_peak_bytes if eager is not None else None,
+        eager_peak_bytes=compared.eager_peak_bytes if compared is not None else (
+            eager.eager_peak_bytes if eager is not None else None),
+        captured_peak_bytes=compared.captured_peak_bytes if compared is not None else (
+            eager.captured_peak_bytes if eager is not None else None),
     )
     return BuiltStep(
         step=step, example_values=not without_values,
         graph=graph, trace=timed.trace, costs=timed.costs, target=timed.target, provenance=provenance,
         notes=(timed.note, *([f"trace: {chosen.source} ({chosen.reason})"] if chosen.reason else []),
-               *([eager.warning] if eager is not None and eager.warning else [])),
-        capture_time_s=captured - started, profile_time_s=time.perf_counter() - captured,
+               *([compared.warning] if compared is not None and compared.warning else [])),
+        capture_time_s=capture_time_s, profile_time_s=time.perf_counter() - started,
     )
 
 

@@ -56,6 +56,11 @@ class PlanOptions:
     CUDA what is free now).
 
     ``optimizer`` also takes a name: "adam", "adamw", "sgd" (torch's, with momentum for SGD) or "none" (None).
+
+    ``loss_chunk_tokens``: the output projection and the cross-entropy computed over chunks of tokens, so the full
+    logits, their upcast, softmax and gradient never exist at once (``measure/chunked_tail.py``; the loss inside the
+    model's graph). "auto" (default): the planner decides, chunked or not and which chunk, with recompute and offload
+    under the one budget; 0: never; a positive integer: always, in chunks of that many tokens.
     """
 
     checkpoint: Action | str = "auto"
@@ -70,6 +75,7 @@ class PlanOptions:
     timing: str | Timing = "auto"
     target: str | DeviceSpec | None = None
     device_memory_bytes: int | None = None
+    loss_chunk_tokens: int | str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "checkpoint", checked_checkpoint(self.checkpoint))
@@ -85,6 +91,14 @@ class PlanOptions:
             raise TypeError(
                 f"output_held must be True (the loop holds the model's output through backward) or False (it drops "
                 f"it before backward, as Hugging Face's Trainer does), got {describe_value(self.output_held)}"
+            )
+        if self.loss_chunk_tokens != "auto" and (
+            isinstance(self.loss_chunk_tokens, bool) or not isinstance(self.loss_chunk_tokens, int)
+            or self.loss_chunk_tokens < 0
+        ):
+            raise ValueError(
+                f"loss_chunk_tokens={self.loss_chunk_tokens!r}: give \"auto\" (the planner decides), 0 (the loss as "
+                "the model computes it) or a positive number of tokens per chunk"
             )
         if not isinstance(self.compiled, (bool, Mapping)):
             raise TypeError(

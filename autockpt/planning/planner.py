@@ -35,8 +35,8 @@ from autockpt.measure.step import (
     measure_step,
 )
 from autockpt.measure.trace import step_tensors
-from autockpt.planning import solving
-from autockpt.planning.build import built_step, refuse_offload, solves_by_blocks
+from autockpt.planning import loss_chunks, solving
+from autockpt.planning.build import BuiltStep, built_step, refuse_offload, solves_by_blocks
 from autockpt.planning.courses import with_other_courses
 from autockpt.planning.options import (
     PlanOptions,
@@ -151,6 +151,10 @@ class Planner:
         self._problems: dict[Action, Problem] = {}  # per action: scored candidates and floors, shared by every budget
         self._joint: dict[int, JointProblem] = {}  # per pool capacity: every recompute action's candidates and offload
         self._context: PlanningContext | None = None
+        # the program this planner plans: the loss in chunks of this many tokens (0: as captured); the chunked
+        # programs it weighs besides its own (``loss_chunks.py``; from_model sets them)
+        self.loss_chunk_tokens = 0
+        self.loss_programs: loss_chunks.LossPrograms | None = None
 
     @classmethod
     def from_model(
@@ -182,11 +186,21 @@ class Planner:
         options = resolve_options(options, option_keywords, entry_point="Planner.from_model")
         step = StepInputs.check(model, example_inputs, example_kwargs, loss_fn)
         built = built_step(step, options, on_stage=on_stage)
+        return loss_chunks.planner_of_programs(
+            built, options, lambda made, chunk_tokens: cls._of_built(made, options, on_stage, chunk_tokens),
+            loss_outside=loss_fn is not None, on_stage=on_stage,
+        )
+
+    @classmethod
+    def _of_built(
+        cls, built: BuiltStep, options: PlanOptions, on_stage: Callable[[str], None] | None, chunk_tokens: int,
+    ) -> Planner:
         planner = cls(
             built.graph, built.trace, built.costs, options, step=built.step, on_stage=on_stage, notes=built.notes,
             capture_time_s=built.capture_time_s, profile_time_s=built.profile_time_s, provenance=built.provenance,
         )
         planner.target, planner.example_values = built.target, built.example_values
+        planner.loss_chunk_tokens = chunk_tokens
         return planner
 
     @property
@@ -205,17 +219,24 @@ class Planner:
         if budget_gb is None and budget_bytes is None and self.device_memory_bytes is not None:
             budget_bytes = self.device_memory_bytes
         budget = budget_to_bytes(budget_gb, budget_bytes)
-        results, solve_time_s = solving.solve_each(self, budget)
+        if loss_chunks.weighs(self, budget):
+            the_plan = loss_chunks.chosen(self, budget, lambda program: [program.own_plan(budget)])[0]
+        else:
+            the_plan = self.own_plan(budget)
+        if pareto_points > 0:
+            the_plan = dataclasses.replace(the_plan, pareto=self.pareto(pareto_budgets(the_plan, pareto_points)))
+        return the_plan
+
+    def own_plan(self, budget_bytes: int) -> Plan:
+        """The cheapest plan of this planner's own program (no other loss chunking weighed) under the budget."""
+        results, solve_time_s = solving.solve_each(self, budget_bytes)
         action = min(results, key=lambda a: results[a].timeline.overhead_ms)  # the first action on a tie
         if len(results) > 1:
             logger.info(
                 "checkpoint: %s (predicted overhead %s)", action.value,
                 ", ".join(f"{a.value} {r.timeline.overhead_ms:.2f} ms" for a, r in results.items()),
             )
-        the_plan = self._plan_of(results[action], budget, solve_time_s)
-        if pareto_points > 0:
-            the_plan = dataclasses.replace(the_plan, pareto=self.pareto(pareto_budgets(the_plan, pareto_points)))
-        return the_plan
+        return self._plan_of(results[action], budget_bytes, solve_time_s)
 
     def pareto(self, budgets: Sequence[int]) -> tuple[ParetoPoint, ...]:
         """Predicted peak and overhead of the plan for each budget in bytes (None where it is infeasible)."""
@@ -265,10 +286,21 @@ class Planner:
 
         A plan whose fingerprint does not match this model and these inputs is refused (``PlanMismatchError``).
         """
-        check_fingerprint(the_plan, self.fingerprint, self.graph.units)
-        self._on_stage("rewrite")
+        chunk_tokens = the_plan.loss_chunk_tokens
+        if chunk_tokens != self.loss_chunk_tokens and self.loss_programs is not None and (
+            chunk_tokens in self.loss_programs.chunk_tokens
+        ):
+            return self.loss_programs.planner(chunk_tokens).apply(the_plan)  # the planner of that program
         with self._model_state():
-            graph = self._fresh_graph()
+            if chunk_tokens == self.loss_chunk_tokens:
+                check_fingerprint(the_plan, self.fingerprint, self.graph.units)
+                graph = self._fresh_graph()
+            else:  # a program of the loss this planner does not weigh (a plan file's): made as apply_plan makes it
+                graph = capture(self.model, self.request.args, self.request.kwargs)
+                graph = loss_chunks.chunked_graph(graph, chunk_tokens) if chunk_tokens else graph
+                fingerprint = model_fingerprint(self.model, graph, self.request.args, self.request.kwargs)
+                check_fingerprint(the_plan, fingerprint, graph.units)
+            self._on_stage("rewrite")
             module = rewrite(graph, the_plan.policy, self.request.args, self.request.kwargs, plan=the_plan)
         attach_shape_variants(module, graph, (self.request.args, self.request.kwargs))
         module.training = self.model.training
@@ -302,14 +334,24 @@ class Planner:
     # -------------------------------------------------------------------------------- what verify.py calls
 
     def plans_under(self, target_bytes: int, budget_bytes: int) -> list[Plan]:
-        """One plan per action with a plan predicted under ``target_bytes``, recorded as made for ``budget_bytes``."""
+        """One plan per action with a plan predicted under ``target_bytes``, recorded as made for ``budget_bytes``, of
+        the program (the loss as captured or in chunks: ``loss_chunks.chosen``) predicted fastest."""
+        if loss_chunks.weighs(self, target_bytes):
+            return loss_chunks.chosen(self, target_bytes, lambda program: program.own_plans_under(target_bytes, budget_bytes))
+        return self.own_plans_under(target_bytes, budget_bytes)
+
+    def own_plans_under(self, target_bytes: int, budget_bytes: int) -> list[Plan]:
         results, solve_time_s = solving.solve_each(self, target_bytes)
         return [self._plan_of(result, budget_bytes, solve_time_s) for result in results.values()]
 
     def floor_plans(self, floor_bytes: int, budget_bytes: int) -> list[Plan]:
         """The floor's own plans, chosen by bytes alone (``solving.floor_plans``): what a refusal measures to state
-        its smallest budget and what verification tries last."""
-        return solving.floor_plans(self, floor_bytes, budget_bytes)
+        its smallest budget and what verification tries last. Those of the program with the lowest floor."""
+        program = loss_chunks.lowest_floor_program(self)
+        plans = solving.floor_plans(program, floor_bytes, budget_bytes)
+        if program is self:
+            return plans
+        return [loss_chunks.as_planned_by(self, the_plan, program.loss_chunk_tokens) for the_plan in plans]
 
     def measured_peak_bytes(self, module: OptimizedModule) -> int:
         return self.measure(module).peak_bytes
@@ -378,6 +420,7 @@ class Planner:
                 placement=Placement.single_device(len(self.graph.units), str(self._device)),
                 fingerprint=self.fingerprint, capture_time_s=self.capture_time_s, profile_time_s=self.profile_time_s,
                 memory_before=memory_curve(self.trace, self.costs, ()), notes=self.notes, provenance=self.provenance,
+                loss_chunk_tokens=self.loss_chunk_tokens,
             )
         return self._context
 
@@ -399,6 +442,8 @@ class Planner:
             self._executable_used = True
             return self.graph
         graph = capture(self.model, self.request.args, self.request.kwargs)
+        if self.loss_chunk_tokens:
+            graph = loss_chunks.chunked_graph(graph, self.loss_chunk_tokens)
         if len(graph.units) != len(self.graph.units):
             raise RuntimeError(
                 f"capturing {type(self.model).__name__} a second time gave {len(graph.units)} units instead "

@@ -47,6 +47,7 @@ class PlanningContext:
     memory_before: MemoryCurve  # the predicted step with nothing recomputed
     notes: tuple[str, ...] = ()  # what every plan says besides the capture's notes (how its times were made)
     provenance: Provenance | None = None  # which trace and timing, for which device
+    loss_chunk_tokens: int = 0  # the program computes its loss in chunks of this many tokens (0: as captured)
 
     def overhead(self, overhead_ms: float) -> float:
         """Added milliseconds as a fraction of the unmodified step."""
@@ -60,15 +61,8 @@ _TIMES_NOT_MEASURED = (
 
 
 def assemble_plan(
-    context: PlanningContext,
-    region_actions: Sequence[RegionAction],
-    action: Action,
-    budget_bytes: int,
-    timeline: Timeline,
-    *,
-    result: SolveResult | None = None,
-    solve_time_s: float = 0.0,
-    strategy: str = "autockpt",
+    context: PlanningContext, region_actions: Sequence[RegionAction], action: Action, budget_bytes: int,
+    timeline: Timeline, *, result: SolveResult | None = None, solve_time_s: float = 0.0, strategy: str = "autockpt",
 ) -> Plan:
     """The plan of ``region_actions``, made for the recompute action ``action`` (or the one action of given regions);
     ``result`` is the solver's (None: the regions were given and only scored), ``solve_time_s`` what planning took
@@ -132,16 +126,17 @@ def assemble_plan(
         loop=trace.loop,
         foreign_bytes=trace.foreign_bytes,
         provenance=context.provenance,
-        breakdown=_breakdown(context, memory_after),
-        baseline_breakdown=_breakdown(context, context.memory_before),
+        breakdown=breakdown_at(context, memory_after),
+        baseline_breakdown=breakdown_at(context, context.memory_before),
+        loss_chunk_tokens=context.loss_chunk_tokens,
         floor_breakdown=(
-            _breakdown(context, memory_curve(trace, context.costs, result.floor_region_actions))
+            breakdown_at(context, memory_curve(trace, context.costs, result.floor_region_actions))
             if solved and result.floor_region_actions is not None else None
         ),
     )
 
 
-def _breakdown(context: PlanningContext, curve: MemoryCurve) -> MemoryBreakdown:
+def breakdown_at(context: PlanningContext, curve: MemoryCurve) -> MemoryBreakdown:
     """``curve`` at its peak by category, with where in the step that peak is, in words."""
     found = memory_breakdown(context.trace, curve)
     return dataclasses.replace(found, moment=moment_of(context.trace, context.graph, found.event))

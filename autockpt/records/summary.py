@@ -42,6 +42,14 @@ def floor_line(plan: PlanRecord) -> str:
     return f"{floor.moment or floor.phase.value}: {held}"
 
 
+def loss_line(plan: PlanRecord) -> str:
+    """What the loss action does: the chunk, and what the step's output no longer holds."""
+    return (
+        f"the output projection and cross-entropy in chunks of {plan.loss_chunk_tokens} tokens (the full logits never "
+        "made: a training step's output holds no logits; PlanOptions.loss_chunk_tokens=0 keeps them)"
+    )
+
+
 def plan_summary(plan: PlanRecord, *, max_regions: int = 12) -> str:
     lines = [
         (f"autockpt plan: strategy={plan.strategy}, capture={plan.capture.value}, status={plan.status.value}, "
@@ -59,7 +67,8 @@ def plan_summary(plan: PlanRecord, *, max_regions: int = 12) -> str:
         *([f"  other device memory    {foreign_line(plan)}"] if plan.foreign_bytes else []),
         *([f"  measured peak          {measured_line(plan)}"] if plan.measured_peak_bytes is not None else []),
         f"  recomputed             {decisions_line(plan)}",
-        f"  predicted overhead     +{100 * plan.predicted_overhead:.1f}% of the step ({overhead_breakdown(plan)})",
+        *([f"  loss                   {loss_line(plan)}"] if plan.loss_chunk_tokens else []),
+        f"  predicted overhead     {100 * plan.predicted_overhead:+.1f}% of the step ({overhead_breakdown(plan)})",
         (f"  time                   capture {plan.capture_time_s:.1f} s, profile {plan.profile_time_s:.1f} s, "
          f"solve {plan.solve_time_s:.1f} s"),
     ]
@@ -158,6 +167,10 @@ def overhead_breakdown(plan: PlanRecord) -> str:
     recomputing = recomputing_regions(plan)
     saved_tensors = sum(n.saved_tensors for n in plan.nodes if n.decision is Decision.RECOMPUTE)
     copies = f" + offload copies waited for {plan.transfer_ms:.1f} ms" if plan.offloaded_bytes else ""
+    if plan.loss_chunk_tokens:  # the chunked program's own step against the model's: the logits made again, ...
+        chunked_ms = plan.baseline_step_ms * plan.predicted_overhead - plan.recompute_ms - plan.machinery_ms - (
+            plan.transfer_ms)
+        copies += f" + the loss in chunks of {plan.loss_chunk_tokens} tokens {chunked_ms:+.1f} ms"
     return (
         f"recompute {plan.recompute_ms:.1f} ms + checkpoint machinery {plan.machinery_ms:.1f} ms: "
         f"{recomputing} regions x {plan.region_overhead_ms:.3f} ms + {saved_tensors} saved tensors x "

@@ -121,6 +121,24 @@ check_fsdp_parts() {
     cp "$res"/fsdp_cuda_llama.* "$1/" 2>/dev/null
 }
 
+# eager_program (issue 45 item 5, results/eager_program_cuda/): a Hugging Face GQA Llama and GPT-2-medium on CUDA, the
+# eager model against autockpt's unmodified program (peak, reserved, step time) and autockpt's floor against Hugging
+# Face gradient checkpointing's measured peak, with where each peak is.
+check_eager_program() {
+    machine "$1"
+    timeout 480 python3 -m experiments.probes.probe_eager_program_cuda --out "$1" 2>&1 | quiet \
+        | tee "$1/eager_program_cuda.log" | tail -80
+}
+
+# loss_chunks (issue 48 item 8, results/loss_chunks_cuda/): a Llama-3.2-1B-shaped decoder (4 layers, bf16, 2 x 4096)
+# on CUDA: the eager model, autockpt's floor with the loss as captured and with the loss in chunks, and Liger-Kernel's
+# fused linear cross-entropy beside them when its wheel is in .whl/.
+check_loss_chunks() {
+    machine "$1"
+    timeout 500 python3 -m experiments.probes.probe_loss_chunks_cuda --out "$1" --rounds 3 --at-liger-peak 2>&1 | quiet \
+        | tee "$1/loss_chunks_cuda.log" | tail -60
+}
+
 # The device runs below were made by hand on earlier leases (commands as HISTORY.md records them); they are named here
 # so that a rerun is one call. Not yet run through this runner.
 
@@ -187,6 +205,10 @@ named, then run its summarize script where it has one.
   cuda_prediction  predicted peak vs max_memory_allocated, plans unverified     -> results/cuda_prediction/
   offload_bench    recompute vs recompute + offload vs HF checkpointing         -> results/offload_bench_cuda/
   sweep_cuda       the sweep on the GPU, zoo size bench                         -> results/sweep_cuda/
+  eager_program    eager model vs autockpt's unmodified program, floor vs HF checkpointing (issue 45)
+                   -> results/eager_program_cuda/
+  loss_chunks      Llama-3.2-1B shape: eager vs autockpt's floors, loss as captured and in chunks; Liger beside
+                   -> results/loss_chunks_cuda/
   saved_tensors    what autograd saves in one Llama-3-8B layer on the GPU       -> results/saved_tensors/
 END
 }

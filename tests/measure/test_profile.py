@@ -171,3 +171,20 @@ def test_a_unit_that_reads_its_input_without_an_op_holds_it_in_a_checkpointed_re
     for action in (Action.RECOMPUTE_TORCH, Action.RECOMPUTE_OWN):
         plan = planner.plan_for_regions([region], strategy="test", action=action)
         assert plan.predicted_peak_bytes == planner.measured_peak_bytes(planner.apply(plan)), action.value
+
+
+def test_attention_flops_over_grouped_query_keys_are_counted_where_torch_s_formula_refuses_them() -> None:
+    """torch 2.11's SDPA formula asserts equal head counts and failed the trace of every GQA decoder on CUDA: the
+    counter retries with the keys and values repeated to the query's heads, as the kernel computes them."""
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    from autockpt.measure.trace import _grouped_query_tolerant
+
+    def equal_heads_only(query, key, value, **_):  # torch 2.11's check, then its count
+        shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else tuple(t) for t in (query, key, value)]
+        assert shapes[0][1] == shapes[1][1] == shapes[2][1], "sdpa_flop_count: query/key/value shapes are incompatible"
+        return sdpa_flop_count(*shapes)
+
+    query, key = torch.empty(2, 8, 16, 4, device="meta"), torch.empty(2, 2, 16, 4, device="meta")
+    counted = _grouped_query_tolerant(equal_heads_only)(query, key, key, out_shape=None)
+    assert counted == sdpa_flop_count((2, 8, 16, 4), (2, 8, 16, 4), (2, 8, 16, 4)) > 0

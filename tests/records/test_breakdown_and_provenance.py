@@ -23,12 +23,12 @@ Planned = tuple[autockpt.Planner, autockpt.Plan]
 @pytest.fixture(scope="module")
 def gpt2_fake() -> Planned:
     """The tiny GPT-2 (its loss computed inside the model from labels), traced on fakes and timed for an H100, AdamW:
-    a plan half way from its floor to its unmodified peak."""
+    a plan half way from its floor to its unmodified peak, of the program as captured (its events are the trace's)."""
     pytest.importorskip("transformers")
     case = zoo.build("gpt2", "tiny")
     planner = autockpt.Planner.from_model(
         case.model, example_inputs=case.args, example_kwargs=case.kwargs, trace="fake", target="h100-sxm-80gb",
-        optimizer=torch.optim.AdamW,
+        optimizer=torch.optim.AdamW, loss_chunk_tokens=0,
     )
     probe = planner.plan(budget_bytes=10**15)
     return planner, planner.plan(budget_bytes=(probe.min_feasible_bytes + probe.baseline_peak_bytes) // 2)
@@ -128,7 +128,7 @@ def test_a_plan_file_of_version_4_loads_without_provenance_or_breakdown(gpt2_fak
     _, plan = gpt2_fake
     plan.save(tmp_path / "plan.json")
     document = json.loads((tmp_path / "plan.json").read_text())
-    assert document["schema_version"] == 7
+    assert document["schema_version"] == 8
     document["schema_version"] = 4
     for name in ("provenance", "breakdown", "baseline_breakdown"):
         del document["plan"][name]

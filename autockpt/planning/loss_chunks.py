@@ -1,0 +1,194 @@
+"""The loss computed in chunks, as a planner weighs it (issue 48): beside the captured program, the same program with
+its output projection and cross-entropy run over chunks of tokens (``measure/chunked_tail.py``).
+
+Each chunked program is a program of its own: captured graph with the tail replaced, traced by the trace source that
+traced the model (measured or fake, so its bytes are exact as any trace's), timed and priced alike, and planned by a
+planner of its own (recompute and offload, under the same budget). The planner the user holds solves its own program
+and, when the budget is under its unmodified peak, each chunked one, and returns the plans of the program whose
+cheapest plan is predicted fastest (``chosen``): the chunk is part of the decision, priced by the trace (the logits
+made again in backward are in the chunked program's step) and bounded by the same budget. The floor stated is the
+lowest of all programs.
+
+``PlanOptions.loss_chunk_tokens``: "auto" weighs ``AUTO_CHUNK_COUNTS`` (the tokens in 4 and in 32 chunks); a number
+weighs that chunk alone, and the captured program is then not weighed; 0 weighs none. A plan records its chunk
+(``Plan.loss_chunk_tokens``) and ``apply_plan`` makes the same program from the model (``chunked_graph``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from autockpt.core.simulate import simulate
+from autockpt.errors import InfeasibleBudgetError, PlanMismatchError
+from autockpt.measure.chunked_tail import copied_graph, with_chunked_loss
+from autockpt.measure.loss_tail import LossTail, find_loss_tail
+from autockpt.planning.build import BuiltStep, built_for_graph
+from autockpt.planning.options import PlanOptions
+from autockpt.planning.policy import PlanningContext, breakdown_at
+from autockpt.records.plan import Plan
+from autockpt.types import Graph
+
+AUTO_CHUNK_COUNTS = (4, 32)  # "auto": the tokens in this many chunks (each a candidate the planner weighs)
+
+
+class LossProgramsOwner(Protocol):
+    """What this module reads of a ``Planner`` (a protocol: no import of planner.py, no circle)."""
+
+    loss_chunk_tokens: int
+    loss_programs: LossPrograms | None
+    trace: Any
+    costs: Any
+
+    @property
+    def context(self) -> PlanningContext: ...
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class LossPrograms:
+    """The chunked programs a planner weighs beside its own: their chunks, how to make the planner of each (made when
+    first needed: each costs one more trace), the ones made, and each program's floor once solved."""
+
+    tail: LossTail
+    chunk_tokens: tuple[int, ...]
+    make: Callable[[int], Any]  # chunk tokens -> the Planner of that program
+    made: dict[int, Any] = dataclasses.field(default_factory=dict)
+    floors: dict[int, int] = dataclasses.field(default_factory=dict)  # chunk tokens (0: the planner's own) -> bytes
+
+    def planner(self, chunk_tokens: int) -> Any:
+        if chunk_tokens not in self.made:
+            self.made[chunk_tokens] = self.make(chunk_tokens)
+        return self.made[chunk_tokens]
+
+
+def planner_of_programs(
+    built: BuiltStep, options: PlanOptions, make: Callable[[BuiltStep, int], Any], *, loss_outside: bool,
+    on_stage: Callable[[str], None] | None,
+) -> Any:
+    """The planner ``Planner.from_model`` returns for ``built`` (``make(built, chunk_tokens)`` makes one): with the
+    chunked programs of its loss tail to weigh ("auto"), the program of a fixed chunk alone, or its own program with
+    a note saying why the loss is not chunked where one might expect it to be."""
+    search = find_loss_tail(built.graph)
+    tail = search.tail if search.tail is None or search.tail.tokens else with_tokens_from_trace(search.tail, built)
+    chunks = chunk_candidates(tail, options.loss_chunk_tokens)
+    # the chunked programs are made when first weighed, maybe after a rewrite edited the planner's executable
+    pristine = copied_graph(built.graph) if chunks and options.loss_chunk_tokens == "auto" else built.graph
+
+    def program(chunk_tokens: int) -> Any:
+        if on_stage is not None:
+            on_stage("profile")
+        assert tail is not None
+        chunked = with_chunked_loss(pristine, tail, chunk_tokens).graph
+        return make(built_for_graph(built, chunked, options), chunk_tokens)
+
+    if options.loss_chunk_tokens != "auto" and chunks:
+        return program(chunks[0])
+    planner = make(built, 0)
+    # said where a chunked loss was asked for, or could be expected: a loss_fn, a cross-entropy the search refused
+    expected = loss_outside or options.loss_chunk_tokens != "auto" or not search.reason.startswith(
+        ("no cross-entropy", "captured at module level"))
+    if options.loss_chunk_tokens != 0 and search.tail is None and expected:
+        planner.notes += (f"loss: not computed in chunks: {search.reason}",)
+    if chunks:
+        planner.loss_programs = LossPrograms(tail=tail, chunk_tokens=chunks, make=program)
+    return planner
+
+
+def with_tokens_from_trace(tail: LossTail, built: BuiltStep) -> LossTail:
+    """``tail`` with its token count read from the trace where the capture recorded no shapes (fx): the projection's
+    output bytes over the vocabulary and the bytes of one logit (the weight's dtype, or autocast's)."""
+    unit = next((u.index for u in built.graph.units if u.name == tail.projection), None)
+    weight = built.graph.executable.get_parameter(tail.weight)
+    dtype = next((dtype for device, enabled, dtype in built.graph.autocast
+                  if enabled and device == weight.device.type), weight.dtype)
+    if unit is None:
+        return tail
+    output_bytes = built.trace.units[unit].output_bytes
+    logit_bytes = tail.vocabulary * dtype.itemsize
+    return dataclasses.replace(tail, tokens=output_bytes // logit_bytes, logits_bytes=output_bytes)
+
+
+def chunk_candidates(tail: LossTail | None, option: int | str) -> tuple[int, ...]:
+    """The chunks (tokens) weighed for ``tail`` under ``PlanOptions.loss_chunk_tokens``, largest first."""
+    if tail is None or option == 0:
+        return ()
+    if option != "auto":
+        return (int(option),)
+    if tail.tokens < 2:  # an fx capture records no shapes (0), or one token: nothing to split
+        return ()
+    return tuple(sorted({math.ceil(tail.tokens / count) for count in AUTO_CHUNK_COUNTS} - {tail.tokens}, reverse=True))
+
+
+def chunked_graph(graph: Graph, chunk_tokens: int) -> Graph:
+    """``graph`` with its loss in chunks of ``chunk_tokens`` tokens, as the plan that recorded that chunk was made."""
+    search = find_loss_tail(graph)
+    if search.tail is None:
+        raise PlanMismatchError(
+            f"the plan computes the loss in chunks of {chunk_tokens} tokens, but this model's captured graph has no "
+            f"loss tail to chunk ({search.reason}); plan this model again"
+        )
+    return with_chunked_loss(graph, search.tail, chunk_tokens).graph
+
+
+def weighs(planner: LossProgramsOwner, budget_bytes: int) -> bool:
+    """Whether ``budget_bytes`` is one where chunked programs are weighed: under the unmodified program's peak (above
+    it, nothing recomputed and nothing chunked is the fastest plan)."""
+    return planner.loss_programs is not None and budget_bytes < planner.trace.baseline_peak_bytes
+
+
+def chosen(planner: LossProgramsOwner, budget_bytes: int, solve: Callable[[Any], Sequence[Plan]]) -> list[Plan]:
+    """The plans ``solve`` gives for the program (the planner's own, or one of its chunked ones) whose cheapest plan
+    is predicted fastest, each stating the lowest floor of all programs; ``InfeasibleBudgetError`` from the program
+    with the lowest floor when none has a plan."""
+    programs = planner.loss_programs
+    assert programs is not None
+    candidates: list[list[Plan]] = []
+    refusals: list[InfeasibleBudgetError] = []
+    for chunk_tokens in (0, *programs.chunk_tokens):
+        program = planner if chunk_tokens == 0 else programs.planner(chunk_tokens)
+        try:
+            plans = [as_planned_by(planner, the_plan, chunk_tokens) for the_plan in solve(program)]
+        except InfeasibleBudgetError as error:
+            refusals.append(error)
+            programs.floors[chunk_tokens] = error.min_feasible_bytes
+            continue
+        programs.floors[chunk_tokens] = min(the_plan.min_feasible_bytes for the_plan in plans)
+        candidates.append(plans)
+    floor = min(programs.floors.values())
+    if not candidates:
+        raise min(refusals, key=lambda error: error.min_feasible_bytes)
+    best = min(candidates, key=lambda plans: min(the_plan.predicted_overhead for the_plan in plans))
+    at_floor = next((plans[0].floor_breakdown for plans in candidates if plans[0].min_feasible_bytes == floor), None)
+    return [dataclasses.replace(the_plan, min_feasible_bytes=floor, floor_breakdown=at_floor or the_plan.floor_breakdown)
+            for the_plan in best]
+
+
+def lowest_floor_program(planner: LossProgramsOwner) -> Any:
+    """The program (planner) whose floor is lowest of those solved so far: the floor's own plans are its."""
+    programs = planner.loss_programs
+    if programs is None or not programs.floors:
+        return planner
+    chunk_tokens = min(programs.floors, key=programs.floors.__getitem__)
+    return planner if chunk_tokens == 0 else programs.planner(chunk_tokens)
+
+
+def as_planned_by(planner: LossProgramsOwner, the_plan: Plan, chunk_tokens: int) -> Plan:
+    """A chunked program's plan as the user's planner states it: the unmodified step (peak, time, breakdown) is the
+    model's own program, and the predicted overhead is over that step (the chunked program's own step, the logits
+    made again in backward included, is part of it)."""
+    if chunk_tokens == 0:
+        return the_plan
+    context = planner.context
+    predicted_step_ms = the_plan.baseline_step_ms * (1 + the_plan.predicted_overhead)
+    reference_ms = planner.trace.step_ms
+    return dataclasses.replace(
+        the_plan,
+        loss_chunk_tokens=chunk_tokens,
+        baseline_peak_bytes=simulate(planner.trace, planner.costs, ()).peak_bytes,
+        baseline_step_ms=reference_ms,
+        predicted_overhead=predicted_step_ms / reference_ms - 1 if reference_ms > 0 else the_plan.predicted_overhead,
+        memory_before=context.memory_before,
+        baseline_breakdown=breakdown_at(context, context.memory_before),
+    )

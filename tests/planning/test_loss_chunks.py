@@ -1,0 +1,114 @@
+"""The loss in chunks as the planner weighs it (issue 48; ``planning/loss_chunks.py``): on a small decoder whose floor
+is its loss (a tied head over a large vocabulary, padding labels), the planner's floor falls below 70 % of the floor
+without it, the plan at that floor keeps its prediction to the byte when measured with the output held, and the loss
+and gradients are the model's; plan files carry the chunk and ``apply_plan`` makes the same program; the option fixes
+the chunk or turns it off; a loss outside the model is not chunked and the plan says why; evaluation without
+gradients still returns the logits."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import needs_transformers
+from torch import nn
+
+import autockpt
+from autockpt.errors import InfeasibleBudgetError
+
+VOCAB = 8000
+
+
+def _decoder() -> nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, tie_word_embeddings=True,
+    )
+    return transformers.LlamaForCausalLM(config).train()
+
+
+def _batch() -> tuple[tuple, dict]:
+    ids = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[0, :9] = -100  # padding
+    return (ids,), {"labels": labels}
+
+
+def _floor(planner: autockpt.Planner) -> int:
+    with pytest.raises(InfeasibleBudgetError) as refused:
+        planner.plan(budget_bytes=1)
+    return refused.value.min_feasible_bytes
+
+
+@pytest.fixture(scope="module")
+def weighed():
+    """A planner weighing the chunked programs, its floor, and the plan at that floor."""
+    model = _decoder()
+    args, kwargs = _batch()
+    planner = autockpt.Planner.from_model(model, example_inputs=args, example_kwargs=kwargs)
+    floor = _floor(planner)
+    return model, planner, floor, planner.plan(budget_bytes=floor)
+
+
+@needs_transformers
+def test_the_floor_falls_below_70_percent_and_is_kept_to_the_byte(weighed) -> None:
+    model, planner, floor, plan = weighed
+    own_floor = planner.loss_programs.floors[0]  # the captured program's own floor, solved beside the chunked ones
+    assert floor < 0.7 * own_floor
+    assert plan.loss_chunk_tokens in planner.loss_programs.chunk_tokens
+    assert plan.baseline_peak_bytes == planner.trace.baseline_peak_bytes  # the model's unmodified step
+    assert plan.floor_breakdown.logits_bytes < plan.baseline_breakdown.logits_bytes
+    assert "loss                   the output projection and cross-entropy in chunks" in plan.summary()
+    twin = copy.deepcopy(model)
+    module = planner.apply(plan)
+    args, kwargs = _batch()
+    measured = autockpt.measure_step(module, args, kwargs)  # the output held through backward (the default)
+    assert measured.peak_bytes == plan.predicted_peak_bytes <= floor
+    for p in model.parameters():
+        p.grad = None
+    output = module(*args, **kwargs)
+    assert output.logits is None  # never made in full
+    output.loss.backward()
+    expected = twin(*args, **kwargs).loss
+    expected.backward()
+    torch.testing.assert_close(output.loss, expected, rtol=1e-5, atol=1e-6)
+    for (name, mine), theirs in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-4, atol=1e-6, msg=name)
+    with torch.no_grad():  # evaluation (Trainer's prediction_step): the model runs as written, logits included
+        assert module(*args, **kwargs).logits.shape == (2, 64, VOCAB)
+
+
+@needs_transformers
+def test_a_plan_file_carries_the_chunk_and_apply_plan_makes_the_same_program(weighed, tmp_path) -> None:
+    model, _, _, plan = weighed
+    plan.save(tmp_path / "plan.json")
+    loaded = autockpt.load_plan(tmp_path / "plan.json")
+    assert loaded.loss_chunk_tokens == plan.loss_chunk_tokens > 0
+    args, kwargs = _batch()
+    module = autockpt.apply_plan(model, loaded, example_inputs=args, example_kwargs=kwargs)
+    assert autockpt.measure_step(module, args, kwargs).peak_bytes == plan.predicted_peak_bytes
+
+
+@needs_transformers
+def test_the_option_fixes_the_chunk_or_turns_it_off() -> None:
+    model = _decoder()
+    args, kwargs = _batch()
+    fixed = autockpt.Planner.from_model(model, example_inputs=args, example_kwargs=kwargs, loss_chunk_tokens=24)
+    assert fixed.loss_programs is None and fixed.plan(budget_bytes=10**12).loss_chunk_tokens == 24
+    off = autockpt.Planner.from_model(model, example_inputs=args, example_kwargs=kwargs, loss_chunk_tokens=0)
+    assert off.loss_programs is None and off.plan(budget_bytes=10**12).loss_chunk_tokens == 0
+
+
+def test_a_loss_outside_the_model_is_not_chunked_and_the_plan_says_why() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(500, 16), nn.Linear(16, 500))
+    ids = torch.randint(0, 500, (4, 32))
+    planner = autockpt.Planner.from_model(
+        model, example_inputs=(ids,), loss_fn=lambda logits: nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()),
+    )
+    assert planner.loss_programs is None
+    assert any(note.startswith("loss: not computed in chunks: no cross-entropy") for note in planner.notes)

@@ -21,8 +21,9 @@ from typing import Any
 
 from torch import fx
 
+from autockpt.errors import PlanMismatchError
 from autockpt.measure.capture import graph_units
-from autockpt.measure.loss_tail import LossTail
+from autockpt.measure.loss_tail import LossTail, find_loss_tail
 from autockpt.runtime.chunked_loss import chunked_linear_cross_entropy
 from autockpt.types import CaptureKind, Graph
 
@@ -68,11 +69,11 @@ def with_chunked_loss(graph: Graph, tail: LossTail, chunk_tokens: int) -> Chunke
         + ("; the training step's output holds no logits (None), which the chunked loss never makes in full"
            if dropped else "")
     )
-    chunked_graph = dataclasses.replace(
+    program = dataclasses.replace(
         graph, executable=executable, units=graph_units(executable, module_prefix=prefix),
         notes=(*graph.notes, note),
     )
-    return ChunkedTail(graph=chunked_graph, chunk_tokens=int(chunk_tokens), logits_dropped=dropped)
+    return ChunkedTail(graph=program, chunk_tokens=int(chunk_tokens), logits_dropped=dropped)
 
 
 def _weight_and_bias(executable: fx.GraphModule, projection: fx.Node, tail: LossTail) -> tuple[Any, Any]:
@@ -85,6 +86,17 @@ def _weight_and_bias(executable: fx.GraphModule, projection: fx.Node, tail: Loss
     weight = projection.args[1] if len(projection.args) > 1 else projection.kwargs["weight"]
     bias = projection.args[2] if len(projection.args) > 2 else projection.kwargs.get("bias")
     return weight, bias
+
+
+def chunked_graph(graph: Graph, chunk_tokens: int) -> Graph:
+    """``graph`` with its loss in chunks of ``chunk_tokens`` tokens, as the plan that recorded that chunk was made."""
+    search = find_loss_tail(graph)
+    if search.tail is None:
+        raise PlanMismatchError(
+            f"the plan computes the loss in chunks of {chunk_tokens} tokens, but this model's captured graph has no "
+            f"loss tail to chunk ({search.reason}); plan this model again"
+        )
+    return with_chunked_loss(graph, search.tail, chunk_tokens).graph
 
 
 def copied_graph(graph: Graph) -> Graph:

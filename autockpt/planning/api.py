@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from autockpt.measure.capture import capture
+from autockpt.measure.chunked_tail import chunked_graph
 from autockpt.measure.sources import StepInputs
 from autockpt.planning.build import without_values
 from autockpt.planning.compiled import compiled_module
-from autockpt.planning.loss_chunks import chunked_graph
 from autockpt.planning.options import PlanOptions, budget_to_bytes, resolve_options
 from autockpt.planning.planner import Planner
 from autockpt.planning.shapes import attach_shape_variants

@@ -22,14 +22,13 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from autockpt.core.simulate import simulate
-from autockpt.errors import InfeasibleBudgetError, PlanMismatchError
+from autockpt.errors import InfeasibleBudgetError
 from autockpt.measure.chunked_tail import copied_graph, with_chunked_loss
 from autockpt.measure.loss_tail import LossTail, find_loss_tail
 from autockpt.planning.build import BuiltStep, built_for_graph
 from autockpt.planning.options import PlanOptions
 from autockpt.planning.policy import PlanningContext, breakdown_at
 from autockpt.records.plan import Plan
-from autockpt.types import Graph
 
 AUTO_CHUNK_COUNTS = (4, 32)  # "auto": the tokens in this many chunks (each a candidate the planner weighs)
 
@@ -121,17 +120,6 @@ def chunk_candidates(tail: LossTail | None, option: int | str) -> tuple[int, ...
     return tuple(sorted({math.ceil(tail.tokens / count) for count in AUTO_CHUNK_COUNTS} - {tail.tokens}, reverse=True))
 
 
-def chunked_graph(graph: Graph, chunk_tokens: int) -> Graph:
-    """``graph`` with its loss in chunks of ``chunk_tokens`` tokens, as the plan that recorded that chunk was made."""
-    search = find_loss_tail(graph)
-    if search.tail is None:
-        raise PlanMismatchError(
-            f"the plan computes the loss in chunks of {chunk_tokens} tokens, but this model's captured graph has no "
-            f"loss tail to chunk ({search.reason}); plan this model again"
-        )
-    return with_chunked_loss(graph, search.tail, chunk_tokens).graph
-
-
 def weighs(planner: LossProgramsOwner, budget_bytes: int) -> bool:
     """Whether ``budget_bytes`` is one where chunked programs are weighed: under the unmodified program's peak (above
     it, nothing recomputed and nothing chunked is the fastest plan)."""
@@ -146,7 +134,12 @@ def chosen(planner: LossProgramsOwner, budget_bytes: int, solve: Callable[[Any],
     assert programs is not None
     candidates: list[list[Plan]] = []
     refusals: list[InfeasibleBudgetError] = []
-    for chunk_tokens in (0, *programs.chunk_tokens):
+    every = (0, *programs.chunk_tokens)
+    for chunk_tokens in every:
+        if programs.floors.get(chunk_tokens, 0) > budget_bytes and any(
+            programs.floors.get(other, 0) <= budget_bytes for other in every if other != chunk_tokens
+        ):
+            continue  # its floor, solved before, is above the budget, and another program may have a plan
         program = planner if chunk_tokens == 0 else programs.planner(chunk_tokens)
         try:
             plans = [as_planned_by(planner, the_plan, chunk_tokens) for the_plan in solve(program)]

@@ -103,15 +103,18 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             picked = logits.gather(1, safe_labels[rows].unsqueeze(1)).squeeze(1)
             total = total + ((torch.logsumexp(logits, dim=-1) - picked) * valid[rows]).sum()
         divisor = _divisor(valid, reduction, num_items)
-        ctx.save_for_backward(hidden, weight, bias, safe_labels, valid)
-        ctx.chunk_tokens, ctx.softcap, ctx.upcast, ctx.divisor = chunk_tokens, softcap, upcast, divisor
+        # a tensor divisor is saved as autograd saves tensors (not held by ctx), so a trace sees it kept for backward
+        divisor_tensor = divisor if isinstance(divisor, torch.Tensor) else None
+        ctx.save_for_backward(hidden, weight, bias, safe_labels, valid, divisor_tensor)
+        ctx.chunk_tokens, ctx.softcap, ctx.upcast = chunk_tokens, softcap, upcast
+        ctx.divisor = None if divisor_tensor is not None else divisor
         ctx.autocast = _autocast_state(hidden.device.type)
         return (total / divisor).to(_loss_dtype(hidden, weight, upcast))
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[Any, ...]:
-        hidden, weight, bias, safe_labels, valid = ctx.saved_tensors
-        scale = grad_loss.float() / ctx.divisor
+        hidden, weight, bias, safe_labels, valid, divisor_tensor = ctx.saved_tensors
+        scale = grad_loss.float() / (divisor_tensor if divisor_tensor is not None else ctx.divisor)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and ctx.needs_input_grad[2] else None

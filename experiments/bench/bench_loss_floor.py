@@ -122,7 +122,13 @@ def largest_batch(shape: str, limit: int) -> dict[str, Any]:
             middle = (low + high) // 2
             low, high = (middle, high) if pick(floors_at(middle)) <= memory else (low, middle)
         answers[f"max_batch_{label}"] = low
-    return {"shape": shape, "target": SHAPES[shape][2], "memory_bytes": memory, **answers}
+    return {"shape": shape, "target": SHAPES[shape][2], "memory_bytes": memory, "limit": limit, **answers}
+
+
+def _at_most(found: dict[str, Any], label: str) -> str:
+    """The largest batch found; at the search's limit, said so (a larger one may fit)."""
+    batch = int(found[f"max_batch_{label}"])
+    return f"{batch} (the limit searched)" if batch == int(found.get("limit", 0)) else str(batch)
 
 
 def markdown(rows: list[dict[str, Any]], batches: list[dict[str, Any]], command: str) -> str:
@@ -153,8 +159,8 @@ def markdown(rows: list[dict[str, Any]], batches: list[dict[str, Any]], command:
     if batches:
         lines += ["", "Largest batch of 4096-token rows whose floor fits the target's memory:", "",
                   "| shape | target | memory | before | after |", "|---|---|---:|---:|---:|"]
-        lines += [f"| {b['shape']} | {b['target']} | {format_bytes(b['memory_bytes'])} | {b['max_batch_before']} "
-                  f"| {b['max_batch_after']} |" for b in batches]
+        lines += [f"| {b['shape']} | {b['target']} | {format_bytes(b['memory_bytes'])} | {_at_most(b, 'before')} "
+                  f"| {_at_most(b, 'after')} |" for b in batches]
     return "\n".join(lines)
 
 
@@ -165,7 +171,16 @@ def main() -> None:
     parser.add_argument("--no-batch", action="store_true", help="skip the largest-batch search")
     parser.add_argument("--limit", type=int, default=32, help="the largest batch tried")
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--rerender", action="store_true", help="the README from the folder's CSVs, nothing run")
     options = parser.parse_args()
+    if options.rerender:
+        rows = pd.read_csv(options.out / "floors.csv").to_dict("records")
+        batch_csv = options.out / "largest_batch.csv"
+        batches = [{"limit": options.limit, **b} for b in pd.read_csv(batch_csv).to_dict("records")] if (
+            batch_csv.exists()) else []
+        command = f"python -m experiments.bench.bench_loss_floor --limit {options.limit}"
+        write_section("bench_loss_floor", markdown(rows, batches, command), output=options.out)
+        return
     torch.set_num_threads(2)
     options.out.mkdir(parents=True, exist_ok=True)
     shapes = options.shapes.split(",")
@@ -182,7 +197,7 @@ def main() -> None:
             pd.DataFrame(batches).to_csv(options.out / "largest_batch.csv", index=False)
     command = "python -m experiments.bench.bench_loss_floor" + (
         "" if options.shapes == ",".join(SHAPES) else f" --shapes {options.shapes}") + (
-        " --no-batch" if options.no_batch else "")
+        " --no-batch" if options.no_batch else "") + (f" --limit {options.limit}" if options.limit != 32 else "")
     text = markdown(rows, batches, command)
     write_section("bench_loss_floor", text, output=options.out)
     print(text)

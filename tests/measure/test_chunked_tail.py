@@ -97,3 +97,27 @@ def test_an_fx_captured_biased_head_keeps_its_loss_and_gradients_in_chunks() -> 
     targets = idx.clone()
     targets[1, 4:] = -1
     assert not _assert_same_step(_NanoBiased(), (idx, targets), {}, 8)
+
+
+@needs_transformers
+def test_under_bf16_autocast_the_chunks_keep_the_loss_and_the_head_gradient_within_one_bf16_rounding() -> None:
+    """Autocast runs the chunks' projection in bf16 as it ran the model's (forward, and backward's recomputation):
+    the loss is the model's to float32 rounding, every gradient but the (tied) head's is identical, and the head's is
+    within 1 % (measured: 0.3 %; its chunks' products are summed in float32, the model's in one bf16 matmul)."""
+    model = _hf("LlamaConfig", tie_word_embeddings=True)
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, VOCAB, (2, 16))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        graph = capture(model, (ids,), {"labels": labels})
+        chunked = with_chunked_loss(graph, find_loss_tail(graph).tail, 5).graph
+        got, expected = chunked.executable(ids, labels=labels).loss, twin(ids, labels=labels).loss
+    got.backward()
+    expected.backward()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    for (name, mine), theirs in zip(model.named_parameters(), twin.parameters()):
+        if name == "model.embed_tokens.weight":  # the tied head
+            assert (mine.grad - theirs.grad).abs().max() <= 0.01 * theirs.grad.abs().max()
+        else:
+            torch.testing.assert_close(mine.grad, theirs.grad, rtol=0, atol=0, msg=name)

@@ -222,6 +222,18 @@ def assert_same_step(optimized: torch.nn.Module, reference: torch.nn.Module, cas
         torch.testing.assert_close(got, want, msg=f"buffer {name}")
 
 
+def tiny_causal_lm(config_class: str, vocab: int, hidden: int, **extra: Any) -> torch.nn.Module:
+    """A one-layer Hugging Face causal LM of ``config_class`` (4 heads, 2 KV heads), random weights (seed 0), train mode."""
+    import transformers
+
+    config = getattr(transformers, config_class)(
+        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=vocab, **extra,
+    )
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).train()
+
+
 def _loss_chunked(module: torch.nn.Module) -> bool:
     module = getattr(module, "_orig_mod", module)
     return isinstance(module, autockpt.runtime.rewrite.OptimizedModule) and module.plan.loss_chunk_tokens > 0

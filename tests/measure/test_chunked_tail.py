@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from conftest import needs_transformers
+from conftest import needs_transformers, tiny_causal_lm
 from torch import nn
 from torch.nn import functional as F
 
@@ -21,14 +21,7 @@ VOCAB = 300
 
 
 def _hf(config_class: str, **extra: object) -> nn.Module:
-    import transformers
-
-    config = getattr(transformers, config_class)(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=VOCAB, **extra,
-    )
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config).train()
+    return tiny_causal_lm(config_class, VOCAB, 32, **extra)
 
 
 def _gradients(model: nn.Module) -> dict[str, torch.Tensor]:

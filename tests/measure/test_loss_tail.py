@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import needs_transformers
+from conftest import needs_transformers, tiny_causal_lm
 from torch import nn
 from torch.nn import functional as F
 
@@ -17,14 +17,7 @@ VOCAB = 256
 
 
 def _hf(config_class: str, **extra: object) -> nn.Module:
-    import transformers
-
-    config = getattr(transformers, config_class)(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=VOCAB, **extra,
-    )
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config)
+    return tiny_causal_lm(config_class, VOCAB, 64, **extra)
 
 
 @needs_transformers

@@ -119,10 +119,12 @@ def probe(case: zoo.ZooCase) -> autockpt.Plan:
 
 def planner_for(case: zoo.ZooCase, solver_options: autockpt.SolverOptions | None = None) -> autockpt.Planner:
     """The Planner ``autockpt.optimize`` and ``autockpt.plan`` make for the case (they are ``Planner.from_model(...).optimize``
-    and ``.plan``): the model captured and traced once, for a probe and any number of budgets."""
+    and ``.plan``): the model captured and traced once, for a probe and any number of budgets. The loss as captured
+    (``loss_chunk_tokens=0``): weighing its chunked programs costs two more traces per language model, which the tests
+    of that action (``tests/planning/test_loss_chunks.py``, the fake-trace plans of ``test_trace_choice.py``) pay."""
     return autockpt.Planner.from_model(
         case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn,
-        solver_options=solver_options,
+        solver_options=solver_options, loss_chunk_tokens=0,
     )
 
 

@@ -41,7 +41,10 @@ def test_gpt_neox_plans_under_bf16_autocast_keep_the_budget_and_predict_the_peak
     model, ids = _decoder()
     reference = copy.deepcopy(model)
     with bf16():
-        planner = autockpt.Planner.from_model(model, example_inputs=(ids,), example_kwargs={"labels": ids})
+        # the loss as captured: gradients are compared bit for bit below, which chunks of a bf16 projection are
+        # not (within one bf16 rounding: tests/measure/test_chunked_tail.py)
+        planner = autockpt.Planner.from_model(model, example_inputs=(ids,), example_kwargs={"labels": ids},
+                                              loss_chunk_tokens=0)
         probe = planner.plan(budget_bytes=10**15)
         floor, top = probe.min_feasible_bytes, probe.baseline_peak_bytes
         modules = []
@@ -109,7 +112,10 @@ def test_memtracker_measures_an_optimized_bf16_step_as_the_prediction_and_measur
     backward does not keep (the loss reads a float32 copy of them); here by all of their bytes."""
     model, ids = _decoder()
     with bf16():
-        planner = autockpt.Planner.from_model(model, example_inputs=(ids,), example_kwargs={"labels": ids})
+        # the loss as captured: gradients are compared bit for bit below, which chunks of a bf16 projection are
+        # not (within one bf16 rounding: tests/measure/test_chunked_tail.py)
+        planner = autockpt.Planner.from_model(model, example_inputs=(ids,), example_kwargs={"labels": ids},
+                                              loss_chunk_tokens=0)
         probe = planner.plan(budget_bytes=10**15)
         floor, top = probe.min_feasible_bytes, probe.baseline_peak_bytes
         budget = int(floor + 0.4 * (top - floor))
@@ -168,7 +174,10 @@ def test_the_vectorised_simulator_gives_the_reference_timeline_under_autocast() 
     """The autocast rules (weight copies not remade, late float32 gradients) are the same in both simulators."""
     model, ids = _decoder()
     with bf16():
-        planner = autockpt.Planner.from_model(model, example_inputs=(ids,), example_kwargs={"labels": ids})
+        # the loss as captured: gradients are compared bit for bit below, which chunks of a bf16 projection are
+        # not (within one bf16 rounding: tests/measure/test_chunked_tail.py)
+        planner = autockpt.Planner.from_model(model, example_inputs=(ids,), example_kwargs={"labels": ids},
+                                              loss_chunk_tokens=0)
     trace, costs = planner.trace, planner.costs
     assert any(s.producer_unit == OUTSIDE_GRAPH_UNIT and s.gradient_free_event is not None for s in trace.storages)
     _, candidates = candidate_regions(planner.graph, trace)

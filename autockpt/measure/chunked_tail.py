@@ -19,10 +19,10 @@ import copy
 import dataclasses
 from typing import Any
 
-from torch import fx
+from torch import fx, nn
 
 from autockpt.errors import PlanMismatchError
-from autockpt.measure.capture import graph_units
+from autockpt.measure.capture import capture, graph_units
 from autockpt.measure.loss_tail import LossTail, find_loss_tail
 from autockpt.runtime.chunked_loss import chunked_linear_cross_entropy
 from autockpt.types import CaptureKind, Graph
@@ -59,8 +59,12 @@ def with_chunked_loss(graph: Graph, tail: LossTail, chunk_tokens: int) -> Chunke
         )
     chunked.meta = {key: value for key, value in loss.meta.items() if key in ("nn_module_stack", "stack_trace")}
     loss.replace_all_uses_with(chunked)
-    dropped = _drop_from_output(executable.graph, _chain(projection, loss))
-    _erase_dead_chain(executable.graph, projection, loss)
+    chain = _chain(projection, loss)
+    dropped = _drop_from_output(executable.graph, chain)
+    executable.graph.erase_node(loss)
+    for node in reversed(list(executable.graph.nodes)):  # newest first: a node's readers are gone before it
+        if node in chain and not node.users:  # the old tail, and the checks of its metadata (export's)
+            executable.graph.erase_node(node)
     executable.graph.lint()
     executable.recompile()
     prefix = _EXPORT_PREFIX if graph.kind is CaptureKind.EXPORT else ""
@@ -86,6 +90,13 @@ def _weight_and_bias(executable: fx.GraphModule, projection: fx.Node, tail: Loss
     weight = projection.args[1] if len(projection.args) > 1 else projection.kwargs["weight"]
     bias = projection.args[2] if len(projection.args) > 2 else projection.kwargs.get("bias")
     return weight, bias
+
+
+def captured_program(model: nn.Module, args: tuple, kwargs: dict, loss_chunk_tokens: int) -> Graph:
+    """``model`` captured on these inputs as the program a plan was made for: its loss in chunks of
+    ``loss_chunk_tokens`` tokens (``Plan.loss_chunk_tokens``; 0: as captured)."""
+    graph = capture(model, args, kwargs)
+    return chunked_graph(graph, loss_chunk_tokens) if loss_chunk_tokens else graph
 
 
 def chunked_graph(graph: Graph, chunk_tokens: int) -> Graph:
@@ -135,33 +146,3 @@ def _drop_from_output(graph: fx.Graph, chain: set[fx.Node]) -> bool:
 
     output.args = fx.node.map_aggregate(output.args, replaced)
     return dropped
-
-
-def _erase_dead_chain(graph: fx.Graph, projection: fx.Node, loss: fx.Node) -> None:
-    """Erase the old tail: the cross-entropy, then every node that only fed it (metadata checks of them included),
-    newest first, so the projection and the full logits are gone from the program."""
-    graph.erase_node(loss)
-    changed = True
-    while changed:
-        changed = False
-        for node in reversed(list(graph.nodes)):
-            if node.op in ("placeholder", "output", "get_attr") or node.users:
-                continue
-            # a tail node, or a check of a tail value's metadata (export's), which has no users either
-            if node is projection or _feeds_only_chain(node, projection):
-                graph.erase_node(node)
-                changed = True
-
-
-def _feeds_only_chain(node: fx.Node, projection: fx.Node) -> bool:
-    """Whether ``node`` was made from the projection's output (a tail node), or reads only such nodes' metadata."""
-    seen, frontier = set(), list(node.all_input_nodes)
-    while frontier:
-        source = frontier.pop()
-        if source is projection:
-            return True
-        if source in seen:
-            continue
-        seen.add(source)
-        frontier.extend(source.all_input_nodes)
-    return False

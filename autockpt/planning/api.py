@@ -14,8 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autockpt.measure.capture import capture
-from autockpt.measure.chunked_tail import chunked_graph
+from autockpt.measure.chunked_tail import captured_program
 from autockpt.measure.sources import StepInputs
 from autockpt.planning.build import without_values
 from autockpt.planning.compiled import compiled_module
@@ -157,9 +156,7 @@ def apply_plan(
     args, kwargs = in_recorded_form(model, the_plan, request.args, request.kwargs)
     with preserved_model_state(model, args, kwargs):
         enter_training_modes(model)
-        graph = capture(model, args, kwargs)
-        if the_plan.loss_chunk_tokens:  # the program the plan was made for: the loss in chunks
-            graph = chunked_graph(graph, the_plan.loss_chunk_tokens)
+        graph = captured_program(model, args, kwargs, the_plan.loss_chunk_tokens)
         check_fingerprint(the_plan, model_fingerprint(model, graph, args, kwargs), graph.units)
         module = rewrite(graph, the_plan.policy, args, kwargs, plan=the_plan)
     attach_shape_variants(module, graph, (args, kwargs))

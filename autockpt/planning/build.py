@@ -304,13 +304,12 @@ def _traced_and_priced(
         # (the trace measured the captured program's step already, unless it covers a loop around it)
         traced = simulate(timed.trace, timed.costs, ()).peak_bytes if timed.trace.loop is None else None
         compared = compare_with_eager(step, graph, traced)
+    figures = compared if compared is not None else eager  # both carry the two peaks (or neither is known)
     provenance = Provenance(
         trace=chosen.source, timing=timed.timing, device=spec.name if spec is not None else str(price_device),
         device_memory_bytes=memory, reason=chosen.reason,
-        eager_peak_bytes=compared.eager_peak_bytes if compared is not None else (
-            eager.eager_peak_bytes if eager is not None else None),
-        captured_peak_bytes=compared.captured_peak_bytes if compared is not None else (
-            eager.captured_peak_bytes if eager is not None else None),
+        eager_peak_bytes=figures.eager_peak_bytes if figures is not None else None,
+        captured_peak_bytes=figures.captured_peak_bytes if figures is not None else None,
     )
     return BuiltStep(
         step=step, example_values=not without_values,

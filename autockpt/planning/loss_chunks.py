@@ -50,7 +50,6 @@ class LossPrograms:
     """The chunked programs a planner weighs beside its own: their chunks, how to make the planner of each (made when
     first needed: each costs one more trace), the ones made, and each program's floor once solved."""
 
-    tail: LossTail
     chunk_tokens: tuple[int, ...]
     make: Callable[[int], Any]  # chunk tokens -> the Planner of that program
     made: dict[int, Any] = dataclasses.field(default_factory=dict)
@@ -91,7 +90,7 @@ def planner_of_programs(
     if options.loss_chunk_tokens != 0 and search.tail is None and expected:
         planner.notes += (f"loss: not computed in chunks: {search.reason}",)
     if chunks:
-        planner.loss_programs = LossPrograms(tail=tail, chunk_tokens=chunks, make=program)
+        planner.loss_programs = LossPrograms(chunk_tokens=chunks, make=program)
     return planner
 
 
@@ -99,11 +98,11 @@ def with_tokens_from_trace(tail: LossTail, built: BuiltStep) -> LossTail:
     """``tail`` with its token count read from the trace where the capture recorded no shapes (fx): the projection's
     output bytes over the vocabulary and the bytes of one logit (the weight's dtype, or autocast's)."""
     unit = next((u.index for u in built.graph.units if u.name == tail.projection), None)
+    if unit is None:
+        return tail
     weight = built.graph.executable.get_parameter(tail.weight)
     dtype = next((dtype for device, enabled, dtype in built.graph.autocast
                   if enabled and device == weight.device.type), weight.dtype)
-    if unit is None:
-        return tail
     output_bytes = built.trace.units[unit].output_bytes
     logit_bytes = tail.vocabulary * dtype.itemsize
     return dataclasses.replace(tail, tokens=output_bytes // logit_bytes, logits_bytes=output_bytes)

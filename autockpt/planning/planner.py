@@ -24,8 +24,7 @@ from autockpt.core.solve.base import Problem, SolveResult, recompute_actions, re
 from autockpt.core.solve.baselines import baseline_regions
 from autockpt.core.solve.joint import JointProblem
 from autockpt.errors import InfeasibleBudgetError
-from autockpt.measure.capture import capture
-from autockpt.measure.chunked_tail import chunked_graph
+from autockpt.measure.chunked_tail import captured_program
 from autockpt.measure.loop import with_foreign_bytes
 from autockpt.measure.sources import StepInputs
 from autockpt.measure.step import (
@@ -297,8 +296,7 @@ class Planner:
                 check_fingerprint(the_plan, self.fingerprint, self.graph.units)
                 graph = self._fresh_graph()
             else:  # a program of the loss this planner does not weigh (a plan file's): made as apply_plan makes it
-                graph = capture(self.model, self.request.args, self.request.kwargs)
-                graph = chunked_graph(graph, chunk_tokens) if chunk_tokens else graph
+                graph = captured_program(self.model, self.request.args, self.request.kwargs, chunk_tokens)
                 fingerprint = model_fingerprint(self.model, graph, self.request.args, self.request.kwargs)
                 check_fingerprint(the_plan, fingerprint, graph.units)
             self._on_stage("rewrite")
@@ -442,9 +440,7 @@ class Planner:
         if not self._executable_used:
             self._executable_used = True
             return self.graph
-        graph = capture(self.model, self.request.args, self.request.kwargs)
-        if self.loss_chunk_tokens:
-            graph = chunked_graph(graph, self.loss_chunk_tokens)
+        graph = captured_program(self.model, self.request.args, self.request.kwargs, self.loss_chunk_tokens)
         if len(graph.units) != len(self.graph.units):
             raise RuntimeError(
                 f"capturing {type(self.model).__name__} a second time gave {len(graph.units)} units instead "

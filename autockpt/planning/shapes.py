@@ -26,8 +26,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from autockpt.measure.capture import capture
-from autockpt.measure.chunked_tail import chunked_graph
+from autockpt.measure.chunked_tail import captured_program
 from autockpt.record_types import PlanRecord
 from autockpt.runtime.call_form import CallForm, input_signature
 from autockpt.runtime.model_state import preserved_model_state
@@ -142,9 +141,7 @@ class ShapeVariants:
         description = describe_shapes(args, kwargs)
         try:
             with preserved_model_state(self.model, args, kwargs):
-                graph = capture(self.model, args, kwargs)
-                if self.plan.loss_chunk_tokens:  # the program the plan was made for: its loss in chunks
-                    graph = chunked_graph(graph, self.plan.loss_chunk_tokens)
+                graph = captured_program(self.model, args, kwargs, self.plan.loss_chunk_tokens)
         except Exception as error:  # noqa: BLE001 - any capture failure means: no plan at these shapes
             return f"capturing the model at {description} failed ({type(error).__name__}: {error})"
         policy = remap_policy(self.plan.policy, self.unit_keys, [_unit_key(unit) for unit in graph.units])

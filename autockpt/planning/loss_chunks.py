@@ -31,6 +31,11 @@ from autockpt.planning.policy import PlanningContext, breakdown_at
 from autockpt.records.plan import Plan
 
 AUTO_CHUNK_COUNTS = (4, 32)  # "auto": the tokens in this many chunks (each a candidate the planner weighs)
+# "auto" weighs no chunk where the logits are too small to matter: chunking frees at most a few logit-sized tensors
+# (the logits, their float32 upcast, log-softmax and gradient: LOSS_PHASE_COPIES of them at most), and a saving
+# under NEGLIGIBLE_SHARE of the unmodified peak is not worth a trace per candidate (a classifier's 10 classes)
+LOSS_PHASE_COPIES = 8
+NEGLIGIBLE_SHARE = 0.01
 
 
 class LossProgramsOwner(Protocol):
@@ -70,7 +75,7 @@ def planner_of_programs(
     a note saying why the loss is not chunked where one might expect it to be."""
     search = find_loss_tail(built.graph)
     tail = search.tail if search.tail is None or search.tail.tokens else with_tokens_from_trace(search.tail, built)
-    chunks = chunk_candidates(tail, options.loss_chunk_tokens)
+    chunks = chunk_candidates(tail, options.loss_chunk_tokens, built.trace.baseline_peak_bytes)
     # the chunked programs are made when first weighed, maybe after a rewrite edited the planner's executable
     pristine = copied_graph(built.graph) if chunks and options.loss_chunk_tokens == "auto" else built.graph
 
@@ -108,13 +113,17 @@ def with_tokens_from_trace(tail: LossTail, built: BuiltStep) -> LossTail:
     return dataclasses.replace(tail, tokens=output_bytes // logit_bytes, logits_bytes=output_bytes)
 
 
-def chunk_candidates(tail: LossTail | None, option: int | str) -> tuple[int, ...]:
-    """The chunks (tokens) weighed for ``tail`` under ``PlanOptions.loss_chunk_tokens``, largest first."""
+def chunk_candidates(tail: LossTail | None, option: int | str, baseline_peak_bytes: int = 0) -> tuple[int, ...]:
+    """The chunks (tokens) weighed for ``tail`` under ``PlanOptions.loss_chunk_tokens``, largest first; under "auto"
+    none where the loss phase's logit-sized tensors are a negligible share of ``baseline_peak_bytes`` (the unmodified
+    step's peak; 0: not known, always weighed)."""
     if tail is None or option == 0:
         return ()
     if option != "auto":
         return (int(option),)
     if tail.tokens < 2:  # an fx capture records no shapes (0), or one token: nothing to split
+        return ()
+    if LOSS_PHASE_COPIES * tail.logits_bytes < NEGLIGIBLE_SHARE * baseline_peak_bytes:
         return ()
     return tuple(sorted({math.ceil(tail.tokens / count) for count in AUTO_CHUNK_COUNTS} - {tail.tokens}, reverse=True))
 

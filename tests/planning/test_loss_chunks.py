@@ -16,6 +16,8 @@ from torch import nn
 
 import autockpt
 from autockpt.errors import InfeasibleBudgetError
+from autockpt.measure.loss_tail import LossTail
+from autockpt.planning.loss_chunks import chunk_candidates
 
 VOCAB = 8000
 
@@ -112,3 +114,14 @@ def test_a_loss_outside_the_model_is_not_chunked_and_the_plan_says_why() -> None
     )
     assert planner.loss_programs is None
     assert any(note.startswith("loss: not computed in chunks: no cross-entropy") for note in planner.notes)
+
+
+def test_auto_weighs_no_chunk_where_the_logits_are_a_negligible_share_of_the_peak() -> None:
+    """A classifier's few classes: chunking could free a few logit-sized tensors, under 1 % of the peak, so "auto"
+    spends no trace on it; a number given is weighed whatever the share."""
+    tail = LossTail(projection="head", weight="head.weight", has_bias=True, loss="loss", vocabulary=10, tokens=64,
+                    softcap=None, upcast=False, reduction="mean", ignore_index=-100, divisor=None,
+                    logits_returned=True, logits_bytes=64 * 10 * 4)
+    assert chunk_candidates(tail, "auto", baseline_peak_bytes=10**9) == ()
+    assert chunk_candidates(tail, "auto", baseline_peak_bytes=100_000) == (16, 2)
+    assert chunk_candidates(tail, 8, baseline_peak_bytes=10**9) == (8,)

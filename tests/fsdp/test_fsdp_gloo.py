@@ -54,14 +54,18 @@ class PlannedCase:
     config: dict[str, Any]
     budget: int = 0
     fplan: Any = None
+    peaks: dict[str, int] | None = None  # the roomy plan's figures the budget was set between
     failure: BaseException | None = None
 
 
-def _plan_case(case: str, folder: Path) -> PlannedCase:
+def _plan_case(case: str, folder: Path, planners: dict[tuple, Any]) -> PlannedCase:
+    """``planners``: the planner of each model and timing, shared by the cases that plan it (its measurements kept)."""
     kind, vocab, (low, high), _ = CASES[case]
     config = {**CONFIG, "kind": kind, "model": {**CONFIG["model"], "vocab": vocab}}
     if kind in ("llama", "hf-llama"):
         config["model"]["heads"] = 4
+    if kind == "hf-llama":  # two decoder layers: each fake-world measurement of a Hugging Face step is seconds
+        config["model"]["layers"] = 2
     try:
         ids, target = batch(config, rank=0, world=WORLD)
         # the ranks step AdamW (fsdp_worker): the plan covers that loop
@@ -69,7 +73,10 @@ def _plan_case(case: str, folder: Path) -> PlannedCase:
                   "optimizer": "adamw"}
         if low == "tenth":
             common["timing"] = RooflineTiming(device_spec("h100-sxm-80gb"))
-        planner = FSDPPlanner.from_model(build(config), **common)  # traced once for every budget below
+        key = (kind, vocab, low == "tenth")
+        if key not in planners:
+            planners[key] = FSDPPlanner.from_model(build(config), **common)  # traced once for every budget below
+        planner = planners[key]
         roomy = planner.plan(budget_bytes=10**9)
         peaks = {"baseline": roomy.baseline_peak_bytes, "selective": roomy.selective_peak_bytes,
                  "floor": roomy.min_feasible_bytes}
@@ -81,7 +88,7 @@ def _plan_case(case: str, folder: Path) -> PlannedCase:
         budget = (peaks[low] + peaks[high]) // 2
         fplan = planner.plan(budget_bytes=budget)
         fplan.save(folder / f"{case}.json")
-        return PlannedCase(config, budget, fplan)
+        return PlannedCase(config, budget, fplan, peaks)
     except Exception as failure:  # noqa: BLE001  said by this case's test; the other cases still run
         return PlannedCase(config, failure=failure)
 
@@ -92,7 +99,8 @@ def gloo_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Plann
     and one process group for all (issue 46: the spawns were most of these tests' time)."""
     folder = tmp_path_factory.mktemp("fsdp_gloo")
     cases = [c for c in CASES if CASES[c][0] != "hf-llama" or importlib.util.find_spec("transformers") is not None]
-    planned = {case: _plan_case(case, folder) for case in cases}
+    planners: dict[tuple, Any] = {}
+    planned = {case: _plan_case(case, folder, planners) for case in cases}
     runnable = [case for case in cases if planned[case].failure is None]
     jobs = [[(planned[c].config, str(folder / f"{c}.json"), str(folder / f"{c}.rank{r}.pkl")) for c in runnable]
             for r in range(WORLD)]
@@ -133,6 +141,11 @@ def test_two_ranks_give_the_single_process_losses_and_gradients_under_the_budget
     kind, _, (low, _), decisions = CASES[case]
     if kind == "torch-encoder":  # default units: the module list's entries, then the root
         assert fplan.units == (*(f"layers.{i}" for i in range(config["model"]["layers"])), "")
+    if kind == "hf-llama":  # its decoder layers are the units; parts are their children
+        assert fplan.units == (*(f"model.layers.{i}" for i in range(config["model"]["layers"])), "")
+        assert {p.rsplit(".", 1)[1] for p in fplan.checkpointed_parts} <= {
+            "self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+        assert planned.peaks["floor"] < planned.peaks["selective"] < planned.peaks["baseline"]
     made = {fplan.decision(u).value for u in fplan.units if u}
     # units the budget does not need are kept or given a part (a norm or attention checkpointed alone, when the
     # times measured here make it cheapest)

@@ -193,7 +193,8 @@ def test_a_model_on_the_meta_device_plans_and_stays_there() -> None:
     traces = []
     for given in (ids.to("meta"), ids):  # meta inputs, or real token ids beside the meta model
         planner = autockpt.Planner.from_model(
-            model, example_inputs=(given,), example_kwargs={"labels": given}, trace_source=FakeTrace()
+            model, example_inputs=(given,), example_kwargs={"labels": given}, trace_source=FakeTrace(),
+            loss_chunk_tokens=0,  # the subject is the capture on meta; the loss's chunks are test_loss_chunks.py's
         )
         assert planner.graph.kind is CaptureKind.EXPORT  # captured on meta: the outputs compared by shape
         assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}
@@ -226,7 +227,8 @@ def test_a_model_on_the_meta_device_is_captured_at_batch_size_1() -> None:
         model(ids.to("meta"), labels=ids.to("meta"))
     for given in (ids.to("meta"), ids):
         planner = autockpt.Planner.from_model(
-            model, example_inputs=(given,), example_kwargs={"labels": given}, trace_source=FakeTrace()
+            model, example_inputs=(given,), example_kwargs={"labels": given}, trace_source=FakeTrace(),
+            loss_chunk_tokens=0,  # the subject is the capture on meta; the loss's chunks are test_loss_chunks.py's
         )
         assert planner.graph.kind is CaptureKind.EXPORT and planner.graph.model is model
         assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}

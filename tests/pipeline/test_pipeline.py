@@ -97,7 +97,9 @@ def tight_budget() -> int:
 
 
 @pytest.mark.slow
-def test_two_stages_give_the_single_process_loss_and_gradients_under_the_budget(tight_budget, tmp_path) -> None:
+def test_a_planner_that_answered_other_budgets_plans_as_plan_pipeline_does(tight_budget) -> None:
+    """Two stages run on spawned ranks in the tied-weights test below (at the stated minimum) and three in the next
+    one: the same end-to-end fact is not run a third time here (issue 46's suite time)."""
     pplan = _planner(_CONFIG).plan(budget_bytes=tight_budget)
     assert len(pplan.stages) == 2 and pplan.cuts
     # a planner that answered other budgets first plans as plan_pipeline does from scratch (the same cuts, bytes
@@ -109,7 +111,6 @@ def test_two_stages_give_the_single_process_loss_and_gradients_under_the_budget(
                             s.schedule_buffer_bytes) for s in plan.stages], [p.regions for p in plan.stage_plans]
 
     assert decided(fresh) == decided(pplan)
-    _assert_single_process_step_under_budget(_CONFIG, pplan, _run(_CONFIG, pplan, tmp_path))
 
 
 def _assert_single_process_step_under_budget(config: dict, pplan: autockpt.PipelinePlan, results: list[dict]) -> None:
@@ -162,7 +163,8 @@ def test_tied_weights_are_held_by_both_stages_and_their_gradients_summed_at_the_
     assert [s.stages for s in pplan.shared_parameters] == [(0, 1)]
     results = _run(config, pplan, tmp_path)
     assert len(results[-1]["losses"]) == _MICROBATCHES  # the step filled the list it was given
-    _, grads = _reference(config)
+    loss, grads = _reference(config)
+    assert abs(sum(results[-1]["losses"]) / _MICROBATCHES - loss) < 1e-5
     for stage, result in zip(pplan.stages, results):
         for name, grad in result["grads"].items():
             torch.testing.assert_close(grad, grads[name], rtol=1e-5, atol=1e-6)

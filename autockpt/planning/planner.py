@@ -239,10 +239,18 @@ class Planner:
         return self._plan_of(results[action], budget_bytes, solve_time_s)
 
     def pareto(self, budgets: Sequence[int]) -> tuple[ParetoPoint, ...]:
-        """Predicted peak and overhead of the plan for each budget in bytes (None where it is infeasible)."""
+        """Predicted peak and overhead of the plan for each budget in bytes (None where it is infeasible): the plan
+        ``plan`` returns there, the loss's chunked programs weighed as it weighs them."""
         points = []
         for budget in budgets:
             try:
+                if loss_chunks.weighs(self, int(budget)):
+                    the_plan = self.plan(budget_bytes=int(budget))
+                    points.append(ParetoPoint(
+                        budget_bytes=int(budget), predicted_peak_bytes=the_plan.predicted_peak_bytes,
+                        predicted_overhead=the_plan.predicted_overhead, regions=len(the_plan.regions),
+                    ))
+                    continue
                 results, _ = solving.solve_each(self, int(budget))
             except InfeasibleBudgetError:
                 points.append(

@@ -125,3 +125,14 @@ def test_auto_weighs_no_chunk_where_the_logits_are_a_negligible_share_of_the_pea
     assert chunk_candidates(tail, "auto", baseline_peak_bytes=10**9) == ()
     assert chunk_candidates(tail, "auto", baseline_peak_bytes=100_000) == (16, 2)
     assert chunk_candidates(tail, 8, baseline_peak_bytes=10**9) == (8,)
+
+
+@needs_transformers
+def test_the_pareto_front_reaches_the_floor_of_the_chunked_programs(weighed) -> None:
+    """``plan(pareto_points=...)``: each point is the plan ``plan`` gives at its budget, so the front starts at the
+    floor the loss's chunks reach, under the captured program's own floor."""
+    _, planner, floor, _ = weighed
+    own_floor = planner.loss_programs.floors[0]
+    (lowest,) = planner.pareto([floor])
+    assert lowest.predicted_peak_bytes is not None and lowest.predicted_peak_bytes <= floor < own_floor
+    assert lowest.predicted_overhead == planner.plan(budget_bytes=floor).predicted_overhead

@@ -37,6 +37,7 @@ from autockpt.measure.costs import calibrate
 from autockpt.measure.fake import FakeTrace
 from autockpt.measure.fake_copy import has_no_values, meta_of_fake, model_on_meta, without_values
 from autockpt.measure.sources import MeasuredTrace, StepInputs, TraceRequest, TraceSource
+from autockpt.measure.step import alternating_step_seconds, relative_step_times
 from autockpt.measure.timing import with_timing
 from autockpt.planning.eager_check import compare_with_eager
 from autockpt.planning.options import PlanOptions, checkpoint_choice
@@ -318,6 +319,37 @@ def _traced_and_priced(
                *([compared.warning] if compared is not None and compared.warning else [])),
         capture_time_s=capture_time_s, profile_time_s=time.perf_counter() - started,
     )
+
+
+PROGRAM_TIMING_ROUNDS = 5  # alternating rounds that time another program of the step against the captured one
+
+
+def priced_against(reference: BuiltStep, reference_graph: Graph, program: BuiltStep) -> BuiltStep:
+    """``program`` (another program of ``reference``'s step: the loss in chunks) timed on ``reference``'s
+    measurements, so that the two are compared on what differs between them, not on the noise of two traces (two
+    traces of one CPU step were 20 % apart, enough to pick the slower program). Where both steps were measured on
+    the device: each unit both programs run (by node name) takes ``reference``'s time, and the step takes
+    ``reference``'s time scaled by the median ratio of the two in alternating rounds (``reference_graph``: a
+    runnable copy of ``reference``'s program, not rewritten). Other times (benchmarked, roofline, placeholders) are
+    each program's own."""
+    if not (reference.provenance.timing == "measured" and program.provenance.timing == "measured"):
+        return program
+    forward_ms = {unit.name: cost.forward_ms for unit, cost in zip(reference.graph.units, reference.trace.units)}
+    units = tuple(dataclasses.replace(cost, forward_ms=forward_ms.get(unit.name, cost.forward_ms))
+                  for unit, cost in zip(program.graph.units, program.trace.units))
+    step = reference.step
+    with preserved_model_state(step.model, step.args, step.kwargs):
+        enter_training_modes(step.model)
+        seconds = alternating_step_seconds(
+            [reference_graph.executable, program.graph.executable], step.args, step.kwargs, step.loss,
+            rounds=PROGRAM_TIMING_ROUNDS,
+        )
+    ratio = relative_step_times(seconds)[1]
+    logger.info("a program of the step timed against the captured one in %d alternating rounds: %.3f x its step",
+                PROGRAM_TIMING_ROUNDS, ratio)
+    trace = dataclasses.replace(program.trace, units=units, forward_ms=sum(u.forward_ms for u in units),
+                                step_ms=reference.trace.step_ms * ratio)
+    return dataclasses.replace(program, trace=trace)
 
 
 def solves_by_blocks(options: PlanOptions, graph: Graph) -> bool:

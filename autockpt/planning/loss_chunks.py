@@ -2,8 +2,8 @@
 its output projection and cross-entropy run over chunks of tokens (``measure/chunked_tail.py``).
 
 Each chunked program is a program of its own: captured graph with the tail replaced, traced by the trace source that
-traced the model (measured or fake, so its bytes are exact as any trace's), timed and priced alike, and planned by a
-planner of its own (recompute and offload, under the same budget). The planner the user holds solves its own program
+traced the model (measured or fake, so its bytes are exact as any trace's), priced alike and timed on the captured
+program's measurements where those are a real step's (``build.priced_against``), and planned by a planner of its own (recompute and offload, under the same budget). The planner the user holds solves its own program
 and, when the budget is under its unmodified peak, each chunked one, and returns the plans of the program whose
 cheapest plan is predicted fastest (``chosen``): the chunk is part of the decision, priced by the trace (the logits
 made again in backward are in the chunked program's step) and bounded by the same budget. The floor stated is the
@@ -25,7 +25,7 @@ from autockpt.core.simulate import simulate
 from autockpt.errors import InfeasibleBudgetError
 from autockpt.measure.chunked_tail import copied_graph, with_chunked_loss
 from autockpt.measure.loss_tail import LossTail, find_loss_tail
-from autockpt.planning.build import BuiltStep, built_for_graph
+from autockpt.planning.build import BuiltStep, built_for_graph, priced_against
 from autockpt.planning.options import PlanOptions
 from autockpt.planning.policy import PlanningContext, breakdown_at
 from autockpt.records.plan import Plan
@@ -84,7 +84,10 @@ def planner_of_programs(
             on_stage("profile")
         assert tail is not None
         chunked = with_chunked_loss(pristine, tail, chunk_tokens).graph
-        return make(built_for_graph(built, chunked, options), chunk_tokens)
+        program_built = built_for_graph(built, chunked, options)
+        if options.loss_chunk_tokens == "auto":  # weighed against the captured program: timed on its measurements
+            program_built = priced_against(built, pristine, program_built)
+        return make(program_built, chunk_tokens)
 
     if options.loss_chunk_tokens != "auto" and chunks:
         return program(chunks[0])

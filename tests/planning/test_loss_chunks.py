@@ -136,3 +136,18 @@ def test_the_pareto_front_reaches_the_floor_of_the_chunked_programs(weighed) -> 
     (lowest,) = planner.pareto([floor])
     assert lowest.predicted_peak_bytes is not None and lowest.predicted_peak_bytes <= floor < own_floor
     assert lowest.predicted_overhead == planner.plan(budget_bytes=floor).predicted_overhead
+
+
+@needs_transformers
+def test_a_chunked_program_is_timed_on_the_captured_programs_measurements(weighed) -> None:
+    """Two traces of one step differ by their noise (20 % on CPU), which once picked the slower program: every unit
+    both programs run takes the captured program's time, and the step is timed against it in alternating rounds."""
+    _, planner, _, _ = weighed
+    own = {unit.name: cost.forward_ms for unit, cost in zip(planner.graph.units, planner.trace.units)}
+    for program in planner.loss_programs.made.values():
+        shared = [(unit.name, cost.forward_ms) for unit, cost in zip(program.graph.units, program.trace.units)
+                  if unit.name in own]
+        assert len(shared) >= len(own) - 12  # all but the old tail (projection, upcast, cross-entropy and checks)
+        assert all(forward_ms == own[name] for name, forward_ms in shared)
+        assert program.trace.step_ms > 0 and program.trace.forward_ms == pytest.approx(
+            sum(cost.forward_ms for cost in program.trace.units))

@@ -338,12 +338,17 @@ def priced_against(reference: BuiltStep, reference_graph: Graph, program: BuiltS
     units = tuple(dataclasses.replace(cost, forward_ms=forward_ms.get(unit.name, cost.forward_ms))
                   for unit, cost in zip(program.graph.units, program.trace.units))
     step = reference.step
-    with preserved_model_state(step.model, step.args, step.kwargs):
-        enter_training_modes(step.model)
-        seconds = alternating_step_seconds(
-            [reference_graph.executable, program.graph.executable], step.args, step.kwargs, step.loss,
-            rounds=PROGRAM_TIMING_ROUNDS,
-        )
+    try:
+        with preserved_model_state(step.model, step.args, step.kwargs):
+            enter_training_modes(step.model)
+            seconds = alternating_step_seconds(
+                [reference_graph.executable, program.graph.executable], step.args, step.kwargs, step.loss,
+                rounds=PROGRAM_TIMING_ROUNDS,
+            )
+    except torch.OutOfMemoryError:  # the device filled up since the trace: each program keeps its own times
+        logger.warning("timing a program of the step against the captured one ran out of device memory; its own "
+                       "trace's times are used")
+        return program
     ratio = relative_step_times(seconds)[1]
     logger.info("a program of the step timed against the captured one in %d alternating rounds: %.3f x its step",
                 PROGRAM_TIMING_ROUNDS, ratio)

@@ -151,3 +151,22 @@ def test_a_chunked_program_is_timed_on_the_captured_programs_measurements(weighe
         assert all(forward_ms == own[name] for name, forward_ms in shared)
         assert program.trace.step_ms > 0 and program.trace.forward_ms == pytest.approx(
             sum(cost.forward_ms for cost in program.trace.units))
+
+
+@needs_transformers
+def test_a_device_filled_since_the_trace_leaves_a_chunked_program_its_own_times(monkeypatch, caplog) -> None:
+    """Timing the programs against each other runs both steps again: out of memory there (the device filled up since
+    the trace), the chunked program keeps its own trace's times and planning goes on."""
+    from autockpt.planning import build
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("scripted")
+
+    monkeypatch.setattr(build, "alternating_step_seconds", out_of_memory)
+    args, kwargs = _batch()
+    planner = autockpt.Planner.from_model(_decoder(), example_inputs=args, example_kwargs=kwargs)
+    chunk = planner.loss_programs.chunk_tokens[0]
+    with caplog.at_level("WARNING", logger="autockpt.planning.build"):
+        program = planner.loss_programs.planner(chunk)
+    assert "ran out of device memory" in caplog.text
+    assert program.trace.step_ms > 0 and program.loss_chunk_tokens == chunk

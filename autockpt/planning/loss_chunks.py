@@ -3,15 +3,17 @@ its output projection and cross-entropy run over chunks of tokens (``measure/chu
 
 Each chunked program is a program of its own: captured graph with the tail replaced, traced by the trace source that
 traced the model (measured or fake, so its bytes are exact as any trace's), priced alike and timed on the captured
-program's measurements where those are a real step's (``build.priced_against``), and planned by a planner of its own (recompute and offload, under the same budget). The planner the user holds solves its own program
-and, when the budget is under its unmodified peak, each chunked one, and returns the plans of the program whose
-cheapest plan is predicted fastest (``chosen``): the chunk is part of the decision, priced by the trace (the logits
-made again in backward are in the chunked program's step) and bounded by the same budget. The floor stated is the
-lowest of all programs.
+program's measurements where those are a real step's (``build.priced_against``), and planned by a planner of its
+own (recompute and offload, under the same budget). The planner the user holds solves its own program and, when
+the budget is under its unmodified peak, each chunked one, and returns the plans of the program whose cheapest plan
+is predicted fastest (``chosen``): the chunk is part of the decision, priced by the trace (the logits made again in
+backward are in the chunked program's step) and bounded by the same budget. The floor stated is the lowest of all
+programs.
 
 ``PlanOptions.loss_chunk_tokens``: "auto" weighs ``AUTO_CHUNK_COUNTS`` (the tokens in 4 and in 32 chunks); a number
 weighs that chunk alone, and the captured program is then not weighed; 0 weighs none. A plan records its chunk
-(``Plan.loss_chunk_tokens``) and ``apply_plan`` makes the same program from the model (``chunked_graph``).
+(``Plan.loss_chunk_tokens``) and ``apply_plan`` makes the same program from the model
+(``measure.chunked_tail.captured_program``).
 """
 
 from __future__ import annotations
@@ -116,10 +118,10 @@ def with_tokens_from_trace(tail: LossTail, built: BuiltStep) -> LossTail:
     return dataclasses.replace(tail, tokens=output_bytes // logit_bytes, logits_bytes=output_bytes)
 
 
-def chunk_candidates(tail: LossTail | None, option: int | str, baseline_peak_bytes: int = 0) -> tuple[int, ...]:
+def chunk_candidates(tail: LossTail | None, option: int | str, baseline_peak_bytes: int) -> tuple[int, ...]:
     """The chunks (tokens) weighed for ``tail`` under ``PlanOptions.loss_chunk_tokens``, largest first; under "auto"
     none where the loss phase's logit-sized tensors are a negligible share of ``baseline_peak_bytes`` (the unmodified
-    step's peak; 0: not known, always weighed)."""
+    step's peak)."""
     if tail is None or option == 0:
         return ()
     if option != "auto":

@@ -242,28 +242,17 @@ class Planner:
         """Predicted peak and overhead of the plan for each budget in bytes (None where it is infeasible): the plan
         ``plan`` returns there, the loss's chunked programs weighed as it weighs them."""
         points = []
-        for budget in budgets:
+        for budget in map(int, budgets):
             try:
-                if loss_chunks.weighs(self, int(budget)):
-                    the_plan = self.plan(budget_bytes=int(budget))
-                    points.append(ParetoPoint(
-                        budget_bytes=int(budget), predicted_peak_bytes=the_plan.predicted_peak_bytes,
-                        predicted_overhead=the_plan.predicted_overhead, regions=len(the_plan.regions),
-                    ))
-                    continue
-                results, _ = solving.solve_each(self, int(budget))
+                the_plan = self.plan(budget_bytes=budget)
             except InfeasibleBudgetError:
-                points.append(
-                    ParetoPoint(budget_bytes=int(budget), predicted_peak_bytes=None, predicted_overhead=None, regions=0)
-                )
+                points.append(ParetoPoint(budget_bytes=budget, predicted_peak_bytes=None, predicted_overhead=None,
+                                          regions=0))
                 continue
-            result = min(results.values(), key=lambda r: r.timeline.overhead_ms)
-            points.append(
-                ParetoPoint(
-                    budget_bytes=int(budget), predicted_peak_bytes=result.timeline.peak_bytes,
-                    predicted_overhead=self.context.overhead(result.timeline.overhead_ms), regions=len(result.regions),
-                )
-            )
+            points.append(ParetoPoint(
+                budget_bytes=budget, predicted_peak_bytes=the_plan.predicted_peak_bytes,
+                predicted_overhead=the_plan.predicted_overhead, regions=len(the_plan.regions),
+            ))
         return tuple(points)
 
     def plan_for_regions(self, regions: Sequence[Region], *, strategy: str, action: Action | None = None) -> Plan:

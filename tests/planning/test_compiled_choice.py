@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 import torch
-from conftest import loss_of, mlp
+from conftest import loss_of, mlp, with_times_from_flops
 from torch import nn
 
 import autockpt
@@ -60,12 +60,10 @@ class ScriptedCompile:
 def mlp_planner() -> tuple[autockpt.Planner, int, int]:
     """A planner of a 6-layer MLP, its eager floor and its unmodified peak. Its times are injected, not measured
     (issue 46: which plans a budget gives, and so which candidates fit, followed the machine's load): each unit's
-    from its FLOPs and output bytes at CPU-like rates, the checkpoint machinery at fixed prices."""
+    from its FLOPs and output bytes (``with_times_from_flops``), the checkpoint machinery at fixed prices."""
     model, x = mlp(), torch.randn(512, 128)
     planner = autockpt.Planner.from_model(model, example_inputs=(x,), loss_fn=loss_of)
-    planner.trace = dataclasses.replace(planner.trace, units=tuple(
-        dataclasses.replace(unit, forward_ms=unit.flops / 1e7 + unit.output_bytes / 1e6) for unit in planner.trace.units
-    ))
+    planner.trace = with_times_from_flops(planner.trace)
     planner.costs = dataclasses.replace(planner.costs, prices=tuple(  # the actions priced so far (offload is not)
         dataclasses.replace(price, region_ms=0.7, saved_tensor_ms=0.07) for price in planner.costs.prices))
     with pytest.raises(autockpt.InfeasibleBudgetError) as floor:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import pulp
 import pytest
-from conftest import assert_same_step, needs_transformers, twin
+from conftest import assert_same_step, needs_transformers, twin, with_times_from_flops
 
 import autockpt
 from autockpt.core.solve.base import Scorer, SolverOptions
@@ -111,11 +110,9 @@ def test_block_plans_fit_and_cost_about_what_the_flat_program_costs(name: str, g
     # the checkpoint machinery counts on both sides (the block menus once left the fixed cost per region out: block
     # plans came out 9-18 % above the flat program's on these tiny models, where a region's fixed cost is ~1.5 % of
     # the step). Times and prices injected, not measured (issue 46: on a loaded machine the measured ones put the
-    # ViT's block plan 18 % above the flat one): each unit's from its FLOPs and output bytes at CPU-like rates (10
-    # GFLOP/s, 1 GB/s; identical blocks alike), and the machinery at what calibration measures here unloaded
-    profile = dataclasses.replace(planner.trace, units=tuple(
-        dataclasses.replace(unit, forward_ms=unit.flops / 1e7 + unit.output_bytes / 1e6) for unit in planner.trace.units
-    ))
+    # ViT's block plan 18 % above the flat one): each unit's from its FLOPs and output bytes (``with_times_from_flops``),
+    # and the machinery at what calibration measures here unloaded
+    profile = with_times_from_flops(planner.trace)
     costs = CostModel(device="cpu", prices=(ActionPrice(action=Action.RECOMPUTE_TORCH, region_ms=0.7,
                                                         saved_tensor_ms=0.07),))
     segments, candidates = candidate_regions(planner.graph, profile)

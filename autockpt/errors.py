@@ -56,6 +56,19 @@ class InfeasibleBudgetError(AutockptError, ValueError):
     def min_feasible_bytes(self, value: int) -> None:
         self._min_feasible = value
 
+    @property
+    def floor_searched(self) -> bool:
+        """Whether ``min_feasible_bytes`` is known (reading it then searches nothing)."""
+        return not callable(self._min_feasible)
+
+    @property
+    def known_bound_bytes(self) -> int:
+        """``min_feasible_bytes`` where known, else ``lower_bound_bytes``: what is known of the floor without a search."""
+        if not self.floor_searched:
+            assert self.lower_bound_bytes is not None, "a refusal whose floor is searched later states its bound"
+            return self.lower_bound_bytes
+        return self._min_feasible
+
 
 class LossFunctionError(AutockptError, ValueError):
     """The loss function did not return a scalar tensor that backward can start from."""

@@ -149,7 +149,7 @@ class FakeTrace:
         with mode:
             try:
                 trace = trace_step(
-                    fake.graph, fake.args, fake.kwargs, step.loss, timed=False,
+                    fake.graph, fake.args, fake.kwargs, step.loss, timed=False, warm_up=False,
                     time_repeated_blocks_once=request.time_repeated_blocks_once,
                     gradient_lifetimes=request.gradient_lifetimes, output_held=request.output_held,
                 )
@@ -158,8 +158,8 @@ class FakeTrace:
                 raise
             trace = with_foreign_bytes_counted(trace, fake.device, fake.graph.model, fake.args, fake.kwargs)
             trace = self._with_placeholder_times(dataclasses.replace(trace, times_measured=False))
-            cost = None
-            if request.optimizer is not None:
+            cost = request.optimizer_step
+            if request.optimizer is not None and cost is None:
                 cost = _fake_optimizer_step(fake, graph, request.optimizer, request.planned_device_type)
         return in_the_loop(trace, cost, request)
 

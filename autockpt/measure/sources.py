@@ -77,6 +77,9 @@ class TraceRequest:
     # the device type the step is planned for, when it is not the traced tensors' own (a fake CPU trace for a CUDA
     # target): the optimizer runs torch's default implementation for it (``loop.measure_optimizer_step``)
     planned_device_type: str | None = None
+    # the optimizer's step measured already on these parameters (another program of the same step: the loss in
+    # chunks), used as it is: it depends on the parameters alone, and measuring it again took seconds per program
+    optimizer_step: OptimizerStepCost | None = None
 
 
 class TraceSource(Protocol):
@@ -102,8 +105,8 @@ class MeasuredTrace:
             gradient_lifetimes=request.gradient_lifetimes, output_held=request.output_held,
         )
         trace = with_foreign_bytes_counted(trace, step.device, step.model, step.args, step.kwargs)
-        if request.optimizer is None:
-            return in_the_loop(trace, None, request)
+        if request.optimizer is None or request.optimizer_step is not None:
+            return in_the_loop(trace, request.optimizer_step, request)
         make_optimizer = optimizer_factory(step.model, request.optimizer)
         cost = measure_optimizer_step(
             make_optimizer, step.model, step.device, implementation_of=request.planned_device_type

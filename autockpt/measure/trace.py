@@ -64,11 +64,14 @@ def trace_step(
     gradient_lifetimes: bool = False,
     timed: bool = True,
     output_held: bool = True,
+    warm_up: bool = True,
 ) -> StepTrace:
     """Measure the unmodified training step of ``graph`` on the example inputs. ``gradient_lifetimes``: also record
     how long the gradients of forward tensors lived (the simulation of ``Action.RECOMPUTE_OWN`` needs them).
     ``timed=False``: no timed steps; every time in the trace is 0 (``FakeTrace`` traces fake tensors, which take none).
     ``output_held=False``: the model's output is dropped before backward, as loops that keep only the loss do.
+    ``warm_up=False``: no warm-up step before the tracked one (fake tensors have no allocator to warm and no kernels
+    to load lazily; a step's own lazy state, made at capture, is there already).
 
     With ``time_repeated_blocks_once``, the units of repeated blocks (found from the tracked step: same ops, FLOPs and
     bytes) are timed at one instance per family and every other instance reuses those times, so the timed steps
@@ -77,9 +80,10 @@ def trace_step(
     params = [p for p in graph.model.parameters()]
     num_units = len(graph.units)
     try:
-        _clear_grads(params)
-        loss_fn(graph.executable(*args, **kwargs)).backward()  # warm-up: allocator, lazy initialisation
-        _clear_grads(params)
+        if warm_up:
+            _clear_grads(params)
+            loss_fn(graph.executable(*args, **kwargs)).backward()  # warm-up: allocator, lazy initialisation
+            _clear_grads(params)
         start_autocast_step()  # autocast's casts are made in the tracked step, as in the optimized module's steps
         tracked = _tracked_step(
             graph, args, kwargs, loss_fn, record_gradients=gradient_lifetimes, output_held=output_held

@@ -43,7 +43,7 @@ from autockpt.planning.eager_check import compare_with_eager
 from autockpt.planning.options import PlanOptions, checkpoint_choice
 from autockpt.record_types import Provenance
 from autockpt.runtime.model_state import enter_training_modes, preserved_model_state
-from autockpt.types import Action, CaptureKind, CostModel, Graph, StepTrace
+from autockpt.types import Action, CaptureKind, CostModel, Graph, OptimizerStepCost, StepTrace
 from autockpt.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -271,15 +271,18 @@ def built_for_graph(built: BuiltStep, graph: Graph, options: PlanOptions) -> Bui
         return _traced_and_priced(
             built.step, graph, options, trace, spec, built.provenance.device_memory_bytes, not built.example_values,
             capture_time_s=built.capture_time_s, eager=built.provenance,
+            optimizer_step=built.trace.loop.optimizer if built.trace.loop is not None else None,
         )
 
 
 def _traced_and_priced(
     step: StepInputs, graph: Graph, options: PlanOptions, trace: str | TraceSource, spec: DeviceSpec | None,
     memory: int | None, without_values: bool, *, capture_time_s: float, eager: Provenance | None = None,
+    optimizer_step: OptimizerStepCost | None = None,
 ) -> BuiltStep:
     """Trace, time and price ``graph`` (a capture of ``step``), with the self-check against the eager model where a
-    real step ran (``eager``: its figures known already, from the model's own captured program)."""
+    real step ran (``eager``: its figures known already, from the model's own captured program; ``optimizer_step``:
+    the optimizer's step measured on that program, the same parameters)."""
     started = time.perf_counter()
     # a model on the meta device is planned for the CPU, where its fake step runs and its machinery is priced
     price_device = torch.device("cpu") if step.device.type == "meta" else step.device
@@ -289,6 +292,7 @@ def _traced_and_priced(
         gradient_lifetimes=Action.RECOMPUTE_OWN in actions,
         optimizer=options.optimizer, gradient_accumulation_steps=options.gradient_accumulation_steps,
         output_held=options.output_held, planned_device_type=spec.device_type if spec is not None else None,
+        optimizer_step=optimizer_step,
     ), memory, without_values=without_values)
     if chosen.reason:
         logger.info("trace='auto' chose the %s trace: %s", chosen.source, chosen.reason)

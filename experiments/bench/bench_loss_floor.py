@@ -7,8 +7,10 @@ Gemma-2-2B (hidden 2304, 26 layers, 8 heads, 4 KV heads, head_dim 256, intermedi
 final-logit soft-capping 30) for an A100 40 GB, since its AdamW step alone exceeds 24 GB. For each: one planner
 (``loss_chunk_tokens="auto"``) weighs the captured program and its chunked ones; the captured program's floor is
 "before", the lowest of all "after"; the breakdown of each floor, the predicted step time at each floor, the seconds
-planning took (``Planner.from_model`` and the floor search), and the largest batch of 4096-token rows whose floor
-fits the device's memory, before and after (doubling, then bisecting).
+planning took (``Planner.from_model``, the floor query ``plan(budget_bytes=1)`` and the plan at that floor; the
+captured program's own floor, "before", is searched after, untimed: the floor query skips it when it cannot be the
+lowest), and the largest batch of 4096-token rows whose floor fits the device's memory, before and after (doubling,
+then bisecting).
 
     python -m experiments.bench.bench_loss_floor                  # writes experiments/results/loss_floor/
     python -m experiments.bench.bench_loss_floor --shapes llama-3.2-1b --no-batch --out /tmp/lf   (a quick look)
@@ -63,32 +65,47 @@ def planner_at(shape: str, batch: int) -> tuple[autockpt.Planner, float]:
     return planner, time.perf_counter() - started
 
 
-def floors(planner: autockpt.Planner) -> dict[int, int]:
-    """Each program's floor (0: the captured program; else its chunk in tokens), all solved."""
+def floor_after(planner: autockpt.Planner) -> int:
+    """The lowest floor of all programs: the floor query a user asks (``plan`` at a budget no plan reaches)."""
     try:
         planner.plan(budget_bytes=1)
     except autockpt.InfeasibleBudgetError as refused:
-        _ = refused.min_feasible_bytes
-    assert planner.loss_programs is not None, "no chunkable loss tail found"
-    return dict(planner.loss_programs.floors)
+        assert planner.loss_programs is not None, "no chunkable loss tail found"
+        return refused.min_feasible_bytes
+    raise AssertionError("a plan under 1 byte")
+
+
+def floor_before(planner: autockpt.Planner) -> int:
+    """The captured program's own floor (the floor query searches it only where it may be the lowest)."""
+    try:
+        planner.own_plan(budget_bytes=1)
+    except autockpt.InfeasibleBudgetError as refused:
+        return refused.min_feasible_bytes
+    raise AssertionError("a plan under 1 byte")
 
 
 def floor_row(shape: str, batch: int) -> dict[str, Any]:
     planner, built_s = planner_at(shape, batch)
     started = time.perf_counter()
-    found = floors(planner)
-    after = planner.plan(budget_bytes=min(found.values()))
+    lowest = floor_after(planner)
+    floor_s = time.perf_counter() - started
+    after = planner.plan(budget_bytes=lowest)
     planned_s = built_s + time.perf_counter() - started
-    before = planner.own_plan(found[0])
+    programs = planner.loss_programs
+    assert programs is not None
+    # known floors, then the bounds of the programs the query did not need to search ("program:>=bytes")
+    known = [f"{k}:{v}" for k, v in sorted(programs.floors.items())]
+    known += [f"{k}:>={v}" for k, v in sorted(programs.floor_bounds.items()) if k not in programs.floors]
+    before = planner.own_plan(floor_before(planner))
     row: dict[str, Any] = {
         "shape": shape, "target": SHAPES[shape][2], "batch": batch, "tokens": batch * SEQ,
         "unmodified_peak_bytes": planner.trace.baseline_peak_bytes,
-        "floor_before_bytes": found[0], "floor_after_bytes": after.predicted_peak_bytes,
-        "floor_ratio": after.predicted_peak_bytes / found[0], "chunk_tokens": after.loss_chunk_tokens,
-        "floors_by_chunk": ";".join(f"{k}:{v}" for k, v in sorted(found.items())),
+        "floor_before_bytes": before.predicted_peak_bytes, "floor_after_bytes": after.predicted_peak_bytes,
+        "floor_ratio": after.predicted_peak_bytes / before.predicted_peak_bytes, "chunk_tokens": after.loss_chunk_tokens,
+        "floors_by_chunk": ";".join(known),
         "step_ms_before": before.baseline_step_ms * (1 + before.predicted_overhead),
         "step_ms_after": after.baseline_step_ms * (1 + after.predicted_overhead),
-        "planning_s": planned_s,
+        "from_model_s": built_s, "floor_query_s": floor_s, "planning_s": planned_s,
     }
     for label, plan in (("before", before), ("after", after)):
         breakdown = plan.breakdown
@@ -100,27 +117,28 @@ def floor_row(shape: str, batch: int) -> dict[str, Any]:
 def largest_batch(shape: str, limit: int) -> dict[str, Any]:
     """The largest batch (rows of 4096 tokens) whose floor fits the target's memory, before and after chunking."""
     memory = device_spec(SHAPES[shape][2]).memory_bytes
-    fits: dict[int, dict[int, int]] = {}
+    fits: dict[int, dict[str, int]] = {}
 
-    def floors_at(batch: int) -> dict[int, int]:
+    def floors_at(batch: int) -> dict[str, int]:
         if batch not in fits:
-            fits[batch] = floors(planner_at(shape, batch)[0])
+            planner = planner_at(shape, batch)[0]
+            fits[batch] = {"after": floor_after(planner), "before": floor_before(planner)}
             print(f"  {shape} batch {batch}: floors {fits[batch]} (memory {memory})", flush=True)
         return fits[batch]
 
     answers = {}
-    for label, pick in (("before", lambda f: f[0]), ("after", lambda f: min(f.values()))):
+    for label in ("before", "after"):
         low, high = 0, None
         batch = 1
         while high is None and batch <= limit:  # doubling until one does not fit
-            if pick(floors_at(batch)) <= memory:
+            if floors_at(batch)[label] <= memory:
                 low, batch = batch, batch * 2
             else:
                 high = batch
         high = high if high is not None else limit + 1
         while high - low > 1:
             middle = (low + high) // 2
-            low, high = (middle, high) if pick(floors_at(middle)) <= memory else (low, middle)
+            low, high = (middle, high) if floors_at(middle)[label] <= memory else (low, middle)
         answers[f"max_batch_{label}"] = low
     return {"shape": shape, "target": SHAPES[shape][2], "memory_bytes": memory, "limit": limit, **answers}
 
@@ -138,14 +156,16 @@ def markdown(rows: list[dict[str, Any]], batches: list[dict[str, Any]], command:
          "predictions (GB = 10^9 bytes). Before: the captured program's floor; after: the lowest floor of the programs "
          "the planner weighs (the loss in chunks of the tokens in 4 and in 32 chunks)."), "",
         ("| shape | target | batch x 4096 | unmodified | floor before | floor after | after / before | chunk (tokens) "
-         "| predicted step at the floor, before / after | planning s |"),
+         "| predicted step at the floor, before / after | planning s (model, floor query, plan at the floor) |"),
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['shape']} | {r['target']} | {r['batch']} | {format_bytes(r['unmodified_peak_bytes'])} "
             f"| {format_bytes(r['floor_before_bytes'])} | {format_bytes(r['floor_after_bytes'])} | {r['floor_ratio']:.3f} "
-            f"| {r['chunk_tokens']} | {r['step_ms_before']:.0f} / {r['step_ms_after']:.0f} ms | {r['planning_s']:.1f} |"
+            f"| {r['chunk_tokens']} | {r['step_ms_before']:.0f} / {r['step_ms_after']:.0f} ms "
+            f"| {r['planning_s']:.1f} ({r['from_model_s']:.1f}, {r['floor_query_s']:.1f}, "
+            f"{r['planning_s'] - r['from_model_s'] - r['floor_query_s']:.1f}) |"
         )
     lines += ["", "What each floor holds at its peak:", "",
               ("| shape | floor | where | parameters | gradients | optimizer states | activations | logits and loss "

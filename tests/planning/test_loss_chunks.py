@@ -17,7 +17,7 @@ from torch import nn
 import autockpt
 from autockpt.errors import InfeasibleBudgetError
 from autockpt.measure.loss_tail import LossTail
-from autockpt.planning.loss_chunks import chunk_candidates
+from autockpt.planning.loss_chunks import LossPrograms, chunk_candidates, record_refused_floors
 
 VOCAB = 8000
 
@@ -46,6 +46,13 @@ def _floor(planner: autockpt.Planner) -> int:
     return refused.value.min_feasible_bytes
 
 
+def _own_floor(planner: autockpt.Planner) -> int:
+    """The captured program's own floor (the floor query above searches it only where it may be the lowest)."""
+    with pytest.raises(InfeasibleBudgetError) as refused:
+        planner.own_plan(budget_bytes=1)
+    return refused.value.min_feasible_bytes
+
+
 @pytest.fixture(scope="module")
 def weighed():
     """A planner weighing the chunked programs, its floor, and the plan at that floor."""
@@ -59,7 +66,7 @@ def weighed():
 @needs_transformers
 def test_the_floor_falls_below_70_percent_and_is_kept_to_the_byte(weighed) -> None:
     model, planner, floor, plan = weighed
-    own_floor = planner.loss_programs.floors[0]  # the captured program's own floor, solved beside the chunked ones
+    own_floor = _own_floor(planner)
     assert floor < 0.7 * own_floor
     assert plan.loss_chunk_tokens in planner.loss_programs.chunk_tokens
     assert plan.baseline_peak_bytes == planner.trace.baseline_peak_bytes  # the model's unmodified step
@@ -132,7 +139,7 @@ def test_the_pareto_front_reaches_the_floor_of_the_chunked_programs(weighed) -> 
     """``plan(pareto_points=...)``: each point is the plan ``plan`` gives at its budget, so the front starts at the
     floor the loss's chunks reach, under the captured program's own floor."""
     _, planner, floor, _ = weighed
-    own_floor = planner.loss_programs.floors[0]
+    own_floor = _own_floor(planner)
     (lowest,) = planner.pareto([floor])
     assert lowest.predicted_peak_bytes is not None and lowest.predicted_peak_bytes <= floor < own_floor
     assert lowest.predicted_overhead == planner.plan(budget_bytes=floor).predicted_overhead
@@ -170,3 +177,26 @@ def test_a_device_filled_since_the_trace_leaves_a_chunked_program_its_own_times(
         program = planner.loss_programs.planner(chunk)
     assert "ran out of device memory" in caplog.text
     assert program.trace.step_ms > 0 and program.loss_chunk_tokens == chunk
+
+
+def test_a_refused_programs_floor_is_searched_only_where_it_may_be_the_lowest() -> None:
+    """A floor query refuses every program; each floor is then searched in the order of its bound (what the step
+    holds at its end), and not where a floor already found is at or under that bound: the lowest floor is exact."""
+    searched: list[int] = []
+
+    def refusal(chunk_tokens: int, bound_bytes: int, floor_bytes: int) -> InfeasibleBudgetError:
+        def search() -> int:
+            searched.append(chunk_tokens)
+            return floor_bytes
+        return InfeasibleBudgetError("refused", budget_bytes=1, min_feasible_bytes=search, lower_bound_bytes=bound_bytes)
+
+    programs = LossPrograms(chunk_tokens=(64, 16, 8), make=lambda chunk_tokens: None)
+    refusals = {0: refusal(0, 130, 200), 64: refusal(64, 100, 120), 16: refusal(16, 90, 110),
+                8: refusal(8, 100, 100)}
+    lowest = record_refused_floors(programs, refusals)
+    assert lowest is refusals[8] and lowest.min_feasible_bytes == 100
+    # 16's bound is lowest; then the bounds tie at 100 and the smaller chunk goes first, reaching its bound: 64's
+    # floor and 0's (bound 130) cannot be lower, and are not searched
+    assert searched == [16, 8]
+    assert programs.floors == {16: 110, 8: 100} and programs.floor_bounds == {64: 100, 0: 130}
+    assert programs.floor_at_least(0) == 130 and programs.floor_at_least(8) == 100

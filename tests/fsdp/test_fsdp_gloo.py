@@ -17,14 +17,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from conftest import needs_transformers
+from fsdp_planners import FSDP_GROUP, WORLD, shared_planner
 
-from autockpt.core.devices import device_spec
-from autockpt.fsdp import FSDPPlanner
-from autockpt.measure.timing import RooflineTiming
-from experiments.common.fsdp_worker import CONFIG, batch, build, lm_loss, reference, run_rank
+from experiments.common.fsdp_worker import CONFIG, build, reference, run_rank
 
 logger = logging.getLogger(__name__)
-WORLD = 2
+pytestmark = FSDP_GROUP  # with test_fsdp_plan.py: the planners both trace are shared
 
 
 # budgets halfway between two of the measured peaks: nothing checkpointed ("baseline"), every unit selective
@@ -58,8 +56,9 @@ class PlannedCase:
     failure: BaseException | None = None
 
 
-def _plan_case(case: str, folder: Path, planners: dict[tuple, Any]) -> PlannedCase:
-    """``planners``: the planner of each model and timing, shared by the cases that plan it (its measurements kept)."""
+def _plan_case(case: str, folder: Path) -> PlannedCase:
+    """The case's planner is shared with the cases and tests that plan the same model alike (``fsdp_planners``):
+    traced once, the ranks' loop (AdamW steps, ``fsdp_worker``) covered."""
     kind, vocab, (low, high), _ = CASES[case]
     config = {**CONFIG, "kind": kind, "model": {**CONFIG["model"], "vocab": vocab}}
     if kind in ("llama", "hf-llama"):
@@ -67,22 +66,13 @@ def _plan_case(case: str, folder: Path, planners: dict[tuple, Any]) -> PlannedCa
     if kind == "hf-llama":  # two decoder layers: each fake-world measurement of a Hugging Face step is seconds
         config["model"]["layers"] = 2
     try:
-        ids, target = batch(config, rank=0, world=WORLD)
-        # the ranks step AdamW (fsdp_worker): the plan covers that loop
-        common = {"world_size": WORLD, "example_inputs": (ids,), "example_target": target, "loss_fn": lm_loss,
-                  "optimizer": "adamw"}
-        if low == "tenth":
-            common["timing"] = RooflineTiming(device_spec("h100-sxm-80gb"))
-        key = (kind, vocab, low == "tenth")
-        if key not in planners:
-            planners[key] = FSDPPlanner.from_model(build(config), **common)  # traced once for every budget below
-        planner = planners[key]
+        planner = shared_planner(config, roofline=low == "tenth")
         roomy = planner.plan(budget_bytes=10**9)
         peaks = {"baseline": roomy.baseline_peak_bytes, "selective": roomy.selective_peak_bytes,
                  "floor": roomy.min_feasible_bytes}
         peaks["tenth"] = roomy.baseline_peak_bytes - (roomy.baseline_peak_bytes - roomy.min_feasible_bytes) // 5
         if low == "pool floor":
-            planner = FSDPPlanner.from_model(build(config), host_pool_gb=1.0, **common)
+            planner = shared_planner(config, host_pool_gb=1.0)
             peaks[low] = planner.plan(budget_bytes=10**9).min_feasible_bytes
             assert peaks[low] < peaks["floor"]
         budget = (peaks[low] + peaks[high]) // 2
@@ -99,8 +89,7 @@ def gloo_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Plann
     and one process group for all (issue 46: the spawns were most of these tests' time)."""
     folder = tmp_path_factory.mktemp("fsdp_gloo")
     cases = [c for c in CASES if CASES[c][0] != "hf-llama" or importlib.util.find_spec("transformers") is not None]
-    planners: dict[tuple, Any] = {}
-    planned = {case: _plan_case(case, folder, planners) for case in cases}
+    planned = {case: _plan_case(case, folder) for case in cases}
     runnable = [case for case in cases if planned[case].failure is None]
     jobs = [[(planned[c].config, str(folder / f"{c}.json"), str(folder / f"{c}.rank{r}.pkl")) for c in runnable]
             for r in range(WORLD)]

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import needs_transformers
+from fsdp_planners import FSDP_GROUP, WORLD, shared_planner
 
 import autockpt
 from autockpt.errors import InfeasibleBudgetError, PlanFileError, PlanMismatchError
@@ -32,7 +33,7 @@ from autockpt.records.fsdp_plan import FSDPPlan, UnitDecision
 from autockpt.types import LinkPrice
 from experiments.common.fsdp_worker import CONFIG, batch, build, lm_loss, tracked_peak
 
-WORLD = 2
+pytestmark = FSDP_GROUP  # with test_fsdp_gloo.py: the planners both trace are shared
 V4_FSDP_PLAN = Path(__file__).parents[1] / "data" / "fsdp_plan_v4.json"  # as 0.2 wrote it (tests/data)
 FULL, SELECTIVE, OFFLOAD, PARTS = UnitDecision.FULL, UnitDecision.SELECTIVE, UnitDecision.OFFLOAD, UnitDecision.PARTS
 LLAMA = {**CONFIG, "kind": "llama", "model": {**CONFIG["model"], "heads": 4}}  # RMSNorm, attention, SwiGLU
@@ -60,9 +61,8 @@ def _planner(model=None, **kwargs) -> FSDPPlanner:
     return FSDPPlanner.from_model(model if model is not None else build(CONFIG), **options)
 
 
-@functools.cache
 def _default_planner() -> FSDPPlanner:
-    return _planner()
+    return shared_planner(CONFIG)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def roomy() -> FSDPPlan:
 @pytest.fixture(scope="module")
 def pooled() -> FSDPPlan:
     """A plan with a host pool of 1 GB per rank at the lowest budget it keeps."""
-    planner = _planner(host_pool_gb=1.0)
+    planner = shared_planner(CONFIG, host_pool_gb=1.0)
     return planner.plan(budget_bytes=planner.plan(budget_bytes=10**9).min_feasible_bytes)
 
 
@@ -490,12 +490,7 @@ def test_a_hugging_face_llama_with_its_key_value_cache_on_is_refused_saying_so()
 def parted() -> FSDPPlan:
     """A Llama-style plan (roofline times: the same choice on every machine) a little under nothing checkpointed's
     peak, where checkpointing a part of some blocks (their attention or a norm) is the cheapest way to fit."""
-    from autockpt.core.devices import device_spec
-    from autockpt.measure.timing import RooflineTiming
-
-    ids, target = batch(LLAMA, rank=0, world=WORLD)
-    planner = _planner(build(LLAMA), timing=RooflineTiming(device_spec("h100-sxm-80gb")), example_inputs=(ids,),
-                       example_target=target)
+    planner = shared_planner(LLAMA, roofline=True)
     roomy = planner.plan(budget_bytes=10**9)
     return planner.plan(budget_bytes=roomy.baseline_peak_bytes - (roomy.baseline_peak_bytes - roomy.min_feasible_bytes) // 10)
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from autockpt.core.devices import DeviceSpec
 from autockpt.core.simulate import memory_curve, simulate
@@ -24,7 +24,7 @@ from autockpt.core.solve.base import Problem, SolveResult, recompute_actions, re
 from autockpt.core.solve.baselines import baseline_regions
 from autockpt.core.solve.joint import JointProblem
 from autockpt.errors import InfeasibleBudgetError
-from autockpt.measure.chunked_tail import captured_program
+from autockpt.measure.chunked_tail import captured_program, copied_graph
 from autockpt.measure.loop import with_foreign_bytes
 from autockpt.measure.sources import StepInputs
 from autockpt.measure.step import (
@@ -147,7 +147,10 @@ class Planner:
         # the device as the step will find it: profiling held copies of the buffers and the user's gradients aside
         self._follow_foreign_bytes()
         self.fingerprint = model_fingerprint(step.model, graph, step.args, step.kwargs)
-        self._executable_used = False  # rewriting edits graph.executable; later rewrites capture again
+        # rewriting edits graph.executable in place: later rewrites take copies of it as it was (or, for a capture
+        # per module call, which has no executable, a new capture)
+        self._executable_used = False
+        self._pristine: Graph | None = None
         self._problems: dict[Action, Problem] = {}  # per action: scored candidates and floors, shared by every budget
         self._joint: dict[int, JointProblem] = {}  # per pool capacity: every recompute action's candidates and offload
         self._context: PlanningContext | None = None
@@ -433,10 +436,16 @@ class Planner:
             yield
 
     def _fresh_graph(self) -> Graph:
-        """The traced graph the first time; a new capture afterwards (rewriting edits the executable in place)."""
+        """The traced graph the first time; afterwards a copy of its executable as it was before that rewrite
+        (rewriting edits the executable in place): the graph a new capture gives, without the seconds an export
+        takes, which verifying a plan paid for every candidate it measured. A capture per module call again."""
+        copyable = isinstance(self.graph.executable, fx.GraphModule)
         if not self._executable_used:
             self._executable_used = True
+            self._pristine = copied_graph(self.graph) if copyable else None
             return self.graph
+        if self._pristine is not None:
+            return copied_graph(self._pristine)
         graph = captured_program(self.model, self.request.args, self.request.kwargs, self.loss_chunk_tokens)
         if len(graph.units) != len(self.graph.units):
             raise RuntimeError(

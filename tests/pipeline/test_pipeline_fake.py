@@ -68,18 +68,25 @@ def _stage_peaks(pplan: autockpt.PipelinePlan) -> list[tuple[int, int, int]]:
 
 
 def test_a_fake_pipeline_plan_is_the_measured_one_at_the_same_unit_times(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Roofline times on one target for both: the same cuts, stage plans and predicted peaks, to the byte; under a
-    device memory below the whole step's, trace="auto" plans the same on fakes and runs no real step. (Without the
+    """Roofline times on one target for both: the same cuts, stage plans and predicted peaks, to the byte; the fake
+    plan is trace="auto"'s under a device memory below the whole step's, which runs no real step. (Without the
     outputs returned, whose concatenation bounds the last stage, a budget near the floor makes a stage recompute.)"""
     ids, target = _batch()
     model = build(_CONFIG)
+    steps = RealSteps(monkeypatch, model)
+    # trace="auto" under a device memory below the whole step's: the fake trace, and no real step
     fakes = PipelinePlanner.from_model(model, 2, microbatches=4, example_inputs=(ids,), example_target=target,
-                                       loss_fn=lm_loss, trace="fake", target=_TARGET, return_outputs=False)
+                                       loss_fn=lm_loss, target=_TARGET, device_memory_bytes=100_000,
+                                       return_outputs=False)
     with pytest.raises(InfeasibleBudgetError) as refused:
         fakes.plan(budget_bytes=100_000)
     budget = int(refused.value.min_feasible_bytes * 1.02)
-    measured = _plan(model, budget_bytes=budget, trace="measured", target=_TARGET, return_outputs=False)
     fake = fakes.plan(budget_bytes=budget)
+    steps.handle.remove()
+    assert steps.count == 0
+    assert any("above the device memory" in note for note in fake.notes)
+    assert all(p.grad is None for p in model.parameters())
+    measured = _plan(model, budget_bytes=budget, trace="measured", target=_TARGET, return_outputs=False)
     assert fake.cuts == measured.cuts
     assert _stage_peaks(fake) == _stage_peaks(measured)
     assert [p.regions for p in fake.stage_plans] == [p.regions for p in measured.stage_plans]
@@ -89,15 +96,6 @@ def test_a_fake_pipeline_plan_is_the_measured_one_at_the_same_unit_times(monkeyp
     assert [(p.provenance.trace, p.provenance.timing) for p in measured.stage_plans] == [("measured", "roofline")] * 2
     assert any(note.startswith("planned from a fake trace, roofline timing") for note in fake.notes)
     assert any(note.startswith("planned from a measured trace, roofline timing") for note in measured.notes)
-
-    steps = RealSteps(monkeypatch, model)
-    chosen = _plan(model, budget_bytes=budget, target=_TARGET, device_memory_bytes=100_000, return_outputs=False)
-    steps.handle.remove()
-    assert steps.count == 0
-    assert chosen.cuts == fake.cuts and _stage_peaks(chosen) == _stage_peaks(fake)
-    assert any("above the device memory" in note for note in chosen.notes)
-    assert all(p.provenance.trace == "fake" for p in chosen.stage_plans)
-    assert all(p.grad is None for p in model.parameters())
 
 
 @needs_transformers

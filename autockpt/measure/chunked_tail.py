@@ -117,6 +117,16 @@ def copied_graph(graph: Graph) -> Graph:
     assert isinstance(gm, fx.GraphModule)
     executable = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
     executable.meta.update(gm.meta)
+    # fx registers every tensor attribute the graph reads as a buffer of the copy: the constants export lifted
+    # (plain attributes of the exported module: a Gemma 2 attention's int64 scalars) became buffers, which
+    # MemTracker counts with the module's state and a trace does not (8 bytes over the prediction); plain again
+    buffers = {name for name, _ in gm.named_buffers(remove_duplicate=False)}
+    for name, tensor in list(executable.named_buffers(remove_duplicate=False)):
+        if name not in buffers:
+            path, _, field = name.rpartition(".")
+            owner = executable.get_submodule(path) if path else executable
+            del owner._buffers[field]
+            setattr(owner, field, tensor)
     return dataclasses.replace(graph, executable=executable)
 
 

@@ -14,8 +14,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from autockpt.measure.capture import capture
-from autockpt.measure.chunked_tail import with_chunked_loss
+from autockpt.measure.chunked_tail import copied_graph, with_chunked_loss
 from autockpt.measure.loss_tail import find_loss_tail
+from autockpt.measure.step import measure_step
+from autockpt.types import CaptureKind
 
 VOCAB = 300
 
@@ -114,3 +116,33 @@ def test_under_bf16_autocast_the_chunks_keep_the_loss_and_the_head_gradient_with
             assert (mine.grad - theirs.grad).abs().max() <= 0.01 * theirs.grad.abs().max()
         else:
             torch.testing.assert_close(mine.grad, theirs.grad, rtol=0, atol=0, msg=name)
+
+
+class _ScaledByAConstant(nn.Module):
+    """A tensor made in forward (export lifts it into a constant of the graph), and a branch on a size (which fx
+    cannot trace, so the capture is export's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 1:
+            x = x * 1.0
+        return self.fc(x) * torch.tensor(3, dtype=torch.int64)
+
+
+def test_a_copied_graph_keeps_the_exported_constants_plain_attributes() -> None:
+    """fx registers the tensors a copied graph reads as buffers: export's lifted constants then counted in the
+    module's state for MemTracker, 8 bytes over a prediction on a Gemma 2 (issue 48). The copy keeps the original's
+    buffers, and measures what the original measures."""
+    torch.manual_seed(0)
+    model, x = _ScaledByAConstant(), torch.randn(4, 16)
+    graph = capture(model, (x,), {})
+    assert graph.kind is CaptureKind.EXPORT
+    copied = copied_graph(graph)
+    assert dict(copied.executable.named_buffers()).keys() == dict(graph.executable.named_buffers()).keys()
+    torch.testing.assert_close(copied.executable(x), graph.executable(x))
+    loss = lambda output: output.sum()
+    assert measure_step(copied.executable, (x,), {}, loss).peak_bytes == measure_step(
+        graph.executable, (x,), {}, loss).peak_bytes

@@ -111,7 +111,10 @@ def row(kind: str, rounds: int) -> dict[str, Any]:
         planner.plan(budget_bytes=1)
     except autockpt.InfeasibleBudgetError as refused:
         floor = refused.min_feasible_bytes
-    own_floor = planner.loss_programs.floors[0]
+    try:  # the captured program's own floor (the floor query above searches it only where it may be the lowest)
+        planner.own_plan(budget_bytes=1)
+    except autockpt.InfeasibleBudgetError as refused:
+        own_floor = refused.min_feasible_bytes
     try:
         at_floor, stated = planner.optimize(budget_bytes=floor), floor
     except autockpt.InfeasibleBudgetError as refused:  # not kept when measured: optimize states the budget it keeps

@@ -30,6 +30,7 @@ from autockpt.measure.loss_tail import LossTail, find_loss_tail
 from autockpt.planning.build import BuiltStep, built_for_graph, priced_against
 from autockpt.planning.options import PlanOptions
 from autockpt.planning.policy import PlanningContext, breakdown_at
+from autockpt.planning.solving import with_pool_needed
 from autockpt.records.plan import Plan
 
 AUTO_CHUNK_COUNTS = (4, 32)  # "auto": the tokens in this many chunks (each a candidate the planner weighs)
@@ -148,7 +149,8 @@ def weighs(planner: LossProgramsOwner, budget_bytes: int) -> bool:
 def chosen(planner: LossProgramsOwner, budget_bytes: int, solve: Callable[[Any], Sequence[Plan]]) -> list[Plan]:
     """The plans ``solve`` gives for the program (the planner's own, or one of its chunked ones) whose cheapest plan
     is predicted fastest, each stating the lowest floor of all programs; ``InfeasibleBudgetError`` from the program
-    with the lowest floor when none has a plan."""
+    with the lowest floor when none has a plan, with the host pool that would make the budget feasible (``solve``
+    leaves that out: ``solving.solve_each(pool_hint=False)``)."""
     programs = planner.loss_programs
     assert programs is not None
     candidates: list[list[Plan]] = []
@@ -171,7 +173,10 @@ def chosen(planner: LossProgramsOwner, budget_bytes: int, solve: Callable[[Any],
     floor = min(programs.floors.values())
     if not candidates:
         assert lowest_refusal is not None
-        raise lowest_refusal
+        # the programs were solved without the host pool's hint (a joint solve each): the refusal raised gets it
+        chunk_tokens = next(chunk for chunk, error in refusals.items() if error is lowest_refusal)
+        program = planner if chunk_tokens == 0 else programs.planner(chunk_tokens)
+        raise with_pool_needed(program, lowest_refusal, budget_bytes)
     best = min(candidates, key=lambda plans: min(the_plan.predicted_overhead for the_plan in plans))
     at_floor = next((plans[0].floor_breakdown for plans in candidates if plans[0].min_feasible_bytes == floor), None)
     return [dataclasses.replace(the_plan, min_feasible_bytes=floor, floor_breakdown=at_floor or the_plan.floor_breakdown)

@@ -223,16 +223,17 @@ class Planner:
             budget_bytes = self.device_memory_bytes
         budget = budget_to_bytes(budget_gb, budget_bytes)
         if loss_chunks.weighs(self, budget):
-            the_plan = loss_chunks.chosen(self, budget, lambda program: [program.own_plan(budget)])[0]
+            the_plan = loss_chunks.chosen(self, budget, lambda program: [program.own_plan(budget, pool_hint=False)])[0]
         else:
             the_plan = self.own_plan(budget)
         if pareto_points > 0:
             the_plan = dataclasses.replace(the_plan, pareto=self.pareto(pareto_budgets(the_plan, pareto_points)))
         return the_plan
 
-    def own_plan(self, budget_bytes: int) -> Plan:
-        """The cheapest plan of this planner's own program (no other loss chunking weighed) under the budget."""
-        results, solve_time_s = solving.solve_each(self, budget_bytes)
+    def own_plan(self, budget_bytes: int, *, pool_hint: bool = True) -> Plan:
+        """The cheapest plan of this planner's own program (no other loss chunking weighed) under the budget
+        (``pool_hint``: ``solving.solve_each``'s)."""
+        results, solve_time_s = solving.solve_each(self, budget_bytes, pool_hint=pool_hint)
         action = min(results, key=lambda a: results[a].timeline.overhead_ms)  # the first action on a tie
         if len(results) > 1:
             logger.info(
@@ -336,11 +337,12 @@ class Planner:
         """One plan per action with a plan predicted under ``target_bytes``, recorded as made for ``budget_bytes``, of
         the program (the loss as captured or in chunks: ``loss_chunks.chosen``) predicted fastest."""
         if loss_chunks.weighs(self, target_bytes):
-            return loss_chunks.chosen(self, target_bytes, lambda program: program.own_plans_under(target_bytes, budget_bytes))
+            return loss_chunks.chosen(
+                self, target_bytes, lambda program: program.own_plans_under(target_bytes, budget_bytes, pool_hint=False))
         return self.own_plans_under(target_bytes, budget_bytes)
 
-    def own_plans_under(self, target_bytes: int, budget_bytes: int) -> list[Plan]:
-        results, solve_time_s = solving.solve_each(self, target_bytes)
+    def own_plans_under(self, target_bytes: int, budget_bytes: int, *, pool_hint: bool = True) -> list[Plan]:
+        results, solve_time_s = solving.solve_each(self, target_bytes, pool_hint=pool_hint)
         return [self._plan_of(result, budget_bytes, solve_time_s) for result in results.values()]
 
     def floor_plans(self, floor_bytes: int, budget_bytes: int) -> list[Plan]:

@@ -97,12 +97,16 @@ def floor_plans(planner: PlannerState, floor_bytes: int, budget_bytes: int) -> l
     return plans
 
 
-def solve_each(planner: PlannerState, target_bytes: int) -> tuple[dict[Action, SolveResult], float]:
+def solve_each(
+    planner: PlannerState, target_bytes: int, *, pool_hint: bool = True
+) -> tuple[dict[Action, SolveResult], float]:
     """Per action with a plan under ``target_bytes``: its cheapest plan, and the seconds all of it took
     (preparing each action's problem the first time, floors, every action's solve). With a host pool, one joint
     plan keyed by the action of its recompute-only rival. Each result's ``min_feasible_bytes`` is the lowest over
     all actions; raises ``InfeasibleBudgetError`` when no action has a plan (at once under the static bytes). The
-    device bytes the step does not own are read again first: the plan is for the device as it is."""
+    device bytes the step does not own are read again first: the plan is for the device as it is. ``pool_hint``: a
+    refusal says which host pool would make the budget feasible (``with_pool_needed``: a joint solve, seconds on a
+    billion-parameter model; off where another program of the loss may have a plan, ``loss_chunks.chosen``)."""
     planner._on_stage("solve")
     started = time.perf_counter()
     planner._follow_foreign_bytes()
@@ -122,7 +126,7 @@ def solve_each(planner: PlannerState, target_bytes: int) -> tuple[dict[Action, S
             infeasible.append(error)
     if not results:
         lowest = min(infeasible, key=lambda error: error.min_feasible_bytes)  # the action that gets lowest
-        raise with_pool_needed(planner, lowest, target_bytes)
+        raise with_pool_needed(planner, lowest, target_bytes) if pool_hint else lowest
     floor = min([r.min_feasible_bytes for r in results.values()] + [e.min_feasible_bytes for e in infeasible])
     complete = all(r.floor_complete for r in results.values())  # an infeasible action ran the full search
     lowest = min(results.values(), key=lambda r: r.min_feasible_bytes)  # the action whose plan sets the floor

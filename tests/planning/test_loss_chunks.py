@@ -200,3 +200,14 @@ def test_a_refused_programs_floor_is_searched_only_where_it_may_be_the_lowest() 
     assert searched == [16, 8]
     assert programs.floors == {16: 110, 8: 100} and programs.floor_bounds == {64: 100, 0: 130}
     assert programs.floor_at_least(0) == 130 and programs.floor_at_least(8) == 100
+
+
+@needs_transformers
+def test_a_budget_under_every_programs_floor_names_the_host_pool_that_makes_it_feasible(weighed) -> None:
+    """Each program is solved without the host pool's hint (a joint solve: most of a refusal's time on Gemma-2-2B);
+    the refusal raised, the lowest floor's, gets it."""
+    _, planner, floor, _ = weighed
+    with pytest.raises(InfeasibleBudgetError) as refused:
+        planner.plan(budget_bytes=floor - 1)
+    assert refused.value.min_feasible_bytes == floor
+    assert refused.value.host_pool_bytes_needed is not None and "A host pool makes it feasible" in str(refused.value)

@@ -161,7 +161,7 @@ def chosen(planner: LossProgramsOwner, budget_bytes: int, solve: Callable[[Any],
             programs.floor_at_least(other) <= budget_bytes for other in every if other != chunk_tokens
         ):
             continue  # its floor, or a bound under it, is above the budget, and another program may have a plan
-        program = planner if chunk_tokens == 0 else programs.planner(chunk_tokens)
+        program = program_of(planner, chunk_tokens)
         try:
             plans = [as_planned_by(planner, the_plan, chunk_tokens) for the_plan in solve(program)]
         except InfeasibleBudgetError as error:
@@ -174,9 +174,8 @@ def chosen(planner: LossProgramsOwner, budget_bytes: int, solve: Callable[[Any],
     if not candidates:
         assert lowest_refusal is not None
         # the programs were solved without the host pool's hint (a joint solve each): the refusal raised gets it
-        chunk_tokens = next(chunk for chunk, error in refusals.items() if error is lowest_refusal)
-        program = planner if chunk_tokens == 0 else programs.planner(chunk_tokens)
-        raise with_pool_needed(program, lowest_refusal, budget_bytes)
+        chunk_tokens, error = lowest_refusal
+        raise with_pool_needed(program_of(planner, chunk_tokens), error, budget_bytes)
     best = min(candidates, key=lambda plans: min(the_plan.predicted_overhead for the_plan in plans))
     at_floor = next((plans[0].floor_breakdown for plans in candidates if plans[0].min_feasible_bytes == floor), None)
     return [dataclasses.replace(the_plan, min_feasible_bytes=floor, floor_breakdown=at_floor or the_plan.floor_breakdown)
@@ -185,13 +184,14 @@ def chosen(planner: LossProgramsOwner, budget_bytes: int, solve: Callable[[Any],
 
 def record_refused_floors(
     programs: LossPrograms, refusals: dict[int, InfeasibleBudgetError]
-) -> InfeasibleBudgetError | None:
+) -> tuple[int, InfeasibleBudgetError] | None:
     """Record the floor of each refused program, searching it (a refusal under the static bytes searches it when
     read) only where it may be the lowest: in the order of what is known of each, and not once a floor found is at or
     under a program's bound (a floor query then searches the program that reaches the bound alone: tens of seconds
-    saved per program on billion-parameter models). The refusal with the lowest floor (None: none refused)."""
+    saved per program on billion-parameter models). The refusal with the lowest floor and its program's chunk (None:
+    none refused)."""
     lowest = min(programs.floors.values(), default=None)
-    lowest_refusal: InfeasibleBudgetError | None = None
+    lowest_refusal: tuple[int, InfeasibleBudgetError] | None = None
     # on a tie, the smallest chunk first (its logits at a time are the fewest: its floor the likeliest lowest), the
     # captured program (0) last
     order = sorted(refusals.items(), key=lambda item: (item[1].known_bound_bytes, item[0] == 0, item[0]))
@@ -200,9 +200,9 @@ def record_refused_floors(
             programs.floor_bounds[chunk_tokens] = error.known_bound_bytes  # its floor is no lower: not searched
             continue
         programs.floors[chunk_tokens] = error.min_feasible_bytes
-        if lowest_refusal is None or error.min_feasible_bytes < lowest_refusal.min_feasible_bytes:
-            lowest_refusal = error
-        lowest = min(error.min_feasible_bytes, lowest if lowest is not None else error.min_feasible_bytes)
+        if lowest_refusal is None or error.min_feasible_bytes < lowest_refusal[1].min_feasible_bytes:
+            lowest_refusal = (chunk_tokens, error)
+        lowest = error.min_feasible_bytes if lowest is None else min(lowest, error.min_feasible_bytes)
     return lowest_refusal
 
 
@@ -211,8 +211,14 @@ def lowest_floor_program(planner: LossProgramsOwner) -> Any:
     programs = planner.loss_programs
     if programs is None or not programs.floors:
         return planner
-    chunk_tokens = min(programs.floors, key=programs.floors.__getitem__)
-    return planner if chunk_tokens == 0 else programs.planner(chunk_tokens)
+    return program_of(planner, min(programs.floors, key=programs.floors.__getitem__))
+
+
+def program_of(planner: LossProgramsOwner, chunk_tokens: int) -> Any:
+    """The planner of the program with the loss in chunks of ``chunk_tokens`` (0: ``planner`` itself, the captured
+    program's), made when first asked for."""
+    assert planner.loss_programs is not None
+    return planner if chunk_tokens == 0 else planner.loss_programs.planner(chunk_tokens)
 
 
 def as_planned_by(planner: LossProgramsOwner, the_plan: Plan, chunk_tokens: int) -> Plan:

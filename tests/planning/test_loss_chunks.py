@@ -193,8 +193,8 @@ def test_a_refused_programs_floor_is_searched_only_where_it_may_be_the_lowest() 
     programs = LossPrograms(chunk_tokens=(64, 16, 8), make=lambda chunk_tokens: None)
     refusals = {0: refusal(0, 130, 200), 64: refusal(64, 100, 120), 16: refusal(16, 90, 110),
                 8: refusal(8, 100, 100)}
-    lowest = record_refused_floors(programs, refusals)
-    assert lowest is refusals[8] and lowest.min_feasible_bytes == 100
+    chunk_tokens, lowest = record_refused_floors(programs, refusals)
+    assert chunk_tokens == 8 and lowest is refusals[8] and lowest.min_feasible_bytes == 100
     # 16's bound is lowest; then the bounds tie at 100 and the smaller chunk goes first, reaching its bound: 64's
     # floor and 0's (bound 130) cannot be lower, and are not searched
     assert searched == [16, 8]

@@ -97,6 +97,7 @@ def floor_row(shape: str, batch: int) -> dict[str, Any]:
     known = [f"{k}:{v}" for k, v in sorted(programs.floors.items())]
     known += [f"{k}:>={v}" for k, v in sorted(programs.floor_bounds.items()) if k not in programs.floors]
     before = planner.own_plan(floor_before(planner))
+    fresh_s = fresh_plan_seconds(shape, batch, lowest)
     row: dict[str, Any] = {
         "shape": shape, "target": SHAPES[shape][2], "batch": batch, "tokens": batch * SEQ,
         "unmodified_peak_bytes": planner.trace.baseline_peak_bytes,
@@ -105,13 +106,22 @@ def floor_row(shape: str, batch: int) -> dict[str, Any]:
         "floors_by_chunk": ";".join(known),
         "step_ms_before": before.baseline_step_ms * (1 + before.predicted_overhead),
         "step_ms_after": after.baseline_step_ms * (1 + after.predicted_overhead),
-        "from_model_s": built_s, "floor_query_s": floor_s, "planning_s": planned_s,
+        "from_model_s": built_s, "floor_query_s": floor_s, "planning_s": planned_s, "fresh_plan_at_floor_s": fresh_s,
     }
     for label, plan in (("before", before), ("after", after)):
         breakdown = plan.breakdown
         row[f"peak_moment_{label}"] = breakdown.moment
         row.update({f"{name.replace(' ', '_')}_{label}_bytes": size for name, size in breakdown.rows()})
     return row
+
+
+def fresh_plan_seconds(shape: str, batch: int, budget_bytes: int) -> float:
+    """What ``autockpt.plan(model, budget_bytes=...)`` costs a user at the floor found, on a planner of its own:
+    ``Planner.from_model`` then ``plan`` at that budget, with no floor query before it (nothing searched is shared)."""
+    planner, built_s = planner_at(shape, batch)
+    started = time.perf_counter()
+    planner.plan(budget_bytes=budget_bytes)
+    return built_s + time.perf_counter() - started
 
 
 def largest_batch(shape: str, limit: int) -> dict[str, Any]:
@@ -143,6 +153,12 @@ def largest_batch(shape: str, limit: int) -> dict[str, Any]:
     return {"shape": shape, "target": SHAPES[shape][2], "memory_bytes": memory, "limit": limit, **answers}
 
 
+def _seconds(row: dict[str, Any], key: str) -> str:
+    """A time column of ``row``; rows of CSVs written before it was measured say so."""
+    value = row.get(key)
+    return "not measured" if value is None or value != value else f"{value:.1f}"
+
+
 def _at_most(found: dict[str, Any], label: str) -> str:
     """The largest batch found; at the search's limit, said so (a larger one may fit)."""
     batch = int(found[f"max_batch_{label}"])
@@ -156,8 +172,9 @@ def markdown(rows: list[dict[str, Any]], batches: list[dict[str, Any]], command:
          "predictions (GB = 10^9 bytes). Before: the captured program's floor; after: the lowest floor of the programs "
          "the planner weighs (the loss in chunks of the tokens in 4 and in 32 chunks)."), "",
         ("| shape | target | batch x 4096 | unmodified | floor before | floor after | after / before | chunk (tokens) "
-         "| predicted step at the floor, before / after | planning s (model, floor query, plan at the floor) |"),
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+         "| predicted step at the floor, before / after | planning s (model, floor query, plan at the floor) "
+         "| `plan` at the floor alone, s (a planner of its own) |"),
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
@@ -165,7 +182,7 @@ def markdown(rows: list[dict[str, Any]], batches: list[dict[str, Any]], command:
             f"| {format_bytes(r['floor_before_bytes'])} | {format_bytes(r['floor_after_bytes'])} | {r['floor_ratio']:.3f} "
             f"| {r['chunk_tokens']} | {r['step_ms_before']:.0f} / {r['step_ms_after']:.0f} ms "
             f"| {r['planning_s']:.1f} ({r['from_model_s']:.1f}, {r['floor_query_s']:.1f}, "
-            f"{r['planning_s'] - r['from_model_s'] - r['floor_query_s']:.1f}) |"
+            f"{r['planning_s'] - r['from_model_s'] - r['floor_query_s']:.1f}) | {_seconds(r, 'fresh_plan_at_floor_s')} |"
         )
     lines += ["", "What each floor holds at its peak:", "",
               ("| shape | floor | where | parameters | gradients | optimizer states | activations | logits and loss "

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import platform
 import time
 from pathlib import Path
@@ -156,7 +157,7 @@ def largest_batch(shape: str, limit: int) -> dict[str, Any]:
 def _seconds(row: dict[str, Any], key: str) -> str:
     """A time column of ``row``; rows of CSVs written before it was measured say so."""
     value = row.get(key)
-    return "not measured" if value is None or value != value else f"{value:.1f}"
+    return "not measured" if value is None or math.isnan(value) else f"{value:.1f}"
 
 
 def _at_most(found: dict[str, Any], label: str) -> str:

@@ -43,7 +43,7 @@ from autockpt.planning.options import PlanOptions, resolve_options
 from autockpt.records.fingerprint import model_fingerprint
 from autockpt.records.pipeline_plan import PipelinePlan
 from autockpt.runtime.model_state import enter_training_modes, preserved_model_state
-from autockpt.types import CaptureKind, PipelineSchedule
+from autockpt.types import CaptureKind, PipelineSchedule, describe_value
 from autockpt.units import format_bytes
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ def plan_pipeline(
     ``torch.distributed.pipelining`` calls it (gradients are averaged over microbatches). ``split``: "autockpt"
     (the split program), "exhaustive" (every split over the candidate cuts), "even-layers", "parameter-balanced", or
     the units to cut after. ``max_cut_candidates``: block boundaries the program and the exhaustive search choose
-    from (spread over the model; given and baseline cuts are added). ``link_gb_per_s``: what sending activations
+    from (spread over the model; given and baseline cuts are added; at least ``num_stages - 1``). ``link_gb_per_s``: what sending activations
     between stages is priced at (default: the device's copy bandwidth; a target's is its memory bandwidth over two).
     Raises ``InfeasibleBudgetError`` with the smallest per-device budget that a split keeps when none keeps the given
     one.
@@ -185,6 +185,7 @@ class PipelinePlanner:
             model, num_stages, None, 1, microbatches, schedule, example_inputs, example_kwargs, example_target,
             loss_fn, splits, return_outputs,
         )  # a budget of 1 B until ``compare`` gives one
+        _check_max_cut_candidates(max_cut_candidates, request.num_stages)
         with preserved_model_state(model, request.microbatch_args, request.microbatch_kwargs):
             enter_training_modes(model)
             graph = capture(model, request.microbatch_args, request.microbatch_kwargs)
@@ -326,3 +327,13 @@ def _infeasible(
 def _some_split_keeps(table: StageTable, budget: int, link: float, split: str | tuple[int, ...]) -> bool:
     trial = table.at_budget(budget)
     return _choose_split(trial, split, link, trial.solver_options) is not None
+
+
+def _check_max_cut_candidates(max_cut_candidates: Any, num_stages: int) -> None:
+    """The split chooses ``num_stages - 1`` cuts among the candidates: fewer candidates leave it nothing to choose."""
+    least = max(num_stages - 1, 1)
+    if isinstance(max_cut_candidates, bool) or not isinstance(max_cut_candidates, int) or max_cut_candidates < least:
+        raise ValueError(
+            f"max_cut_candidates must be an integer >= {least} ({num_stages} stages are cut at {num_stages - 1} of "
+            f"the candidate block boundaries), got {describe_value(max_cut_candidates)}; the default is 16"
+        )

@@ -471,8 +471,10 @@ def block_boundaries(graph: Graph) -> list[int]:
 
 
 def spread(points: list[int], limit: int) -> list[int]:
-    """At most ``limit`` of the points, evenly spaced (all of them when few)."""
+    """At most ``limit`` of the points, evenly spaced (all of them when few; the middle one for a limit of 1)."""
     if len(points) <= limit:
         return points
+    if limit == 1:
+        return [points[len(points) // 2]]
     step = (len(points) - 1) / (limit - 1)
     return sorted({points[round(i * step)] for i in range(limit)})

@@ -21,6 +21,7 @@ from autockpt.core.solve.split import SplitProblem, StageOption, exhaustive_spli
 from autockpt.errors import InfeasibleBudgetError, PlanMismatchError
 from autockpt.pipeline import PipelinePlanner
 from autockpt.pipeline.run import stage_module_for
+from autockpt.pipeline.stage_table import spread
 from autockpt.record_types import PipelineRecord, PipelineStageRecord
 from experiments.common.pipeline_worker import build, lm_loss, run_rank
 
@@ -245,6 +246,15 @@ def test_bad_requests_say_what_to_do() -> None:
                                example_target=target, loss_fn=lm_loss)
     with pytest.raises(TypeError, match="loss_fn must be given"):
         autockpt.plan_pipeline(model, 2, budget_bytes=10**9, example_inputs=(ids,), example_target=target)
+    for candidates in (0, 2.0, True):  # three stages are cut at two candidates at least (1 divided by zero)
+        with pytest.raises(ValueError, match="max_cut_candidates must be an integer >= 2"):
+            autockpt.plan_pipeline(model, 3, budget_bytes=10**9, microbatches=3, example_inputs=(ids[:3],),
+                                   example_target=target[:3], loss_fn=lm_loss, max_cut_candidates=candidates)
+
+
+def test_one_cut_candidate_is_the_middle_boundary() -> None:
+    assert spread([3, 7, 11, 15, 19], 1) == [11]
+    assert spread([3, 7, 11, 15, 19], 2) == [3, 19] and spread([3, 7], 5) == [3, 7]
 
 
 @pytest.mark.slow

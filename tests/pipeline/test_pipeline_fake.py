@@ -116,7 +116,9 @@ def test_a_model_on_the_meta_device_is_split_and_planned_without_a_real_step(mon
     steps = RealSteps(monkeypatch, model)
     pplan = autockpt.plan_pipeline(
         model, 2, budget_gb=80, microbatches=2, example_inputs=(ids,), example_target=ids, loss_fn=loss_fn,
-        target=_TARGET, max_cut_candidates=3,
+        # one candidate cut (the middle block boundary): every stage planner traced on fakes is seconds; the split
+        # program's choice among candidates is checked against the exhaustive search in test_pipeline.py
+        target=_TARGET, max_cut_candidates=1,
     )
     steps.handle.remove()
     assert steps.count == 0

@@ -88,8 +88,9 @@ def plan_pipeline(
     ``torch.distributed.pipelining`` calls it (gradients are averaged over microbatches). ``split``: "autockpt"
     (the split program), "exhaustive" (every split over the candidate cuts), "even-layers", "parameter-balanced", or
     the units to cut after. ``max_cut_candidates``: block boundaries the program and the exhaustive search choose
-    from (spread over the model; given and baseline cuts are added; at least ``num_stages - 1``). ``link_gb_per_s``: what sending activations
-    between stages is priced at (default: the device's copy bandwidth; a target's is its memory bandwidth over two).
+    from (spread over the model; given and baseline cuts are added; at least ``num_stages - 1``).
+    ``link_gb_per_s``: what sending activations between stages is priced at (default: the device's copy bandwidth; a
+    target's is its memory bandwidth over two).
     Raises ``InfeasibleBudgetError`` with the smallest per-device budget that a split keeps when none keeps the given
     one.
 
@@ -331,9 +332,9 @@ def _some_split_keeps(table: StageTable, budget: int, link: float, split: str | 
 
 def _check_max_cut_candidates(max_cut_candidates: Any, num_stages: int) -> None:
     """The split chooses ``num_stages - 1`` cuts among the candidates: fewer candidates leave it nothing to choose."""
-    least = max(num_stages - 1, 1)
-    if isinstance(max_cut_candidates, bool) or not isinstance(max_cut_candidates, int) or max_cut_candidates < least:
+    cuts = num_stages - 1  # num_stages >= 2: PipelineRequest.check
+    if isinstance(max_cut_candidates, bool) or not isinstance(max_cut_candidates, int) or max_cut_candidates < cuts:
         raise ValueError(
-            f"max_cut_candidates must be an integer >= {least} ({num_stages} stages are cut at {num_stages - 1} of "
-            f"the candidate block boundaries), got {describe_value(max_cut_candidates)}; the default is 16"
+            f"max_cut_candidates must be an integer >= {cuts} ({num_stages} stages are cut at {cuts} of the "
+            f"candidate block boundaries), got {describe_value(max_cut_candidates)}; the default is 16"
         )

@@ -20,11 +20,12 @@ class InfeasibleBudgetError(AutockptError, ValueError):
     """The budget is below the smallest peak any plan can reach.
 
     ``min_feasible_bytes`` is the smallest predicted peak autockpt found; a budget at or above it is accepted.
-    A budget under the static bytes alone (parameters, gradients, optimizer states, buffers, inputs) is refused
-    before any floor is searched (``core/solve/refine.py``, ``refuse_static_over_budget``): then ``lower_bound_bytes``
-    is known at once (the static bytes and what the step still holds when it ends, a bound no plan goes under) and
-    ``min_feasible_bytes`` is searched when first read (the floor search the refusal skipped: seconds to a minute on
-    a model of billions of parameters), then kept.
+    A budget under what the step still holds when it ends (the static bytes: parameters, gradients, optimizer
+    states, buffers, inputs; the model's output and ``optimizer.step()``'s temporaries) is refused before any floor is
+    searched (``core/solve/refine.py``, ``refuse_static_over_budget``): then ``lower_bound_bytes`` is that bound, no
+    plan goes under it, and ``min_feasible_bytes`` is searched when first read (the floor search the refusal skipped:
+    seconds to a minute on a model of billions of parameters), then kept. Over the static bytes, the message states
+    the floor (reading it searches the floor): a budget that close needs the floor to be chosen.
     ``host_pool_bytes_needed``: a host pool (``host_pool_gb``) of that many bytes makes the budget feasible by
     offloading (None: no pool would, or it was not looked for).
     """
@@ -37,13 +38,23 @@ class InfeasibleBudgetError(AutockptError, ValueError):
         min_feasible_bytes: int | Callable[[], int],
         host_pool_bytes_needed: int | None = None,
         lower_bound_bytes: int | None = None,
+        searched_message: Callable[[], str] | None = None,
     ) -> None:
         super().__init__(message)
+        # the message is the searched floor's refusal (reading it searches the floor first): where the refusal came
+        # before the search and the user needs the floor to choose a budget
+        self._searched_message = searched_message
         self.budget_bytes = budget_bytes
         self._min_feasible: int | Callable[[], int] = min_feasible_bytes
         self.host_pool_bytes_needed = host_pool_bytes_needed
         # known without a search: min_feasible_bytes is at least this (None: min_feasible_bytes itself is known)
         self.lower_bound_bytes = lower_bound_bytes
+
+    def __str__(self) -> str:
+        if self._searched_message is not None:
+            self.min_feasible_bytes  # noqa: B018  the search that the message states
+            return self._searched_message()
+        return super().__str__()
 
     @property
     def min_feasible_bytes(self) -> int:

@@ -58,6 +58,28 @@ def test_a_budget_under_the_static_bytes_is_refused_before_anything_is_prepared(
     assert planner.plan(budget_bytes=error.min_feasible_bytes).predicted_peak_bytes <= error.min_feasible_bytes
 
 
+def test_a_budget_under_what_the_step_holds_at_its_end_is_refused_before_anything_is_prepared(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Over the static bytes but under the step's end (its output and AdamW's temporaries on top): no plan goes under
+    that either, so it is refused at once too. A budget that near is chosen from the floor: the message states it
+    (reading it searches the floor), as a refusal after the search does."""
+    planner = _planner()
+    bound = end_of_step_bytes(planner.trace)
+    assert bound > planner.trace.static_bytes  # AdamW's temporaries: the case this test is about
+    budget = (planner.trace.static_bytes + bound) // 2
+    with monkeypatch.context() as patched:
+        patched.setattr("autockpt.planning.solving.prepare", lambda *a, **k: pytest.fail("prepared a problem"))
+        with pytest.raises(autockpt.InfeasibleBudgetError) as refused:
+            planner.plan(budget_bytes=budget)
+    error = refused.value
+    assert not error.floor_searched and error.lower_bound_bytes == bound
+    message = str(error)  # searches the floor
+    assert error.floor_searched and error.min_feasible_bytes >= bound
+    assert f"Use a budget of at least {error.min_feasible_bytes} bytes" in message
+    assert "below the static memory alone" not in message
+
+
 def test_the_solvers_refuse_first_and_state_the_exact_floor(monkeypatch: pytest.MonkeyPatch) -> None:
     model, x = random_model(6)
     graph = capture(model, (x,), {})

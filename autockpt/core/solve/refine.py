@@ -137,32 +137,43 @@ _SEARCHING_FLOOR: contextvars.ContextVar[bool] = contextvars.ContextVar("autockp
 
 
 def refuse_static_over_budget(trace: StepTrace, budget_bytes: int, search: Callable[[], object]) -> None:
-    """Refuse, before any problem is prepared or floor searched, a budget under the static bytes (and under
-    ``end_of_step_bytes``, a bound no plan goes under): a 70-billion-parameter model at one device's memory is then
-    refused in milliseconds instead of after a floor search of tens of seconds.
+    """Refuse, before any problem is prepared or floor searched, a budget under ``end_of_step_bytes`` (the static
+    bytes and what the step holds when it ends, a bound no plan goes under): a 70-billion-parameter model at one
+    device's memory is then refused in milliseconds instead of after a floor search of tens of seconds, and a program
+    of the loss whose logits outlive backward (``planning/loss_chunks.py``) without its floor searched.
 
     ``search`` is the refused solve (the call this check starts); run again while the refusal's floor is searched,
     this check lets it through, so that it raises the ``InfeasibleBudgetError`` whose ``min_feasible_bytes`` (the
     floor, searched) this refusal's gives when first read (``errors.InfeasibleBudgetError``).
     """
     bound = end_of_step_bytes(trace)
-    if budget_bytes >= min(trace.static_bytes, bound) or _SEARCHING_FLOOR.get():
+    if budget_bytes >= bound or _SEARCHING_FLOOR.get():
         return
+
+    searched: list[InfeasibleBudgetError] = []
 
     def searched_floor() -> int:
         searching = _SEARCHING_FLOOR.set(True)
         try:
             search()
         except InfeasibleBudgetError as error:
+            searched.append(error)
             return error.min_feasible_bytes
         finally:
             _SEARCHING_FLOOR.reset(searching)
         raise RuntimeError(f"a plan was found under {bound} bytes, a bound no plan goes under: a simulator bug")
 
-    raise InfeasibleBudgetError(
-        static_over_budget(trace, budget_bytes, None), budget_bytes=budget_bytes, min_feasible_bytes=searched_floor,
-        lower_bound_bytes=bound,
-    )
+    if budget_bytes < trace.static_bytes:  # far off: said at once, with the bound and the devices the bytes need
+        raise InfeasibleBudgetError(static_over_budget(trace, budget_bytes, None), budget_bytes=budget_bytes,
+                                    min_feasible_bytes=searched_floor, lower_bound_bytes=bound)
+    # near: the user choosing a budget needs the floor, so the message is the search's (searched when read)
+    refusal = InfeasibleBudgetError("", budget_bytes=budget_bytes, min_feasible_bytes=searched_floor,
+                                    lower_bound_bytes=bound, searched_message=lambda: searched_refusal())
+
+    def searched_refusal() -> str:  # the floor set by hand (the setter) searched nothing: said plainly
+        return str(searched[0]) if searched else no_plan_error(budget_bytes, refusal.min_feasible_bytes).args[0]
+
+    raise refusal
 
 
 def check_reachable(problem: Problem, budget_bytes: int, min_feasible_bytes: int) -> None:

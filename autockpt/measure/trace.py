@@ -3,9 +3,10 @@
 One tracked step records the memory timeline: a ``TorchDispatchMode`` (``storage_tracker.py``) sees every storage
 that ops create (the same accounting as ``torch.distributed._tools.mem_tracker.MemTracker``), weak references tell
 when each one is freed, and ``saved_tensors_hooks`` tell which unit saved which storage for backward and when
-backward unpacked it. Timed steps give per-unit forward milliseconds (median of repeats) and the step time; one
-forward under ``FlopCounterMode`` gives FLOPs. What each action would add on top (the checkpoint machinery) is
-priced apart, by ``costs.py``. The caller keeps the model's state (see ``autockpt.runtime.model_state``).
+backward unpacked it; torch's FLOP counter counts each unit's FLOPs in that step's forward. Timed steps give
+per-unit forward milliseconds (median of repeats) and the step time. What each action would add on top (the
+checkpoint machinery) is priced apart, by ``costs.py``. The caller keeps the model's state (see
+``autockpt.runtime.model_state``).
 
 Under autocast every step starts with autocast's cache empty (``model_state.start_autocast_step``, which the optimized
 module does too). The low-precision copies of parameters that autocast caches are recorded as storages no unit owns
@@ -23,12 +24,12 @@ import statistics
 import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
-from torch.utils.flop_counter import FlopCounterMode, flop_registry
+from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode, flop_registry
 
 from autockpt.core.structure import find_repeated_blocks
 from autockpt.errors import LossFunctionError, ProfileError
@@ -47,6 +48,9 @@ from autockpt.types import (
     StorageLife,
     UnitCost,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # a dependency of torch's
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +92,7 @@ def trace_step(
         tracked = _tracked_step(
             graph, args, kwargs, loss_fn, record_gradients=gradient_lifetimes, output_held=output_held
         )
-        flops = _unit_flops(graph, args, kwargs)
-        untimed = _assemble(graph, args, kwargs, tracked, flops, gradient_lifetimes=gradient_lifetimes)
+        untimed = _assemble(graph, args, kwargs, tracked, tracked.unit_flops, gradient_lifetimes=gradient_lifetimes)
         if not timed:
             return untimed
         timed_at = timing_units(graph, untimed) if time_repeated_blocks_once else list(range(num_units))
@@ -177,6 +180,69 @@ def unit_callbacks(
 # --------------------------------------------------------------------------------------------- the tracked step
 
 
+class _ForwardFlops:
+    """FLOPs per unit of the tracked step's forward, counted as it runs (no forward of their own): torch's counter
+    (``flop_counter``) without its module tracker, whose hooks on module outputs' gradients would be part of the step
+    the tracker measures. Entered before (under) the tracker, so that the tracker sees each op as the step runs it;
+    ``stop`` ends the count where the forward ends (the loss and backward are not a unit's)."""
+
+    def __init__(self) -> None:
+        self.counter = flop_counter()
+        self.counter.mod_tracker = _NoModules()
+        self.mode = _CountUntilStopped(self.counter)
+        self.marks: list[tuple[int, int]] = []
+        self.end: int | None = None
+
+    def __enter__(self) -> Self:
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.mode.__exit__(*exc)
+
+    def mark(self, unit: int) -> None:
+        if self.end is None:
+            self.marks.append((unit, self.counter.get_total_flops()))
+
+    def stop(self) -> None:
+        self.end = self.counter.get_total_flops()
+        self.mode.stopped = True
+
+    def per_unit(self, num_units: int) -> list[int]:
+        flops = [0] * num_units
+        ends = [total for _, total in self.marks[1:]] + [self.end if self.end is not None else 0]
+        for (unit, began), ended in zip(self.marks, ends):
+            flops[unit] += ended - began
+        return flops
+
+
+class _CountUntilStopped(_FlopCounterMode):
+    """torch's counting mode, which lets every op through untouched once stopped (backward: no decompositions tried,
+    no formulas run)."""
+
+    def __init__(self, counter: FlopCounterMode) -> None:
+        super().__init__(counter)
+        self.stopped = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if self.stopped:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class _NoModules:
+    """What ``FlopCounterMode`` reads of its module tracker: every count goes to "Global" (its total)."""
+
+    def __init__(self) -> None:
+        self.parents = {"Global"}
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
 @dataclass(slots=True)
 class _TrackedStep:
     tracker: StorageTracker
@@ -184,6 +250,7 @@ class _TrackedStep:
     packs_by_unit: dict[int, int]  # unit -> tensors autograd packed while it ran (parameters and repeats included)
     gradient_allocations: list[tuple[int, int]]  # (event, bytes) of each parameter gradient's storage
     gradient_event_of_leaf: dict[int, int]  # id of a leaf (parameter, input) -> the event its gradient was made in
+    unit_flops: list[int]  # per unit: the FLOPs of its forward
 
 
 def _tracked_step(
@@ -217,6 +284,7 @@ def _tracked_step(
 
     def on_unit(index: int) -> None:
         tracker.begin_event(Phase.FORWARD, index)
+        flops.mark(index)
 
     def on_inputs(index: int, inputs: tuple[Any, ...]) -> None:
         # a unit reads its inputs even when no op does: a dropout with p=0 returns its input as it is (decomposed
@@ -228,9 +296,11 @@ def _tracked_step(
                 record.users.add(index)
                 record.last_use_event = event
 
-    with tracker, GradientRecorder(tracker) if record_gradients else contextlib.nullcontext():
+    flops = _ForwardFlops()
+    with flops, tracker, GradientRecorder(tracker) if record_gradients else contextlib.nullcontext():
         with unit_callbacks(graph, on_unit, on_inputs=on_inputs), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             output = graph.executable(*args, **kwargs)
+            flops.stop()
             tracker.begin_event(Phase.FORWARD, OUTSIDE_GRAPH_UNIT)  # the loss function
             loss = loss_fn(output)
             if not output_held:
@@ -248,7 +318,10 @@ def _tracked_step(
         for leaf in leaves
         if leaf.grad is not None and (record := tracker.record_of(leaf.grad)) is not None
     }
-    return _TrackedStep(tracker, saved_by_unit, packs_by_unit, gradient_allocations, gradient_event_of_leaf)
+    return _TrackedStep(
+        tracker, saved_by_unit, packs_by_unit, gradient_allocations, gradient_event_of_leaf,
+        flops.per_unit(len(graph.units)),
+    )
 
 
 def _last_free_event(records: list[StorageRecord], num_events: int) -> int | None:
@@ -347,22 +420,6 @@ def _grouped_query_tolerant(formula: Callable[..., int]) -> Callable[..., int]:
 
     counted._get_raw = True  # type: ignore[attr-defined]  # the registry's formula takes the raw call already
     return counted
-
-
-def _unit_flops(graph: Graph, args: tuple, kwargs: dict) -> list[int]:
-    counter = flop_counter()
-    marks: list[tuple[int, int]] = []
-
-    def on_unit(index: int) -> None:
-        marks.append((index, counter.get_total_flops()))
-
-    with torch.no_grad(), counter, unit_callbacks(graph, on_unit):
-        graph.executable(*args, **kwargs)
-    flops = [0] * len(graph.units)
-    ends = [total for _, total in marks[1:]] + [counter.get_total_flops()]
-    for (index, began), ended in zip(marks, ends):
-        flops[index] += ended - began
-    return flops
 
 
 # ---------------------------------------------------------------------------------------------------- assembly

@@ -23,7 +23,7 @@ from autockpt.core.solve.candidates import candidate_regions
 from autockpt.core.solve.default import floor_by_bytes, refuse_static_over_budget, solve_prepared
 from autockpt.core.solve.joint import JointProblem, solve_joint, unbounded_pool
 from autockpt.core.solve.prepare import prepare
-from autockpt.core.solve.refine import end_of_step_bytes
+from autockpt.core.solve.refine import floor_lower_bound_bytes
 from autockpt.core.structure import find_repeated_blocks
 from autockpt.errors import InfeasibleBudgetError
 from autockpt.measure.costs import calibrate, free_machinery
@@ -167,7 +167,7 @@ def joint_for(planner: PlannerState, pool_capacity_bytes: int) -> JointProblem:
 def with_pool_needed(planner: PlannerState, error: InfeasibleBudgetError, target_bytes: int) -> InfeasibleBudgetError:
     """``error``, saying which host pool would make ``target_bytes`` feasible when a pool (or a larger one) would
     (found by planning with a pool that holds every offload candidate; nothing changes when none would)."""
-    if planner.graph.kind is CaptureKind.MODULE or target_bytes < end_of_step_bytes(planner.trace):
+    if planner.graph.kind is CaptureKind.MODULE or target_bytes < floor_lower_bound_bytes(planner.trace):
         return error  # no pool lowers what the step holds when it ends
     price(planner, Action.OFFLOAD)
     planner._on_stage("solve")

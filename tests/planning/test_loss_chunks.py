@@ -15,6 +15,7 @@ from conftest import needs_transformers
 from torch import nn
 
 import autockpt
+from autockpt.core.solve.refine import floor_lower_bound_bytes
 from autockpt.errors import InfeasibleBudgetError
 from autockpt.measure.loss_tail import LossTail
 from autockpt.planning.loss_chunks import LossPrograms, chunk_candidates, record_refused_floors
@@ -68,6 +69,9 @@ def test_the_floor_falls_below_70_percent_and_is_kept_to_the_byte(weighed) -> No
     model, planner, floor, plan = weighed
     own_floor = _own_floor(planner)
     assert floor < 0.7 * own_floor
+    for chunk_tokens, searched in planner.loss_programs.floors.items():  # the bound that refuses without a search
+        program = planner if chunk_tokens == 0 else planner.loss_programs.planner(chunk_tokens)
+        assert floor_lower_bound_bytes(program.trace) <= searched
     assert plan.loss_chunk_tokens in planner.loss_programs.chunk_tokens
     assert plan.baseline_peak_bytes == planner.trace.baseline_peak_bytes  # the model's unmodified step
     assert plan.floor_breakdown.logits_bytes < plan.baseline_breakdown.logits_bytes

@@ -16,13 +16,14 @@ from autockpt.core.solve.base import SolverOptions
 from autockpt.core.solve.baselines import baseline_seed_plans
 from autockpt.core.solve.candidates import candidate_regions
 from autockpt.core.solve.default import solve_prepared
+from autockpt.core.solve.exact import min_peak_bytes
 from autockpt.core.solve.prepare import prepare
-from autockpt.core.solve.refine import end_of_step_bytes
+from autockpt.core.solve.refine import end_of_step_bytes, floor_lower_bound_bytes
 from autockpt.measure.capture import capture
 from autockpt.measure.loss import default_loss
 from autockpt.measure.trace import trace_step
 from autockpt.types import Action
-from experiments.common.random_graphs import modelled_costs, random_model
+from experiments.common.random_graphs import modelled_costs, modelled_planner, random_model, scorer_of
 
 
 def _planner() -> autockpt.Planner:
@@ -52,7 +53,7 @@ def test_a_budget_under_the_static_bytes_is_refused_before_anything_is_prepared(
         assert part in message
     assert f"at least {devices} devices of {autockpt.units.format_bytes(budget)}" in message
     assert f"at least {devices} pipeline stages (autockpt.plan_pipeline)" in message and "ZeRO" in message
-    assert error.lower_bound_bytes == end_of_step_bytes(trace) >= trace.static_bytes
+    assert error.lower_bound_bytes == floor_lower_bound_bytes(trace) >= end_of_step_bytes(trace) >= trace.static_bytes
     # read, the floor is searched (problems prepared now) and is the planner's own
     assert error.min_feasible_bytes == unmodified.min_feasible_bytes >= error.lower_bound_bytes
     assert planner.plan(budget_bytes=error.min_feasible_bytes).predicted_peak_bytes <= error.min_feasible_bytes
@@ -65,7 +66,7 @@ def test_a_budget_under_what_the_step_holds_at_its_end_is_refused_before_anythin
     that either, so it is refused at once too. A budget that near is chosen from the floor: the message states it
     (reading it searches the floor), as a refusal after the search does."""
     planner = _planner()
-    bound = end_of_step_bytes(planner.trace)
+    bound = floor_lower_bound_bytes(planner.trace)
     assert bound > planner.trace.static_bytes  # AdamW's temporaries: the case this test is about
     budget = (planner.trace.static_bytes + bound) // 2
     with monkeypatch.context() as patched:
@@ -99,3 +100,16 @@ def test_the_solvers_refuse_first_and_state_the_exact_floor(monkeypatch: pytest.
     # a budget the static bytes fit is solved as before
     budget = floor + (problem.baseline.peak_bytes - floor) // 2
     assert solve_prepared(problem, budget).timeline.peak_bytes <= budget
+
+
+def test_the_bound_is_never_over_the_exact_floor() -> None:
+    """``floor_lower_bound_bytes`` refuses budgets without a search, so it must never be over a plan's peak: the exact
+    floor (every region set enumerated) of random graphs is at or over it, on graphs where an op's own working set is
+    the larger part of it (over what the step holds at its end: no optimizer here) and where it is not."""
+    rise_sets_it = 0
+    for seed in (0, 2, 5, 6, 9, 10, 27, 40, 48):
+        planner = modelled_planner(seed)
+        bound = floor_lower_bound_bytes(planner.trace)
+        assert bound <= min_peak_bytes(scorer_of(planner)), f"seed {seed}"
+        rise_sets_it += bound > end_of_step_bytes(planner.trace)
+    assert rise_sets_it >= 2  # seeds 2, 10 and 48

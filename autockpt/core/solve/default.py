@@ -9,7 +9,8 @@
    below the quick floor, when the budget needs no plan (the unmodified peak fits: the plan then reports the floor
    for budgets to come) or when the problem has no repeated blocks: also the flat MILP minimising the peak (HiGHS
    prunes with the lowest peak known so far), or the greedy order when it finds nothing in time; seconds on 12
-   layers. A quick floor at the bound no plan goes under (``refine.end_of_step_bytes``) is the full floor already.
+   layers. A quick floor at the bound no plan goes under (``refine.floor_lower_bound_bytes``) is the full floor
+   already.
    ``SolveResult.floor_complete`` says which one ``min_feasible_bytes`` comes from.
 2. **Plan**: ``refine`` with the block program (its chain DP answers in milliseconds) at budgets it can reach, else
    with the flat MILP; the greedy plan when a program ran out of time.
@@ -31,7 +32,7 @@ from autockpt.core.solve.milp import solve_flat_program
 from autockpt.core.solve.pulp_tools import no_incumbent, solver_name
 from autockpt.core.solve.refine import (
     check_reachable,
-    end_of_step_bytes,
+    floor_lower_bound_bytes,
     identity_result,
     no_plan_error,
     refine,
@@ -104,9 +105,9 @@ def floor_for(problem: Problem, options: SolverOptions, solver: str, budget_byte
     floor = problem.floors.get(options)
     if floor is None and problem.blocks is not None:
         floor = quick_floor(problem, options, solver)
-        if floor is not None and floor.timeline.peak_bytes <= end_of_step_bytes(problem.trace):
-            # it reaches the bound no plan goes under (the step's end: the optimizer's step, the output): the full
-            # search finds no lower peak (a chunked loss's floor is often this one)
+        if floor is not None and floor.timeline.peak_bytes <= floor_lower_bound_bytes(problem.trace):
+            # it reaches the bound no plan goes under (the step's end: the optimizer's step, the output; an op's own
+            # working set): the full search finds no lower peak (a chunked loss's floor is often this one)
             floor = dataclasses.replace(floor, complete=True)
         if floor is not None:
             problem.floors[options] = floor

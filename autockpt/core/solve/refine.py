@@ -104,14 +104,15 @@ def identity_result(
 
 def static_over_budget(trace: StepTrace, budget_bytes: int, min_feasible_bytes: int | None) -> str:
     """The refusal of a budget under the step's static bytes, which no checkpoint or offload plan lowers; with the
-    smallest peak found, or (None) the bound ``end_of_step_bytes`` when no floor was searched."""
+    smallest peak found, or (None) the bound ``floor_lower_bound_bytes`` when no floor was searched."""
     parts = [("parameters", trace.parameter_bytes), ("gradients", trace.gradient_bytes),
              ("optimizer states", trace.optimizer_state_bytes), ("buffers", trace.buffer_bytes),
              ("inputs", trace.input_bytes)]
     breakdown = " + ".join(f"{name} {format_bytes(size)}" for name, size in parts if size)
     smallest = format_bytes(min_feasible_bytes) if min_feasible_bytes is not None else (
-        f"at least {format_bytes(end_of_step_bytes(trace))} (a bound, no floor was searched: the static memory and "
-        "what the step still holds when it ends, the model's output and optimizer.step()'s temporaries)"
+        f"at least {format_bytes(floor_lower_bound_bytes(trace))} (a bound, no floor was searched: the static memory "
+        "and what the step still holds when it ends, the model's output and optimizer.step()'s temporaries, or the "
+        "largest working set of one of its ops)"
     )
     devices = math.ceil(trace.static_bytes / max(budget_bytes, 1))
     return (
@@ -132,21 +133,37 @@ def end_of_step_bytes(trace: StepTrace) -> int:
     return trace.events[-1].peak_bytes if trace.events else trace.static_bytes
 
 
+def floor_lower_bound_bytes(trace: StepTrace) -> int:
+    """A bound no plan's peak goes under, known without a search: ``end_of_step_bytes``, or where more, the largest
+    of what an event's own ops raise the bytes by (its peak over its start: the same ops run under any plan, making
+    the same tensors) on top of what no plan frees while it runs (parameters, buffers, inputs, optimizer states, the
+    device bytes the step does not own; gradients only where they are alive from the step's start, since autocast's
+    late leaf gradients move others later). A chunked loss's working set, say, is such a rise: a program whose chunk
+    makes more than the budget leaves is refused without its floor searched."""
+    held = trace.parameter_bytes + trace.buffer_bytes + trace.input_bytes + trace.optimizer_state_bytes + (
+        trace.foreign_bytes)
+    if trace.loop is not None and trace.loop.gradients_at_start:
+        held += trace.gradient_bytes
+    rise = max((event.peak_bytes - event.start_bytes for event in trace.events), default=0)
+    return max(end_of_step_bytes(trace), held + rise)
+
+
 # True while a refusal's floor is searched: the solve it runs again takes the full path (it refuses nothing first)
 _SEARCHING_FLOOR: contextvars.ContextVar[bool] = contextvars.ContextVar("autockpt_searching_floor", default=False)
 
 
 def refuse_static_over_budget(trace: StepTrace, budget_bytes: int, search: Callable[[], object]) -> None:
-    """Refuse, before any problem is prepared or floor searched, a budget under ``end_of_step_bytes`` (the static
-    bytes and what the step holds when it ends, a bound no plan goes under): a 70-billion-parameter model at one
-    device's memory is then refused in milliseconds instead of after a floor search of tens of seconds, and a program
-    of the loss whose logits outlive backward (``planning/loss_chunks.py``) without its floor searched.
+    """Refuse, before any problem is prepared or floor searched, a budget under ``floor_lower_bound_bytes`` (the
+    static bytes and what the step holds when it ends, or an op's own working set on top of what no plan frees: a
+    bound no plan goes under): a 70-billion-parameter model at one device's memory is then refused in milliseconds
+    instead of after a floor search of tens of seconds, and a program of the loss whose logits outlive backward, or
+    whose chunk's working set is over the budget (``planning/loss_chunks.py``), without its floor searched.
 
     ``search`` is the refused solve (the call this check starts); run again while the refusal's floor is searched,
     this check lets it through, so that it raises the ``InfeasibleBudgetError`` whose ``min_feasible_bytes`` (the
     floor, searched) this refusal's gives when first read (``errors.InfeasibleBudgetError``).
     """
-    bound = end_of_step_bytes(trace)
+    bound = floor_lower_bound_bytes(trace)
     if budget_bytes >= bound or _SEARCHING_FLOOR.get():
         return
 

@@ -64,7 +64,7 @@ class Planners:
     fake: autockpt.Planner
 
 
-# the plans are compared on the first four; the traces on all
+# the traces are compared on all; the plans on two of the first four
 _PLAN_CASES = [
     pytest.param("mlp", False, id="mlp"),
     pytest.param("cnn", True, id="cnn-bf16"),  # mixed-precision batch norm: the CPU kernels' float32 statistics
@@ -106,7 +106,9 @@ def test_fake_trace_is_the_measured_memory_timeline(name: str, bf16: bool) -> No
     assert all(u.forward_ms == 0.0 for u in both.fake.trace.units) and both.fake.trace.step_ms == 0.0
 
 
-@pytest.mark.parametrize(("name", "bf16"), _PLAN_CASES)
+# the same plan follows from the same timeline (every case above): two kinds checked end to end, a conv net under
+# autocast and a transformer with dropout (issue 46: no two tests proving the same fact)
+@pytest.mark.parametrize(("name", "bf16"), [case for case in _PLAN_CASES if case.id in ("cnn-bf16", "transformer-dropout")])
 def test_a_plan_from_the_fake_trace_predicts_the_same_peak(name: str, bf16: bool) -> None:
     both = planners(name, bf16)
     probe = both.measured.plan(budget_bytes=10**15)

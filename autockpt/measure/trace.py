@@ -3,9 +3,9 @@
 One tracked step records the memory timeline: a ``TorchDispatchMode`` (``storage_tracker.py``) sees every storage
 that ops create (the same accounting as ``torch.distributed._tools.mem_tracker.MemTracker``), weak references tell
 when each one is freed, and ``saved_tensors_hooks`` tell which unit saved which storage for backward and when
-backward unpacked it; torch's FLOP counter counts each unit's FLOPs in that step's forward. Timed steps give
-per-unit forward milliseconds (median of repeats) and the step time. What each action would add on top (the
-checkpoint machinery) is priced apart, by ``costs.py``. The caller keeps the model's state (see
+backward unpacked it; torch's FLOP counter counts each unit's FLOPs in that step's forward (``flops.py``). Timed
+steps give per-unit forward milliseconds (median of repeats) and the step time. What each action would add on top
+(the checkpoint machinery) is priced apart, by ``costs.py``. The caller keeps the model's state (see
 ``autockpt.runtime.model_state``).
 
 Under autocast every step starts with autocast's cache empty (``model_state.start_autocast_step``, which the optimized
@@ -24,16 +24,16 @@ import statistics
 import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
-from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode, flop_registry
 
 from autockpt.core.structure import find_repeated_blocks
 from autockpt.errors import LossFunctionError, ProfileError
 from autockpt.measure.capture import ModuleUnitRecorder
+from autockpt.measure.flops import ForwardFlops
 from autockpt.measure.storage_tracker import GradientRecorder, StorageRecord, StorageTracker
 from autockpt.runtime.fx_nodes import compute_nodes
 from autockpt.runtime.model_state import start_autocast_step
@@ -48,9 +48,6 @@ from autockpt.types import (
     StorageLife,
     UnitCost,
 )
-
-if TYPE_CHECKING:
-    from typing_extensions import Self  # a dependency of torch's
 
 logger = logging.getLogger(__name__)
 
@@ -180,69 +177,6 @@ def unit_callbacks(
 # --------------------------------------------------------------------------------------------- the tracked step
 
 
-class _ForwardFlops:
-    """FLOPs per unit of the tracked step's forward, counted as it runs (no forward of their own): torch's counter
-    (``flop_counter``) without its module tracker, whose hooks on module outputs' gradients would be part of the step
-    the tracker measures. Entered before (under) the tracker, so that the tracker sees each op as the step runs it;
-    ``stop`` ends the count where the forward ends (the loss and backward are not a unit's)."""
-
-    def __init__(self) -> None:
-        self.counter = flop_counter()
-        self.counter.mod_tracker = _NoModules()
-        self.mode = _CountUntilStopped(self.counter)
-        self.marks: list[tuple[int, int]] = []
-        self.end: int | None = None
-
-    def __enter__(self) -> Self:
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.mode.__exit__(*exc)
-
-    def mark(self, unit: int) -> None:
-        if self.end is None:
-            self.marks.append((unit, self.counter.get_total_flops()))
-
-    def stop(self) -> None:
-        self.end = self.counter.get_total_flops()
-        self.mode.stopped = True
-
-    def per_unit(self, num_units: int) -> list[int]:
-        flops = [0] * num_units
-        ends = [total for _, total in self.marks[1:]] + [self.end if self.end is not None else 0]
-        for (unit, began), ended in zip(self.marks, ends):
-            flops[unit] += ended - began
-        return flops
-
-
-class _CountUntilStopped(_FlopCounterMode):
-    """torch's counting mode, which lets every op through untouched once stopped (backward: no decompositions tried,
-    no formulas run)."""
-
-    def __init__(self, counter: FlopCounterMode) -> None:
-        super().__init__(counter)
-        self.stopped = False
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if self.stopped:
-            return func(*args, **(kwargs or {}))
-        return super().__torch_dispatch__(func, types, args, kwargs)
-
-
-class _NoModules:
-    """What ``FlopCounterMode`` reads of its module tracker: every count goes to "Global" (its total)."""
-
-    def __init__(self) -> None:
-        self.parents = {"Global"}
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
 @dataclass(slots=True)
 class _TrackedStep:
     tracker: StorageTracker
@@ -296,7 +230,7 @@ def _tracked_step(
                 record.users.add(index)
                 record.last_use_event = event
 
-    flops = _ForwardFlops()
+    flops = ForwardFlops()
     with flops, tracker, GradientRecorder(tracker) if record_gradients else contextlib.nullcontext():
         with unit_callbacks(graph, on_unit, on_inputs=on_inputs), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             output = graph.executable(*args, **kwargs)
@@ -389,37 +323,6 @@ def timed_steps(
                     unit_ms[index] += (ended - began) * 1e3
             unit_ms_runs.append(unit_ms)
     return unit_ms_runs, step_ms_runs
-
-
-def flop_counter() -> FlopCounterMode:
-    """torch's FLOP counter, with attention over grouped-query keys and values counted where torch's own formula
-    refuses them (torch 2.11: "query/key/value shapes are incompatible" for SDPA with ``enable_gqa``, which fails the
-    trace of every GQA decoder on CUDA): the keys and values are counted as repeated to the query's heads, as the
-    kernel computes them (torch 2.13's formula counts them so)."""
-    mapping = {op: _grouped_query_tolerant(formula) for op, formula in flop_registry.items()
-               if "attention" in str(op) and "flex" not in str(op)}
-    return FlopCounterMode(display=False, custom_mapping=mapping)
-
-
-def _grouped_query_tolerant(formula: Callable[..., int]) -> Callable[..., int]:
-    def counted(*args: Any, **kwargs: Any) -> int:
-        try:
-            return formula(*args, **kwargs)
-        except AssertionError:
-            # the first query, key, value: 4-D tensors in a row (forward: args 0-2; backward: after the gradient)
-            start = next((i for i in range(len(args) - 2) if all(
-                isinstance(a, torch.Tensor) and a.dim() == 4 for a in args[i:i + 3])), None)
-            if start is None:
-                raise
-            query, key, value = args[start:start + 3]
-            heads = query.shape[1]
-            if key.shape[1] == 0 or heads % key.shape[1]:
-                raise
-            repeated = [torch.Size((t.shape[0], heads, *t.shape[2:])) for t in (key, value)]
-            return formula(*args[:start + 1], *repeated, *args[start + 3:], **kwargs)  # shapes stand for tensors
-
-    counted._get_raw = True  # type: ignore[attr-defined]  # the registry's formula takes the raw call already
-    return counted
 
 
 # ---------------------------------------------------------------------------------------------------- assembly

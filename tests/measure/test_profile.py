@@ -178,7 +178,7 @@ def test_attention_flops_over_grouped_query_keys_are_counted_where_torch_s_formu
     counter retries with the keys and values repeated to the query's heads, as the kernel computes them."""
     from torch.utils.flop_counter import sdpa_flop_count
 
-    from autockpt.measure.trace import _grouped_query_tolerant
+    from autockpt.measure.flops import _grouped_query_tolerant
 
     def equal_heads_only(query, key, value, **_):  # torch 2.11's check, then its count
         shapes = [tuple(t.shape) if isinstance(t, torch.Tensor) else tuple(t) for t in (query, key, value)]

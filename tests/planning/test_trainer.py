@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import budget_at
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import autockpt
@@ -53,8 +54,7 @@ def test_trainer_at_default_arguments_uses_the_plan_on_every_step(
     options = autockpt.PlanOptions(optimizer=functools.partial(optimizer_class, **optimizer_kwargs),
                                    gradient_accumulation_steps=2, loss_chunk_tokens=0)
     planner = autockpt.Planner.from_model(model, example_inputs=(ids,), example_kwargs={"labels": ids}, options=options)
-    probe = planner.plan(budget_bytes=10**15)
-    budget = int(probe.static_bytes + 0.5 * (probe.baseline_peak_bytes - probe.static_bytes))
+    budget = budget_at(planner, 0.5)  # from the trace: no plan at an unlimited budget (a full floor search)
     optimized = planner.optimize(budget_bytes=budget)
     optimized.strict = True  # a step that cannot run under the plan raises UnplannedStepError
 

@@ -23,8 +23,7 @@ SLACK_BYTES = 1024
 
 def offload_plan(case: zoo.ZooCase) -> tuple[autockpt.Planner, autockpt.Plan]:
     planner = planner_for(case)
-    probe = planner.plan(budget_bytes=10**15)
-    solved = planner.plan(budget_bytes=budget_at(probe, 0.4))  # 0.3 takes the conv net 20 s to solve
+    solved = planner.plan(budget_bytes=budget_at(planner, 0.4))  # 0.3 takes the conv net 20 s to solve
     return planner, planner.plan_for_regions(solved.regions, strategy="offload", action=Action.OFFLOAD)
 
 

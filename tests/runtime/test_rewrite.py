@@ -6,7 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_same_step, needs_transformers, optimize_at, planner_for, profile_of, run_step, twin
+from conftest import (
+    assert_same_step,
+    budget_at,
+    needs_transformers,
+    optimize_at,
+    planner_for,
+    profile_of,
+    run_step,
+    twin,
+)
 from edge_models import frozen_batchnorm_case
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
@@ -19,8 +28,7 @@ from autockpt.present import zoo
 def test_recomputed_flops_are_exactly_the_planned_units() -> None:
     case = zoo.build("mlp")
     planner = planner_for(case)
-    probe = planner.plan(budget_bytes=10**15)
-    budget = int(probe.static_bytes + 0.4 * (probe.baseline_peak_bytes - probe.static_bytes))
+    budget = budget_at(planner, 0.4)  # from the trace: no plan at an unlimited budget (a full floor search)
     optimized = planner.optimize(budget_bytes=budget)
     plan = autockpt.get_plan(optimized)
     windows = region_windows(profile_of(case), plan.policy.region_actions)

@@ -163,8 +163,8 @@ def test_optimize_compiled_keeps_the_budget_as_the_compiled_step_runs() -> None:
     loss_fn = case.loss_fn or autockpt.measure.loss.default_loss
     weights = [param.detach().clone() for param in case.model.parameters()]
     # the first plan's compiled step measures over this budget (torch 2.13, CPU): planned again tighter
-    budget = budget_at(autockpt.plan(case.model, budget_bytes=10**15, example_inputs=case.args,
-                                     example_kwargs=case.kwargs, optimizer=torch.optim.AdamW), 0.6)
+    budget = budget_at(autockpt.Planner.from_model(case.model, example_inputs=case.args, example_kwargs=case.kwargs,
+                                                   optimizer=torch.optim.AdamW), 0.6)
     compiled = autockpt.optimize(case.model, budget_bytes=budget, example_inputs=case.args, example_kwargs=case.kwargs,
                                  optimizer=torch.optim.AdamW, compiled={"backend": backend},
                                  loss_chunk_tokens=0)  # as optimized_at: the loss's chunks are more graphs

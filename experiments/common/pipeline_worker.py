@@ -207,6 +207,20 @@ def _step(schedule: Any, rank: int, world: int, batch: dict, config: dict[str, A
         schedule.step()
 
 
+def _buffers_and_batch(schedule: Any, rank: int, world: int, batch: dict) -> list[torch.Tensor]:
+    """What a step of this rank holds before it starts besides the stage's parameters: the receive buffers (made by
+    the first step: none before it) and the batch tensors this rank is stepped with."""
+    stage = schedule._stage
+    buffers = [
+        info.buffer
+        for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values())
+        for info in infos
+        if isinstance(getattr(info, "buffer", None), torch.Tensor)
+    ]
+    held = [batch["ids"]] if rank == 0 else [batch["target"]] if rank == world - 1 else []
+    return [*buffers, *held]
+
+
 def _memtracker_step(schedule: Any, rank: int, world: int, batch: dict, config: dict[str, Any]) -> int:
     """One more step, gradients reset first, whose peak torch's MemTracker measures: its storage accounting (every
     tensor the step makes, through its dispatch mode, beside what exists before: the stage module's parameters, the
@@ -221,15 +235,8 @@ def _memtracker_step(schedule: Any, rank: int, world: int, batch: dict, config: 
     stage = schedule._stage
     for p in stage.submod.parameters():
         p.grad = None
-    buffers = [
-        info.buffer
-        for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values())
-        for info in infos
-        if isinstance(getattr(info, "buffer", None), torch.Tensor)
-    ]
-    held = [batch["ids"]] if rank == 0 else [batch["target"]] if rank == world - 1 else []
     tracker = MemTracker()
-    tracker.track_external(stage.submod, *buffers, *held)
+    tracker.track_external(stage.submod, *_buffers_and_batch(schedule, rank, world, batch))
     module_hooks = tracker._mod_tracker  # entered by MemTracker.__enter__: leave its global module hooks out
     module_hooks.__enter__ = lambda: module_hooks  # type: ignore[method-assign]
     module_hooks.__exit__ = lambda *_: None  # type: ignore[method-assign]
@@ -261,8 +268,10 @@ def run_rank(rank: int, world: int, config: dict[str, Any], plan_path: str, out_
             losses = []
             # MemTracker cannot run a pipelining step: its module hooks register multi-grad hooks, which the
             # torch.autograd.grad of PipelineStage's backward refuses; autockpt's tracker counts the same storages
-            # (the parameters, and every storage made during the step: receive buffers on the first step)
-            tracker = StorageTracker(torch.device("cpu"), list(stage_module.parameters()))
+            # (what exists before the step, read again each step: the receive buffers are made by the first; and
+            # every storage made during the step)
+            existing = [*stage_module.parameters(), *_buffers_and_batch(schedule, rank, world, batch)]
+            tracker = StorageTracker(torch.device("cpu"), existing)
             dist.barrier()
             started = time.perf_counter()
             with tracker:

@@ -183,13 +183,12 @@ def refuse_static_over_budget(trace: StepTrace, budget_bytes: int, search: Calla
     if budget_bytes < trace.static_bytes:  # far off: said at once, with the bound and the devices the bytes need
         raise InfeasibleBudgetError(static_over_budget(trace, budget_bytes, None), budget_bytes=budget_bytes,
                                     min_feasible_bytes=searched_floor, lower_bound_bytes=bound)
-    # near: the user choosing a budget needs the floor, so the message is the search's (searched when read)
-    refusal = InfeasibleBudgetError("", budget_bytes=budget_bytes, min_feasible_bytes=searched_floor,
-                                    lower_bound_bytes=bound, searched_message=lambda: searched_refusal())
-
-    def searched_refusal() -> str:  # the floor set by hand (the setter) searched nothing: said plainly
+    def searched_refusal() -> str:  # a floor set by hand (the setter) searched nothing: said plainly
         return str(searched[0]) if searched else no_plan_error(budget_bytes, refusal.min_feasible_bytes).args[0]
 
+    # near: the user choosing a budget needs the floor, so the message is the search's (searched when read)
+    refusal = InfeasibleBudgetError("", budget_bytes=budget_bytes, min_feasible_bytes=searched_floor,
+                                    lower_bound_bytes=bound, searched_message=searched_refusal)
     raise refusal
 
 

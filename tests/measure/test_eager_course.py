@@ -9,6 +9,7 @@ that course reads are asserted at run time, and a batch that reads otherwise is 
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -183,6 +184,26 @@ def test_the_eager_paths_are_left_as_they_were() -> None:
     with eager_library_paths():
         assert not import_utils.is_tracing(torch.empty(0, device="meta"))
     assert (torch.compiler.is_exporting, torch.compiler.is_compiling, import_utils.is_tracing) == before
+
+
+def test_a_predicate_bound_after_an_earlier_call_is_replaced_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each module's bindings are remembered between calls (issue 46: a scan of every module took 15-30 ms a call);
+    a binding added since (a lazy attribute, a module importing one more name) is found, a rebound one left alone."""
+    import types
+
+    from transformers.utils import import_utils
+
+    module = types.ModuleType("autockpt_test_late_binding")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    with eager_library_paths():
+        pass  # the module is scanned: nothing bound
+    module.checks_tracing = import_utils.is_tracing
+    with eager_library_paths():
+        assert module.checks_tracing.__name__ == "_not_traced"
+    assert module.checks_tracing is import_utils.is_tracing
+    module.checks_tracing = len  # rebound, same length: not a predicate any more, so not replaced
+    with eager_library_paths():
+        assert module.checks_tracing is len
 
 
 @pytest.mark.slow

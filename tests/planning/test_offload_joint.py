@@ -45,9 +45,20 @@ class PoolCase:
         return (self.with_pool + self.recompute_only) // 2
 
 
+def eight_layer_mlp() -> zoo.ZooCase:
+    """The zoo's tiny MLP with 8 layers, not 16 (issue 46: its joint programs solve in a fifth of the time; at 16
+    a pool of half the plan's was left unused, so the capacity test below did not limit one)."""
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(8):
+        layers += [torch.nn.Linear(128, 128), torch.nn.GELU()]
+    return zoo.ZooCase(name="mlp", model=torch.nn.Sequential(*layers, torch.nn.Linear(128, 10)),
+                       args=(torch.randn(256, 128),))
+
+
 @pytest.fixture(scope="module")
 def mlp() -> PoolCase:
-    case = zoo.build("mlp")
+    case = eight_layer_mlp()
     reference = twin(case)
     planner = pool_planner(case)
     with_pool = planner.plan(budget_bytes=10**15).min_feasible_bytes
@@ -105,7 +116,7 @@ def test_the_pool_never_makes_a_plan_worse_and_its_capacity_holds(pooled: PoolCa
     small = max(with_pool.host_pool_bytes // 2, 1)
     planner.host_pool_bytes = small
     limited = planner.plan(budget_bytes=budget)
-    assert limited.host_pool_bytes <= small and limited.predicted_peak_bytes <= budget
+    assert 0 < limited.host_pool_bytes <= small and limited.predicted_peak_bytes <= budget
 
 
 def test_both_checkpoints_and_offload_in_one_plan_run_as_predicted(pooled: PoolCase) -> None:

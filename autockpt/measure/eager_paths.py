@@ -100,7 +100,7 @@ def eager_library_paths() -> Iterator[None]:
                 continue
             for name in _predicate_bindings(namespace, predicates):
                 value = namespace.get(name)
-                if predicates.get(id(value)) is value:  # still bound to it (a name rebound since is left alone)
+                if callable(value) and predicates.get(id(value)) is value:  # still bound (one rebound is left alone)
                     replaced.append((namespace, name, value))
                     namespace[name] = _not_traced
     compiler.is_exporting = compiler.is_compiling = _not_traced  # type: ignore[assignment]

@@ -204,6 +204,11 @@ def test_a_predicate_bound_after_an_earlier_call_is_replaced_too(monkeypatch: py
     module.checks_tracing = len  # rebound, same length: not a predicate any more, so not replaced
     with eager_library_paths():
         assert module.checks_tracing is len
+    del module.checks_tracing
+    module.other = 1  # the same length again, the remembered name gone: nothing is added
+    with eager_library_paths():
+        assert "checks_tracing" not in vars(module)
+    assert "checks_tracing" not in vars(module)
 
 
 @pytest.mark.slow

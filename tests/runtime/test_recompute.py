@@ -138,8 +138,12 @@ RECOMPUTE_KINDS = tuple(kind for kind in Action if kind.recomputes)  # what "aut
 
 def test_auto_plans_for_both_kinds_and_keeps_the_cheaper_predicted_plan() -> None:
     """plan() with "auto": the smaller predicted overhead of the two kinds' plans at each budget, and the smaller of
-    their floors; each kind planned alone on the same measured step gives the figures to compare with."""
+    their floors; each kind planned alone on the same measured step gives the figures to compare with. The zoo's tiny
+    transformer with 4 layers, not 6 (issue 46: its solves are quicker); the kinds' floors still differ (by 2 KB on
+    this trace), so the floor's choice between them is checked too."""
     case = zoo.build("transformer")
+    torch.manual_seed(0)
+    case = dataclasses.replace(case, model=zoo.TinyTransformer(64, 64, 4, 4, 64))
     auto = autockpt.Planner.from_model(case.model, example_inputs=case.args, loss_fn=case.loss_fn)
     assert auto.actions == RECOMPUTE_KINDS
     # each kind alone on the same captured and measured step, at the same prices (made from them, not traced again)

@@ -1,8 +1,7 @@
 """One rank's sharded training step, measured in this process for a world of N ranks: torch's fake process group
 (``torch.testing._internal.distributed.fake_pg``), a copy of the model on the meta device sharded by
-``fully_shard`` on a 1-D mesh of N, made fake by ``to_empty`` under ``FakeTensorMode``, the optimizer's states made
-and one training step run under ``FSDPMemTracker`` (every step from the second on; the first holds no more), whose
-peak and breakdown by its categories are read.
+``fully_shard`` on a 1-D mesh of N, made fake by ``to_empty`` under ``FakeTensorMode``, two training steps (the first
+makes the optimizer's states) under ``FSDPMemTracker``, whose peak and breakdown by its categories are read.
 
 No real tensor is made and no collective runs: the fake process group completes every collective at once and every
 rank sees rank 0's view. FSDP2 pads every rank's shard to rank 0's size (``_fsdp_param.py``: the sharded parameter's
@@ -49,7 +48,7 @@ class RankMemory:
     breakdown: tuple[tuple[str, int], ...]  # ("Sharded Param", bytes), ("Activation", bytes), ...
     host_pool_bytes: int = 0  # the host pool one step needs (slot bytes), when units were offloaded
     moved: tuple[tuple[str, int, int], ...] = ()  # per offloaded unit: (name, slot bytes, storages moved)
-    timeline: tuple[TimelinePoint, ...] = ()  # a step at the units' boundaries (``_timeline``)
+    timeline: tuple[TimelinePoint, ...] = ()  # the second step at the units' boundaries (``_timeline``)
     # the second optimizer.step(): what is live as it starts, and at its foreach peak (empty: no step, or no foreach)
     step_start: tuple[tuple[str, int], ...] = ()
     step_foreach_peak: tuple[tuple[str, int], ...] = ()
@@ -115,14 +114,13 @@ def measure_sharded_step(
     selective: Sequence[str] = (), offloaded: Sequence[str] = (), device_type: str = "cpu",
     checkpointed_parts: Sequence[str] = (),
 ) -> RankMemory:
-    """Rank 0's peak over the training steps of ``model`` sharded over ``world_size`` ranks, the ``checkpointed``
+    """Rank 0's peak over two training steps of ``model`` sharded over ``world_size`` ranks, the ``checkpointed``
     units under checkpoint, the ``selective`` ones under selective checkpoint, the ``checkpointed_parts`` (modules
     inside kept units) each under checkpoint, the ``offloaded`` ones in a host pool
     (autockpt's own, measuring fakes: ``HostPool(fake_tensors=True)``, as large as they need). ``inputs``: (args,
     kwargs, target), one rank's batch (real or meta tensors: the step runs on fakes of them); ``step_loss(output,
     target)`` the loss; ``device_type``: the device the ranks will run on ("cuda", "cpu"), whose default decides
-    whether the optimizer steps with its foreach implementation. Runs inside ``fake_world(world_size)``. One step is
-    measured, its optimizer's states made before it (``_make_optimizer_states``): every later step holds the same.
+    whether the optimizer steps with its foreach implementation. Runs inside ``fake_world(world_size)``.
 
     The sharded step runs the optimizer's for-loop implementation (``foreach=False``; fused kept): under
     FakeTensorMode, ``FSDPMemTracker`` never sees the foreach implementation's temporaries of DTensor parameters freed
@@ -184,21 +182,22 @@ def _measure_sharded_step(
         tracker.track_inputs((args, kwargs, target))
         step_starts: list[dict[str, int]] = []  # what is live as each optimizer.step() starts, by category
         with tracker:
-            if optimizer is not None:
-                _make_optimizer_states(optimizer, params)
-            # the forward's reads of values answered as the real model read them (``ValueReads``)
-            with reads.replayed() if reads is not None else contextlib.nullcontext():
-                output = sharded(*args, **kwargs)
-            loss = step_loss(output, target)
-            del output  # as in the one-expression step: the output lives on only where backward saved it
-            loss.backward()
-            del loss
-            if optimizer is not None:
-                start = _by_category(tracker.get_tracker_snapshot("current")[torch.device(device)])
-                # the first step's starts as this one does, without the states it makes (``_make_optimizer_states``)
-                step_starts = [{k: 0 if k == _STATES else v for k, v in start.items()}, start]
-                optimizer.step()
-                optimizer.zero_grad()
+            for step in range(2):
+                # the forward's reads of values answered as the real model read them (``ValueReads``)
+                with reads.replayed() if reads is not None else contextlib.nullcontext():
+                    output = sharded(*args, **kwargs)
+                loss = step_loss(output, target)
+                del output  # as in the one-expression step: the output lives on only where backward saved it
+                loss.backward()
+                del loss
+                if optimizer is not None:
+                    step_starts.append(_by_category(tracker.get_tracker_snapshot("current")[torch.device(device)]))
+                    optimizer.step()
+                    optimizer.zero_grad()
+                else:
+                    sharded.zero_grad()
+                if step == 0:
+                    tracker.reset_mod_stats()  # per-module stats only: the peak covers both steps
         snapshot = _by_category(tracker.get_tracker_snapshot("peak")[torch.device(device)])
         timeline = _timeline(tracker, sharded, units, torch.device(device))
         during: list[dict[str, int]] = []  # each foreach step at its peak
@@ -222,27 +221,11 @@ def _measure_sharded_step(
     if pool is None:
         return RankMemory(**figures)
     moved = {name: [0, 0] for name in offloaded}
-    for slot in pool.step_slots():  # the measured step's
+    for slot in pool.step_slots():  # the second step's: the same as the first's
         moved[units[slot.region_index]][0] += slot.slot_bytes
         moved[units[slot.region_index]][1] += 1
     return RankMemory(**figures, host_pool_bytes=pool.stats().peak_occupancy_bytes,
                       moved=tuple((name, b, n) for name, (b, n) in moved.items()))
-
-
-_STATES = "OptState"  # FSDPMemTracker's category of what optimizer.step() makes
-
-
-def _make_optimizer_states(optimizer: Any, params: Sequence[torch.Tensor]) -> None:
-    """The optimizer's states, made as its first step makes them (a step on zero gradients), so that one measured
-    training step stands for every step from the second on. The first step is not measured: its forward and backward
-    hold what the second's hold but the states, and its ``optimizer.step()`` makes the states while the gradients
-    live, which the second's holds too. Checked against the two measured steps it replaced (issue 46: one fake step
-    per measurement, not two): the same peak, breakdown, timeline and pool figures for all 40 measurements of
-    the gloo test's five cases and for the for-loop, foreach and no-optimizer plans of the foreach test."""
-    for param in params:
-        param.grad = torch.zeros_like(param)
-    optimizer.step()
-    optimizer.zero_grad()
 
 
 def _by_category(snapshot: dict) -> dict[str, int]:

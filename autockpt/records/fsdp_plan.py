@@ -58,9 +58,9 @@ class RankFigures:
     the optimizer's states follow the unpadded shard, largest on rank 0. Each rank's figures are rank 0's: exact for
     every byte but the optimizer states, an upper bound by less than one row per parameter for those.
 
-    ``timeline``: a training step with the optimizer's states held (the second on) at FSDP2's unit boundaries, in
-    the order they run (each unit's forward start after its all-gather, its forward peak and end, the same in
-    backward, then ``optimizer.step()``); empty in plans saved before it was recorded."""
+    ``timeline``: the second training step at FSDP2's unit boundaries, in the order they run (each unit's forward
+    start after its all-gather, its forward peak and end, the same in backward, then ``optimizer.step()``); empty in
+    plans saved before it was recorded."""
 
     rank: int
     peak_bytes: int

@@ -69,19 +69,33 @@ def _loaded_predicates() -> dict[int, Callable[..., Any]]:
     return found
 
 
-# id(module namespace) -> (its length when scanned, the names in it bound to a predicate then). A module's
-# namespace rarely changes after its import, and a new binding changes its length: scanning every value of every
-# loaded module took 15-30 ms a call with transformers imported (issue 46), looking up one entry per module takes 1
+def _binds_predicate(value: Any, predicates: dict[int, Callable[..., Any]]) -> bool:
+    return callable(value) and predicates.get(id(value)) is value
+
+
+# id(module namespace) -> (its length when scanned, the names in it bound to a predicate then), for the predicates
+# whose ids are _SCANNED_FOR. A module's namespace rarely changes after its import, and a new binding changes its
+# length: scanning every value of every loaded module took 15-30 ms a call with transformers imported (issue 46),
+# looking up one entry per module about 1 ms
 _SCANNED: dict[int, tuple[int, tuple[str, ...]]] = {}
+_SCANNED_FOR: set[int] = set()
+
+
+def _scans_for(predicates: dict[int, Callable[..., Any]]) -> None:
+    """Forget the remembered scans when they were of other predicates (a library imported since, or reloaded)."""
+    if _SCANNED_FOR != predicates.keys():
+        _SCANNED.clear()
+        _SCANNED_FOR.clear()
+        _SCANNED_FOR.update(predicates)
 
 
 def _predicate_bindings(namespace: dict[str, Any], predicates: dict[int, Callable[..., Any]]) -> tuple[str, ...]:
-    """The names in ``namespace`` bound to one of ``predicates``; rescanned only when its length changed."""
+    """The names in ``namespace`` bound to one of ``predicates`` (``_scans_for`` them first); rescanned only when the
+    namespace's length changed."""
     scanned = _SCANNED.get(id(namespace))
     if scanned is not None and scanned[0] == len(namespace):
         return scanned[1]
-    names = tuple(name for name, value in list(namespace.items())
-                  if callable(value) and predicates.get(id(value)) is value)
+    names = tuple(name for name, value in list(namespace.items()) if _binds_predicate(value, predicates))
     _SCANNED[id(namespace)] = (len(namespace), names)
     return names
 
@@ -94,13 +108,14 @@ def eager_library_paths() -> Iterator[None]:
     predicates = _loaded_predicates()
     replaced: list[tuple[dict[str, Any], str, Any]] = []
     if predicates:
+        _scans_for(predicates)
         for module in list(sys.modules.values()):
             namespace = getattr(module, "__dict__", None)
             if not isinstance(namespace, dict):
                 continue
             for name in _predicate_bindings(namespace, predicates):
                 value = namespace.get(name)
-                if callable(value) and predicates.get(id(value)) is value:  # still bound (one rebound is left alone)
+                if _binds_predicate(value, predicates):  # still bound (a name rebound or deleted since is left alone)
                     replaced.append((namespace, name, value))
                     namespace[name] = _not_traced
     compiler.is_exporting = compiler.is_compiling = _not_traced  # type: ignore[assignment]

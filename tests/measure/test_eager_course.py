@@ -211,6 +211,30 @@ def test_a_predicate_bound_after_an_earlier_call_is_replaced_too(monkeypatch: py
     assert "checks_tracing" not in vars(module)
 
 
+def test_the_remembered_bindings_are_forgotten_when_a_library_s_predicates_come(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A namespace scanned for other predicates, its length unchanged, is scanned again for the new ones."""
+    import types
+
+    from autockpt.measure import eager_paths
+
+    library, user = types.ModuleType("autockpt_test_library"), types.ModuleType("autockpt_test_user")
+
+    def is_traced(tensor: torch.Tensor) -> bool:
+        return True
+
+    library.is_traced = user.is_traced = is_traced
+    library.is_exported = lambda tensor: True
+    monkeypatch.setitem(sys.modules, library.__name__, library)
+    monkeypatch.setitem(sys.modules, user.__name__, user)
+    monkeypatch.setitem(eager_paths._LIBRARY_PREDICATES, library.__name__, ("is_exported",))
+    with eager_library_paths():
+        assert user.is_traced is is_traced  # not a library's predicate yet; the user module is scanned
+    monkeypatch.setitem(eager_paths._LIBRARY_PREDICATES, library.__name__, ("is_exported", "is_traced"))
+    with eager_library_paths():
+        assert user.is_traced.__name__ == "_not_traced" and library.is_traced.__name__ == "_not_traced"
+    assert user.is_traced is is_traced
+
+
 @pytest.mark.slow
 def test_a_fake_trace_of_a_graph_that_checks_values_gives_the_measured_bytes() -> None:
     """The graph reads and asserts the mask's value; the fake trace reads it as an unbacked symbol, its check

@@ -93,13 +93,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
-def mlp() -> torch.nn.Module:
-    """A seeded 6-layer MLP of width 128 (the loop and device-memory tests' model)."""
+def mlp(depth: int = 6, classes: int = 8) -> torch.nn.Module:
+    """A seeded MLP of width 128, 6 layers by default (the loop and device-memory tests' model)."""
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
-    for _ in range(6):
+    for _ in range(depth):
         layers += [torch.nn.Linear(128, 128), torch.nn.GELU()]
-    return torch.nn.Sequential(*layers, torch.nn.Linear(128, 8))
+    return torch.nn.Sequential(*layers, torch.nn.Linear(128, classes))
+
+
+def zoo_with_blocks(name: str, blocks: int) -> zoo.ZooCase:
+    """The zoo's tiny CNN ("cnn": residual blocks) or transformer ("transformer": layers) with ``blocks`` blocks,
+    the same widths, inputs and loss (issue 46: tests whose fact does not need the zoo's 12 blocks or 6 layers)."""
+    case = zoo.build(name, "tiny")
+    torch.manual_seed(0)
+    if name == "cnn":
+        return dataclasses.replace(case, model=zoo.ConvNet(16, blocks))
+    if name == "transformer":
+        return dataclasses.replace(case, model=zoo.TinyTransformer(64, 64, 4, blocks, 64))
+    raise ValueError(f"zoo_with_blocks builds 'cnn' or 'transformer', got {name!r}")
 
 
 def loss_of(output: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import assert_same_step, budget_at, twin
+from conftest import mlp as seeded_mlp
 
 import autockpt
 from autockpt.core.simulate import simulate
@@ -48,12 +49,7 @@ class PoolCase:
 def eight_layer_mlp() -> zoo.ZooCase:
     """The zoo's tiny MLP with 8 layers, not 16 (issue 46: its joint programs solve in a fifth of the time; at 16
     a pool of half the plan's was left unused, so the capacity test below did not limit one)."""
-    torch.manual_seed(0)
-    layers: list[torch.nn.Module] = []
-    for _ in range(8):
-        layers += [torch.nn.Linear(128, 128), torch.nn.GELU()]
-    return zoo.ZooCase(name="mlp", model=torch.nn.Sequential(*layers, torch.nn.Linear(128, 10)),
-                       args=(torch.randn(256, 128),))
+    return zoo.ZooCase(name="mlp", model=seeded_mlp(8, classes=10), args=(torch.randn(256, 128),))
 
 
 @pytest.fixture(scope="module")

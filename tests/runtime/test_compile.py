@@ -8,14 +8,13 @@ sweep's method): MemTracker does not see inside compiled code.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch._dynamo
-from conftest import assert_same_step, budget_at, needs_transformers, twin, zoo_params
+from conftest import assert_same_step, budget_at, needs_transformers, twin, zoo_params, zoo_with_blocks
 from torch._dynamo.utils import counters
 
 import autockpt
@@ -116,18 +115,7 @@ def test_compile_keeps_the_plan_in_one_graph(name: str, action: Action) -> None:
     """fx captures. aot_eager: Dynamo and AOTAutograd's partitioner, without Inductor's code generation (seconds,
     not a minute). The zoo's models with fewer blocks (3 residual blocks, not 12; 2 layers, not 6): Dynamo and
     AOTAutograd trace every op of both models, and more blocks repeat the same ops (issue 46)."""
-    compare_compiled(fewer_blocks(name), action, "aot_eager")
-
-
-def fewer_blocks(name: str) -> zoo.ZooCase:
-    """The zoo's tiny CNN or transformer, built with fewer blocks (same widths, batch and inputs)."""
-    case = zoo.build(name, "tiny")
-    torch.manual_seed(0)
-    if name == "cnn":
-        model: torch.nn.Module = zoo.ConvNet(16, 3)
-    else:
-        model = zoo.TinyTransformer(64, 64, 4, 2, 64)
-    return dataclasses.replace(case, model=model)
+    compare_compiled(zoo_with_blocks(name, 3 if name == "cnn" else 2), action, "aot_eager")
 
 
 @needs_transformers

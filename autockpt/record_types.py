@@ -269,6 +269,9 @@ class PipelineStageRecord:
     input_names: tuple[str, ...]  # values received from the previous stage (fx node names)
     output_names: tuple[str, ...]  # values sent to the next stage
     sent_bytes: int  # per microbatch, what crosses the cut after this stage (0 on the last)
+    # the last stage's plan is of the stage and the loss function together (``pipeline/last_stage.py``): the
+    # schedule's loss function runs both, so the loss may be computed in chunks (schema 9; False before)
+    with_loss: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

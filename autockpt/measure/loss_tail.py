@@ -69,6 +69,22 @@ def find_loss_tail(graph: Graph) -> LossTailSearch:
     return _tail_of(executable, losses[0])
 
 
+def returned_projection(executable: fx.GraphModule) -> fx.Node | None:
+    """The projection whose output the graph returns as it is or through ops on each logit alone (upcast,
+    soft-capping, views): the logits a loss outside the graph may read, so a loss that could be chunked once the two
+    are captured together (the last pipeline stage and its loss function); None where the output holds none."""
+    output = next(node for node in executable.graph.nodes if node.op == "output")
+    returned: list[fx.Node] = []
+    fx.node.map_arg(output.args, returned.append)
+    for node in returned:
+        while node is not None and not _is_projection(executable, node):
+            step = _step_back(node)
+            node = step[0] if step is not None else None
+        if node is not None and _weight_of(executable, node)[0] is not None:
+            return node
+    return None
+
+
 def _tail_of(executable: fx.GraphModule, loss: fx.Node) -> LossTailSearch:
     logits, reduction, ignore_index, refused = _cross_entropy_arguments(loss)
     if refused:

@@ -33,6 +33,7 @@ from autockpt.core.solve.base import SolverOptions
 from autockpt.core.solve.split import Split, SplitProblem, StageOption, exhaustive_split, solve_split, step_ms
 from autockpt.errors import CaptureError, InfeasibleBudgetError
 from autockpt.measure.capture import capture
+from autockpt.pipeline.last_stage import OUTPUTS_NOTE
 from autockpt.pipeline.request import SPLIT_STRATEGIES, PipelineRequest, stage_budgets
 from autockpt.pipeline.stage_graphs import (
     shared_parameters,
@@ -234,15 +235,16 @@ class PipelinePlanner:
                     continue
                 graphs = [table.graph_of(o.first_unit, o.last_unit, index=o.stage) for o in chosen.options]
                 stage_plans = tuple(table.entry(option).plan for option in chosen.options)
+                records = tuple(table.record(option) for option in chosen.options)
+                with_loss = (OUTPUTS_NOTE,) if records[-1].with_loss else ()
                 results[split_name(split)] = PipelinePlan(
                     num_stages=request.num_stages, microbatches=request.microbatches, schedule=request.schedule,
                     return_outputs=request.return_outputs, cuts=chosen.cuts,
-                    stages=tuple(table.record(option) for option in chosen.options),
-                    stage_plans=stage_plans,
+                    stages=records, stage_plans=stage_plans,
                     shared_parameters=shared_parameters(graphs), predicted_step_ms=chosen.predicted_step_ms,
                     link_gb_per_s=link, strategy=split if isinstance(split, str) else "given",
                     capture=graph.kind, fingerprint=self.fingerprint, candidate_cuts=table.candidates,
-                    plan_time_s=self.setup_s + time.perf_counter() - started, notes=(*graph.notes, *self.whole.notes),
+                    plan_time_s=self.setup_s + time.perf_counter() - started, notes=(*graph.notes, *self.whole.notes, *with_loss),
                     provenance=stage_plans[0].provenance,
                 )
         return results

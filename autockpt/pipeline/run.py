@@ -23,6 +23,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from autockpt.errors import PlanMismatchError
 from autockpt.measure.capture import capture
+from autockpt.pipeline.last_stage import ReceivedAsOutput, StageWithLoss
 from autockpt.pipeline.stage_graphs import build_stage_graphs
 from autockpt.planning.api import apply_plan
 from autockpt.records.fingerprint import model_fingerprint
@@ -60,9 +61,11 @@ def pipeline_schedule(
     if not 0 <= rank < world:
         raise ValueError(f"rank must be in 0..{world - 1}, got {rank}")
     device = torch.device(device)
-    stage_module = stage_module_for(model, pplan, rank)
+    stage_module = stage_module_for(model, pplan, rank, loss_fn=loss_fn)
     stage_module.to(device)
     stage = PipelineStage(stage_module, rank, pplan.num_stages, device, group=group)
+    if isinstance(stage_module, ReceivedAsOutput):  # the last stage planned with its loss: the loss runs it
+        loss_fn = stage_module.loss
     schedule_class = _SCHEDULES[pplan.schedule]
     tied = _tied_gradient_groups(model, pplan, rank, stage_module, group)
     if tied:
@@ -73,8 +76,18 @@ def pipeline_schedule(
     return schedule
 
 
-def stage_module_for(model: nn.Module, pplan: PipelinePlan, index: int) -> nn.Module:
-    """Stage ``index`` of the plan as a module running its recompute plan, sharing ``model``'s parameters."""
+def stage_module_for(
+    model: nn.Module, pplan: PipelinePlan, index: int, *, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+) -> nn.Module:
+    """Stage ``index`` of the plan as a module running its recompute plan, sharing ``model``'s parameters. A last
+    stage planned with its loss (``PipelineStageRecord.with_loss``) is a ``ReceivedAsOutput`` holding the stage and
+    ``loss_fn`` under their plan; its ``loss`` is the schedule's loss function."""
+    with_loss = pplan.stages[index].with_loss
+    if with_loss and not callable(loss_fn):
+        raise TypeError(
+            f"stage {index} of this plan was planned with the loss function (its loss may run in chunks): give the "
+            "loss_fn the plan was made with"
+        )
     args, kwargs = recorded_inputs(model, pplan)  # type: ignore[arg-type]  # reads only .fingerprint
     with preserved_model_state(model, args, kwargs):
         enter_training_modes(model)
@@ -88,6 +101,10 @@ def stage_module_for(model: nn.Module, pplan: PipelinePlan, index: int) -> nn.Mo
                 "again with autockpt.plan_pipeline"
             )
         stages = build_stage_graphs(graph, pplan.cuts)
+    if with_loss:
+        assert loss_fn is not None
+        stage = stages[index].module
+        return ReceivedAsOutput(stage, apply_plan(StageWithLoss(stage, loss_fn), pplan.stage_plans[index]))
     return apply_plan(stages[index].module, pplan.stage_plans[index])
 
 

@@ -16,19 +16,24 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.utils import _pytree as pytree
 
 from autockpt.core.simulate import memory_curve
 from autockpt.core.solve.split import SplitProblem, StageOption
 from autockpt.errors import InfeasibleBudgetError
+from autockpt.measure.loss_tail import returned_projection
 from autockpt.measure.trace import unique_storage_bytes
+from autockpt.pipeline.last_stage import planner_with_loss, received_tensors, runs_with_loss, the_output
 from autockpt.pipeline.request import PipelineRequest, tensors_in
 from autockpt.pipeline.stage_graphs import (
     StageGraph,
     crossing,
     cut_problem,
     stage_graph,
+    unit_positions,
 )
-from autockpt.pipeline.whole_step import FakesBeside, WholeStep
+from autockpt.pipeline.whole_step import FakesBeside, WholeStep, meta_of
+from autockpt.planning.loss_chunks import LOSS_PHASE_COPIES, NEGLIGIBLE_SHARE
 from autockpt.planning.options import PlanOptions
 from autockpt.planning.planner import Planner
 from autockpt.record_types import PipelineStageRecord
@@ -94,6 +99,7 @@ class StageTable:
         self._entries: dict[tuple[int, int, int], StageEntry | None] = {}
         self._output_bytes: dict[int, tuple[int, int]] = {}  # per stage planner (live as long as the table)
         self._floors: dict[tuple[int, int, int], int | None] = {}  # per stage position and units
+        self.loss_unit = loss_unit(graph, whole, options)
 
     # the runs a stage may take: from one candidate boundary (or the start) to a later one (or the end)
     def runs(self) -> list[tuple[int, int]]:
@@ -129,13 +135,23 @@ class StageTable:
         if key not in self._planners:
             stage = self.graph_of(first, last)
             args, kwargs = self.stage_inputs(stage)
-            self._planners[key] = Planner.from_model(
-                self.whole.stage_module(stage.module), example_inputs=args, example_kwargs=kwargs, loss_fn=self.stage_loss(stage),
-                # every microbatch after the first runs its backward with the step's gradients alive, and each
-                # accumulation makes a new gradient beside the old one: the loop of gradient accumulation
-                # on fakes when the whole step was, for the same device
-                options=dataclasses.replace(self.options, gradient_accumulation_steps=self.request.microbatches,
-                                            **self.whole.planner_arguments()),
+            module = self.whole.stage_module(stage.module)
+            # every microbatch after the first runs its backward with the step's gradients alive, and each
+            # accumulation makes a new gradient beside the old one: the loop of gradient accumulation; on fakes
+            # when the whole step was, for the same device
+            options = dataclasses.replace(self.options, gradient_accumulation_steps=self.request.microbatches,
+                                          **self.whole.planner_arguments())
+            planner = None
+            if last == self.num_units - 1 and self.loss_unit is not None and first <= self.loss_unit:
+                # the stage returns a projection's output its loss reads: planned with the loss, it may chunk it
+                # the target microbatch in a storage of its own (a view would hold the batch's), the batch's
+                # counted once beside it (``buffer_bytes``)
+                target = pytree.tree_map_only(
+                    torch.Tensor, meta_of if self.whole.fake else torch.clone, self.request.microbatch_target,
+                )
+                planner = planner_with_loss(module, args, target, self.request.loss_fn, options)
+            self._planners[key] = planner or Planner.from_model(
+                module, example_inputs=args, example_kwargs=kwargs, loss_fn=self.stage_loss(stage), options=options,
             )
         return self._planners[key]
 
@@ -206,6 +222,10 @@ class StageTable:
         """Forward, backward and recomputation of one microbatch on units ``first .. last``, in the whole step's
         unit times (the stage's units are the whole graph's, in order) plus the plan's checkpoint machinery."""
         forward = sum(self.unit_ms[first:last + 1])
+        if runs_with_loss(self.planner(first, last)):
+            # its plan's units are those of the stage and the loss (chunked or not): its own predicted overhead,
+            # the logits made again in backward included, on the whole step's times of the stage
+            return forward * (1 + self.backward_ratio) * (1 + the_plan.predicted_overhead)
         recomputed = sum(
             self.unit_ms[first + node.index] for node in the_plan.nodes
             if node.recompute_ms > 0 and first + node.index <= last
@@ -247,10 +267,14 @@ class StageTable:
         m = request.microbatches
         stage = self.graph_of(first, last)
         total = 0
+        received = planner.trace.input_bytes
+        if runs_with_loss(planner):  # the target is an input of its step: the batch's is counted below
+            received -= self.target_bytes(planner)
+            total -= self.target_bytes(planner)
         if first == 0:
             total += request.batch_input_bytes - planner.trace.input_bytes
         else:
-            total += (m - 1) * planner.trace.input_bytes
+            total += (m - 1) * received
             total += sum(
                 self._crossing[name].untyped_storage().nbytes() for name in stage.input_names
                 if self._crossing[name].requires_grad
@@ -265,21 +289,31 @@ class StageTable:
             # the schedule keeps every earlier microbatch's loss until the step ends (``losses=`` given or not); the
             # stage's trace counts its own
             total += (m - 1) * self.loss_bytes(planner)
-            if request.return_outputs:  # the schedule keeps every microbatch's output to return them
+            # the schedule keeps every microbatch's output to return them (a stage planned with its loss returns
+            # the receive buffers, counted above)
+            if request.return_outputs and not runs_with_loss(planner):
                 total += (m - 1) * self.output_bytes(planner)
         return max(total, 0)
 
     def end_of_step_bytes(self, first: int, last: int, planner: Planner) -> int:
         """The last stage's bytes when ``step`` returns the outputs: the schedule concatenates every microbatch's
-        output into the batch's while it still holds them (twice the outputs, beside parameters and gradients), and
-        the list given as ``losses=`` (as PyTorch documents the step) already holds every microbatch's loss."""
+        output into the batch's while it still holds them (twice the outputs, beside parameters and gradients; once
+        beside the receive buffers where the stage was planned with its loss: they are its outputs), and the list
+        given as ``losses=`` (as PyTorch documents the step) already holds every microbatch's loss."""
         if last < self.num_units - 1 or not self.request.return_outputs:
             return 0
         m = self.request.microbatches
+        target = self.target_bytes(planner) if runs_with_loss(planner) else 0  # the batch's is counted here
         return (
-            planner.trace.static_bytes + (m - 1) * planner.trace.input_bytes + self.request.batch_target_bytes
-            + 2 * m * self.output_bytes(planner) + m * self.loss_bytes(planner)
+            planner.trace.static_bytes + (m - 1) * (planner.trace.input_bytes - target)
+            + self.request.batch_target_bytes - target
+            + (1 if target else 2) * m * self.output_bytes(planner) + m * self.loss_bytes(planner)
         )
+
+    @staticmethod
+    def target_bytes(planner: Planner) -> int:
+        """Bytes of the target microbatch a stage-and-loss planner's step takes as its second input."""
+        return unique_storage_bytes(tensors_in(planner.request.args[1]))
 
     def output_bytes(self, planner: Planner) -> int:
         """Bytes of the last stage's output for one microbatch (what the schedule keeps to return)."""
@@ -293,6 +327,11 @@ class StageTable:
     def _last_stage_bytes(self, planner: Planner) -> tuple[int, int]:
         """The last stage's output and loss bytes for one microbatch; one forward per stage planner, remembered:
         every budget tried asks again."""
+        if id(planner) not in self._output_bytes and runs_with_loss(planner):  # it returns what it receives
+            _, loss = self.whole.stage_forward(planner.graph, planner.request, the_output)
+            self._output_bytes[id(planner)] = (
+                unique_storage_bytes(received_tensors(planner)), unique_storage_bytes(tensors_in(loss))
+            )
         if id(planner) not in self._output_bytes:
             target, loss_fn = FakesBeside(self.request.microbatch_target), self.request.loss_fn
             output, loss = self.whole.stage_forward(
@@ -340,7 +379,24 @@ class StageTable:
             predicted_peak_bytes=entry.predicted_peak_bytes, predicted_microbatch_ms=entry.microbatch_ms,
             input_names=stage.input_names, output_names=stage.output_names,
             sent_bytes=0 if option.last_unit == self.num_units - 1 else self.sent_bytes(option.last_unit),
+            with_loss=runs_with_loss(self.planner(option.first_unit, option.last_unit)),
         )
+
+
+def loss_unit(graph: Graph, whole: WholeStep, options: PlanOptions) -> int | None:
+    """The unit of the projection whose output the model returns, where a last stage holding it is planned with its
+    loss (``pipeline/last_stage.py``): None when the option turns chunking off, or under "auto" when its logits are
+    too small a share of the whole step's peak to matter (as ``planning/loss_chunks.py`` weighs a loss's chunks)."""
+    assert isinstance(graph.executable, fx.GraphModule)
+    projection = returned_projection(graph.executable)
+    if projection is None or options.loss_chunk_tokens == 0:
+        return None
+    logits_bytes = whole.values[projection.name].nbytes
+    if options.loss_chunk_tokens == "auto" and (
+        LOSS_PHASE_COPIES * logits_bytes < NEGLIGIBLE_SHARE * whole.baseline_peak_bytes
+    ):
+        return None
+    return unit_positions(graph.executable)[projection.name]
 
 
 def retained_bytes(planner: Planner, region_actions: Sequence[RegionAction]) -> int:

@@ -56,6 +56,7 @@ class WholeStep:
     unit_ms: tuple[float, ...]  # forward time of every unit
     backward_ratio: float  # backward time over forward time, of the whole step
     values: dict[str, CrossingValue]  # every node's value (tensor or not, bytes), for where the graph can be cut
+    baseline_peak_bytes: int  # the unmodified step's peak on one microbatch (what a loss in chunks is weighed against)
     trace: str  # what the user asked ("auto", "fake", "measured"): the stage planners' trace on a measured step
     timing: Any  # the timing the user asked for, passed to the stage planners
     target: DeviceSpec | None
@@ -90,6 +91,7 @@ class WholeStep:
             notes=(f"planned from a {provenance.describe()}", timed.note),
             unit_ms=_unit_ms(traces, len(graph.units)), backward_ratio=_backward_ratio(traces),
             values=_on_values(graph, step, fake, device, graph_values),
+            baseline_peak_bytes=chosen.trace.baseline_peak_bytes,
             trace=trace, timing=timing, target=spec, device_memory_bytes=device_memory_bytes,
         )
 
@@ -117,7 +119,7 @@ class WholeStep:
         level); nothing of the user's is touched, no weight is read."""
         if not self.fake:
             return module
-        (copied,), _ = fake_copies((module,), (), _meta_of, {}, [])
+        (copied,), _ = fake_copies((module,), (), meta_of, {}, [])
         return copied
 
     def link_gb_per_s(self) -> float:
@@ -162,7 +164,7 @@ def _on_values(
         return run(copied.graph, copied.args, copied.kwargs)
 
 
-def _meta_of(tensor: torch.Tensor) -> torch.Tensor:
+def meta_of(tensor: torch.Tensor) -> torch.Tensor:
     """A meta tensor of ``tensor``'s shape, strides and dtype (a parameter stays a parameter); no data is read."""
     meta = tensor.detach().to("meta")
     if isinstance(tensor, nn.Parameter):

@@ -2,7 +2,7 @@
 
 A plan file is plain JSON, never pickle::
 
-    {"schema": "autockpt.plan" | "autockpt.pipeline_plan" | "autockpt.fsdp_plan", "schema_version": 8, "plan": {...}}
+    {"schema": "autockpt.plan" | "autockpt.pipeline_plan" | "autockpt.fsdp_plan", "schema_version": 9, "plan": {...}}
 
 ``plan`` holds the record's dataclass fields as they are (enums by value, tuples as lists); a reader builds the
 record back from its type hints and refuses a field the type does not have. One version number covers every kind:
@@ -19,6 +19,7 @@ a change to any record's fields is a new ``SCHEMA_VERSION``, and every older fil
 * 7: a plan's ``floor_breakdown`` (what its floor's peak holds) and each breakdown's ``moment`` (where in the step).
   Versions 2 to 6 read as 7 without them.
 * 8: a plan's ``loss_chunk_tokens`` (the loss computed in chunks of tokens; 0 in older files: not chunked).
+* 9: a pipeline stage's ``with_loss`` (the last stage planned with its loss function; False in older files).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Any
 
 from autockpt.errors import PlanFileError
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 PLAN_SCHEMA = "autockpt.plan"
 PIPELINE_SCHEMA = "autockpt.pipeline_plan"
 FSDP_SCHEMA = "autockpt.fsdp_plan"
@@ -58,11 +59,11 @@ class RecordKind:
 KINDS = {
     kind.schema: kind for kind in (
         RecordKind(PLAN_SCHEMA, "a single-device plan", "Plan.save", "autockpt.load_plan",
-                   (1, 2, 3, 4, 5, 6, 7, SCHEMA_VERSION)),
+                   (1, 2, 3, 4, 5, 6, 7, 8, SCHEMA_VERSION)),
         # pipeline plans came with version 4
         RecordKind(PIPELINE_SCHEMA, "a pipeline plan", "PipelinePlan.save", "autockpt.load_pipeline_plan",
-                   (4, 5, 6, 7, SCHEMA_VERSION)),
-        RecordKind(FSDP_SCHEMA, "an FSDP plan", "FSDPPlan.save", "autockpt.load_fsdp_plan", (6, 7, SCHEMA_VERSION)),
+                   (4, 5, 6, 7, 8, SCHEMA_VERSION)),
+        RecordKind(FSDP_SCHEMA, "an FSDP plan", "FSDPPlan.save", "autockpt.load_fsdp_plan", (6, 7, 8, SCHEMA_VERSION)),
     )
 }
 LEGACY_FSDP_VERSIONS = (1, 2, 3, 4)  # FSDP plans of 0.2: key "version", fields at the top level

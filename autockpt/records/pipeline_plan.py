@@ -42,7 +42,8 @@ class PipelinePlan(PipelineRecord):
                 f"{format_bytes(stage.predicted_peak_bytes)} ({stage.microbatches_in_flight} microbatches in flight x "
                 f"{format_bytes(stage.retained_bytes)} kept for backward, schedule buffers "
                 f"{format_bytes(stage.schedule_buffer_bytes)}); {len(the_plan.regions)} regions recomputed; "
-                f"{stage.predicted_microbatch_ms:.2f} ms per microbatch"
+                + (f"the loss in chunks of {the_plan.loss_chunk_tokens} tokens; " if the_plan.loss_chunk_tokens else "")
+                + f"{stage.predicted_microbatch_ms:.2f} ms per microbatch"
             )
         if self.provenance is not None:
             lines.append(f"  made from: {self.provenance.describe()} (every stage alike)")

@@ -87,9 +87,11 @@ def plans(model: str, stages: int, budget: int) -> tuple[dict[str, autockpt.Pipe
     return found, time.perf_counter() - started
 
 
-def run(pplan: autockpt.PipelinePlan, config: dict) -> list[dict]:
+def run(pplan: autockpt.PipelinePlan, config: dict, tensors: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[dict]:
+    """Every rank's result (``pipeline_worker.run_rank``) of ``pplan`` stepped on ``tensors`` (ids, target; default:
+    ``batch()``)."""
     with tempfile.TemporaryDirectory() as folder:
-        ids, target = batch()
+        ids, target = tensors or batch()
         pplan.save(Path(folder) / "plan.json")
         torch.save({"ids": ids, "target": target}, Path(folder) / "batch.pt")
         world = pplan.num_stages
@@ -98,10 +100,11 @@ def run(pplan: autockpt.PipelinePlan, config: dict) -> list[dict]:
         return [pickle.loads((Path(folder) / f"rank{r}.pkl").read_bytes()) for r in range(world)]
 
 
-def alternating_step_ms(pplans: list[autockpt.PipelinePlan], config: dict) -> list[float]:
+def alternating_step_ms(pplans: list[autockpt.PipelinePlan], config: dict,
+                        tensors: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[float]:
     """Median step time of each plan, the plans stepped in turn in one process group (2 ranks)."""
     with tempfile.TemporaryDirectory() as folder:
-        ids, target = batch()
+        ids, target = tensors or batch()
         torch.save({"ids": ids, "target": target}, Path(folder) / "batch.pt")
         paths = []
         for index, pplan in enumerate(pplans):

@@ -525,7 +525,7 @@ def test_an_applied_plan_checkpoints_its_parts_and_files_keep_them(parted, tmp_p
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     assert autockpt.load_fsdp_plan(parted.save(tmp_path / "parts.json")) == parted
-    assert json.loads((tmp_path / "parts.json").read_text())["schema_version"] == 8  # the one codec's version
+    assert json.loads((tmp_path / "parts.json").read_text())["schema_version"] == 9  # the one codec's version
     unit = parted.unit_of(parted.checkpointed_parts[0])
     with pytest.raises(ValueError, match="must lie inside a unit that is otherwise kept"):
         dataclasses.replace(parted, checkpointed=(*parted.checkpointed, unit))

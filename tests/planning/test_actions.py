@@ -91,7 +91,7 @@ def test_a_plan_file_round_trips_with_its_policy(transformer_planner, tmp_path: 
     plan = planner.plan(budget_bytes=budget_at(planner, 0.5))
     plan.save(tmp_path / "plan.json")
     document = json.loads((tmp_path / "plan.json").read_text())
-    assert document["schema_version"] == 8  # 2: the policy; 3: value ranges; 4: the loop; 5: provenance; 6: one codec; 7: floor; 8: loss chunks
+    assert document["schema_version"] == 9  # 2: the policy; 3: value ranges; 4: the loop; 5: provenance; 6: one codec; 7: floor; 8: loss chunks; 9: a pipeline stage with its loss
     assert document["plan"]["policy"]["placement"]["stages"] == [
         {"first_unit": 0, "last_unit": len(planner.graph.units) - 1, "device": "cpu"}
     ]

@@ -128,7 +128,7 @@ def test_a_plan_file_of_version_4_loads_without_provenance_or_breakdown(gpt2_fak
     _, plan = gpt2_fake
     plan.save(tmp_path / "plan.json")
     document = json.loads((tmp_path / "plan.json").read_text())
-    assert document["schema_version"] == 8
+    assert document["schema_version"] == 9
     document["schema_version"] = 4
     for name in ("provenance", "breakdown", "baseline_breakdown"):
         del document["plan"][name]

@@ -30,7 +30,7 @@ def test_a_saved_plan_reads_back_equal(transformer_plan: autockpt.Plan, tmp_path
     loaded = autockpt.load_plan(tmp_path / "plan.json")
     assert loaded == transformer_plan
     document = json.loads((tmp_path / "plan.json").read_text())
-    assert document["schema"] == "autockpt.plan" and document["schema_version"] == 8
+    assert document["schema"] == "autockpt.plan" and document["schema_version"] == 9
 
 
 def test_a_loaded_plan_applies_without_solving_and_trains_like_pytorch(

@@ -45,7 +45,7 @@ def positional_plan() -> Planned:
 def test_a_loaded_plan_applies_without_inputs_and_trains_like_pytorch(keyword_plan: Planned, tmp_path: Path) -> None:
     case, the_plan = keyword_plan
     document = _saved(the_plan, tmp_path / "plan.json")
-    assert document["schema_version"] == 8
+    assert document["schema_version"] == 9
     ids = case.kwargs["input_ids"]
     recorded = [int(ids.min()), int(ids.max())]
     assert {s["name"]: s["value_range"] for s in document["plan"]["fingerprint"]["inputs"]} == {

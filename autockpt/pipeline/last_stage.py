@@ -17,6 +17,7 @@ hidden states), not the logits: the plan's notes say so.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -24,9 +25,13 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from autockpt.errors import CaptureError, ProfileError
 from autockpt.planning.options import PlanOptions
 from autockpt.planning.planner import Planner
 
+logger = logging.getLogger(__name__)
+
+NOT_CHUNKED = "loss: not computed in chunks"  # how a plan's note on it starts (``planning/loss_chunks.py``)
 OUTPUTS_NOTE = (
     "last stage: planned with its loss_fn, so the schedule's loss function runs the stage (step(..., losses=) gives "
     "the losses as before); the outputs the schedule returns (return_outputs) are the tensors the last rank "
@@ -74,14 +79,22 @@ def the_output(output: torch.Tensor) -> torch.Tensor:
 def planner_with_loss(
     stage: nn.Module, received: tuple[torch.Tensor, ...], target: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
     options: PlanOptions,
-) -> Planner | None:
-    """The planner of the last stage and its loss as one program, or None where it weighs no chunked loss (no loss
-    tail in the capture, or logits too small to matter under ``loss_chunk_tokens="auto"``): the stage is then planned
-    alone, as before, and keeps returning its output."""
-    planner = Planner.from_model(
-        StageWithLoss(stage, loss_fn), example_inputs=(tuple(received), target), loss_fn=the_output, options=options,
-    )
-    return None if planner.loss_programs is None and not planner.loss_chunk_tokens else planner
+) -> tuple[Planner | None, str]:
+    """The planner of the last stage and its loss as one program, or None and why the loss is not chunked (the two
+    not captured together, no loss tail in the capture, or logits too small to matter under
+    ``loss_chunk_tokens="auto"``): the stage is then planned alone, as before, and keeps returning its output."""
+    try:
+        planner = Planner.from_model(
+            StageWithLoss(stage, loss_fn), example_inputs=(tuple(received), target), loss_fn=the_output,
+            options=options,
+        )
+    except (CaptureError, ProfileError) as error:  # a loss_fn only eager Python runs: the stage alone, as before
+        logger.info("the last stage is planned without its loss: %s", error)
+        return None, f"{NOT_CHUNKED}: the last stage and loss_fn could not be captured together ({error})"
+    if planner.loss_programs is None and not planner.loss_chunk_tokens:
+        said = [note for note in planner.notes if note.startswith(NOT_CHUNKED)]
+        return None, said[0] if said else f"{NOT_CHUNKED}: the logits are a negligible share of the stage's step"
+    return planner, ""
 
 
 def runs_with_loss(planner: Planner) -> bool:

@@ -23,7 +23,7 @@ from autockpt.core.solve.split import SplitProblem, StageOption
 from autockpt.errors import InfeasibleBudgetError
 from autockpt.measure.loss_tail import returned_projection
 from autockpt.measure.trace import unique_storage_bytes
-from autockpt.pipeline.last_stage import planner_with_loss, received_tensors, runs_with_loss, the_output
+from autockpt.pipeline.last_stage import NOT_CHUNKED, planner_with_loss, received_tensors, runs_with_loss, the_output
 from autockpt.pipeline.request import PipelineRequest, tensors_in
 from autockpt.pipeline.stage_graphs import (
     StageGraph,
@@ -141,7 +141,7 @@ class StageTable:
             # when the whole step was, for the same device
             options = dataclasses.replace(self.options, gradient_accumulation_steps=self.request.microbatches,
                                           **self.whole.planner_arguments())
-            planner = None
+            planner, not_chunked = None, ""
             if last == self.num_units - 1 and self.loss_unit is not None and first <= self.loss_unit:
                 # the stage returns a projection's output its loss reads: planned with the loss, it may chunk it
                 # the target microbatch in a storage of its own (a view would hold the batch's), the batch's
@@ -149,10 +149,15 @@ class StageTable:
                 target = pytree.tree_map_only(
                     torch.Tensor, meta_of if self.whole.fake else torch.clone, self.request.microbatch_target,
                 )
-                planner = planner_with_loss(module, args, target, self.request.loss_fn, options)
-            self._planners[key] = planner or Planner.from_model(
-                module, example_inputs=args, example_kwargs=kwargs, loss_fn=self.stage_loss(stage), options=options,
-            )
+                planner, not_chunked = planner_with_loss(module, args, target, self.request.loss_fn, options)
+            if planner is None:
+                planner = Planner.from_model(
+                    module, example_inputs=args, example_kwargs=kwargs, loss_fn=self.stage_loss(stage),
+                    options=options,
+                )
+            if not_chunked:  # the reason found with the loss, not the stage alone's ("the loss is outside")
+                planner.notes = (*(n for n in planner.notes if not n.startswith(NOT_CHUNKED)), not_chunked)
+            self._planners[key] = planner
         return self._planners[key]
 
     def stage_inputs(self, stage: StageGraph) -> tuple[tuple, dict]:

@@ -264,6 +264,23 @@ def test_one_cut_candidate_is_the_middle_boundary() -> None:
     assert spread([3, 7, 11, 15, 19], 2) == [3, 19] and spread([3, 7], 5) == [3, 7]
 
 
+def test_a_last_stage_whose_loss_cannot_be_chunked_is_planned_alone_and_says_why() -> None:
+    ids, target = _batch()
+
+    def smoothed(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(), label_smoothing=0.1)
+
+    pplan = autockpt.plan_pipeline(
+        build(_CONFIG), 2, budget_bytes=10**9, microbatches=_MICROBATCHES, example_inputs=(ids,),
+        example_target=target, loss_fn=smoothed, split=(10,), max_cut_candidates=1,
+    )
+    assert not pplan.stages[-1].with_loss and pplan.stage_plans[-1].loss_chunk_tokens == 0
+    assert [n for n in pplan.stage_plans[-1].notes if n.startswith("loss:")] == [
+        "loss: not computed in chunks: the cross-entropy smooths its labels"
+    ]
+    assert not any("the tensors the last rank receives" in note for note in pplan.notes)
+
+
 @pytest.mark.slow
 def test_a_plan_for_another_model_is_refused_by_every_rank() -> None:
     pplan = _plan(_CONFIG, budget_bytes=10**9, split=(10,))

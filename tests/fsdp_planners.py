@@ -18,17 +18,21 @@ WORLD = 2
 FSDP_GROUP = pytest.mark.xdist_group("fsdp")
 
 
-def shared_planner(config: dict[str, Any], *, roofline: bool = False, host_pool_gb: float = 0.0) -> FSDPPlanner:
+def shared_planner(config: dict[str, Any], *, roofline: bool = False, host_pool_gb: float = 0.0,
+                   loss_chunk_tokens: int | str = 0) -> FSDPPlanner:
     """The planner of ``config``'s model (``fsdp_worker.build``) on rank 0's batch of a world of ``WORLD``, stepping
-    AdamW as the ranks do; ``roofline``: an H100's roofline times (the same choice on every machine)."""
-    return _planner(json.dumps(config, sort_keys=True), roofline, host_pool_gb)
+    AdamW as the ranks do; ``roofline``: an H100's roofline times (the same choice on every machine). The loss is not
+    computed in chunks unless asked (``loss_chunk_tokens``): weighing its chunks measures each decision per chunk,
+    and the tests that are not about it would pay for that."""
+    return _planner(json.dumps(config, sort_keys=True), roofline, host_pool_gb, loss_chunk_tokens)
 
 
 @functools.cache
-def _planner(config_json: str, roofline: bool, host_pool_gb: float) -> FSDPPlanner:
+def _planner(config_json: str, roofline: bool, host_pool_gb: float, loss_chunk_tokens: int | str) -> FSDPPlanner:
     config = json.loads(config_json)
     ids, target = batch(config, rank=0, world=WORLD)
     options: dict[str, Any] = {"host_pool_gb": host_pool_gb} if host_pool_gb else {}
+    options["loss_chunk_tokens"] = loss_chunk_tokens
     if roofline:
         options["timing"] = RooflineTiming(device_spec("h100-sxm-80gb"))
     return FSDPPlanner.from_model(

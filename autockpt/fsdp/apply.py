@@ -37,7 +37,7 @@ def apply_fsdp(model: nn.Module, fplan: FSDPPlan, mesh: Any = None) -> nn.Module
     check_unsharded_module(model, "apply the plan to the model as built, before any fully_shard")
     modules = dict(model.named_modules())
     unknown = [u for u in (*fplan.units, *fplan.checkpointed, *fplan.selective, *fplan.offloaded,
-                            *fplan.checkpointed_parts) if u != ROOT and u not in modules]
+                            *fplan.checkpointed_parts, fplan.loss_projection) if u != ROOT and u not in modules]
     if unknown:
         raise PlanMismatchError(
             f"the plan's unit(s) or part(s) {unknown} are not modules of {type(model).__name__}: apply the plan to "
@@ -80,7 +80,8 @@ def apply_fsdp(model: nn.Module, fplan: FSDPPlan, mesh: Any = None) -> nn.Module
     mp_policy = _mp_policy(fplan.mixed_precision)
     shard(model, fplan.units, fplan.checkpointed, mesh, reshard_after_forward=fplan.reshard_after_forward,
           mp_policy=mp_policy, selective=fplan.selective, offloaded=fplan.offloaded,
-          host_pool_bytes=fplan.host_pool_bytes, checkpointed_parts=fplan.checkpointed_parts)
+          host_pool_bytes=fplan.host_pool_bytes, checkpointed_parts=fplan.checkpointed_parts,
+          loss_chunk=(fplan.loss_projection, fplan.loss_chunk_tokens) if fplan.loss_chunk_tokens else None)
     logger.info("applied FSDP plan: %d units sharded, %d checkpointed whole, %d selectively, %d offloaded, %d parts "
                 "checkpointed", len(fplan.units), len(fplan.checkpointed), len(fplan.selective), len(fplan.offloaded),
                 len(fplan.checkpointed_parts))

@@ -112,7 +112,7 @@ def measure_sharded_step(
     reshard_after_forward: bool, mp_policy: Any, inputs: Any,
     step_loss: Callable[[Any, Any], torch.Tensor], make_optimizer: Callable[[list], Any] | None,
     selective: Sequence[str] = (), offloaded: Sequence[str] = (), device_type: str = "cpu",
-    checkpointed_parts: Sequence[str] = (),
+    checkpointed_parts: Sequence[str] = (), loss_chunk: tuple[str, int] | None = None,
 ) -> RankMemory:
     """Rank 0's peak over two training steps of ``model`` sharded over ``world_size`` ranks, the ``checkpointed``
     units under checkpoint, the ``selective`` ones under selective checkpoint, the ``checkpointed_parts`` (modules
@@ -120,7 +120,8 @@ def measure_sharded_step(
     (autockpt's own, measuring fakes: ``HostPool(fake_tensors=True)``, as large as they need). ``inputs``: (args,
     kwargs, target), one rank's batch (real or meta tensors: the step runs on fakes of them); ``step_loss(output,
     target)`` the loss; ``device_type``: the device the ranks will run on ("cuda", "cpu"), whose default decides
-    whether the optimizer steps with its foreach implementation. Runs inside ``fake_world(world_size)``.
+    whether the optimizer steps with its foreach implementation; ``loss_chunk``: (the root's projection, chunk
+    tokens) whose loss runs in chunks (``runtime/logits_standin.py``), or None. Runs inside ``fake_world(world_size)``.
 
     The sharded step runs the optimizer's for-loop implementation (``foreach=False``; fused kept): under
     FakeTensorMode, ``FSDPMemTracker`` never sees the foreach implementation's temporaries of DTensor parameters freed
@@ -132,7 +133,8 @@ def measure_sharded_step(
     arguments = {"world_size": world_size, "units": units, "checkpointed": checkpointed,
                  "reshard_after_forward": reshard_after_forward, "mp_policy": mp_policy, "inputs": inputs,
                  "step_loss": step_loss, "make_optimizer": make_optimizer, "selective": selective,
-                 "offloaded": offloaded, "device_type": device_type, "checkpointed_parts": checkpointed_parts}
+                 "offloaded": offloaded, "device_type": device_type, "checkpointed_parts": checkpointed_parts,
+                 "loss_chunk": loss_chunk}
     # the eager model's course, as on the ranks (a library seeing fake tensors would mask and repeat instead)
     args, kwargs, _ = inputs
     reads = recorded_reads(model, args, kwargs)
@@ -156,6 +158,7 @@ def _measure_sharded_step(
     reshard_after_forward: bool, mp_policy: Any, inputs: Any,
     step_loss: Callable[[Any, Any], torch.Tensor], make_optimizer: Callable[[list], Any] | None,
     selective: Sequence[str], offloaded: Sequence[str], device_type: str, checkpointed_parts: Sequence[str],
+    loss_chunk: tuple[str, int] | None,
 ) -> RankMemory:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -165,7 +168,8 @@ def _measure_sharded_step(
     mesh = init_device_mesh(device, (world_size,))  # outside FakeTensorMode
     sharded = shard(meta_copy(model), units, checkpointed, mesh, reshard_after_forward=reshard_after_forward,
                     mp_policy=mp_policy, selective=selective, offloaded=offloaded,
-                    host_pool_bytes=_UNBOUNDED_POOL_BYTES, fake_tensors=True, checkpointed_parts=checkpointed_parts)
+                    host_pool_bytes=_UNBOUNDED_POOL_BYTES, fake_tensors=True, checkpointed_parts=checkpointed_parts,
+                    loss_chunk=loss_chunk)
     with FakeTensorMode(allow_non_fake_inputs=True):
         sharded.to_empty(device=device)
         args, kwargs, target = pytree.tree_map_only(

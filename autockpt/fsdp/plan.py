@@ -19,6 +19,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -39,6 +41,8 @@ from autockpt.fsdp.choose import (
     step_time,
 )
 from autockpt.fsdp.fake_world import RankMemory, existing_fake_group, fake_world, measure_sharded_step
+from autockpt.fsdp.root_loss import NONE as NO_ROOT_LOSS
+from autockpt.fsdp.root_loss import RootLoss, root_loss
 from autockpt.fsdp.shard import (
     ROOT,
     check_units,
@@ -115,15 +119,16 @@ class FSDPPlanner:
     def __init__(self, model: nn.Module, *, world_size: int, unit_names: tuple[str, ...], times: dict[str, UnitTimes],
                  spec: Any, pool_limit: int | None, reshard_after_forward: bool, mp_policy: Any,
                  make_optimizer: Callable[[list], Any] | None, device_type: str, provenance: Any,
-                 fingerprint: ModelFingerprint, measure: Callable[[Mapping[str, UnitOption]], RankMemory]) -> None:
+                 fingerprint: ModelFingerprint, measure: Callable[[Mapping[str, UnitOption], int], RankMemory],
+                 loss: RootLoss = NO_ROOT_LOSS) -> None:
         self.model, self.world_size, self.unit_names, self.spec = model, world_size, unit_names, spec
         self.inner = [u for u in unit_names if u != ROOT]
         self.root, self.blocks = times[ROOT], [times[u] for u in self.inner]
         self.pool_limit, self.reshard_after_forward, self.mp_policy = pool_limit, reshard_after_forward, mp_policy
         self.make_optimizer, self.device_type, self.provenance = make_optimizer, device_type, provenance
-        self.fingerprint = fingerprint
+        self.fingerprint, self.loss = fingerprint, loss
         self._measure_on_fakes = measure
-        self._measured: dict[frozenset, RankMemory] = {}  # by what the decisions do (``_key``)
+        self._measured: dict[tuple[int, frozenset], RankMemory] = {}  # by loss chunk and what the decisions do
 
     @classmethod
     def from_model(
@@ -172,27 +177,30 @@ class FSDPPlanner:
         unit_names = check_units(model, units) if units is not None else default_units(model, planner.graph,
                                                                                         planner.trace)
         times = unit_times(model, unit_names, planner.graph, planner.trace, mp_policy)
+        loss = root_loss(model, planner, tuple(unit_names), options.loss_chunk_tokens)
         # the device the ranks run on: torch's optimizers default to foreach on CUDA, whose temporaries count
         device_type = spec.device_type if spec is not None else "cuda" if torch.cuda.is_available() else "cpu"
 
-        def measure(decisions: Mapping[str, UnitOption]) -> RankMemory:
+        def measure(decisions: Mapping[str, UnitOption], chunk_tokens: int) -> RankMemory:
             return measure_sharded_step(
                 model, world_size=world_size, units=unit_names, reshard_after_forward=reshard_after_forward,
                 mp_policy=mp_policy, inputs=(args, kwargs, example_target), step_loss=step_loss,
                 make_optimizer=make_optimizer, device_type=device_type, **_as_sets(decisions),
+                loss_chunk=(loss.projection, chunk_tokens) if chunk_tokens else None,
             )
 
         return cls(model, world_size=world_size, unit_names=tuple(unit_names), times=times, spec=spec,
                    pool_limit=pool_limit, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
                    make_optimizer=make_optimizer, device_type=device_type, provenance=planner.provenance,
-                   fingerprint=model_fingerprint(model, planner.graph, args, kwargs), measure=measure)
+                   fingerprint=model_fingerprint(model, planner.graph, args, kwargs), measure=measure, loss=loss)
 
-    def measure(self, decisions: Mapping[str, UnitOption]) -> RankMemory:
-        """The sharded step under ``decisions`` on the fake process group, measured once per distinct decisions."""
-        key = _key(decisions)
+    def measure(self, decisions: Mapping[str, UnitOption], chunk_tokens: int = 0) -> RankMemory:
+        """The sharded step under ``decisions`` on the fake process group (the root's loss in chunks of
+        ``chunk_tokens`` tokens; 0: as the model computes it), measured once per distinct decisions."""
+        key = (chunk_tokens, _key(decisions))
         if key not in self._measured:
             with fake_world(self.world_size):
-                self._measured[key] = self._measure_on_fakes(decisions)
+                self._measured[key] = self._measure_on_fakes(decisions, chunk_tokens)
         return self._measured[key]
 
     def plan(self, budget_gb: float | None = None, *, budget_bytes: int | None = None) -> FSDPPlan:
@@ -203,21 +211,62 @@ class FSDPPlanner:
             budget = self.spec.memory_bytes
         else:
             budget = budget_to_bytes(budget_gb, budget_bytes)
-        inner, blocks, pool_limit = self.inner, self.blocks, self.pool_limit
-        baseline = self.measure({})
+        # the root's loss as the model computes it, and in each chunk that lowers the floor (every unit checkpointed
+        # whole) where the budget is under the unmodified step's peak: the fastest plan of them, stating the lowest
+        # floor; a chunk that leaves the floor as it is sets no peak (the loss is not where the step peaks)
+        lowering = self._floor_lowering_chunks()
+        chunks = (0, *lowering) if self.measure({}).peak_bytes > budget else (0,)
+        if self.loss.fixed and self.loss.chunk_tokens:  # a chunk given: that program alone, as for one device
+            chunks = lowering = self.loss.chunk_tokens
+        plans, refusals = [], []
+        for chunk_tokens in chunks:
+            if chunk_tokens and plans and plans[0].predicted_step_ms <= plans[0].baseline_step_ms + self.loss.extra_ms:
+                break  # a plan with the loss in chunks takes the step and the logits made again: none is faster
+            try:
+                plans.append(self._plan_at(budget, chunk_tokens))
+            except InfeasibleBudgetError as refusal:
+                refusals.append(refusal)
+        floor = min(found.min_feasible_bytes for found in (*plans, *refusals))
+        for other in set(lowering) - set(chunks):  # the floor stated is the lowest of them all
+            every, floor_decision = self._every_whole(other)
+            floor = min(floor, every[floor_decision].peak_bytes)
+        if not plans:
+            raise min(refusals, key=lambda refusal: refusal.min_feasible_bytes)
+        return dataclasses.replace(min(plans, key=lambda found: found.predicted_step_ms), min_feasible_bytes=floor)
+
+    def _floor_lowering_chunks(self) -> tuple[int, ...]:
+        """The chunks weighed (``RootLoss.chunk_tokens``) under which every unit checkpointed whole peaks lower than
+        with the loss as the model computes it (one measurement each, kept)."""
+        whole = _every(self.inner, UnitDecision.FULL)
+        unchunked = self.measure(whole).peak_bytes
+        return tuple(chunk for chunk in self.loss.chunk_tokens if self.measure(whole, chunk).peak_bytes < unchunked)
+
+    def _every_whole(self, chunk_tokens: int) -> tuple[dict[UnitDecision, RankMemory], UnitDecision]:
+        """Every unit given each whole-unit decision (full; with a pool offload and full with its inputs offloaded),
+        measured with the root's loss in chunks of ``chunk_tokens`` tokens, and the decision of the floor among them."""
+        inner = self.inner
         every = {
-            decision: self.measure(_every(inner, decision)) if inner else baseline
+            decision: self.measure(_every(inner, decision), chunk_tokens) if inner else self.measure({}, chunk_tokens)
             for decision in (UnitDecision.FULL, *([UnitDecision.OFFLOAD, UnitDecision.FULL_OFFLOAD]
-                                                  if pool_limit is not None else []))
+                                                  if self.pool_limit is not None else []))
         }
         floor_decision = UnitDecision.FULL
-        if (UnitDecision.FULL_OFFLOAD in every and every[UnitDecision.FULL_OFFLOAD].host_pool_bytes <= pool_limit
+        if (UnitDecision.FULL_OFFLOAD in every and every[UnitDecision.FULL_OFFLOAD].host_pool_bytes <= self.pool_limit
                 and every[UnitDecision.FULL_OFFLOAD].peak_bytes < every[UnitDecision.FULL].peak_bytes):
             floor_decision = UnitDecision.FULL_OFFLOAD
+        return every, floor_decision
+
+    def _plan_at(self, budget: int, chunk_tokens: int) -> FSDPPlan:
+        """``plan`` with the root's loss in chunks of ``chunk_tokens`` tokens (0: as the model computes it)."""
+        inner, blocks, pool_limit = self.inner, self.blocks, self.pool_limit
+        measure = functools.partial(self.measure, chunk_tokens=chunk_tokens)
+        baseline = measure({})
+        every, floor_decision = self._every_whole(chunk_tokens)
         floor = every[floor_decision]
         if budget < floor.peak_bytes:
             offload_hint = " (or host_pool_gb=... to offload units' inputs to the host)" if pool_limit is None else ""
             inputs_moved = " and its inputs offloaded" if floor_decision is UnitDecision.FULL_OFFLOAD else ""
+            inputs_moved += f" and the loss in chunks of {chunk_tokens} tokens" if chunk_tokens else ""
             raise InfeasibleBudgetError(
                 f"a per-rank budget of {format_bytes(budget)} is below the smallest peak checkpointing reaches at "
                 f"world size {self.world_size}: {format_bytes(floor.peak_bytes)} with every one of the {len(inner)} "
@@ -225,25 +274,27 @@ class FSDPPlanner:
                 f"smaller per-rank batch{offload_hint}",
                 budget_bytes=budget, min_feasible_bytes=floor.peak_bytes,
             )
-        every[UnitDecision.SELECTIVE] = _measure_selective(self.measure, inner) if inner else baseline
+        every[UnitDecision.SELECTIVE] = _measure_selective(measure, inner) if inner else baseline
         # every unit with the same part checkpointed: only needed when something must be freed
         part_choices = {name: {u.name: UnitOption(decision=UnitDecision.PARTS, freed_bytes=0.0, parts=(name,))
                                for u in blocks if u.part(name) is not None}
                         for name in (part_candidates(blocks) if baseline.peak_bytes > budget else ())}
-        every_part = {name: self.measure(choice) for name, choice in part_choices.items()}
+        every_part = {name: measure(choice) for name, choice in part_choices.items()}
         link = _link(self.spec) if pool_limit is not None else None
         options = _unit_options(blocks, baseline, every, every_part, link)
         floor_options = {u: next(o for o in options[u] if o.decision is floor_decision) for u in inner}
         known_before = len(self._measured)
         decisions, measured = _fit([u.name for u in blocks], options, budget, baseline, floor, floor_options,
-                                   self.measure, pool_limit)
+                                   measure, pool_limit)
         tries = len(self._measured) - known_before
-        return self._record(budget, decisions, measured, baseline, floor, every, list(every_part), link, tries)
+        return self._record(budget, decisions, measured, floor, every, list(every_part), link, tries, chunk_tokens)
 
-    def _record(self, budget: int, decisions: dict[str, UnitOption], measured: RankMemory, baseline: RankMemory,
-                floor: RankMemory, every: Mapping[UnitDecision, RankMemory], parts_tried: list[str],
-                link: LinkPrice | None, tries: int) -> FSDPPlan:
+    def _record(self, budget: int, decisions: dict[str, UnitOption], measured: RankMemory, floor: RankMemory,
+                every: Mapping[UnitDecision, RankMemory], parts_tried: list[str], link: LinkPrice | None, tries: int,
+                chunk_tokens: int) -> FSDPPlan:
         """The plan of ``decisions``: their measured figures, the time model's step times, and notes on how."""
+        baseline = self.measure({})  # the unmodified step (its loss as the model computes it)
+        extra_ms = self.loss.extra_ms if chunk_tokens else 0.0  # the logits made again in backward
         root, blocks, inner, spec, pool_limit = self.root, self.blocks, self.inner, self.spec, self.pool_limit
         chosen = _as_sets(decisions)
         gb_per_s = spec.interconnect_gb_per_s if spec is not None else None
@@ -256,6 +307,7 @@ class FSDPPlanner:
         parts = {u: o.parts for u, o in decisions.items() if o.decision is UnitDecision.PARTS}
         predicted = step_time(root, blocks, set(chosen["checkpointed"]), selective=set(chosen["selective"]),
                               copies_ms=copies, parts=parts, **kwargs_time)
+        predicted = dataclasses.replace(predicted, step_ms=predicted.step_ms + extra_ms)
         plain = step_time(root, blocks, set(), **kwargs_time)
         full = step_time(root, blocks, set(inner), **kwargs_time)
         all_selective = step_time(root, blocks, set(), selective=set(inner), **kwargs_time)
@@ -278,6 +330,12 @@ class FSDPPlanner:
             notes.append(f"host copies priced at {link.device_to_host_gb_per_s:.3g} / {link.host_to_device_gb_per_s:.3g} "
                          f"GB/s to / from the host ({spec.name if spec else 'measured on this machine'}), "
                          + ("hidden behind a neighbouring unit's compute" if link.overlaps_compute else "synchronous"))
+        if chunk_tokens:
+            notes.append(f"loss: the root's projection {self.loss.projection} and its cross-entropy in chunks of "
+                         f"{chunk_tokens} tokens (the logits made again in backward: +{extra_ms:.3f} ms); in a training "
+                         "step the model's output holds a stand-in for the logits, computed in full where read")
+        elif self.loss.note:
+            notes.append(self.loss.note)
         if self.make_optimizer is not None:
             notes.append(f"optimizer.step() counted as torch runs it on {self.device_type}: groups with foreach=True (or "
                          "None, the default, on cuda) with their foreach temporaries, the others with the for-loop step")
@@ -288,17 +346,19 @@ class FSDPPlanner:
             world_size=self.world_size, units=self.unit_names, checkpointed=chosen["checkpointed"],
             selective=chosen["selective"], offloaded=chosen["offloaded"], host_pool_bytes=measured.host_pool_bytes,
             host_pool_limit_bytes=pool_limit, exposed_copy_ms=predicted.exposed_copy_ms,
-            selective_peak_bytes=every[UnitDecision.SELECTIVE].peak_bytes, selective_step_ms=all_selective.step_ms,
+            selective_peak_bytes=every[UnitDecision.SELECTIVE].peak_bytes,
+            selective_step_ms=all_selective.step_ms + extra_ms,
             reshard_after_forward=self.reshard_after_forward, mixed_precision=describe_mp_policy(self.mp_policy),
             budget_bytes=budget, predicted_peak_bytes=measured.peak_bytes, baseline_peak_bytes=baseline.peak_bytes,
             min_feasible_bytes=floor.peak_bytes,
             ranks=tuple(RankFigures(rank=r, peak_bytes=measured.peak_bytes, breakdown=measured.breakdown,
                                     timeline=measured.timeline)
                         for r in range(self.world_size)),
-            predicted_step_ms=predicted.step_ms, baseline_step_ms=plain.step_ms, floor_step_ms=full.step_ms,
+            predicted_step_ms=predicted.step_ms, baseline_step_ms=plain.step_ms, floor_step_ms=full.step_ms + extra_ms,
             exposed_collective_ms=predicted.exposed_collective_ms, interconnect_gb_per_s=gb_per_s,
             optimizer_step_ms=optimizer_ms, checkpointed_parts=chosen["checkpointed_parts"],
             provenance=self.provenance, fingerprint=self.fingerprint, notes=tuple(notes),
+            loss_projection=self.loss.projection if chunk_tokens else "", loss_chunk_tokens=chunk_tokens,
         )
 
 

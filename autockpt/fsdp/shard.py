@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autockpt.fsdp.offload import offload_units, start_steps
+from autockpt.runtime.logits_standin import chunk_projection
 
 logger = logging.getLogger(__name__)
 
@@ -166,12 +167,16 @@ def shard(
     model: nn.Module, units: Sequence[str], checkpointed: Sequence[str], mesh: Any, *,
     reshard_after_forward: bool, mp_policy: Any, selective: Sequence[str] = (), offloaded: Sequence[str] = (),
     host_pool_bytes: int = 0, fake_tensors: bool = False, checkpointed_parts: Sequence[str] = (),
+    loss_chunk: tuple[str, int] | None = None,
 ) -> nn.Module:
     """Checkpoint the ``checkpointed`` units' forward whole and the ``selective`` units' selectively, and each of
     ``checkpointed_parts`` (modules inside kept units) alone: in backward a part's recomputation runs inside its
     unit's backward, after the unit's all-gather, like a whole unit's. Run the
     ``offloaded`` units' forward in a host pool of ``host_pool_bytes`` (``offload.py``; ``fake_tensors``: the
-    planner's fake world), then ``fully_shard`` every unit and the root on ``mesh``."""
+    planner's fake world), then ``fully_shard`` every unit and the root on ``mesh``. ``loss_chunk``: (the root's
+    projection, chunk tokens) whose cross-entropy runs in chunks (``runtime/logits_standin.py``); the root then keeps
+    its parameters gathered after forward, since a loss computed outside the model reads the projection's weight
+    after the root's forward (resharded, its storage is freed; backward gathers it again at once anyway)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     modules = dict(model.named_modules())
@@ -187,7 +192,9 @@ def shard(
     for name in units:
         if name != ROOT:
             fully_shard(modules[name], mesh=mesh, reshard_after_forward=reshard_after_forward, **extra)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, **extra)
+    if loss_chunk is not None:
+        chunk_projection(modules[loss_chunk[0]], loss_chunk[1])
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward and loss_chunk is None, **extra)
     if holder is not None:
         start_steps(model, holder)
     logger.debug("sharded %d units (%d checkpointed, %d selective, %d offloaded, %d parts) over a mesh of %s",

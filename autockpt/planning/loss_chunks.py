@@ -129,15 +129,23 @@ def chunk_candidates(tail: LossTail | None, option: int | str, baseline_peak_byt
     """The chunks (tokens) weighed for ``tail`` under ``PlanOptions.loss_chunk_tokens``, largest first; under "auto"
     none where the loss phase's logit-sized tensors are a negligible share of ``baseline_peak_bytes`` (the unmodified
     step's peak)."""
-    if tail is None or option == 0:
+    if tail is None:
+        return ()
+    return chunks_for(tail.tokens, tail.logits_bytes, option, baseline_peak_bytes)
+
+
+def chunks_for(tokens: int, logits_bytes: int, option: int | str, baseline_peak_bytes: int) -> tuple[int, ...]:
+    """``chunk_candidates`` of a loss over ``tokens`` rows of logits of ``logits_bytes`` (any step that has them: a
+    captured tail, or an FSDP2 root's projection)."""
+    if option == 0:
         return ()
     if option != "auto":
         return (int(option),)
-    if tail.tokens < 2:  # an fx capture records no shapes (0), or one token: nothing to split
+    if tokens < 2:  # an fx capture records no shapes (0), or one token: nothing to split
         return ()
-    if LOSS_PHASE_COPIES * tail.logits_bytes < NEGLIGIBLE_SHARE * baseline_peak_bytes:
+    if LOSS_PHASE_COPIES * logits_bytes < NEGLIGIBLE_SHARE * baseline_peak_bytes:
         return ()
-    return tuple(sorted({math.ceil(tail.tokens / count) for count in AUTO_CHUNK_COUNTS} - {tail.tokens}, reverse=True))
+    return tuple(sorted({math.ceil(tokens / count) for count in AUTO_CHUNK_COUNTS} - {tokens}, reverse=True))
 
 
 def weighs(planner: LossProgramsOwner, budget_bytes: int) -> bool:

@@ -19,7 +19,8 @@ a change to any record's fields is a new ``SCHEMA_VERSION``, and every older fil
 * 7: a plan's ``floor_breakdown`` (what its floor's peak holds) and each breakdown's ``moment`` (where in the step).
   Versions 2 to 6 read as 7 without them.
 * 8: a plan's ``loss_chunk_tokens`` (the loss computed in chunks of tokens; 0 in older files: not chunked).
-* 9: a pipeline stage's ``with_loss`` (the last stage planned with its loss function; False in older files).
+* 9: a pipeline stage's ``with_loss`` (the last stage planned with its loss function; False in older files) and
+  an FSDP plan's ``loss_projection`` and ``loss_chunk_tokens`` (the root's loss in chunks; "" and 0 before).
 """
 
 from __future__ import annotations

@@ -117,6 +117,10 @@ class FSDPPlan:
     exposed_copy_ms: float = 0.0  # the offloaded units' copies the step waits for, by the time model
     optimizer_step_ms: float = 0.0  # optimizer.step() in every step time above (memory-bound; 0 without a target)
     checkpointed_parts: tuple[str, ...] = ()  # modules inside kept units, each checkpointed alone (schema 4)
+    # the root's output projection (module path) whose cross-entropy runs in chunks of ``loss_chunk_tokens`` tokens
+    # (``runtime/logits_standin.py``; schema 9): "" and 0 where the loss runs as the model computes it
+    loss_projection: str = ""
+    loss_chunk_tokens: int = 0
 
     def __post_init__(self) -> None:
         both = set(self.checkpointed) & set(self.selective)
@@ -143,6 +147,12 @@ class FSDPPlan:
                     + ("it lies in no unit" if owner is None else f"{owner!r} is already checkpointed or offloaded")
                     + "): take it out of checkpointed_parts"
                 )
+
+        if bool(self.loss_projection) != (self.loss_chunk_tokens > 0):
+            raise ValueError(
+                f"loss_projection {self.loss_projection!r} and loss_chunk_tokens {self.loss_chunk_tokens} go together: "
+                "give both (the loss in chunks) or neither"
+            )
 
     def unit_of(self, module: str) -> str | None:
         """The inner unit that holds ``module`` (a full module name), or None."""
@@ -193,6 +203,8 @@ class FSDPPlan:
             f"  checkpointed      {', '.join(self.checkpointed) or '(none)'}",
             f"  selective         {', '.join(self.selective) or '(none)'}",
             f"  parts             {', '.join(self.checkpointed_parts) or '(none)'}",
+            (f"  loss              {self.loss_projection} and its cross-entropy in chunks of {self.loss_chunk_tokens} "
+             "tokens" if self.loss_chunk_tokens else "  loss              as the model computes it"),
             (f"  offloaded         {', '.join(self.offloaded) or '(none)'}: a host pool of "
              f"{format_bytes(self.host_pool_bytes)} per rank (bound {format_bytes(self.host_pool_limit_bytes)}), "
              f"{self.exposed_copy_ms:.3f} ms of copies exposed" if self.host_pool_limit_bytes is not None

@@ -42,6 +42,9 @@ CASES = {
     # a tenth of the way from nothing checkpointed to the floor, roofline times (the same choice on every machine):
     # some blocks keep all but one part (their attention or a norm) checkpointed
     "llama-parts": ("llama", 256, ("tenth", "baseline"), None),
+    # a vocabulary of 8192 (8 MB of logits a rank): under what every unit checkpointed whole reaches with the loss
+    # as the model computes it, so the root's head and cross-entropy run in chunks (issue 48)
+    "loss-in-chunks": ("decoder", 8192, ("floor", "baseline"), None),
 }
 
 
@@ -66,7 +69,8 @@ def _plan_case(case: str, folder: Path) -> PlannedCase:
     if kind == "hf-llama":  # two decoder layers: each fake-world measurement of a Hugging Face step is seconds
         config["model"]["layers"] = 2
     try:
-        planner = shared_planner(config, roofline=low == "tenth")
+        chunks = "auto" if case == "loss-in-chunks" else 0
+        planner = shared_planner(config, roofline=low == "tenth", loss_chunk_tokens=chunks)
         roomy = planner.plan(budget_bytes=10**9)
         peaks = {"baseline": roomy.baseline_peak_bytes, "selective": roomy.selective_peak_bytes,
                  "floor": roomy.min_feasible_bytes}
@@ -75,6 +79,9 @@ def _plan_case(case: str, folder: Path) -> PlannedCase:
             planner = shared_planner(config, host_pool_gb=1.0)
             peaks[low] = planner.plan(budget_bytes=10**9).min_feasible_bytes
             assert peaks[low] < peaks["floor"]
+        if case == "loss-in-chunks":  # the floor without chunks, from the measurements the planner keeps
+            every, decision = planner._every_whole(0)
+            peaks["unchunked floor"] = every[decision].peak_bytes
         budget = (peaks[low] + peaks[high]) // 2
         fplan = planner.plan(budget_bytes=budget)
         fplan.save(folder / f"{case}.json")
@@ -137,8 +144,14 @@ def test_two_ranks_give_the_single_process_losses_and_gradients_under_the_budget
         assert planned.peaks["floor"] < planned.peaks["selective"] < planned.peaks["baseline"]
     made = {fplan.decision(u).value for u in fplan.units if u}
     # units the budget does not need are kept or given a part (a norm or attention checkpointed alone, when the
-    # times measured here make it cheapest)
-    assert made != {"keep"} and (decisions is None or made - {"keep", "parts"} == decisions - {"keep"}), made
+    # times measured here make it cheapest); the loss in chunks may free enough alone
+    assert (made != {"keep"} or fplan.loss_chunk_tokens) and (
+        decisions is None or made - {"keep", "parts"} == decisions - {"keep"}), made
+    if case == "loss-in-chunks":  # under the floor of the loss as the model computes it: its chunks are needed
+        assert (fplan.loss_projection, planned.peaks["unchunked floor"] > budget) == ("head", True)
+        assert fplan.loss_chunk_tokens > 0 and fplan.min_feasible_bytes < planned.peaks["unchunked floor"]
+    else:
+        assert fplan.loss_chunk_tokens == 0  # planned with loss_chunk_tokens=0 (``shared_planner``)
     assert low != "tenth" or "parts" in made, made
     assert (fplan.host_pool_bytes > 0) == (low == "pool floor")
     logger.warning("%s: checkpointed %s, selective %s, offloaded %s, parts %s", case, fplan.checkpointed,

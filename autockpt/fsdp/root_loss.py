@@ -18,9 +18,7 @@ from typing import Any
 from torch import fx, nn
 
 from autockpt.measure.loss_tail import find_loss_tail, returned_projection
-from autockpt.planning.loss_chunks import chunks_for
-
-NOT_CHUNKED = "loss: not computed in chunks"
+from autockpt.planning.loss_chunks import NOT_CHUNKED, chunks_for
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

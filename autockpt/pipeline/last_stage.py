@@ -26,12 +26,12 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from autockpt.errors import CaptureError, ProfileError
+from autockpt.planning.loss_chunks import NOT_CHUNKED
 from autockpt.planning.options import PlanOptions
 from autockpt.planning.planner import Planner
 
 logger = logging.getLogger(__name__)
 
-NOT_CHUNKED = "loss: not computed in chunks"  # how a plan's note on it starts (``planning/loss_chunks.py``)
 OUTPUTS_NOTE = (
     "last stage: planned with its loss_fn, so the schedule's loss function runs the stage (step(..., losses=) gives "
     "the losses as before); the outputs the schedule returns (return_outputs) are the tensors the last rank "

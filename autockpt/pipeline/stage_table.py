@@ -23,7 +23,7 @@ from autockpt.core.solve.split import SplitProblem, StageOption
 from autockpt.errors import InfeasibleBudgetError
 from autockpt.measure.loss_tail import returned_projection
 from autockpt.measure.trace import unique_storage_bytes
-from autockpt.pipeline.last_stage import NOT_CHUNKED, planner_with_loss, received_tensors, runs_with_loss, the_output
+from autockpt.pipeline.last_stage import planner_with_loss, received_tensors, runs_with_loss, the_output
 from autockpt.pipeline.request import PipelineRequest, tensors_in
 from autockpt.pipeline.stage_graphs import (
     StageGraph,
@@ -33,7 +33,7 @@ from autockpt.pipeline.stage_graphs import (
     unit_positions,
 )
 from autockpt.pipeline.whole_step import FakesBeside, WholeStep, meta_of
-from autockpt.planning.loss_chunks import LOSS_PHASE_COPIES, NEGLIGIBLE_SHARE
+from autockpt.planning.loss_chunks import LOSS_PHASE_COPIES, NEGLIGIBLE_SHARE, NOT_CHUNKED
 from autockpt.planning.options import PlanOptions
 from autockpt.planning.planner import Planner
 from autockpt.record_types import PipelineStageRecord
@@ -228,9 +228,9 @@ class StageTable:
         unit times (the stage's units are the whole graph's, in order) plus the plan's checkpoint machinery."""
         forward = sum(self.unit_ms[first:last + 1])
         if runs_with_loss(self.planner(first, last)):
-            # its plan's units are those of the stage and the loss (chunked or not): its own predicted overhead,
-            # the logits made again in backward included, on the whole step's times of the stage
-            return forward * (1 + self.backward_ratio) * (1 + the_plan.predicted_overhead)
+            # its plan's units are those of the stage and the loss (chunked or not), not the whole graph's: what its
+            # plan adds (recomputation, machinery, the logits made again in backward), in its own trace's times
+            return forward * (1 + self.backward_ratio) + the_plan.predicted_overhead * the_plan.baseline_step_ms
         recomputed = sum(
             self.unit_ms[first + node.index] for node in the_plan.nodes
             if node.recompute_ms > 0 and first + node.index <= last

@@ -39,6 +39,7 @@ AUTO_CHUNK_COUNTS = (4, 32)  # "auto": the tokens in this many chunks (each a ca
 # under NEGLIGIBLE_SHARE of the unmodified peak is not worth a trace per candidate (a classifier's 10 classes)
 LOSS_PHASE_COPIES = 8
 NEGLIGIBLE_SHARE = 0.01
+NOT_CHUNKED = "loss: not computed in chunks"  # how a plan's note on why begins
 
 
 class LossProgramsOwner(Protocol):
@@ -105,7 +106,7 @@ def planner_of_programs(
     expected = loss_outside or options.loss_chunk_tokens != "auto" or not search.reason.startswith(
         ("no cross-entropy", "captured at module level"))
     if options.loss_chunk_tokens != 0 and search.tail is None and expected:
-        planner.notes += (f"loss: not computed in chunks: {search.reason}",)
+        planner.notes += (f"{NOT_CHUNKED}: {search.reason}",)
     if chunks:
         planner.loss_programs = LossPrograms(chunk_tokens=chunks, make=program)
     return planner

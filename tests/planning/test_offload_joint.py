@@ -109,10 +109,20 @@ def test_the_pool_never_makes_a_plan_worse_and_its_capacity_holds(pooled: PoolCa
     planner.host_pool_bytes = 10**9
     assert with_pool.predicted_peak_bytes <= budget
     assert with_pool.predicted_overhead <= recompute_only.predicted_overhead + 1e-12
-    small = max(with_pool.host_pool_bytes // 2, 1)
-    planner.host_pool_bytes = small
-    limited = planner.plan(budget_bytes=budget)
-    assert 0 < limited.host_pool_bytes <= small and limited.predicted_peak_bytes <= budget
+    # the capacity, where the pool must be used whatever the times say (under what recomputing alone reaches;
+    # at the budget above, whether it is used is a comparison of measured times: a half-size pool was left unused
+    # in one full-suite run, 2026-11-28): limited to half of what the plan used, a plan uses some and no more, or
+    # the refusal says the budget needs a larger pool
+    unlimited = planner.plan(budget_bytes=pooled.between)
+    assert unlimited.host_pool_bytes > 0
+    half = unlimited.host_pool_bytes // 2
+    planner.host_pool_bytes = half
+    try:
+        limited = planner.plan(budget_bytes=pooled.between)
+    except autockpt.InfeasibleBudgetError as refused:
+        assert "host_pool" in str(refused), str(refused)
+    else:
+        assert 0 < limited.host_pool_bytes <= half and limited.predicted_peak_bytes <= pooled.between
 
 
 def test_both_checkpoints_and_offload_in_one_plan_run_as_predicted(pooled: PoolCase) -> None:

@@ -18,7 +18,8 @@ from autockpt.errors import InfeasibleBudgetError
 from autockpt.measure import sources
 from autockpt.measure.fake import FakeTrace
 from autockpt.pipeline import PipelinePlanner, whole_step
-from experiments.common.pipeline_worker import build, lm_loss
+from autockpt.pipeline.run import stage_module_for
+from experiments.common.pipeline_worker import Decoder, build, lm_loss
 
 _CONFIG = {"seed": 0, "model": {"vocab": 1024, "width": 32, "layers": 4, "tied": False}}
 _TARGET = "h100-sxm-80gb"
@@ -147,3 +148,22 @@ def test_a_measured_trace_of_a_meta_model_and_other_traces_are_refused() -> None
         _plan(model, budget_bytes=10**9, trace="real")
     with pytest.raises(ValueError, match="a pipeline plan takes one of auto, fake, measured"):  # a TraceSource
         _plan(model, budget_bytes=10**9, trace=FakeTrace())
+
+
+def test_a_last_stage_planned_with_its_loss_on_fakes_applies_to_the_real_model() -> None:
+    """A meta model's last stage planned with its loss (vocabulary 8192, 256 tokens a microbatch): its target was
+    traced on fakes, so its plan records no range of the target's values; the stage module is still made on the
+    real model (a fingerprint compares no ranges) and its loss runs backward to what the rank received."""
+    with torch.device("meta"):
+        model = Decoder(vocab=8192, width=32, layers=4)
+    generator = torch.Generator().manual_seed(1)
+    ids, target = (torch.randint(0, 8192, (8, 128), generator=generator) for _ in range(2))
+    pplan = autockpt.plan_pipeline(model, 2, budget_gb=80, microbatches=4, example_inputs=(ids,), example_target=target,
+                                   loss_fn=lm_loss, max_cut_candidates=1, target=_TARGET)
+    assert [s.with_loss for s in pplan.stages] == [False, True]
+    torch.manual_seed(0)
+    last = stage_module_for(Decoder(vocab=8192, width=32, layers=4), pplan, 1, loss_fn=lm_loss)
+    received = torch.randn(2, 128, 32, requires_grad=True)
+    loss = last.loss((received,), target[:2])
+    loss.backward()
+    assert loss.shape == () and received.grad is not None and received.grad.shape == received.shape

@@ -18,7 +18,7 @@ from typing import Any
 from torch import fx, nn
 
 from autockpt.measure.loss_tail import find_loss_tail, returned_projection
-from autockpt.planning.loss_chunks import NOT_CHUNKED, chunks_for
+from autockpt.planning.loss_chunks import NOT_CHUNKED, chunks_for, traced_logits
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,18 +52,10 @@ def root_loss(model: nn.Module, planner: Any, units: tuple[str, ...], option: in
     owner = next((u for u in units if u and (path == u or path.startswith(u + "."))), None)
     if owner is not None:
         return _not_chunked(f"the output projection {path} runs in the unit {owner}, not in the root")
-    logits_bytes = planner.trace.units[index].output_bytes
-    tokens = logits_bytes // (module.out_features * _logit_itemsize(graph, module))
-    chunks = chunks_for(int(tokens), logits_bytes, option, planner.trace.baseline_peak_bytes)
+    tokens, logits_bytes = traced_logits(graph, planner.trace, index, module.weight)
+    chunks = chunks_for(tokens, logits_bytes, option, planner.trace.baseline_peak_bytes)
     return RootLoss(projection=path, chunk_tokens=chunks, extra_ms=planner.trace.units[index].forward_ms, note="",
                     fixed=option != "auto")
-
-
-def _logit_itemsize(graph: Any, module: nn.Linear) -> int:
-    """Bytes of one logit: the autocast dtype on the weight's device where autocast was on, else the weight's."""
-    device = module.weight.device.type
-    dtype = next((dtype for kind, enabled, dtype in graph.autocast if enabled and kind == device), module.weight.dtype)
-    return dtype.itemsize
 
 
 def _not_chunked(reason: str) -> RootLoss:

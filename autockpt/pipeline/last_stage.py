@@ -29,6 +29,7 @@ from autockpt.errors import CaptureError, ProfileError
 from autockpt.planning.loss_chunks import NOT_CHUNKED
 from autockpt.planning.options import PlanOptions
 from autockpt.planning.planner import Planner
+from autockpt.runtime.model_state import share_registries
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +61,7 @@ class ReceivedAsOutput(nn.Module):
 
     def __init__(self, stage: nn.Module, with_loss: nn.Module) -> None:
         super().__init__()
-        for registry in ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set"):
-            self.__dict__[registry] = getattr(stage, registry)
+        share_registries(self, stage)
         self.__dict__["with_loss"] = with_loss  # a plain attribute: the state is exactly the stage's
 
     def forward(self, *received: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -12,7 +12,6 @@ stages (tied weights) has its gradient summed across them at the end of every ``
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -27,9 +26,8 @@ from autockpt.measure.capture import capture
 from autockpt.pipeline.last_stage import ReceivedAsOutput, StageWithLoss
 from autockpt.pipeline.stage_graphs import build_stage_graphs
 from autockpt.planning.api import apply_plan
-from autockpt.records.fingerprint import is_integral, model_fingerprint
+from autockpt.records.fingerprint import model_fingerprint
 from autockpt.records.pipeline_plan import PipelinePlan
-from autockpt.records.plan import Plan
 from autockpt.records.plan_inputs import recorded_inputs
 from autockpt.runtime.model_state import enter_training_modes, preserved_model_state
 from autockpt.types import PipelineSchedule
@@ -107,25 +105,11 @@ def stage_module_for(
         assert loss_fn is not None
         stage, stage_plan = stages[index].module, pplan.stage_plans[index]
         with_loss_module = StageWithLoss(stage, loss_fn)
-        args, kwargs = recorded_inputs(with_loss_module, _with_integer_ranges(stage_plan))
+        # a target traced on fakes (a meta model planned) has no recorded range: zeros, only captured on
+        args, kwargs = recorded_inputs(with_loss_module, stage_plan, unranged_as_zeros=True)
         return ReceivedAsOutput(stage, apply_plan(with_loss_module, stage_plan, example_inputs=args,
                                                   example_kwargs=kwargs))
     return apply_plan(stages[index].module, pplan.stage_plans[index])
-
-
-def _with_integer_ranges(the_plan: Plan) -> Plan:
-    """``the_plan`` with a range of 0 for integer inputs it records none for (a target traced on fakes: planned from
-    a meta model): the stage-and-loss module is captured on such a target, and a fingerprint compares no ranges."""
-    fingerprint = the_plan.fingerprint
-    if fingerprint is None:
-        return the_plan
-    inputs = tuple(
-        dataclasses.replace(spec, value_range=(0, 0))
-        if spec.value_range is None and spec.dtype != "python" and is_integral(getattr(torch, spec.dtype[6:]))
-        else spec
-        for spec in fingerprint.inputs
-    )
-    return dataclasses.replace(the_plan, fingerprint=dataclasses.replace(fingerprint, inputs=inputs))
 
 
 class _SumsTiedGradients:

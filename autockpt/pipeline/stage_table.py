@@ -33,7 +33,7 @@ from autockpt.pipeline.stage_graphs import (
     unit_positions,
 )
 from autockpt.pipeline.whole_step import FakesBeside, WholeStep, meta_of
-from autockpt.planning.loss_chunks import LOSS_PHASE_COPIES, NEGLIGIBLE_SHARE, NOT_CHUNKED
+from autockpt.planning.loss_chunks import NOT_CHUNKED, logits_negligible
 from autockpt.planning.options import PlanOptions
 from autockpt.planning.planner import Planner
 from autockpt.record_types import PipelineStageRecord
@@ -396,9 +396,8 @@ def loss_unit(graph: Graph, whole: WholeStep, options: PlanOptions) -> int | Non
     projection = returned_projection(graph.executable)
     if projection is None or options.loss_chunk_tokens == 0:
         return None
-    logits_bytes = whole.values[projection.name].nbytes
-    if options.loss_chunk_tokens == "auto" and (
-        LOSS_PHASE_COPIES * logits_bytes < NEGLIGIBLE_SHARE * whole.baseline_peak_bytes
+    if options.loss_chunk_tokens == "auto" and logits_negligible(
+        whole.values[projection.name].nbytes, whole.baseline_peak_bytes
     ):
         return None
     return unit_positions(graph.executable)[projection.name]

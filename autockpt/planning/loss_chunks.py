@@ -119,11 +119,17 @@ def with_tokens_from_trace(tail: LossTail, built: BuiltStep) -> LossTail:
     if unit is None:
         return tail
     weight = built.graph.executable.get_parameter(tail.weight)
-    dtype = next((dtype for device, enabled, dtype in built.graph.autocast
+    tokens, logits_bytes = traced_logits(built.graph, built.trace, unit, weight)
+    return dataclasses.replace(tail, tokens=tokens, logits_bytes=logits_bytes)
+
+
+def traced_logits(graph: Any, trace: Any, unit: int, weight: Any) -> tuple[int, int]:
+    """(tokens, bytes) of the logits the projection at ``unit`` made in ``trace``, with the weight it read (rows:
+    the vocabulary): its output bytes over the bytes of one row of logits, in the weight's dtype or autocast's."""
+    dtype = next((dtype for device, enabled, dtype in graph.autocast
                   if enabled and device == weight.device.type), weight.dtype)
-    output_bytes = built.trace.units[unit].output_bytes
-    logit_bytes = tail.vocabulary * dtype.itemsize
-    return dataclasses.replace(tail, tokens=output_bytes // logit_bytes, logits_bytes=output_bytes)
+    output_bytes = trace.units[unit].output_bytes
+    return output_bytes // (weight.shape[0] * dtype.itemsize), output_bytes
 
 
 def chunk_candidates(tail: LossTail | None, option: int | str, baseline_peak_bytes: int) -> tuple[int, ...]:
@@ -144,9 +150,15 @@ def chunks_for(tokens: int, logits_bytes: int, option: int | str, baseline_peak_
         return (int(option),)
     if tokens < 2:  # an fx capture records no shapes (0), or one token: nothing to split
         return ()
-    if LOSS_PHASE_COPIES * logits_bytes < NEGLIGIBLE_SHARE * baseline_peak_bytes:
+    if logits_negligible(logits_bytes, baseline_peak_bytes):
         return ()
     return tuple(sorted({math.ceil(tokens / count) for count in AUTO_CHUNK_COUNTS} - {tokens}, reverse=True))
+
+
+def logits_negligible(logits_bytes: int, baseline_peak_bytes: int) -> bool:
+    """Whether chunking a loss over these logits frees a negligible share of the unmodified step's peak ("auto"
+    then weighs no chunk): at most ``LOSS_PHASE_COPIES`` logit-sized tensors under ``NEGLIGIBLE_SHARE`` of it."""
+    return LOSS_PHASE_COPIES * logits_bytes < NEGLIGIBLE_SHARE * baseline_peak_bytes
 
 
 def weighs(planner: LossProgramsOwner, budget_bytes: int) -> bool:

@@ -36,9 +36,11 @@ _NOT_READ = object()
 _KEY = re.compile(r"\[(\d+|'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")\]")  # one pytree.keystr step: [0], ['ids']
 
 
-def recorded_inputs(model: nn.Module, plan: PlanRecord) -> tuple[tuple, dict]:
+def recorded_inputs(model: nn.Module, plan: PlanRecord, *, unranged_as_zeros: bool = False) -> tuple[tuple, dict]:
     """Positional and keyword example inputs with the shapes, dtypes and values the plan records, on the device of
-    the model's parameters. Raises ``ValueError`` naming every input that cannot be rebuilt."""
+    the model's parameters. Raises ``ValueError`` naming every input that cannot be rebuilt. ``unranged_as_zeros``:
+    integer inputs the plan records no range of values for (traced on fakes) are zeros, for a caller that only
+    captures on them (a fingerprint compares no ranges)."""
     if plan.fingerprint is None:
         raise PlanMismatchError(
             "this plan carries no model fingerprint, so it records no inputs to rebuild and autockpt cannot tell "
@@ -54,7 +56,7 @@ def recorded_inputs(model: nn.Module, plan: PlanRecord) -> tuple[tuple, dict]:
         try:
             if path is None:
                 raise ValueError("its path is not one autockpt can rebuild (an attribute of an object?)")
-            leaves.append((path, _value(spec, generator, device)))
+            leaves.append((path, _value(spec, generator, device, unranged_as_zeros)))
         except ValueError as error:
             problems.append(f"{spec.name} ({describe_spec(spec)}): {error}")
     if not problems:
@@ -112,7 +114,7 @@ def _path(name: str) -> tuple[Any, ...] | None:
     return tuple(path) if len(path) > 1 else None
 
 
-def _value(spec: TensorSpec, generator: torch.Generator, device: torch.device) -> Any:
+def _value(spec: TensorSpec, generator: torch.Generator, device: torch.device, unranged_as_zeros: bool) -> Any:
     if spec.dtype == "python":
         return _literal(spec.value)
     dtype = _dtype(spec.dtype)
@@ -125,7 +127,7 @@ def _value(spec: TensorSpec, generator: torch.Generator, device: torch.device) -
     if not is_integral(dtype):
         raise ValueError(f"autockpt does not rebuild {spec.dtype} tensors")
     if spec.value_range is None:
-        if 0 in spec.shape:
+        if 0 in spec.shape or unranged_as_zeros:
             return torch.zeros(spec.shape, dtype=dtype, device=device)
         raise ValueError(
             "the plan records no range of its values (a plan file of schema version 2 or older); make the plan again "

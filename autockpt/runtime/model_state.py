@@ -41,6 +41,14 @@ class BufferState:
                 buffer.copy_(saved)
 
 
+def share_registries(module: nn.Module, owner: nn.Module) -> None:
+    """``module`` holds ``owner``'s own submodule, parameter and buffer registries (not copies): its parameters,
+    buffers and ``state_dict`` are ``owner``'s under the same names, and an assignment through either (``self.count =
+    self.count + 1``) is seen through both. Called in ``module.__init__`` after ``nn.Module.__init__``."""
+    for registry in ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set"):
+        module.__dict__[registry] = getattr(owner, registry)
+
+
 def buffer_values(model: nn.Module) -> dict[str, torch.Tensor]:
     """A copy of every buffer's value, by name."""
     return {name: buffer.detach().clone() for name, buffer in model.named_buffers()}

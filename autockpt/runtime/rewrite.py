@@ -35,7 +35,7 @@ from autockpt.errors import UnplannedStepError, first_line
 from autockpt.record_types import PlanRecord
 from autockpt.runtime.call_form import CallForm
 from autockpt.runtime.fx_nodes import compute_nodes
-from autockpt.runtime.model_state import autocast_state, start_autocast_step, training_modes
+from autockpt.runtime.model_state import autocast_state, share_registries, start_autocast_step, training_modes
 from autockpt.runtime.offload import HostPool, PoolStats
 from autockpt.runtime.output_watch import OutputWatch
 from autockpt.runtime.recompute import CheckpointedRegion, run_checkpointed
@@ -268,8 +268,7 @@ class OptimizedModule(nn.Module):
         super().__init__()
         # the model's own registries, not copies: a forward that assigns a new tensor to a buffer
         # (``self.count = self.count + 1``) is then seen through this module's state_dict too
-        for registry in ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set"):
-            self.__dict__[registry] = getattr(model, registry)
+        share_registries(self, model)
         self.training = model.training
         # plain attributes (not registered): the optimized module's state is exactly the model's
         self.__dict__["_autockpt_model"] = model

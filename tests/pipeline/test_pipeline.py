@@ -140,7 +140,7 @@ def _assert_peaks_kept(stage: PipelineStageRecord, result: dict) -> None:
 
 @pytest.mark.slow
 def test_three_stages_give_the_single_process_loss_and_gradients_under_the_budget(tmp_path) -> None:
-    config = {**_CONFIG, "model": {**_CONFIG["model"], "layers": 5}}
+    config = _CONFIG
     planner = _planner(config, num_stages=3)
     with pytest.raises(InfeasibleBudgetError) as refused:
         planner.plan(budget_bytes=100_000)

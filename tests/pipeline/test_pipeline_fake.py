@@ -21,7 +21,7 @@ from autockpt.pipeline import PipelinePlanner, whole_step
 from autockpt.pipeline.run import stage_module_for
 from experiments.common.pipeline_worker import Decoder, build, lm_loss
 
-_CONFIG = {"seed": 0, "model": {"vocab": 1024, "width": 32, "layers": 4, "tied": False}}
+_CONFIG = {"seed": 0, "model": {"vocab": 1024, "width": 32, "layers": 3, "tied": False}}
 _TARGET = "h100-sxm-80gb"
 
 

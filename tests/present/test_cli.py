@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -144,11 +145,16 @@ def test_keyword_inputs_from_a_function() -> None:
     assert code == 0 and "kwargs['input']" not in out  # summary, not the fingerprint
 
 
-@pytest.mark.slow
-def test_python_dash_m_and_the_console_script_run_the_same_cli() -> None:
-    for command in ([sys.executable, "-m", "autockpt", "--help"], ["autockpt", "--help"]):
-        done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
-        assert done.returncode == 0 and "estimate" in done.stdout and "sweep" in done.stdout
+def test_python_dash_m_and_the_console_script_run_the_same_cli(monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    """The installed console script in a process of its own; ``python -m autockpt`` as Python runs it (``runpy``,
+    ``__main__``) in this one: a second interpreter would only import torch again (issue 46)."""
+    done = subprocess.run(["autockpt", "--help"], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0 and "estimate" in done.stdout and "sweep" in done.stdout
+    monkeypatch.setattr(sys, "argv", ["autockpt", "--help"])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_module("autockpt", run_name="__main__", alter_sys=True)
+    assert exited.value.code == 0 and capsys.readouterr().out == done.stdout
 
 
 def test_demo_runs_a_built_in_example() -> None:

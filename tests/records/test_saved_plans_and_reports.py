@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_same_step, budget_at, needs_transformers, twin
+from conftest import assert_same_step, budget_at, needs_transformers, twin, zoo_with_blocks
 
 import autockpt
 from autockpt.present import zoo
@@ -18,9 +18,15 @@ from autockpt.records.summary import module_rows, region_rows
 from autockpt.units import format_bytes
 
 
+def small_transformer() -> zoo.ZooCase:
+    """The zoo's tiny transformer with 2 layers, not 6: a plan file's contents do not depend on the model's depth,
+    and each plan of it searches both recompute kinds' floors (issue 46)."""
+    return zoo_with_blocks("transformer", 2)
+
+
 @pytest.fixture(scope="module")
 def transformer_plan() -> autockpt.Plan:
-    case = zoo.build("transformer")
+    case = small_transformer()
     planner = autockpt.Planner.from_model(case.model, example_inputs=case.args, loss_fn=case.loss_fn)
     return planner.plan(budget_bytes=budget_at(planner, 0.4), pareto_points=4)  # the trace's figures: no roomy probe
 
@@ -37,7 +43,7 @@ def test_a_loaded_plan_applies_without_solving_and_trains_like_pytorch(
     transformer_plan: autockpt.Plan, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     transformer_plan.save(tmp_path / "plan.json")
-    case = zoo.build("transformer")  # a fresh model, as on another machine
+    case = small_transformer()  # a fresh model, as on another machine
     reference = twin(case)
     monkeypatch.setattr("autockpt.planning.solving.solve_prepared", lambda *a, **k: pytest.fail("apply_plan must not solve"))
     monkeypatch.setattr("autockpt.measure.sources.trace_step", lambda *a, **k: pytest.fail("apply_plan must not profile"))
@@ -52,7 +58,7 @@ def test_a_loaded_plan_applies_without_solving_and_trains_like_pytorch(
 
 
 def test_a_plan_for_other_shapes_or_another_model_is_refused(transformer_plan: autockpt.Plan) -> None:
-    case = zoo.build("transformer")
+    case = small_transformer()
     smaller_batch = (case.args[0][:2],)
     with pytest.raises(autockpt.PlanMismatchError, match=r"input args\[0\]: plan int64\[4, 64\], given int64\[2, 64\]"):
         autockpt.apply_plan(case.model, transformer_plan, example_inputs=smaller_batch)
@@ -62,7 +68,7 @@ def test_a_plan_for_other_shapes_or_another_model_is_refused(transformer_plan: a
 
 
 def test_a_changed_graph_is_named_at_its_first_difference(transformer_plan: autockpt.Plan) -> None:
-    case = zoo.build("transformer")
+    case = small_transformer()
     nodes = list(transformer_plan.nodes)
     nodes[5] = dataclasses.replace(nodes[5], op="aten.imaginary_op")
     fingerprint = dataclasses.replace(transformer_plan.fingerprint, graph_digest="0" * 64)

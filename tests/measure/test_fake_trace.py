@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import needs_diffusers, needs_transformers
+from conftest import budget_at, needs_diffusers, needs_transformers
 
 import autockpt
 from autockpt.errors import FakeStepError, ProfileError
@@ -111,8 +111,7 @@ def test_fake_trace_is_the_measured_memory_timeline(name: str, bf16: bool) -> No
 @pytest.mark.parametrize(("name", "bf16"), [case for case in _PLAN_CASES if case.id in ("cnn-bf16", "transformer-dropout")])
 def test_a_plan_from_the_fake_trace_predicts_the_same_peak(name: str, bf16: bool) -> None:
     both = planners(name, bf16)
-    probe = both.measured.plan(budget_bytes=10**15)
-    budget = (probe.min_feasible_bytes + probe.baseline_peak_bytes) // 2
+    budget = budget_at(both.measured, 0.5)  # from the trace's figures: no full floor search (issue 46)
     measured = both.measured.plan(budget_bytes=budget)
     assert measured.regions
     # the measured plan's regions, scored on the fake trace: the same predicted peak and memory curve
@@ -139,8 +138,7 @@ def _retimed(both: Planners) -> autockpt.Planner:
 
 def test_a_plan_from_placeholder_times_keeps_the_budget_and_says_times_were_not_measured() -> None:
     both = planners("mlp", False)
-    probe = both.fake.plan(budget_bytes=10**15)
-    budget = (probe.min_feasible_bytes + probe.baseline_peak_bytes) // 2
+    budget = budget_at(both.fake, 0.5)
     plan = both.fake.plan(budget_bytes=budget)
     assert plan.regions and plan.predicted_peak_bytes <= budget
     assert plan.predicted_overhead == 0.0 and any("not measured" in note for note in plan.notes)
@@ -205,8 +203,7 @@ def test_a_model_on_the_meta_device_plans_and_stays_there() -> None:
     trace = traces[0]
     assert_same_memory(traces[1], trace)
     assert trace.parameter_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
-    probe = planner.plan(budget_bytes=10**15)
-    plan = planner.plan(budget_bytes=(probe.min_feasible_bytes + trace.baseline_peak_bytes) // 2)
+    plan = planner.plan(budget_bytes=budget_at(planner, 0.5))
     assert plan.regions and plan.predicted_peak_bytes < trace.baseline_peak_bytes
     assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}
 
@@ -237,8 +234,7 @@ def test_a_model_on_the_meta_device_is_captured_at_batch_size_1() -> None:
         assert all(p.grad is None for p in model.parameters())
     trace = planner.trace
     assert trace.parameter_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
-    probe = planner.plan(budget_bytes=10**15)
-    plan = planner.plan(budget_bytes=(probe.min_feasible_bytes + trace.baseline_peak_bytes) // 2)
+    plan = planner.plan(budget_bytes=budget_at(planner, 0.5))
     assert plan.regions and plan.predicted_peak_bytes < trace.baseline_peak_bytes
     module = planner.apply(plan)
     assert {t.device.type for t in module.parameters()} == {"meta"}

@@ -12,7 +12,7 @@ import functools
 
 import pytest
 import torch
-from conftest import loss_of, mlp
+from conftest import budget_at, loss_of, mlp
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -45,8 +45,8 @@ def loop_peaks(module: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Ten
 
 
 def half_way_budget(model: nn.Module, x: torch.Tensor, **loop: object) -> int:
-    probe = autockpt.plan(model, budget_bytes=10**15, example_inputs=(x,), loss_fn=loss_of, **loop)
-    return int(probe.static_bytes + 0.5 * (probe.baseline_peak_bytes - probe.static_bytes))
+    # the traced step's figures (``budget_at``): a plan would search the floor as well
+    return budget_at(autockpt.Planner.from_model(model, example_inputs=(x,), loss_fn=loss_of, **loop), 0.5)
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))

@@ -185,12 +185,17 @@ def rewritten(plan: autockpt.Plan, model: torch.nn.Module, args: tuple, kwargs: 
 def optimize_at(case: zoo.ZooCase, fraction: float) -> torch.nn.Module:
     """Optimize at ``fraction`` of the way from static to peak, or half-way above the floor if that is lower.
 
-    One Planner (``planner_for``) makes the probe and the optimized module: the model is captured and profiled once,
-    not twice."""
+    One Planner (``planner_for``) makes the plans and the optimized module: the model is captured and profiled once,
+    not twice. The floor is the one a plan at the first budget states: the quick floor where that budget is above it
+    (at least the full floor, so the budget only has more room), the full one where it is not (issue 46: a probe at an
+    unlimited budget searches the full floor of both recompute kinds)."""
     planner = planner_for(case)
-    base = planner.plan(budget_bytes=10**15)
-    budget = max(budget_at(base, fraction), (base.min_feasible_bytes + base.baseline_peak_bytes) // 2)
-    return planner.optimize(budget_bytes=budget)
+    budget = budget_at(planner, fraction)
+    try:
+        floor = planner.plan(budget_bytes=budget).min_feasible_bytes
+    except autockpt.InfeasibleBudgetError as refusal:
+        floor = refusal.min_feasible_bytes
+    return planner.optimize(budget_bytes=max(budget, (floor + planner.trace.baseline_peak_bytes) // 2))
 
 
 def check_optimized(case: zoo.ZooCase, fraction: float = 0.5) -> autockpt.Plan:

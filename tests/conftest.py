@@ -186,16 +186,22 @@ def optimize_at(case: zoo.ZooCase, fraction: float) -> torch.nn.Module:
     """Optimize at ``fraction`` of the way from static to peak, or half-way above the floor if that is lower.
 
     One Planner (``planner_for``) makes the plans and the optimized module: the model is captured and profiled once,
-    not twice. The floor is the one a plan at the first budget states: the quick floor where that budget is above it
-    (at least the full floor, so the budget only has more room), the full one where it is not (issue 46: a probe at an
-    unlimited budget searches the full floor of both recompute kinds)."""
+    not twice."""
     planner = planner_for(case)
+    return planner.optimize(budget_bytes=budget_above_floor(planner, fraction))
+
+
+def budget_above_floor(planner: autockpt.Planner, fraction: float) -> int:
+    """``budget_at(planner, fraction)``, or half-way from the floor to the unmodified peak if that is higher. The
+    floor is the one a plan at the first budget states: the quick floor where that budget is above it (at least the
+    full floor, so the budget only has more room), the full one where it is not (issue 46: a probe at an unlimited
+    budget searches the full floor of both recompute kinds)."""
     budget = budget_at(planner, fraction)
     try:
         floor = planner.plan(budget_bytes=budget).min_feasible_bytes
     except autockpt.InfeasibleBudgetError as refusal:
         floor = refusal.min_feasible_bytes
-    return planner.optimize(budget_bytes=max(budget, (floor + planner.trace.baseline_peak_bytes) // 2))
+    return max(budget, (floor + planner.trace.baseline_peak_bytes) // 2)
 
 
 def check_optimized(case: zoo.ZooCase, fraction: float = 0.5) -> autockpt.Plan:

@@ -158,15 +158,15 @@ def test_tied_weights_are_held_by_both_stages_and_the_last_computes_its_loss_in_
     """Run at the smallest budget the refusal states, the last rank stepped as PyTorch documents it
     (``losses=``: that list holds every microbatch's loss while the schedule concatenates the outputs, the last
     stage's peak; 16 B over the stated minimum before they were counted). 256 tokens a microbatch, a vocabulary of
-    8192: the logits (8 MB a microbatch) set the last stage's floor, which it lowers by computing the loss in chunks
+    4096: the logits (4 MB a microbatch) set the last stage's floor, which it lowers by computing the loss in chunks
     (issue 48): the last stage is planned with ``loss_fn`` and the schedule's loss function runs it."""
-    config = {**_CONFIG, "model": {**_CONFIG["model"], "tied": True, "vocab": 8192}, "seq": 128}
+    config = {**_CONFIG, "model": {**_CONFIG["model"], "tied": True, "vocab": 4096}, "seq": 128}
     with pytest.raises(InfeasibleBudgetError) as refused:
         _planner(config).plan(budget_bytes=100_000)
     pplan = _planner(config).plan(budget_bytes=refused.value.min_feasible_bytes)
     assert [s.stages for s in pplan.shared_parameters] == [(0, 1)]
     assert [s.with_loss for s in pplan.stages] == [False, True] and pplan.stage_plans[-1].loss_chunk_tokens > 0
-    logits_bytes = 2 * 128 * 8192 * 4  # one microbatch's: the floor is far under what holding them needs
+    logits_bytes = 2 * 128 * 4096 * 4  # one microbatch's: the floor is far under what holding them needs
     assert pplan.stages[-1].predicted_peak_bytes < pplan.stages[-1].parameter_bytes * 2 + 2 * logits_bytes
     assert any("the tensors the last rank receives" in note for note in pplan.notes)
     assert f"the loss in chunks of {pplan.stage_plans[-1].loss_chunk_tokens} tokens" in pplan.summary()

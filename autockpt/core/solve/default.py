@@ -141,8 +141,6 @@ def find_floor(problem: Problem, options: SolverOptions, solver: str, *, quick: 
     lowest_seed = min(problem.seeds, key=lambda seed: seed.timeline.peak_bytes, default=None)
     # the lowest seed's peak is a cutoff: branches that cannot beat it are pruned (about twice as fast on GPT-2)
     cutoff = lowest_seed.timeline.peak_bytes if lowest_seed is not None else None
-    if quick is not None:  # the quick floor is a plan too: a flat program only matters where it goes lower
-        cutoff = quick.timeline.peak_bytes if cutoff is None else min(cutoff, quick.timeline.peak_bytes)
     answer = solve_flat_program(problem, None, options, solver, peak_cutoff_bytes=cutoff)
     floor_programs.append(answer.stats)
     floor_regions = answer.regions or ()

@@ -183,7 +183,8 @@ def rewritten(plan: autockpt.Plan, model: torch.nn.Module, args: tuple, kwargs: 
 
 
 def optimize_at(case: zoo.ZooCase, fraction: float) -> torch.nn.Module:
-    """Optimize at ``fraction`` of the way from static to peak, or half-way above the floor if that is lower.
+    """Optimize at ``budget_above_floor(planner, fraction)``: ``fraction`` of the way from static to peak, or
+    half-way from the floor to the peak where that budget is higher.
 
     One Planner (``planner_for``) makes the plans and the optimized module: the model is captured and profiled once,
     not twice."""

@@ -474,6 +474,28 @@ def test_the_optimizer_step_is_counted_as_torch_runs_it_with_foreach_temporaries
         dist.destroy_process_group()
 
 
+def test_a_measurement_runs_one_forward_and_backward_with_the_optimizer_states_made() -> None:
+    """Each decision measured costs one forward and backward, not the loop's two (half the time; issue 46): the
+    optimizer's states are made by a step on zero gradients, then the loop's second step, which peaks at least as
+    high as its first, is measured. The gloo tests compare its figures with real ranks' two steps."""
+    losses_computed = []
+
+    def counted_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        losses_computed.append(1)
+        return lm_loss(output, target)
+
+    ids, target = batch(CONFIG, rank=0, world=WORLD)
+    with fake_world(WORLD):
+        measured = measure_sharded_step(
+            build(CONFIG), world_size=WORLD, units=_default_planner().unit_names, checkpointed=(),
+            reshard_after_forward=True, mp_policy=None, inputs=((ids,), {}, target), step_loss=counted_loss,
+            make_optimizer=NAMED_OPTIMIZERS["adamw"],
+        )
+    assert len(losses_computed) == 1
+    assert dict(measured.step_start)["OptState"] > 0  # the states were there as the measured step began
+    assert measured.peak_bytes == _default_planner().measure({}).peak_bytes
+
+
 @needs_transformers
 def test_a_hugging_face_llama_with_its_key_value_cache_on_is_refused_saying_so() -> None:
     """Its key/value cache grows between forward and backward, which selective checkpointing cannot repeat. A

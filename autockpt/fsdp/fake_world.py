@@ -179,21 +179,8 @@ def _measure_sharded_step(
             torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype, device=device), inputs
         )
         params = [p for p in sharded.parameters() if p.requires_grad]
-        optimizer = make_optimizer(params) if make_optimizer is not None else None
-        foreach = _foreach_groups(optimizer, device_type) if optimizer is not None else []
-        if optimizer is not None:
-            for group in optimizer.param_groups:
-                if not group.get("fused"):
-                    group["foreach"] = False
+        optimizer, foreach = _optimizer_with_states(make_optimizer, params, device_type)
         starts: dict[str, int] = {}  # what is live as the measured optimizer.step() starts, by category
-        if optimizer is not None:
-            # the states a first step makes, made here by a step on zero gradients (no forward or backward: they
-            # would be half the measurement's time): the step measured below is the loop's second, which peaks at
-            # least as high as its first (the same bytes, the states too); the tracker counts these states as its own
-            for param in params:
-                param.grad = torch.zeros_like(param)
-            optimizer.step()
-            optimizer.zero_grad()
         tracker = FSDPMemTracker(sharded, optimizer)
         tracker.track_inputs((args, kwargs, target))
         copies = gloo_reduce_scatter_copies() if device_type == "cpu" and world_size > 1 else contextlib.nullcontext()
@@ -241,6 +228,27 @@ def _measure_sharded_step(
         moved[units[slot.region_index]][1] += 1
     return RankMemory(**figures, host_pool_bytes=pool.stats().peak_occupancy_bytes,
                       moved=tuple((name, b, n) for name, (b, n) in moved.items()))
+
+
+def _optimizer_with_states(make_optimizer: Callable[[list], Any] | None, params: list[torch.Tensor],
+                           device_type: str) -> tuple[Any, list[bool]]:
+    """The optimizer over the sharded ``params``, stepping with its for-loop implementation (``measure_sharded_step``
+    says why), with the states a first step makes, and per parameter group whether the ranks step it with foreach on
+    ``device_type`` (``_foreach_groups``). The states are made by a step on zero gradients, without a forward or
+    backward (they would be half a measurement's time): the step measured is the loop's second, which peaks at least
+    as high as its first (the same bytes, the states too). No ``make_optimizer``: (None, [])."""
+    if make_optimizer is None:
+        return None, []
+    optimizer = make_optimizer(params)
+    foreach = _foreach_groups(optimizer, device_type)
+    for group in optimizer.param_groups:
+        if not group.get("fused"):
+            group["foreach"] = False
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad()
+    return optimizer, foreach
 
 
 @contextlib.contextmanager

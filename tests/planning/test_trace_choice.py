@@ -181,13 +181,14 @@ def test_max_batch_size_of_a_meta_model_is_a_prediction_and_says_so() -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "bf16"), [("gpt2", False), ("vit", True), ("unet", False), ("cnn", False), ("bert", True)]
+    ("name", "bf16"), [("gpt2", False), ("unet", False), ("cnn", False), ("bert", True)]
 )
 def test_a_plan_from_the_fake_trace_measures_as_predicted_and_under_its_budget(name: str, bf16: bool) -> None:
     """Item 1: planned from the fake trace (times benchmarked op by op), applied to the real model and measured: within
-    0.5 % of the prediction and under the budget (a decoder, an encoder, vision, the UNet, a BatchNorm conv net; under
-    bf16 autocast too). The encoder-decoder (T5): its fake trace is its measured timeline, to the byte
-    (``tests/measure/test_fake_trace.py``), and its measured plans keep their budget (``test_models.py``)."""
+    0.5 % of the prediction and under the budget (a decoder, an encoder under bf16 autocast, the UNet, a BatchNorm
+    conv net). The encoder-decoder (T5) and the vision transformer (ViT, an encoder as BERT is; issue 46: no two tests
+    proving the same fact): their fake traces are their measured timelines, to the byte
+    (``tests/measure/test_fake_trace.py``), and their measured plans keep their budget (``test_models.py``)."""
     case = zoo.build(name, "tiny")
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     call = {"example_inputs": case.args, "example_kwargs": case.kwargs, "loss_fn": case.loss_fn}

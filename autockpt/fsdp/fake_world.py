@@ -117,14 +117,15 @@ def measure_sharded_step(
     selective: Sequence[str] = (), offloaded: Sequence[str] = (), device_type: str = "cpu",
     checkpointed_parts: Sequence[str] = (), loss_chunk: tuple[str, int] | None = None,
 ) -> RankMemory:
-    """Rank 0's peak over a training step (the loop's second: the optimizer's states made) of ``model`` sharded over ``world_size`` ranks, the ``checkpointed``
-    units under checkpoint, the ``selective`` ones under selective checkpoint, the ``checkpointed_parts`` (modules
-    inside kept units) each under checkpoint, the ``offloaded`` ones in a host pool
-    (autockpt's own, measuring fakes: ``HostPool(fake_tensors=True)``, as large as they need). ``inputs``: (args,
-    kwargs, target), one rank's batch (real or meta tensors: the step runs on fakes of them); ``step_loss(output,
-    target)`` the loss; ``device_type``: the device the ranks will run on ("cuda", "cpu"), whose default decides
-    whether the optimizer steps with its foreach implementation; ``loss_chunk``: (the root's projection, chunk
-    tokens) whose loss runs in chunks (``runtime/logits_standin.py``), or None. Runs inside ``fake_world(world_size)``.
+    """Rank 0's peak over a training step (the loop's second: the optimizer's states made) of ``model`` sharded over
+    ``world_size`` ranks, the ``checkpointed`` units under checkpoint, the ``selective`` ones under selective
+    checkpoint, the ``checkpointed_parts`` (modules inside kept units) each under checkpoint, the ``offloaded`` ones in
+    a host pool (autockpt's own, measuring fakes: ``HostPool(fake_tensors=True)``, as large as they need).
+    ``inputs``: (args, kwargs, target), one rank's batch (real or meta tensors: the step runs on fakes of them);
+    ``step_loss(output, target)`` the loss; ``device_type``: the device the ranks will run on ("cuda", "cpu"), whose
+    default decides whether the optimizer steps with its foreach implementation; ``loss_chunk``: (the root's
+    projection, chunk tokens) whose loss runs in chunks (``runtime/logits_standin.py``), or None. Runs inside
+    ``fake_world(world_size)``.
 
     The sharded step runs the optimizer's for-loop implementation (``foreach=False``; fused kept): under
     FakeTensorMode, ``FSDPMemTracker`` never sees the foreach implementation's temporaries of DTensor parameters freed
@@ -192,12 +193,9 @@ def _measure_sharded_step(
             del output  # as in the one-expression step: the output lives on only where backward saved it
             loss.backward()
             del loss
-            if optimizer is not None:
+            if optimizer is not None:  # the last thing measured: no gradients to clear after it
                 starts = _by_category(tracker.get_tracker_snapshot("current")[torch.device(device)])
                 optimizer.step()
-                optimizer.zero_grad()
-            else:
-                sharded.zero_grad()
         snapshot = _by_category(tracker.get_tracker_snapshot("peak")[torch.device(device)])
         timeline = _timeline(tracker, sharded, units, torch.device(device))
         during: list[dict[str, int]] = []  # each foreach step at its peak

@@ -159,7 +159,8 @@ def _capture_export(
         )
     # a failed export logs a warning and prints the partial graph to stderr; the reason is kept in Graph.notes instead
     distinct_args, distinct_kwargs = _without_shared_storage(args, kwargs)
-    with _quiet_logger("torch.fx.experimental.symbolic_shapes"), contextlib.redirect_stderr(io.StringIO()):
+    with _quiet_logger("torch.fx.experimental.symbolic_shapes"), contextlib.redirect_stderr(io.StringIO()), \
+            _no_node_stack_traces():
         exported = torch.export.export(_PlainOutputs(model, asserted_reads), distinct_args, distinct_kwargs, strict=False)
     notes = []
     if dropped:
@@ -254,6 +255,19 @@ def _refuse_value_dependent_shapes(executable: fx.GraphModule) -> None:
         value = node.meta.get("val")
         if isinstance(value, torch.Tensor) and any(isinstance(size, torch.SymInt) for size in value.shape):
             raise ValueError(f"node {node.name}: its shape {tuple(value.shape)} depends on tensor values")
+
+
+@contextlib.contextmanager
+def _no_node_stack_traces() -> Iterator[None]:
+    """No Python stack trace recorded on each traced node: nothing autockpt reads, and extracting and symbolising one
+    per node was about a fifth of an export's time (tests' models, CPU). Export's own errors still say where."""
+    config = fx.config
+    before = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = before
 
 
 @contextlib.contextmanager

@@ -24,7 +24,9 @@ def shared_planner(config: dict[str, Any], *, roofline: bool = False, host_pool_
     AdamW as the ranks do; ``roofline``: an H100's roofline times (the same choice on every machine). The loss is not
     computed in chunks unless asked (``loss_chunk_tokens``): weighing its chunks measures each decision per chunk,
     and the tests that are not about it would pay for that."""
-    return _planner(json.dumps(config, sort_keys=True), roofline, host_pool_gb, loss_chunk_tokens)
+    # "decoder" is ``build``'s default kind: a config that names it is the same model as one that does not
+    keyed = {key: value for key, value in config.items() if (key, value) != ("kind", "decoder")}
+    return _planner(json.dumps(keyed, sort_keys=True), roofline, host_pool_gb, loss_chunk_tokens)
 
 
 @functools.cache

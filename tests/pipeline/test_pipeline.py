@@ -28,6 +28,8 @@ from experiments.common.pipeline_worker import build, lm_loss, run_rank
 
 _CONFIG = {"seed": 0, "model": {"vocab": 1024, "width": 32, "layers": 4, "tied": False}}
 _MICROBATCHES = 4
+# one worker for the module: its planners (``_planner``) are traced once, not once on each worker that runs a test
+pytestmark = pytest.mark.xdist_group("pipeline")
 
 
 def _batch(config: dict = _CONFIG) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,15 +49,15 @@ def _plan(config: dict, num_stages: int = 2, **kwargs) -> autockpt.PipelinePlan:
 _PLANNERS: dict[str, PipelinePlanner] = {}
 
 
-def _planner(config: dict, num_stages: int = 2) -> PipelinePlanner:
-    """One capture and profile per model and stage count in this worker, for every budget a test asks: the
-    autockpt split first (``plan``), the even split beside it (``compare``)."""
-    key = repr((config, num_stages))
+def _planner(config: dict, num_stages: int = 2, max_cut_candidates: int = 16) -> PipelinePlanner:
+    """One capture and profile per model, stage count and number of cut candidates in this worker, for every budget
+    a test asks: the autockpt split first (``plan``), the even split beside it (``compare``)."""
+    key = repr((config, num_stages, max_cut_candidates))
     if key not in _PLANNERS:
         ids, target = _batch(config)
         _PLANNERS[key] = PipelinePlanner.from_model(
             build(config), num_stages, microbatches=_MICROBATCHES, example_inputs=(ids,), example_target=target,
-            loss_fn=lm_loss, splits=("autockpt", "even-layers"),
+            loss_fn=lm_loss, splits=("autockpt", "even-layers"), max_cut_candidates=max_cut_candidates,
         )
     return _PLANNERS[key]
 
@@ -140,8 +142,12 @@ def _assert_peaks_kept(stage: PipelineStageRecord, result: dict) -> None:
 
 @pytest.mark.slow
 def test_three_stages_give_the_single_process_loss_and_gradients_under_the_budget(tmp_path) -> None:
+    """Three cut candidates, not the default 16: what is checked here (the ranks' step against the single process,
+    each rank's budget, 1F1B's microbatches in flight) holds at any split, and each candidate boundary adds stage
+    plans to make (half of this test's planning time; the split program is tested against the exhaustive search
+    below)."""
     config = _CONFIG
-    planner = _planner(config, num_stages=3)
+    planner = _planner(config, num_stages=3, max_cut_candidates=3)
     with pytest.raises(InfeasibleBudgetError) as refused:
         planner.plan(budget_bytes=100_000)
     floor = refused.value.min_feasible_bytes
@@ -159,11 +165,13 @@ def test_tied_weights_are_held_by_both_stages_and_the_last_computes_its_loss_in_
     (``losses=``: that list holds every microbatch's loss while the schedule concatenates the outputs, the last
     stage's peak; 16 B over the stated minimum before they were counted). 256 tokens a microbatch, a vocabulary of
     4096: the logits (4 MB a microbatch) set the last stage's floor, which it lowers by computing the loss in chunks
-    (issue 48): the last stage is planned with ``loss_fn`` and the schedule's loss function runs it."""
+    (issue 48): the last stage is planned with ``loss_fn`` and the schedule's loss function runs it. One cut
+    candidate (the middle boundary): the tied weights and the chunked loss are there at any split."""
     config = {**_CONFIG, "model": {**_CONFIG["model"], "tied": True, "vocab": 4096}, "seq": 128}
+    planner = _planner(config, max_cut_candidates=1)
     with pytest.raises(InfeasibleBudgetError) as refused:
-        _planner(config).plan(budget_bytes=100_000)
-    pplan = _planner(config).plan(budget_bytes=refused.value.min_feasible_bytes)
+        planner.plan(budget_bytes=100_000)
+    pplan = planner.plan(budget_bytes=refused.value.min_feasible_bytes)
     assert [s.stages for s in pplan.shared_parameters] == [(0, 1)]
     assert [s.with_loss for s in pplan.stages] == [False, True] and pplan.stage_plans[-1].loss_chunk_tokens > 0
     logits_bytes = 2 * 128 * 4096 * 4  # one microbatch's: the floor is far under what holding them needs

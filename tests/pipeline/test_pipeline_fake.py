@@ -71,14 +71,16 @@ def _stage_peaks(pplan: autockpt.PipelinePlan) -> list[tuple[int, int, int]]:
 def test_a_fake_pipeline_plan_is_the_measured_one_at_the_same_unit_times(monkeypatch: pytest.MonkeyPatch) -> None:
     """Roofline times on one target for both: the same cuts, stage plans and predicted peaks, to the byte; the fake
     plan is trace="auto"'s under a device memory below the whole step's, which runs no real step. (Without the
-    outputs returned, whose concatenation bounds the last stage, a budget near the floor makes a stage recompute.)"""
+    outputs returned, whose concatenation bounds the last stage, a budget near the floor makes a stage recompute.)
+    Two cut candidates, not the default 16: each is stage plans to make, twice here, and two give both traces a
+    choice of split to agree on."""
     ids, target = _batch()
     model = build(_CONFIG)
     steps = RealSteps(monkeypatch, model)
     # trace="auto" under a device memory below the whole step's: the fake trace, and no real step
     fakes = PipelinePlanner.from_model(model, 2, microbatches=4, example_inputs=(ids,), example_target=target,
                                        loss_fn=lm_loss, target=_TARGET, device_memory_bytes=100_000,
-                                       return_outputs=False)
+                                       return_outputs=False, max_cut_candidates=2)
     with pytest.raises(InfeasibleBudgetError) as refused:
         fakes.plan(budget_bytes=100_000)
     budget = int(refused.value.min_feasible_bytes * 1.02)
@@ -87,7 +89,8 @@ def test_a_fake_pipeline_plan_is_the_measured_one_at_the_same_unit_times(monkeyp
     assert steps.count == 0
     assert any("above the device memory" in note for note in fake.notes)
     assert all(p.grad is None for p in model.parameters())
-    measured = _plan(model, budget_bytes=budget, trace="measured", target=_TARGET, return_outputs=False)
+    measured = _plan(model, budget_bytes=budget, trace="measured", target=_TARGET, return_outputs=False,
+                     max_cut_candidates=2)
     assert fake.cuts == measured.cuts
     assert _stage_peaks(fake) == _stage_peaks(measured)
     assert [p.regions for p in fake.stage_plans] == [p.regions for p in measured.stage_plans]

@@ -129,14 +129,34 @@ def probe(case: zoo.ZooCase) -> autockpt.Plan:
     return autockpt.plan(case.model, budget_bytes=10**15, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
 
 
-def planner_for(case: zoo.ZooCase, solver_options: autockpt.SolverOptions | None = None) -> autockpt.Planner:
+# The checkpoint kind the shared helpers plan with, per zoo model: one kind each, both kinds across the families (an
+# MLP, a conv net with BatchNorm, Hugging Face decoders and an encoder-decoder, a diffusion UNet on autockpt's own;
+# dropout, the module-level capture, encoders and the VAE on torch's). "auto", the default, plans both kinds and, in
+# ``optimize``, measures both plans and times their steps against each other to keep the faster: twice the planning
+# and measuring of one kind, and a choice that moves with the machine's load (issue 46). Its own tests plan "auto"
+# (``tests/runtime/test_recompute.py``), as do the tests that call ``autockpt.optimize`` or ``plan`` with defaults.
+_OWN_CHECKPOINT_MODELS = frozenset({"mlp", "cnn", "gpt2", "t5", "unet"})
+
+
+def checkpoint_for(case: zoo.ZooCase) -> Action:
+    """The checkpoint kind ``planner_for`` plans ``case`` with (see ``_OWN_CHECKPOINT_MODELS``)."""
+    return Action.RECOMPUTE_OWN if case.name in _OWN_CHECKPOINT_MODELS else Action.RECOMPUTE_TORCH
+
+
+def planner_for(
+    case: zoo.ZooCase, solver_options: autockpt.SolverOptions | None = None, *, checkpoint: Action | str | None = None
+) -> autockpt.Planner:
     """The Planner ``autockpt.optimize`` and ``autockpt.plan`` make for the case (they are ``Planner.from_model(...).optimize``
     and ``.plan``): the model captured and traced once, for a probe and any number of budgets. The loss as captured
     (``loss_chunk_tokens=0``): weighing its chunked programs costs two more traces per language model, which the tests
-    of that action (``tests/planning/test_loss_chunks.py``, the fake-trace plans of ``test_trace_choice.py``) pay."""
+    of that action (``tests/planning/test_loss_chunks.py``, the fake-trace plans of ``test_trace_choice.py``) pay.
+    ``checkpoint``: the case's own kind (``checkpoint_for``) unless given, or given by ``solver_options``."""
+    if checkpoint is None:
+        by_solver = solver_options is not None and solver_options.checkpoint != "auto"
+        checkpoint = "auto" if by_solver else checkpoint_for(case)
     return autockpt.Planner.from_model(
         case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn,
-        solver_options=solver_options, loss_chunk_tokens=0,
+        solver_options=solver_options, loss_chunk_tokens=0, checkpoint=checkpoint,
     )
 
 

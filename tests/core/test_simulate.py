@@ -176,7 +176,7 @@ def test_the_vectorised_simulator_gives_the_reference_timeline(name: str) -> Non
     """``simulate`` (numpy, facts cached per region and action) and ``_predict`` (storage by storage) give equal
     timelines, every field (float sums bit for bit), on every candidate alone under each action and on random plans
     of mixed actions, in any region order."""
-    planner = planner_for(zoo.build(name))
+    planner = planner_for(zoo.build(name), checkpoint="auto")  # both kinds: the trace has gradient lifetimes
     # prices injected, not calibrated (issue 46: a calibration on a loaded machine measured 0.0 and failed the
     # precondition): nonzero and uneven per action, so that every float sum of the machinery is compared
     trace = planner.trace

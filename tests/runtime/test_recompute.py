@@ -169,7 +169,7 @@ def _floor(planner: autockpt.Planner) -> int:
 
 def test_auto_optimize_times_both_kinds_plans_and_returns_one_that_trains_like_pytorch() -> None:
     case = zoo.build("gpt2")
-    planner = planner_for(case)  # the default options: checkpoint "auto"
+    planner = planner_for(case, checkpoint="auto")  # the default options
     budget = budget_at(planner, 0.5)
     optimized = planner.optimize(budget_bytes=budget)
     plan = autockpt.get_plan(optimized)

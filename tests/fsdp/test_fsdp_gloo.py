@@ -8,16 +8,15 @@ from __future__ import annotations
 import importlib.util
 import logging
 import pickle
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from conftest import needs_transformers
 from fsdp_planners import FSDP_GROUP, WORLD, shared_planner
+from spawned_ranks import run_ranks
 
 from experiments.common.fsdp_worker import CONFIG, build, reference, run_rank
 
@@ -101,17 +100,8 @@ def gloo_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Plann
     runnable = [case for case in cases if planned[case].failure is None]
     jobs = [[(planned[c].config, str(folder / f"{c}.json"), str(folder / f"{c}.rank{r}.pkl")) for c in runnable]
             for r in range(WORLD)]
-    context = mp.start_processes(
-        _rank_jobs, args=(WORLD, jobs, str(folder / "init")), nprocs=WORLD, join=False, start_method="spawn",
-    )
-    limit_s = 120 + 60 * len(runnable)
-    deadline = time.monotonic() + limit_s
-    # join returns when one process ends (False while others run) and raises when a rank failed, with its traceback
-    while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"FSDP ranks did not finish {len(runnable)} cases within {limit_s} s")
+    run_ranks(_rank_jobs, (WORLD, jobs, str(folder / "init")), WORLD, 120 + 60 * len(runnable),
+              f"FSDP ranks running {len(runnable)} cases")
     return {
         case: (planned[case], [pickle.loads((folder / f"{case}.rank{r}.pkl").read_bytes()) for r in range(WORLD)]
                if case in runnable else [])

@@ -11,11 +11,10 @@ import itertools
 import os
 import pickle
 import random
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from spawned_ranks import run_ranks
 
 import autockpt
 from autockpt.core.solve.split import SplitProblem, StageOption, exhaustive_split, solve_split
@@ -67,17 +66,10 @@ def _run(config: dict, pplan: autockpt.PipelinePlan, tmp_path) -> list[dict]:
     ids, target = _batch(config)
     pplan.save(tmp_path / "plan.json")
     torch.save({"ids": ids, "target": target}, tmp_path / "batch.pt")
-    context = mp.start_processes(
-        run_rank, args=(pplan.num_stages, config, str(tmp_path / "plan.json"), str(tmp_path), str(tmp_path / "init")),
-        nprocs=pplan.num_stages, join=False, start_method="spawn",
+    run_ranks(
+        run_rank, (pplan.num_stages, config, str(tmp_path / "plan.json"), str(tmp_path), str(tmp_path / "init")),
+        pplan.num_stages, 180, "pipeline ranks",
     )
-    deadline = time.monotonic() + 180
-    # join returns when one process ends (False while others run) and raises when a rank failed, with its traceback
-    while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("pipeline ranks did not finish within 180 s")
     return [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(pplan.num_stages)]
 
 

@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from conftest import checkpoint_for
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
@@ -196,8 +197,9 @@ def test_a_plan_from_the_fake_trace_measures_as_predicted_and_under_its_budget(n
         # a 5 % gap (1 % by default): what is checked holds for any plan, and the UNet's programs take half the time
         # the loss's chunked programs weighed on one decoder (GPT-2): two more fake traces per language model
         chunks = "auto" if name == "gpt2" else 0
+        # one checkpoint kind, the case's (``conftest.checkpoint_for``): the prediction is what is checked
         planner = autockpt.Planner.from_model(case.model, **call, trace="fake", solver=SolverOptions(relative_gap=0.05),
-                                              loss_chunk_tokens=chunks)
+                                              loss_chunk_tokens=chunks, checkpoint=checkpoint_for(case))
         with pytest.raises(autockpt.InfeasibleBudgetError) as floor:
             planner.plan(budget_bytes=1)
         budget = (floor.value.min_feasible_bytes + planner.trace.baseline_peak_bytes) // 2

@@ -102,10 +102,12 @@ def test_the_chain_solver_matches_the_block_milp(gpt2_planner: autockpt.Planner)
         assert 0.99 * milp_ms <= chain_ms <= 1.01 * milp_ms + 1e-6, (fraction, milp_ms, chain_ms)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "vit"])
-def test_block_plans_fit_and_cost_about_what_the_flat_program_costs(name: str, gpt2_planner: autockpt.Planner) -> None:
-    case = zoo.build(name)
-    planner = gpt2_planner if name == "gpt2" else autockpt.Planner.from_model(
+def test_block_plans_fit_and_cost_about_what_the_flat_program_costs() -> None:
+    """On ViT's encoder layers. GPT-2's block plans against its flat program's are ``bench_scale.py``'s figures (6 to
+    48 layers, ``recompute_vs_flat``), and its block plans are run end to end below: here its flat programs took 8 of
+    the suite's seconds (issue 46)."""
+    case = zoo.build("vit")
+    planner = autockpt.Planner.from_model(
         case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
     # the checkpoint machinery counts on both sides (the block menus once left the fixed cost per region out: block
     # plans came out 9-18 % above the flat program's on these tiny models, where a region's fixed cost is ~1.5 % of

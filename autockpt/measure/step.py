@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
+import functools
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -197,9 +199,7 @@ def _one_step(
         return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device), float(loss.detach())
 
     if all(p.requires_grad for p in module.parameters()):
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        tracker = MemTracker()
+        tracker = step_peak_tracker()
         external = [t for t in static if not isinstance(t, nn.Parameter)]
         tracker.track_external(module, *external, *held, *([optimizer] if optimizer is not None else []))
         with tracker:
@@ -213,6 +213,28 @@ def _one_step(
             loss = run()
         peak = max(event.peak_bytes for event in own.events)
     return int(peak), None, float(loss.detach())
+
+
+def step_peak_tracker() -> Any:
+    """torch's ``MemTracker``, keeping the step's peak snapshot only. At every new peak ``MemTracker`` also stores a
+    deep copy of the whole snapshot for each module running then (its per-module peaks): 40-75 % of a measured step
+    of the test models on CPU (a T5 0.70 -> 0.18 s), and nothing here reads them. The byte counts, their categories
+    and the step's peak are ``MemTracker``'s own, to the byte (``tests/measure/test_storage_tracker.py``)."""
+    return _step_peak_tracker_class()()
+
+
+@functools.cache
+def _step_peak_tracker_class() -> type:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class StepPeakTracker(MemTracker):
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            for device, snapshot in self._curr_mem_snap.items():
+                if self._peak_mem.get(device, 0) < snapshot["Total"]:
+                    self._peak_mem[device] = snapshot["Total"]
+                    self._peak_mem_snap[device] = copy.deepcopy(snapshot)
+
+    return StepPeakTracker
 
 
 def measure_compiled_step(

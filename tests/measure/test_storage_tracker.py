@@ -1,14 +1,20 @@
 """autockpt's StorageTracker on what FSDP2 does to storages: DTensors (wrapper subclasses) and
-``UntypedStorage.resize_``, the cross-check of FSDPMemTracker in tests/fsdp/test_fsdp_gloo.py."""
+``UntypedStorage.resize_``, the cross-check of FSDPMemTracker in tests/fsdp/test_fsdp_gloo.py; and the MemTracker
+``measure_step`` counts with against torch's own."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
+from conftest import needs_transformers
 from torch.distributed import HashStore
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from autockpt.measure.loss import default_loss
+from autockpt.measure.step import step_peak_tracker
 from autockpt.measure.storage_tracker import StorageTracker
+from autockpt.present import zoo
 
 CPU = torch.device("cpu")
 
@@ -58,3 +64,28 @@ def test_dtensors_are_counted_by_their_local_tensors_as_memtracker_counts_them()
         dist.destroy_process_group()
     peak = reference.get_tracker_snapshot("peak")[CPU]["Total"]
     assert max(e.peak_bytes for e in second.events) == max(e.peak_bytes for e in by_local.events) == peak
+
+
+@pytest.mark.parametrize("name", ["cnn", pytest.param("gpt2", marks=needs_transformers)])
+def test_the_step_peak_tracker_is_memtrackers_peak_snapshot_to_the_byte(name: str) -> None:
+    """``measure_step``'s tracker (MemTracker without its per-module peak copies): the same peak snapshot, every
+    category, as torch's MemTracker on the same step (a conv net with BatchNorm; a Hugging Face decoder stepped with
+    AdamW, whose states an untracked step made first)."""
+    case = zoo.build(name)
+    optimizer = torch.optim.AdamW(case.model.parameters())
+    loss_fn = case.loss_fn or default_loss
+    if name == "gpt2":
+        loss_fn(case.model(*case.args, **case.kwargs)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    snapshots = []
+    for tracker in (MemTracker(), step_peak_tracker(), MemTracker(), step_peak_tracker()):
+        tracker.track_external(case.model, *case.args, optimizer)
+        with tracker:
+            loss_fn(case.model(*case.args, **case.kwargs)).backward()
+            if name == "gpt2":
+                optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        snapshots.append((tracker.get_tracker_snapshot("peak")[CPU], tracker.get_tracker_snapshot("current")[CPU]))
+    assert snapshots[0] == snapshots[1] and snapshots[2] == snapshots[3]
+    assert snapshots[0][0]["Total"] > snapshots[0][1]["Total"]  # a peak above the step's end was kept

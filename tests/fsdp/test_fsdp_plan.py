@@ -195,7 +195,8 @@ def test_a_meta_model_on_meta_inputs_stays_on_meta_and_plans_as_the_real_one(roo
     with torch.device("meta"):
         model = build(CONFIG)
     ids, target = batch(CONFIG, rank=0, world=WORLD)
-    fplan = _plan(model, example_inputs=(ids.to("meta"),), example_target=target.to("meta"))
+    # the loss as the model computes it, as ``roomy``'s shared planner (``fsdp_planners``): its chunks are not weighed
+    fplan = _plan(model, example_inputs=(ids.to("meta"),), example_target=target.to("meta"), loss_chunk_tokens=0)
     assert all(p.device.type == "meta" for p in model.parameters())
     # the same model: the same graph and parameters (a meta input has no value range to record)
     assert (fplan.fingerprint.graph_digest, fplan.fingerprint.parameters) == (roomy.fingerprint.graph_digest,
@@ -430,7 +431,7 @@ def test_the_time_model_prices_collectives_and_hides_them_behind_compute() -> No
 
 
 def test_keeping_parameters_unsharded_after_forward_costs_memory(roomy) -> None:
-    kept = _plan(reshard_after_forward=False)
+    kept = _plan(reshard_after_forward=False, loss_chunk_tokens=0)  # as ``roomy``: the loss's chunks not weighed
     assert kept.reshard_after_forward is False
     assert kept.baseline_peak_bytes > roomy.baseline_peak_bytes  # each unit's gathered parameters live to backward
 

@@ -195,6 +195,7 @@ def test_a_model_on_the_meta_device_plans_and_stays_there() -> None:
         planner = autockpt.Planner.from_model(
             model, example_inputs=(given,), example_kwargs={"labels": given}, trace_source=FakeTrace(),
             loss_chunk_tokens=0,  # the subject is the capture on meta; the loss's chunks are test_loss_chunks.py's
+            checkpoint="torch_non_reentrant",  # one kind: both are planned from fake traces in test_trace_choice.py
         )
         assert planner.graph.kind is CaptureKind.EXPORT  # captured on meta: the outputs compared by shape
         assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}
@@ -228,6 +229,7 @@ def test_a_model_on_the_meta_device_is_captured_at_batch_size_1() -> None:
         planner = autockpt.Planner.from_model(
             model, example_inputs=(given,), example_kwargs={"labels": given}, trace_source=FakeTrace(),
             loss_chunk_tokens=0,  # the subject is the capture on meta; the loss's chunks are test_loss_chunks.py's
+            checkpoint="torch_non_reentrant",  # one kind: both are planned from fake traces in test_trace_choice.py
         )
         assert planner.graph.kind is CaptureKind.EXPORT and planner.graph.model is model
         assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}

@@ -23,9 +23,10 @@ from autockpt.types import Action, CaptureKind, Region, RegionAction
 
 FUNCTION = autockpt.SolverOptions(checkpoint="recompute_function")
 
-# fx (mlp, cnn, transformer), module-level (control_flow) and export (gpt2) captures; the UNet's export path under
-# autockpt's own recompute is planned in test_models.py (checkpoint "auto" plans both actions)
-MODELS = zoo_params("mlp", "cnn", "transformer", "control_flow", "gpt2")
+# the fx (transformer) and module-level (control_flow) captures of models that test_models.py plans under torch's
+# checkpoint; it plans the MLP, the BatchNorm CNN (fx), GPT-2 and the UNet (export) under autockpt's own, at the same
+# budget with the same checks (``conftest.checkpoint_for``), so they are not planned here again (issue 46)
+MODELS = zoo_params("transformer", "control_flow")
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -152,13 +153,13 @@ def test_auto_plans_for_both_kinds_and_keeps_the_cheaper_predicted_plan() -> Non
     floors = {kind: _floor(planner) for kind, planner in alone.items()}
     assert _floor(auto) == min(floors.values())
     top = auto.trace.baseline_peak_bytes
-    for fraction in (0.3, 0.8):  # near the floors, where the kinds differ most, and roomy
-        budget = int(max(floors.values()) + fraction * (top - max(floors.values())))
-        plans = {kind: planner.plan(budget_bytes=budget) for kind, planner in alone.items()}
-        cheaper = min(plans.values(), key=lambda p: p.predicted_overhead)
-        chosen = auto.plan(budget_bytes=budget)
-        assert chosen.predicted_overhead == pytest.approx(min(p.predicted_overhead for p in plans.values()))
-        assert chosen.regions == cheaper.regions and chosen.planned_action is cheaper.planned_action
+    # near the floors, where the kinds differ most (a roomy budget as well took another 2 s of the suite: issue 46)
+    budget = int(max(floors.values()) + 0.3 * (top - max(floors.values())))
+    plans = {kind: planner.plan(budget_bytes=budget) for kind, planner in alone.items()}
+    cheaper = min(plans.values(), key=lambda p: p.predicted_overhead)
+    chosen = auto.plan(budget_bytes=budget)
+    assert chosen.predicted_overhead == pytest.approx(min(p.predicted_overhead for p in plans.values()))
+    assert chosen.regions == cheaper.regions and chosen.planned_action is cheaper.planned_action
 
 
 def _floor(planner: autockpt.Planner) -> int:

@@ -7,9 +7,10 @@ import os
 # One OpenMP thread in every process the tests start, set before torch is first imported (here: conftest is imported
 # before any test module): pytest-xdist runs two workers on this project's 2-core machines. ``torch.set_num_threads``
 # below sets torch's intra-op threads of this process only; with the variable unset a worker that planned GPT-2 had
-# two native threads more (4 against 2), and every spawned rank, fork server and Inductor compile worker starts with
-# a thread per core. Whole-suite runs on fresh clones, alternating: 4-9 % quicker with it in three pairs, 3 % slower
-# in one (the machine's own spread is about 5 %; issue 46). A value the user sets is kept.
+# two native threads more (4 against 2), and each fork server and Inductor compile worker starts torch with a thread
+# per core (the spawned ranks set one thread themselves, once they run). Whole-suite runs on fresh clones,
+# alternating: 4-9 % quicker with it in three pairs, 3 % slower in one (the machine's own spread is about 5 %;
+# issue 46). A value the user sets is kept.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import copy

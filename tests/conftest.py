@@ -25,10 +25,13 @@ import torch
 from torch.utils import _pytree as pytree
 
 import autockpt
+from autockpt.core.devices import DeviceSpec
 from autockpt.core.solve.base import Scorer, region_actions
 from autockpt.measure.capture import capture, plain_outputs
 from autockpt.measure.loss import default_loss
+from autockpt.measure.timing import RooflineTiming
 from autockpt.measure.trace import trace_step
+from autockpt.planning.options import PlanOptions
 from autockpt.present import zoo
 from autockpt.runtime.rewrite import rewrite
 from autockpt.types import Action, ActionPrice, CostModel, Policy, Region, RegionAction, StepTrace
@@ -65,6 +68,26 @@ torch.set_num_threads(THREADS)
 @pytest.fixture(autouse=True)
 def _threads() -> None:
     torch.set_num_threads(THREADS)
+
+
+# The times every plan a test makes is planned with, unless the test names a timing (issue 46: no test depends on a
+# measured time or on machine load; a calibration a test needs is injected). autockpt's default, timing="auto", keeps
+# the times the measured trace took: three timed steps per trace (about 7 % of the suite's test time), and plans that
+# may differ from run to run with the machine's load. A roofline of a fixed CPU instead: the same units get the same
+# times on every machine, and a measured trace runs no timed steps for it (``uses_measured_times``). What tests check
+# of a plan (its peak, its budget, the gradients) does not depend on the times; tests of the timings themselves
+# ("auto", "measured", "benchmark": tests/measure/test_timing.py, test_benchmark_timing.py, ...) name theirs.
+TEST_CPU = DeviceSpec(
+    name="test-cpu", description="a fixed CPU for the tests' plans", memory_bytes=16 * 2**30,
+    peak_tflops=(("float32", 0.1), ("bfloat16", 0.05)), hbm_gb_per_s=10.0,
+    host_to_device_gb_per_s=8.0, device_to_host_gb_per_s=8.0, op_overhead_us=5.0, link_latency_us=2.0,
+    copies_overlap_compute=False, device_type="cpu",
+    source=(("every figure", "fixed for the tests: tests/conftest.py"),),
+)
+TEST_TIMING = RooflineTiming(TEST_CPU)
+# PlanOptions is a keyword-only dataclass: its generated __init__ reads its defaults from __kwdefaults__
+assert PlanOptions.__init__.__kwdefaults__["timing"] == "auto", "autockpt's default timing changed: see this comment"
+PlanOptions.__init__.__kwdefaults__["timing"] = TEST_TIMING
 
 
 # issue 20: the default run (`python -m pytest -q`, tests marked slow included) takes at most 6 minutes on 2 cores.
@@ -307,3 +330,4 @@ def _loss_chunked(module: torch.nn.Module) -> bool:
 def twin(case: zoo.ZooCase) -> torch.nn.Module:
     """An independent copy of the case's model (same weights) to serve as the reference."""
     return copy.deepcopy(case.model)
+

@@ -80,6 +80,9 @@ class TraceRequest:
     # the optimizer's step measured already on these parameters (another program of the same step: the loss in
     # chunks), used as it is: it depends on the parameters alone, and measuring it again took seconds per program
     optimizer_step: OptimizerStepCost | None = None
+    # False: the timing planned with replaces every time a trace takes (roofline, benchmark: ``uses_measured_times``),
+    # so a trace that runs the real step tracks its memory without the timed steps (three steps, and markers put in)
+    times_used: bool = True
 
 
 class TraceSource(Protocol):
@@ -102,8 +105,10 @@ class MeasuredTrace:
         trace = trace_step(
             graph, step.args, step.kwargs, step.loss,
             time_repeated_blocks_once=request.time_repeated_blocks_once,
-            gradient_lifetimes=request.gradient_lifetimes, output_held=request.output_held,
+            gradient_lifetimes=request.gradient_lifetimes, output_held=request.output_held, timed=request.times_used,
         )
+        if not request.times_used:
+            trace = dataclasses.replace(trace, times_measured=False)  # zeros, not times: the timing gives them
         trace = with_foreign_bytes_counted(trace, step.device, step.model, step.args, step.kwargs)
         if request.optimizer is None or request.optimizer_step is not None:
             return in_the_loop(trace, request.optimizer_step, request)

@@ -188,6 +188,15 @@ def check_timing(timing: object) -> None:
         raise TypeError(f"timing must be one of {TIMINGS} or a Timing (name, timed), got {type(timing).__name__}")
 
 
+def uses_measured_times(timing: str | Timing, target: str | DeviceSpec | None) -> bool:
+    """Whether the timing ``timing_for(timing, target, ...)`` chooses may keep the times a measured trace took: "auto"
+    and "measured" without a target, and any ``Timing`` given (it may read them). "roofline", "benchmark" or a target
+    replace them all, so a measured trace need not run its timed steps for them."""
+    if not isinstance(timing, str):
+        return True
+    return timing in ("auto", "measured") and target is None
+
+
 def timing_for(
     timing: str | Timing, target: str | DeviceSpec | None, device: torch.device, *, trace_measured: bool = True
 ) -> Timing:

@@ -33,7 +33,7 @@ from autockpt.core.devices import DeviceSpec, device_spec
 from autockpt.measure.fake import FakeStep, FakeTrace
 from autockpt.measure.fake_copy import fake_copies, fake_of, meta_of_fake
 from autockpt.measure.sources import StepInputs, TraceRequest
-from autockpt.measure.timing import with_timing
+from autockpt.measure.timing import uses_measured_times, with_timing
 from autockpt.measure.trace import trace_step
 from autockpt.pipeline.request import PipelineRequest
 from autockpt.pipeline.stage_graphs import CrossingValue, crossing_tensors, graph_values
@@ -75,7 +75,9 @@ class WholeStep:
         )
         memory = device_memory_for(step, device_memory_bytes, spec)
         # every unit timed (the stage times are sums of unit times), no gradient lifetimes: the table's traces
-        chosen = traced_step(trace, graph, step, TraceRequest(time_repeated_blocks_once=False, gradient_lifetimes=False), memory)
+        chosen = traced_step(trace, graph, step, TraceRequest(
+            time_repeated_blocks_once=False, gradient_lifetimes=False, times_used=uses_measured_times(timing, target),
+        ), memory)
         fake = chosen.source == "fake"
         device = FakeTrace().trace_device(step) if fake else step.device
         timed = with_timing(timing, spec, graph, step, chosen.trace, CostModel(device=str(device), prices=()))

@@ -38,7 +38,7 @@ from autockpt.measure.fake import FakeTrace
 from autockpt.measure.fake_copy import has_no_values, meta_of_fake, model_on_meta, without_values
 from autockpt.measure.sources import MeasuredTrace, StepInputs, TraceRequest, TraceSource
 from autockpt.measure.step import alternating_step_seconds, relative_step_times
-from autockpt.measure.timing import with_timing
+from autockpt.measure.timing import uses_measured_times, with_timing
 from autockpt.planning.eager_check import compare_with_eager
 from autockpt.planning.options import PlanOptions, checkpoint_choice
 from autockpt.record_types import Provenance
@@ -292,7 +292,7 @@ def _traced_and_priced(
         gradient_lifetimes=Action.RECOMPUTE_OWN in actions,
         optimizer=options.optimizer, gradient_accumulation_steps=options.gradient_accumulation_steps,
         output_held=options.output_held, planned_device_type=spec.device_type if spec is not None else None,
-        optimizer_step=optimizer_step,
+        optimizer_step=optimizer_step, times_used=uses_measured_times(options.timing, options.target),
     ), memory, without_values=without_values)
     if chosen.reason:
         logger.info("trace='auto' chose the %s trace: %s", chosen.source, chosen.reason)

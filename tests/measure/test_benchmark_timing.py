@@ -104,7 +104,7 @@ def test_plans_from_benchmarked_times_name_the_timing_end_to_end() -> None:
     assert note.startswith("timing: benchmark on cpu: each op run alone") and "0 of 33 ops timed by roofline" in note
     assert not any("not measured" in note for note in plan.notes)  # real times, not placeholders
     # "auto" on a fake trace without a target is the benchmark
-    auto = autockpt.Planner.from_model(case.model, example_inputs=case.args, trace_source=FakeTrace())
+    auto = autockpt.Planner.from_model(case.model, example_inputs=case.args, trace_source=FakeTrace(), timing="auto")
     assert any(note.startswith("timing: benchmark on cpu") for note in auto.notes) and auto.trace.times_measured
 
 

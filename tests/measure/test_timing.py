@@ -91,12 +91,38 @@ def test_from_model_plans_from_roofline_times_and_its_notes_name_the_timing(
     assert same.predicted_overhead != again.predicted_overhead
 
 
+def test_a_timing_that_replaces_the_measured_times_runs_no_timed_steps(
+    example: tuple[torch.nn.Module, torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A measured trace planned with roofline times (asked for, or for a target) tracks the step's memory without
+    its timed steps: their times would be replaced. "auto" on the model's own device keeps, so runs, them."""
+    from autockpt.measure import trace as trace_module
+
+    timed_runs: list[int] = []
+    real_timed_steps = trace_module.timed_steps
+
+    def counted(*args, **kwargs):
+        timed_runs.append(kwargs["repeats"])
+        return real_timed_steps(*args, **kwargs)
+
+    monkeypatch.setattr(trace_module, "timed_steps", counted)
+    model, x = example
+    for timing, target in (("roofline", None), ("auto", "h100")):
+        planner = Planner.from_model(model, example_inputs=(x,), loss_fn=loss_of, timing=timing, target=target)
+        assert planner.provenance.trace == "measured" and planner.provenance.timing == "roofline"
+        assert planner.trace.step_ms > 0 and planner.trace.times_measured  # the roofline's times, not zeros
+    assert timed_runs == []
+    auto = Planner.from_model(model, example_inputs=(x,), loss_fn=loss_of, timing="auto")
+    assert timed_runs == [3] and auto.provenance.timing == "measured"
+
+
 def test_a_target_times_the_step_there_and_its_memory_is_the_default_budget(
     example: tuple[torch.nn.Module, torch.Tensor], measured: Planner
 ) -> None:
     model, x = example
     spec = dataclasses.replace(DEVICE_SPECS["l4"], name="small-l4", memory_bytes=measured.trace.baseline_peak_bytes)
-    planner = autockpt.Planner.from_model(model, example_inputs=(x,), loss_fn=loss_of, target=spec, host_pool_gb=0.01)
+    planner = autockpt.Planner.from_model(model, example_inputs=(x,), loss_fn=loss_of, target=spec, host_pool_gb=0.01,
+                                          timing="auto")
     assert planner.target is spec
     assert planner.costs.link is not None and planner.costs.link.host_to_device_gb_per_s == 25.0
     assert planner.trace.step_ms < measured.trace.step_ms  # an L4 runs this MLP faster than two busy CPU cores

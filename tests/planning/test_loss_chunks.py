@@ -175,7 +175,8 @@ def test_a_device_filled_since_the_trace_leaves_a_chunked_program_its_own_times(
 
     monkeypatch.setattr(build, "alternating_step_seconds", out_of_memory)
     args, kwargs = _batch()
-    planner = autockpt.Planner.from_model(_decoder(), example_inputs=args, example_kwargs=kwargs)
+    planner = autockpt.Planner.from_model(_decoder(), example_inputs=args, example_kwargs=kwargs,
+                                          timing="auto")  # measured times: the programs are timed against each other
     chunk = planner.loss_programs.chunk_tokens[0]
     with caplog.at_level("WARNING", logger="autockpt.planning.build"):
         program = planner.loss_programs.planner(chunk)

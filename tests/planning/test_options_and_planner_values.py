@@ -137,7 +137,8 @@ def test_a_planner_from_values_plans_what_the_measuring_planner_plans() -> None:
     assert got.predicted_peak_bytes == expected.predicted_peak_bytes
 
     source = _RecordedTrace(measured.trace)
-    through_source = autockpt.Planner.from_model(model, example_inputs=(x,), loss_fn=loss_of, trace_source=source)
+    through_source = autockpt.Planner.from_model(model, example_inputs=(x,), loss_fn=loss_of, trace_source=source,
+                                                  timing="auto")  # the times the source gave, as they are
     assert source.calls == 1 and through_source.trace is measured.trace
     assert through_source.plan(budget_bytes=budget).predicted_peak_bytes == expected.predicted_peak_bytes
 

@@ -46,6 +46,7 @@ class MeasuredTiming:
     """The times the trace source measured (``MeasuredTrace`` times the real step on the model's device)."""
 
     name = "measured"
+    uses_measured_times = True
 
     def timed(self, trace: StepTrace, graph: Graph, step: StepInputs) -> StepTrace:
         return trace
@@ -65,6 +66,7 @@ class RooflineTiming:
     parameters)."""
 
     name = "roofline"
+    uses_measured_times = False  # every unit's time from FLOPs and bytes
 
     def __init__(self, spec: DeviceSpec | str, dtype: torch.dtype | str | None = None) -> None:
         self.spec = device_spec(spec)
@@ -101,6 +103,7 @@ class BenchmarkTiming:
     the last ``timed`` did."""
 
     name = "benchmark"
+    uses_measured_times = False  # every op timed alone
 
     def __init__(self, device: torch.device | str | None = None, *, repeats: int = 3) -> None:
         if repeats < 1:
@@ -190,10 +193,11 @@ def check_timing(timing: object) -> None:
 
 def uses_measured_times(timing: str | Timing, target: str | DeviceSpec | None) -> bool:
     """Whether the timing ``timing_for(timing, target, ...)`` chooses may keep the times a measured trace took: "auto"
-    and "measured" without a target, and any ``Timing`` given (it may read them). "roofline", "benchmark" or a target
-    replace them all, so a measured trace need not run its timed steps for them."""
+    and "measured" without a target, and a ``Timing`` given unless it says it replaces them all
+    (``uses_measured_times = False``, as roofline and benchmark do). Where it replaces them, a measured trace need
+    not run its timed steps."""
     if not isinstance(timing, str):
-        return True
+        return getattr(timing, "uses_measured_times", True)  # a timing of the user's may read them
     return timing in ("auto", "measured") and target is None
 
 

@@ -80,14 +80,14 @@ def _threads() -> None:
 TEST_CPU = DeviceSpec(
     name="test-cpu", description="a fixed CPU for the tests' plans", memory_bytes=16 * 2**30,
     peak_tflops=(("float32", 0.1), ("bfloat16", 0.05)), hbm_gb_per_s=10.0,
-    host_to_device_gb_per_s=8.0, device_to_host_gb_per_s=8.0, op_overhead_us=float(os.environ.get("XOVH", "5.0")), link_latency_us=2.0,
+    host_to_device_gb_per_s=8.0, device_to_host_gb_per_s=8.0, op_overhead_us=30.0, link_latency_us=2.0,
     copies_overlap_compute=False, device_type="cpu",
     source=(("every figure", "fixed for the tests: tests/conftest.py"),),
 )
 TEST_TIMING = RooflineTiming(TEST_CPU)
 # PlanOptions is a keyword-only dataclass: its generated __init__ reads its defaults from __kwdefaults__
 assert PlanOptions.__init__.__kwdefaults__["timing"] == "auto", "autockpt's default timing changed: see this comment"
-PlanOptions.__init__.__kwdefaults__["timing"] = TEST_TIMING if not os.environ.get("XAUTO") else "auto"
+PlanOptions.__init__.__kwdefaults__["timing"] = TEST_TIMING
 
 
 # issue 20: the default run (`python -m pytest -q`, tests marked slow included) takes at most 6 minutes on 2 cores.

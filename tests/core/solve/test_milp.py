@@ -3,6 +3,9 @@ a small chain, and the baseline seed plans it falls back on. (Against the exact 
 
 from __future__ import annotations
 
+import collections
+from typing import Any
+
 import pulp
 import pytest
 import torch
@@ -119,3 +122,41 @@ def test_a_cheaper_baseline_plan_is_returned_when_the_program_misses_it(monkeypa
     fitting = [b for b in fitting if b.regions and b.predicted_peak_bytes <= every_1.predicted_peak_bytes]
     assert plan.predicted_overhead == min(b.predicted_overhead for b in fitting)
     assert plan.regions in {b.regions for b in fitting}
+
+
+def test_a_program_solved_before_is_answered_without_the_solver(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 46: a program equal to one solved before in the process (every coefficient, bound and name, the same
+    solver settings) gets that solve's answer without the solver; a changed coefficient or setting is solved."""
+    from autockpt.core.solve import pulp_tools
+
+    monkeypatch.setattr(pulp_tools, "SOLVED_PROGRAMS", collections.OrderedDict())
+    solved: list[str] = []
+    real_solve = pulp.LpProblem.solve
+
+    def counted(self: pulp.LpProblem, solver: Any = None, **kwargs: Any) -> int:
+        solved.append(self.name)
+        return real_solve(self, solver, **kwargs)
+
+    monkeypatch.setattr(pulp.LpProblem, "solve", counted)
+
+    def knapsack(weight_of_a: int) -> tuple[pulp.LpProblem, pulp.LpVariable, pulp.LpVariable]:
+        prob = pulp.LpProblem("knapsack", pulp.LpMaximize)
+        a, b = pulp.LpVariable("a", cat="Binary"), pulp.LpVariable("b", cat="Binary")
+        prob += 3 * a + 2 * b
+        prob += weight_of_a * a + 2 * b <= 3, "capacity"
+        return prob, a, b
+
+    options = SolverOptions()
+    name = pulp_tools.solver_name(options)
+    first, a, b = knapsack(2)
+    stats = pulp_tools.solve_and_write(first, name, options)
+    assert (a.varValue, b.varValue, first.sol_status) == (1, 0, pulp.LpSolutionOptimal) and solved == ["knapsack"]
+    again, a, b = knapsack(2)
+    assert pulp_tools.solve_and_write(again, name, options) == stats
+    assert (a.varValue, b.varValue, again.status, again.sol_status) == (1, 0, first.status, first.sol_status)
+    assert len(solved) == 1
+    changed, a, b = knapsack(4)  # a no longer fits
+    pulp_tools.solve_and_write(changed, name, options)
+    assert (a.varValue, b.varValue) == (0, 1) and len(solved) == 2
+    pulp_tools.solve_and_write(knapsack(2)[0], name, SolverOptions(relative_gap=0.5))
+    assert len(solved) == 3

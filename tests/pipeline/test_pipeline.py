@@ -94,8 +94,8 @@ def tight_budget() -> int:
 
 @pytest.mark.slow
 def test_a_planner_that_answered_other_budgets_plans_as_plan_pipeline_does(tight_budget) -> None:
-    """Two stages run on spawned ranks in the tied-weights test below (at the stated minimum) and three in the next
-    one: the same end-to-end fact is not run a third time here (issue 46's suite time)."""
+    """Three stages run on spawned ranks in the test below (at the stated minimum): the same end-to-end fact is not
+    run again here for two (issue 46's suite time)."""
     pplan = _planner(_CONFIG).plan(budget_bytes=tight_budget)
     assert len(pplan.stages) == 2 and pplan.cuts
     # a planner that answered other budgets first plans as plan_pipeline does from scratch (the same cuts, bytes
@@ -133,39 +133,28 @@ def _assert_peaks_kept(stage: PipelineStageRecord, result: dict) -> None:
 
 
 @pytest.mark.slow
-def test_three_stages_give_the_single_process_loss_and_gradients_under_the_budget(tmp_path) -> None:
-    """Three cut candidates, not the default 16: what is checked here (the ranks' step against the single process,
-    each rank's budget, 1F1B's microbatches in flight) holds at any split, and each candidate boundary adds stage
-    plans to make (half of this test's planning time; the split program is tested against the exhaustive search
-    below)."""
-    config = _CONFIG
-    planner = _planner(config, num_stages=3, max_cut_candidates=3)
-    with pytest.raises(InfeasibleBudgetError) as refused:
-        planner.plan(budget_bytes=100_000)
-    floor = refused.value.min_feasible_bytes
-    roomy = planner.plan(budget_bytes=10**9)
-    budget = int(floor + 0.3 * (max(s.predicted_peak_bytes for s in roomy.stages) - floor))
-    pplan = planner.plan(budget_bytes=budget)
-    assert len(pplan.cuts) == 2
-    assert [s.microbatches_in_flight for s in pplan.stages] == [3, 2, 1]  # 1F1B: min(S - k, microbatches)
-    _assert_single_process_step_under_budget(config, pplan, _run(config, pplan, tmp_path))
-
-
-@pytest.mark.slow
-def test_tied_weights_are_held_by_both_stages_and_the_last_computes_its_loss_in_chunks_at_the_minimum(tmp_path) -> None:
-    """Run at the smallest budget the refusal states, the last rank stepped as PyTorch documents it
-    (``losses=``: that list holds every microbatch's loss while the schedule concatenates the outputs, the last
-    stage's peak; 16 B over the stated minimum before they were counted). 256 tokens a microbatch, a vocabulary of
-    4096: the logits (4 MB a microbatch) set the last stage's floor, which it lowers by computing the loss in chunks
-    (issue 48): the last stage is planned with ``loss_fn`` and the schedule's loss function runs it. One cut
-    candidate (the middle boundary): the tied weights and the chunked loss are there at any split."""
+def test_three_stages_with_tied_weights_give_the_single_process_step_at_the_minimum_with_the_loss_in_chunks(
+    tmp_path,
+) -> None:
+    """Three stages run at the smallest budget the refusal states: the ranks' step is the single process's (mean
+    microbatch loss, every gradient), each rank keeps its budget, 1F1B keeps min(S - k, microbatches) microbatches in
+    flight. The embedding and the head are one tied weight, held by the first and the last stage. The last rank is
+    stepped as PyTorch documents it (``losses=``: that list holds every microbatch's loss while the schedule
+    concatenates the outputs, the last stage's peak; 16 B over the stated minimum before they were counted). 256
+    tokens a microbatch, a vocabulary of 4096: the logits (4 MB a microbatch) set the last stage's floor, which it
+    lowers by computing the loss in chunks (issue 48): the last stage is planned with ``loss_fn`` and the schedule's
+    loss function runs it. Two cut candidates for the two cuts: what is checked holds at any split (the split program
+    is tested against the exhaustive search below). One run of ranks for all of it (issue 46: two tests spawned a
+    two-stage and a three-stage run for these facts)."""
     config = {**_CONFIG, "model": {**_CONFIG["model"], "tied": True, "vocab": 4096}, "seq": 128}
-    planner = _planner(config, max_cut_candidates=1)
+    planner = _planner(config, num_stages=3, max_cut_candidates=2)
     with pytest.raises(InfeasibleBudgetError) as refused:
         planner.plan(budget_bytes=100_000)
     pplan = planner.plan(budget_bytes=refused.value.min_feasible_bytes)
-    assert [s.stages for s in pplan.shared_parameters] == [(0, 1)]
-    assert [s.with_loss for s in pplan.stages] == [False, True] and pplan.stage_plans[-1].loss_chunk_tokens > 0
+    assert len(pplan.cuts) == 2
+    assert [s.microbatches_in_flight for s in pplan.stages] == [3, 2, 1]  # 1F1B: min(S - k, microbatches)
+    assert [s.stages for s in pplan.shared_parameters] == [(0, 2)]
+    assert [s.with_loss for s in pplan.stages] == [False, False, True] and pplan.stage_plans[-1].loss_chunk_tokens > 0
     logits_bytes = 2 * 128 * 4096 * 4  # one microbatch's: the floor is far under what holding them needs
     assert pplan.stages[-1].predicted_peak_bytes < pplan.stages[-1].parameter_bytes * 2 + 2 * logits_bytes
     assert any("the tensors the last rank receives" in note for note in pplan.notes)
@@ -173,9 +162,9 @@ def test_tied_weights_are_held_by_both_stages_and_the_last_computes_its_loss_in_
     results = _run(config, pplan, tmp_path)
     assert len(results[-1]["losses"]) == _MICROBATCHES  # the step filled the list it was given
     _assert_single_process_step_under_budget(config, pplan, results)
-    assert "embed.weight" in results[0]["grads"] and "head.weight" in results[1]["grads"]
-    assert "head.weight" in results[1]["state_dict_keys"]  # the stage module's keys are the model's own
-    assert set(results[1]["state_dict_keys"]) <= set(build(config).state_dict())
+    assert "embed.weight" in results[0]["grads"] and "head.weight" in results[2]["grads"]
+    assert "head.weight" in results[2]["state_dict_keys"]  # the stage module's keys are the model's own
+    assert set(results[2]["state_dict_keys"]) <= set(build(config).state_dict())
 
 
 @pytest.mark.slow

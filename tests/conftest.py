@@ -365,5 +365,3 @@ def _loss_chunked(module: torch.nn.Module) -> bool:
 def twin(case: zoo.ZooCase) -> torch.nn.Module:
     """An independent copy of the case's model (same weights) to serve as the reference."""
     return copy.deepcopy(case.model)
-
-

@@ -157,7 +157,7 @@ class FakeTrace:
                 _raise_fake_step_error(error, graph)
                 raise
             trace = with_foreign_bytes_counted(trace, fake.device, fake.graph.model, fake.args, fake.kwargs)
-            trace = self._with_placeholder_times(dataclasses.replace(trace, times_measured=False))
+            trace = self._with_placeholder_times(trace)
             cost = request.optimizer_step
             if request.optimizer is not None and cost is None:
                 cost = _fake_optimizer_step(fake, graph, request.optimizer, request.planned_device_type)

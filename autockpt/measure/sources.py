@@ -107,8 +107,6 @@ class MeasuredTrace:
             time_repeated_blocks_once=request.time_repeated_blocks_once,
             gradient_lifetimes=request.gradient_lifetimes, output_held=request.output_held, timed=request.times_used,
         )
-        if not request.times_used:
-            trace = dataclasses.replace(trace, times_measured=False)  # zeros, not times: the timing gives them
         trace = with_foreign_bytes_counted(trace, step.device, step.model, step.args, step.kwargs)
         if request.optimizer is None or request.optimizer_step is not None:
             return in_the_loop(trace, request.optimizer_step, request)

@@ -69,7 +69,8 @@ def trace_step(
 ) -> StepTrace:
     """Measure the unmodified training step of ``graph`` on the example inputs. ``gradient_lifetimes``: also record
     how long the gradients of forward tensors lived (the simulation of ``Action.RECOMPUTE_OWN`` needs them).
-    ``timed=False``: no timed steps; every time in the trace is 0 (``FakeTrace`` traces fake tensors, which take none).
+    ``timed=False``: no timed steps; every time in the trace is 0 and ``times_measured`` False (``FakeTrace`` traces
+    fake tensors, which take none; a measured trace whose timing replaces every time skips them).
     ``output_held=False``: the model's output is dropped before backward, as loops that keep only the loss do.
     ``warm_up=False``: no warm-up step before the tracked one (fake tensors have no allocator to warm and no kernels
     to load lazily; a step's own lazy state, made at capture, is there already).
@@ -91,7 +92,7 @@ def trace_step(
         )
         untimed = _assemble(graph, args, kwargs, tracked, tracked.unit_flops, gradient_lifetimes=gradient_lifetimes)
         if not timed:
-            return untimed
+            return dataclasses.replace(untimed, times_measured=False)  # zeros, not times: a timing gives them
         timed_at = timing_units(graph, untimed) if time_repeated_blocks_once else list(range(num_units))
         unit_ms_runs, step_ms_runs = timed_steps(
             graph, args, kwargs, loss_fn, timed_units=set(timed_at), repeats=timing_repeats

@@ -17,8 +17,10 @@ from collections.abc import Callable
 import pytest
 import torch.multiprocessing as mp
 
-# the modules every rank imports: made once in the fork server, before it forks the first rank
-PRELOADED = ("experiments.common.pipeline_worker", "experiments.common.fsdp_worker")
+# the modules every rank imports: made once in the fork server, before it forks the first rank. autockpt too: the
+# workers import it inside their rank functions, which cost each rank about a second of CPU (issue 46; py-spy over
+# the whole suite: 8.4 s in the pipeline tests' ranks)
+PRELOADED = ("autockpt", "experiments.common.pipeline_worker", "experiments.common.fsdp_worker")
 
 
 def run_ranks(function: Callable[..., None], args: tuple, nprocs: int, limit_s: float, what: str) -> None:

@@ -142,13 +142,15 @@ def _pool_bytes(model: nn.Module) -> int:
 
 def run_rank(rank: int, world: int, jobs: list[tuple[dict[str, Any], str, str]], init_file: str) -> None:
     """Each job ``(config, plan_path, result_path)`` in turn, in one process group: the spawn and the imports, most
-    of a case's time on a 2-core machine, are paid once for all of them."""
+    of a case's time on a 2-core machine, are paid once for all of them. ``result_path`` names the rank as
+    ``{rank}`` (every rank is given the same jobs: a target function from this module, not from a test module, spares
+    each rank importing the test's module and its helpers)."""
     import autockpt
 
     with _process_group(rank, world, init_file):
         for config, plan_path, result_path in jobs:
             result = _rank_result(config, autockpt.load_fsdp_plan(plan_path), rank, world)
-            with open(result_path, "wb") as out:
+            with open(result_path.format(rank=rank), "wb") as out:
                 pickle.dump(result, out)
 
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import needs_transformers
 from fsdp_planners import FSDP_GROUP, WORLD, shared_planner
 from spawned_ranks import run_ranks
+from support import needs_transformers
 
 from experiments.common.fsdp_worker import CONFIG, build, reference, run_rank
 
@@ -98,19 +98,14 @@ def gloo_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Plann
     cases = [c for c in CASES if CASES[c][0] != "hf-llama" or importlib.util.find_spec("transformers") is not None]
     planned = {case: _plan_case(case, folder) for case in cases}
     runnable = [case for case in cases if planned[case].failure is None]
-    jobs = [[(planned[c].config, str(folder / f"{c}.json"), str(folder / f"{c}.rank{r}.pkl")) for c in runnable]
-            for r in range(WORLD)]
-    run_ranks(_rank_jobs, (WORLD, jobs, str(folder / "init")), WORLD, 120 + 60 * len(runnable),
+    jobs = [(planned[c].config, str(folder / f"{c}.json"), str(folder / f"{c}.rank{{rank}}.pkl")) for c in runnable]
+    run_ranks(run_rank, (WORLD, jobs, str(folder / "init")), WORLD, 120 + 60 * len(runnable),
               f"FSDP ranks running {len(runnable)} cases")
     return {
         case: (planned[case], [pickle.loads((folder / f"{case}.rank{r}.pkl").read_bytes()) for r in range(WORLD)]
                if case in runnable else [])
         for case in cases
     }
-
-
-def _rank_jobs(rank: int, world: int, jobs: list[list[tuple]], init_file: str) -> None:
-    run_rank(rank, world, jobs[rank], init_file)
 
 
 @pytest.mark.slow

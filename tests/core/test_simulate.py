@@ -8,8 +8,8 @@ import random
 
 import pytest
 import torch
-from conftest import FREE_MACHINERY, planner_for, profile_of, rewritten, torch_actions, torch_scorer, with_regions
 from edge_models import Chain
+from support import FREE_MACHINERY, planner_for, profile_of, rewritten, torch_actions, torch_scorer, with_regions
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import needs_transformers
 from fsdp_planners import FSDP_GROUP, WORLD, shared_planner
+from support import needs_transformers
 
 import autockpt
 from autockpt.errors import InfeasibleBudgetError, PlanFileError, PlanMismatchError

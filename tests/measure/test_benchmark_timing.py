@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import budget_at, needs_transformers
+from support import budget_at, needs_transformers
 
 import autockpt
 from autockpt.core.devices import DEVICE_SPECS

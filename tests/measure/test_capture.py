@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import assert_same_step, check_optimized, needs_transformers, optimize_at, twin
 from edge_models import Chain, ShapeBranchConvNet
+from support import assert_same_step, check_optimized, needs_transformers, optimize_at, twin
 from torch import fx, nn
 
 import autockpt

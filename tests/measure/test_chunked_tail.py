@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from conftest import needs_transformers, tiny_causal_lm
+from support import needs_transformers, tiny_causal_lm
 from torch import nn
 from torch.nn import functional as F
 

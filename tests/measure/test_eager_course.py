@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import needs_transformers
+from support import needs_transformers
 
 import autockpt
 from autockpt.measure.capture import capture, value_guards

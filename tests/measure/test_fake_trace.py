@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import budget_at, needs_diffusers, needs_transformers
+from support import budget_at, needs_diffusers, needs_transformers
 
 import autockpt
 from autockpt.errors import FakeStepError, ProfileError

@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import loss_of, mlp
+from support import loss_of, mlp
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 

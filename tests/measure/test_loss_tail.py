@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import needs_transformers, tiny_causal_lm
+from support import needs_transformers, tiny_causal_lm
 from torch import nn
 from torch.nn import functional as F
 

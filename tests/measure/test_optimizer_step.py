@@ -12,7 +12,7 @@ import functools
 
 import pytest
 import torch
-from conftest import budget_at, loss_of, mlp
+from support import budget_at, loss_of, mlp
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import needs_transformers
+from support import needs_transformers
 from torch.distributed import HashStore
 from torch.distributed._tools.mem_tracker import MemTracker
 

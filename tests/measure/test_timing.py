@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import loss_of, mlp
+from support import loss_of, mlp
 
 import autockpt
 from autockpt.core.devices import DEVICE_SPECS

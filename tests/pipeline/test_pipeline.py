@@ -198,7 +198,7 @@ def test_an_infeasible_budget_names_the_smallest_one_and_that_one_plans(tmp_path
 def test_a_pipeline_plan_says_how_its_stages_were_traced(tmp_path) -> None:
     pplan = _planner(_CONFIG).compare(budget_bytes=10**9)["even-layers"]
     provenance = pplan.provenance
-    # the tests' timing (``conftest.TEST_TIMING``): a roofline of a fixed CPU, on the CPU the step ran on
+    # the tests' timing (``support.TEST_TIMING``): a roofline of a fixed CPU, on the CPU the step ran on
     assert (provenance.trace, provenance.timing, provenance.device) == ("measured", "roofline", "cpu")
     # every stage traced and timed alike (a stage captured by export also states its self-check's peaks: its own)
     assert all(dataclasses.replace(the_plan.provenance, eager_peak_bytes=None, captured_peak_bytes=None) == provenance

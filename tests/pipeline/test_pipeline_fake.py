@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import needs_transformers
+from support import needs_transformers
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import assert_same_step, budget_at, twin
+from support import assert_same_step, budget_at, twin
 
 import autockpt
 from autockpt.core.simulate import simulate

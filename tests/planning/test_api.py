@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from conftest import budget_at, mlp, planner_for, probe, run_step, twin, zoo_with_blocks
+from support import budget_at, mlp, planner_for, probe, run_step, twin, zoo_with_blocks
 from torch import nn
 
 import autockpt

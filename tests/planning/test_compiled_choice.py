@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 import torch
-from conftest import loss_of, mlp, with_times_from_flops
+from support import loss_of, mlp, with_times_from_flops
 from torch import nn
 
 import autockpt

@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from conftest import needs_transformers
+from support import needs_transformers
 from torch import nn
 
 import autockpt

@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import check_optimized
 from edge_models import Chain, WritesIntoAnEarlierTensor
+from support import check_optimized
 from torch import nn
 
 import autockpt

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from conftest import assert_same_step, budget_at, checkpoint_for, needs_transformers, planner_for, twin, zoo_params
+from support import assert_same_step, budget_at, checkpoint_for, needs_transformers, planner_for, twin, zoo_params
 
 import autockpt
 from autockpt.present import zoo

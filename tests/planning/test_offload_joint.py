@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_same_step, budget_at, twin
-from conftest import mlp as seeded_mlp
+from support import assert_same_step, budget_at, twin
+from support import mlp as seeded_mlp
 
 import autockpt
 from autockpt.core.simulate import simulate

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import loss_of, mlp
+from support import loss_of, mlp
 
 import autockpt
 from autockpt.measure.sources import MeasuredTrace, StepInputs, TraceRequest

@@ -9,7 +9,7 @@ import logging
 
 import pytest
 import torch
-from conftest import assert_same_step, budget_at, twin
+from support import assert_same_step, budget_at, twin
 
 import autockpt
 from autockpt.present import zoo

@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
-from conftest import FREE_MACHINERY
 from solvers import ExactSolver
+from support import FREE_MACHINERY
 
 import autockpt
 from autockpt.core.solve.base import SolverOptions

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from conftest import checkpoint_for
+from support import checkpoint_for
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
@@ -185,7 +185,7 @@ def test_max_batch_size_of_a_meta_model_is_a_prediction_and_says_so() -> None:
     ("name", "bf16"), [("gpt2", False), ("unet", False), ("cnn", False), ("bert", True)]
 )
 def test_a_plan_from_the_fake_trace_measures_as_predicted_and_under_its_budget(name: str, bf16: bool) -> None:
-    """Item 1: planned from the fake trace (times: the tests' fixed roofline, ``conftest.TEST_TIMING``; "auto" would
+    """Item 1: planned from the fake trace (times: the tests' fixed roofline, ``support.TEST_TIMING``; "auto" would
     benchmark each op: ``tests/measure/test_benchmark_timing.py``), applied to the real model and measured: within
     0.5 % of the prediction and under the budget (a decoder, an encoder under bf16 autocast, the UNet, a BatchNorm
     conv net). The encoder-decoder (T5) and the vision transformer (ViT, an encoder as BERT is; issue 46: no two tests
@@ -198,7 +198,7 @@ def test_a_plan_from_the_fake_trace_measures_as_predicted_and_under_its_budget(n
         # a 5 % gap (1 % by default): what is checked holds for any plan, and the UNet's programs take half the time
         # the loss's chunked programs weighed on one decoder (GPT-2): two more fake traces per language model
         chunks = "auto" if name == "gpt2" else 0
-        # one checkpoint kind, the case's (``conftest.checkpoint_for``): the prediction is what is checked
+        # one checkpoint kind, the case's (``support.checkpoint_for``): the prediction is what is checked
         planner = autockpt.Planner.from_model(case.model, **call, trace="fake", solver=SolverOptions(relative_gap=0.05),
                                               loss_chunk_tokens=chunks, checkpoint=checkpoint_for(case))
         with pytest.raises(autockpt.InfeasibleBudgetError) as floor:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import budget_at
+from support import budget_at
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import autockpt

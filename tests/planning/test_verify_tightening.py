@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 import torch
-from conftest import loss_of, mlp
+from support import loss_of, mlp
 
 import autockpt
 from autockpt.measure.step import StepMeasurement

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import needs_transformers
+from support import needs_transformers
 
 import autockpt
 from autockpt.present.cli import main

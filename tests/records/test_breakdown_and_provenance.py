@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import needs_transformers, zoo_with_blocks
+from support import needs_transformers, zoo_with_blocks
 
 import autockpt
 from autockpt.core.breakdown import logits_storages, memory_breakdown

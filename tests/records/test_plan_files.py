@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import assert_same_step, twin
+from support import assert_same_step, twin
 
 import autockpt
 from autockpt.errors import PlanFileError

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_same_step, budget_at, checkpoint_for, needs_transformers, twin, zoo_with_blocks
+from support import assert_same_step, budget_at, checkpoint_for, needs_transformers, twin, zoo_with_blocks
 
 import autockpt
 from autockpt.present import zoo
@@ -27,7 +27,7 @@ def small_transformer() -> zoo.ZooCase:
 @pytest.fixture(scope="module")
 def transformer_plan() -> autockpt.Plan:
     case = small_transformer()
-    # one checkpoint kind (``conftest.checkpoint_for``): a plan file records the kind planned, whichever it is
+    # one checkpoint kind (``support.checkpoint_for``): a plan file records the kind planned, whichever it is
     planner = autockpt.Planner.from_model(case.model, example_inputs=case.args, loss_fn=case.loss_fn,
                                           checkpoint=checkpoint_for(case))
     return planner.plan(budget_bytes=budget_at(planner, 0.4), pareto_points=4)  # the trace's figures: no roomy probe

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_same_step, needs_transformers, twin
+from support import assert_same_step, needs_transformers, twin
 
 import autockpt
 from autockpt.present import zoo

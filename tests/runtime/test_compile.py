@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo
-from conftest import assert_same_step, budget_at, needs_transformers, twin, zoo_params, zoo_with_blocks
+from support import assert_same_step, budget_at, needs_transformers, twin, zoo_params, zoo_with_blocks
 from torch._dynamo.utils import counters
 
 import autockpt

@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from conftest import needs_transformers
+from support import needs_transformers
 from torch import nn
 from torch.nn import functional as F
 

@@ -8,7 +8,7 @@ plans for the runtime and the simulator; what the solver chooses with a pool is 
 from __future__ import annotations
 
 import pytest
-from conftest import assert_same_step, budget_at, planner_for, twin, zoo_params
+from support import assert_same_step, budget_at, planner_for, twin, zoo_params
 
 import autockpt
 from autockpt.present import zoo

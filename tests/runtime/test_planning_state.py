@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import check_optimized, mlp, optimize_at, zoo_with_blocks
 from edge_models import ShapeBranchConvNet, frozen_batchnorm_case
+from support import check_optimized, mlp, optimize_at, zoo_with_blocks
 
 import autockpt
 from autockpt.present import zoo
@@ -45,7 +45,7 @@ def test_frozen_batchnorm_in_a_training_model_stays_frozen() -> None:
 def test_planning_leaves_example_inputs_that_require_grad_as_they_were() -> None:
     """An example input that requires grad (an ``inputs_embeds``, a pipeline stage's input) came back with the
     profiling steps' gradients accumulated in ``.grad``; also when planning fails part-way."""
-    # conftest's 6-layer MLP: the refusal below searches the floor, which the zoo's 16 layers make seconds longer
+    # support's 6-layer MLP: the refusal below searches the floor, which the zoo's 16 layers make seconds longer
     case = zoo.ZooCase(name="mlp", model=mlp(), args=(torch.randn(64, 128),))
     x = case.args[0].clone().requires_grad_(True)
     existing = torch.zeros_like(x)  # the MLP's input gradients are ~1e-9: added to 0.5 they would vanish

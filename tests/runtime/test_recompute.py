@@ -10,7 +10,7 @@ import logging
 
 import pytest
 import torch
-from conftest import FREE_MACHINERY, assert_same_step, budget_at, planner_for, twin, zoo_params, zoo_with_blocks
+from support import FREE_MACHINERY, assert_same_step, budget_at, planner_for, twin, zoo_params, zoo_with_blocks
 from torch import nn
 
 import autockpt
@@ -25,7 +25,7 @@ FUNCTION = autockpt.SolverOptions(checkpoint="recompute_function")
 
 # the fx (transformer) and module-level (control_flow) captures of models that test_models.py plans under torch's
 # checkpoint; it plans the MLP, the BatchNorm CNN (fx), GPT-2 and the UNet (export) under autockpt's own, at the same
-# budget with the same checks (``conftest.checkpoint_for``), so they are not planned here again (issue 46)
+# budget with the same checks (``support.checkpoint_for``), so they are not planned here again (issue 46)
 MODELS = zoo_params("transformer", "control_flow")
 
 

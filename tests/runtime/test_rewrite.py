@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import (
+from edge_models import frozen_batchnorm_case
+from support import (
     assert_same_step,
     budget_at,
     needs_transformers,
@@ -16,7 +17,6 @@ from conftest import (
     run_step,
     twin,
 )
-from edge_models import frozen_batchnorm_case
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 

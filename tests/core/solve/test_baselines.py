@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_same_step, needs_transformers, twin
+from support import assert_same_step, needs_transformers, twin
 from torch import nn
 
 import autockpt

@@ -6,7 +6,7 @@ import itertools
 
 import pulp
 import pytest
-from conftest import assert_same_step, needs_transformers, twin, with_times_from_flops
+from support import assert_same_step, needs_transformers, twin, with_times_from_flops
 
 import autockpt
 from autockpt.core.solve.base import Scorer, SolverOptions

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import rewritten, with_regions
 from edge_models import WritesIntoAnEarlierTensor
+from support import rewritten, with_regions
 
 import autockpt
 from autockpt.core.solve.candidates import candidate_regions

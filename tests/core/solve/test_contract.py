@@ -5,8 +5,8 @@ on small random graphs: none may beat the optimum, and the default solver must r
 from __future__ import annotations
 
 import pytest
-from conftest import FREE_MACHINERY
 from solvers import BaselineSolver, BlockSolver, DefaultSolver, ExactSolver, GreedySolver, MilpSolver, Solver
+from support import FREE_MACHINERY
 
 import autockpt
 import autockpt.present.zoo

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import torch_scorer
+from support import torch_scorer
 
 import autockpt
 from autockpt.core.solve.candidates import is_unsafe, mutation_hazards

@@ -9,7 +9,7 @@ from typing import Any
 import pulp
 import pytest
 import torch
-from conftest import FREE_MACHINERY, torch_scorer
+from support import FREE_MACHINERY, torch_scorer
 from torch import nn
 
 import autockpt

@@ -76,6 +76,16 @@ TEST_TIMING = RooflineTiming(TEST_CPU)
 assert PlanOptions.__init__.__kwdefaults__["timing"] == "auto", "autockpt's default timing changed: see this comment"
 PlanOptions.__init__.__kwdefaults__["timing"] = TEST_TIMING
 
+# The checkpoint kind every plan a test makes is planned for, unless the test names one or "auto": torch's (the kind
+# "auto" keeps for module-level captures too). autockpt's default, "auto", plans both kinds (a trace with gradient
+# lifetimes, two problems prepared and solved per budget), and ``optimize`` then times both plans' steps against each
+# other to keep the faster: a choice that follows the machine's load, which no test may depend on (issue 46). Both
+# kinds in one suite run: the shared helpers plan autockpt's own for the models of ``_OWN_CHECKPOINT_MODELS`` below;
+# the tests of "auto", of the actions side by side and of the fake trace's gradient lifetimes name "auto" (its
+# programs cost 36 s of the suite's ~290 s of test time, 611 solves, measured 2026-11-29).
+assert PlanOptions.__init__.__kwdefaults__["checkpoint"] == "auto", "autockpt's default checkpoint changed: see above"
+PlanOptions.__init__.__kwdefaults__["checkpoint"] = Action.RECOMPUTE_TORCH
+
 
 def mlp(depth: int = 6, classes: int = 8) -> torch.nn.Module:
     """A seeded MLP of width 128, 6 layers by default (the loop and device-memory tests' model)."""
@@ -118,7 +128,8 @@ def probe(case: zoo.ZooCase) -> autockpt.Plan:
 # dropout, the module-level capture, encoders and the VAE on torch's). "auto", the default, plans both kinds and, in
 # ``optimize``, measures both plans and times their steps against each other to keep the faster: twice the planning
 # and measuring of one kind, and a choice that moves with the machine's load (issue 46). Its own tests plan "auto"
-# (``tests/runtime/test_recompute.py``), as do the tests that call ``autockpt.optimize`` or ``plan`` with defaults.
+# (``tests/runtime/test_recompute.py``); the tests that call ``autockpt.optimize`` or ``plan`` with defaults plan
+# torch's kind (the tests' default, above).
 _OWN_CHECKPOINT_MODELS = frozenset({"mlp", "cnn", "gpt2", "t5", "unet"})
 
 

@@ -87,8 +87,11 @@ def planners(name: str, bf16: bool) -> Planners:
     """The measured and the fake planner of a tiny zoo model (once per test session)."""
     case = zoo.build(name, "tiny")
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-    # one program each (the loss as captured): the plans compared are the same program's on both traces
-    call = {"example_inputs": case.args, "example_kwargs": case.kwargs, "loss_fn": case.loss_fn, "loss_chunk_tokens": 0}
+    # one program each (the loss as captured): the plans compared are the same program's on both traces; both
+    # recompute kinds ("auto", not the tests' default): the traces then hold the gradient lifetimes autockpt's own
+    # checkpoint is priced with, which the fake trace must give as measured too
+    call = {"example_inputs": case.args, "example_kwargs": case.kwargs, "loss_fn": case.loss_fn, "loss_chunk_tokens": 0,
+            "checkpoint": "auto"}
     with autocast:
         measured = autockpt.Planner.from_model(case.model, **call)
         before = state_of(case.model)

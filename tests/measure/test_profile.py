@@ -163,7 +163,7 @@ def test_a_unit_that_reads_its_input_without_an_op_holds_it_in_a_checkpointed_re
     now read their fx inputs."""
     torch.manual_seed(0)
     model, x = _PassThrough(), torch.randn(256, 64)
-    planner = autockpt.Planner.from_model(model, example_inputs=(x,))
+    planner = autockpt.Planner.from_model(model, example_inputs=(x,), checkpoint="auto")  # both kinds, as below
     units = {unit.name: unit.index for unit in planner.graph.units}
     region = Region(first_unit=units["drop"], last_unit=units["b"])
     h = next(s for s in planner.trace.storages if s.producer_unit == units["a"] and s.nbytes == 256 * 64 * 4)

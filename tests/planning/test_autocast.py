@@ -155,7 +155,7 @@ def test_each_action_recomputes_regions_without_making_the_weight_copies_again()
     checkpoint made the float32 gradients later than the trace recorded (three regions: 99.3 kB low)."""
     model, x = _mlp()
     with bf16():
-        planner = autockpt.Planner.from_model(model, example_inputs=(x,), loss_fn=_float_sum)
+        planner = autockpt.Planner.from_model(model, example_inputs=(x,), loss_fn=_float_sum, checkpoint="auto")
         casts = [s for s in planner.trace.storages if s.producer_unit == OUTSIDE_GRAPH_UNIT and s.free_event is None
                  and s.alloc_event > 0]
         # one low-precision copy per weight and bias, owned by no unit and saved by none
@@ -177,7 +177,7 @@ def test_the_vectorised_simulator_gives_the_reference_timeline_under_autocast() 
         # the loss as captured: gradients are compared bit for bit below, which chunks of a bf16 projection are
         # not (within one bf16 rounding: tests/measure/test_chunked_tail.py)
         planner = autockpt.Planner.from_model(model, example_inputs=(ids,), example_kwargs={"labels": ids},
-                                              loss_chunk_tokens=0)
+                                              loss_chunk_tokens=0, checkpoint="auto")  # both kinds' rules
     trace, costs = planner.trace, planner.costs
     assert any(s.producer_unit == OUTSIDE_GRAPH_UNIT and s.gradient_free_event is not None for s in trace.storages)
     _, candidates = candidate_regions(planner.graph, trace)

@@ -24,9 +24,10 @@ SLACK_BYTES = 1024  # as tests/runtime/test_offload_plans.py: exact on the conv 
 
 
 def pool_planner(case: zoo.ZooCase, host_pool_gb: float | str = 1.0) -> autockpt.Planner:
+    """Both recompute kinds ("auto", not the tests' default): the joint program deals each region its action."""
     return autockpt.Planner.from_model(
         case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn,
-        host_pool_gb=host_pool_gb,
+        host_pool_gb=host_pool_gb, checkpoint="auto",
     )
 
 

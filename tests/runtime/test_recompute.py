@@ -47,7 +47,8 @@ def test_budget_is_kept_and_step_matches_pytorch(name: str) -> None:
 @pytest.mark.parametrize("strategy", ["every_1", "sqrt_n", "for_transformers"])
 def test_the_simulator_is_exact_for_block_aligned_and_cut_regions(strategy: str) -> None:
     case = zoo.build("transformer")
-    planner = autockpt.Planner.from_model(case.model, example_inputs=case.args, loss_fn=case.loss_fn, solver_options=FUNCTION)
+    planner = autockpt.Planner.from_model(case.model, example_inputs=case.args, loss_fn=case.loss_fn,
+                                          checkpoint=Action.RECOMPUTE_OWN)
     the_plan = baseline_plan(planner, strategy)
     module = planner.apply(the_plan)
     assert_same_step(module, twin(case), case)
@@ -101,7 +102,7 @@ def test_autockpts_checkpoint_is_predicted_exactly_on_resnet_regions(first: str,
     renamed = {"3": "layer1", "4": "layer2"}
     x = torch.randn(2, 3, 16, 16)
     reference = copy.deepcopy(model)
-    planner = autockpt.Planner.from_model(model, example_inputs=(x,), solver_options=FUNCTION)
+    planner = autockpt.Planner.from_model(model, example_inputs=(x,), checkpoint=Action.RECOMPUTE_OWN)
     paths = [".".join([renamed.get(p, p) for p in unit.module_path.split(".")]) for unit in planner.graph.units]
     region = Region(first_unit=paths.index(first), last_unit=len(paths) - 1 - paths[::-1].index(last))
     plan = planner.plan_for_regions([region], strategy="given", action=Action.RECOMPUTE_OWN)
@@ -144,7 +145,7 @@ def test_auto_plans_for_both_kinds_and_keeps_the_cheaper_predicted_plan() -> Non
     runs and were equal in one full-suite run (2026-11-28; the floor found for one kind moved by 2 KB, cause not
     found), so that they differ is not asserted; that the auto floor is the lower one is."""
     case = zoo_with_blocks("transformer", 2)
-    auto = autockpt.Planner.from_model(case.model, example_inputs=case.args, loss_fn=case.loss_fn)
+    auto = autockpt.Planner.from_model(case.model, example_inputs=case.args, loss_fn=case.loss_fn, checkpoint="auto")
     assert auto.actions == RECOMPUTE_KINDS
     # each kind alone on the same captured and measured step, at the same prices (made from them, not traced again)
     alone = {kind: autockpt.Planner(auto.graph, auto.trace, auto.costs, dataclasses.replace(auto.options, checkpoint=kind),
@@ -222,7 +223,7 @@ def test_second_order_gradients_match_pytorch(kind: Action) -> None:
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
     reference = twin(zoo.ZooCase(name="penalty", model=model, args=()))
     x = torch.randn(8, 16)
-    planner = autockpt.Planner.from_model(model, example_inputs=(x,), solver_options=autockpt.SolverOptions(checkpoint=kind))
+    planner = autockpt.Planner.from_model(model, example_inputs=(x,), checkpoint=kind)
     module = planner.apply(baseline_plan(planner, "every_1"))
     assert autockpt.get_plan(module).regions
 

@@ -1,5 +1,6 @@
 """What the tests share: small models, budgets, and PyTorch itself as the reference answer for every optimized model;
-and the settings every test runs under (one intra-op thread, the fixed timing every plan is made with). Imported by
+and the settings every test runs under (one intra-op thread, the fixed timing and checkpoint kind of every plan,
+unless a test names its own). Imported by
 the test modules (``from support import ...``) and, for the settings, by conftest.py in every process that runs tests
 (not in pytest-xdist's controller, which runs none: importing torch and autockpt there delayed the workers' start)."""
 
@@ -81,8 +82,8 @@ PlanOptions.__init__.__kwdefaults__["timing"] = TEST_TIMING
 # lifetimes, two problems prepared and solved per budget), and ``optimize`` then times both plans' steps against each
 # other to keep the faster: a choice that follows the machine's load, which no test may depend on (issue 46). Both
 # kinds in one suite run: the shared helpers plan autockpt's own for the models of ``_OWN_CHECKPOINT_MODELS`` below;
-# the tests of "auto", of the actions side by side and of the fake trace's gradient lifetimes name "auto" (its
-# programs cost 36 s of the suite's ~290 s of test time, 611 solves, measured 2026-11-29).
+# the tests of "auto", of the actions side by side and of the fake trace's gradient lifetimes name "auto". (Planning
+# both kinds: 611 of the suite's 826 ``solve_each`` calls, 36 s of its ~290 s of test time, measured 2026-11-29.)
 assert PlanOptions.__init__.__kwdefaults__["checkpoint"] == "auto", "autockpt's default checkpoint changed: see above"
 PlanOptions.__init__.__kwdefaults__["checkpoint"] = Action.RECOMPUTE_TORCH
 

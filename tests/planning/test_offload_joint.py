@@ -23,11 +23,12 @@ from autockpt.types import Action, Decision, RegionAction
 SLACK_BYTES = 1024  # as tests/runtime/test_offload_plans.py: exact on the conv net, 512 bytes high on the MLP
 
 
-def pool_planner(case: zoo.ZooCase, host_pool_gb: float | str = 1.0) -> autockpt.Planner:
-    """Both recompute kinds ("auto", not the tests' default): the joint program deals each region its action."""
+def pool_planner(case: zoo.ZooCase, host_pool_gb: float | str = 1.0, checkpoint: str | Action = Action.RECOMPUTE_TORCH
+                 ) -> autockpt.Planner:
+    """Offload beside one recompute kind (torch's, the tests' default) unless ``checkpoint`` says "auto": both kinds."""
     return autockpt.Planner.from_model(
         case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn,
-        host_pool_gb=host_pool_gb, checkpoint="auto",
+        host_pool_gb=host_pool_gb, checkpoint=checkpoint,
     )
 
 
@@ -130,7 +131,8 @@ def test_both_checkpoints_and_offload_in_one_plan_run_as_predicted(pooled: PoolC
     """Under "auto" the joint program may give each region its own recompute action; a plan with torch's checkpoint,
     autockpt's and offload side by side keeps outputs and gradients, and is measured as simulated. (The actions are
     dealt to a solved plan's regions in turn: which the solver picks depends on measured times.)"""
-    planner, case = pooled.planner, pooled.case
+    case = pooled.case
+    planner = pool_planner(case, checkpoint="auto")  # both kinds: the trace prices autockpt's own too
     assert set(planner.actions) == {Action.RECOMPUTE_TORCH, Action.RECOMPUTE_OWN}
     regions = planner.plan(budget_bytes=budget_at(planner, 0.4)).regions
     assert len(regions) >= 3

@@ -105,13 +105,14 @@ def solve_and_write(prob: pulp.LpProblem, name: str, options: SolverOptions, *, 
     ``SOLVED_PROGRAMS`` (planners of one model and step build the same programs: its floor, its budgets' refinements)."""
     if options.write_lp_path:
         prob.writeLP(f"{options.write_lp_path}.{prob.name}.lp")
-    key = _program_key(prob, name, options, objective_cutoff)
+    variables = prob.variables()  # PuLP sorts them on every call: once for the key and the values
+    key = _program_key(prob, variables, name, options, objective_cutoff)
     solved = SOLVED_PROGRAMS.get(key)
     if solved is None:
         prob.solve(make_solver(name, options, objective_cutoff=objective_cutoff))
         solved = SolvedProgram(
             status=prob.status, sol_status=prob.sol_status,
-            values=tuple(variable.varValue for variable in prob.variables()), stats=program_stats(prob, name),
+            values=tuple(variable.varValue for variable in variables), stats=program_stats(prob, name),
         )
         SOLVED_PROGRAMS[key] = solved
         if len(SOLVED_PROGRAMS) > SOLVED_PROGRAMS_KEPT:
@@ -119,7 +120,7 @@ def solve_and_write(prob: pulp.LpProblem, name: str, options: SolverOptions, *, 
     else:
         SOLVED_PROGRAMS.move_to_end(key)
         prob.status, prob.sol_status = solved.status, solved.sol_status
-        for variable, value in zip(prob.variables(), solved.values):
+        for variable, value in zip(variables, solved.values):
             variable.varValue = value
     return solved.stats
 
@@ -140,7 +141,8 @@ SOLVED_PROGRAMS: collections.OrderedDict[bytes, SolvedProgram] = collections.Ord
 SOLVED_PROGRAMS_KEPT = 256
 
 
-def _program_key(prob: pulp.LpProblem, name: str, options: SolverOptions, objective_cutoff: float | None) -> bytes:
+def _program_key(prob: pulp.LpProblem, variables: Sequence[pulp.LpVariable], name: str, options: SolverOptions,
+                 objective_cutoff: float | None) -> bytes:
     """The program's every coefficient, bound, sense and name, with what the solver is told: equal keys, equal
     answers (HiGHS and CBC are deterministic on one program). A digest of its text (``repr`` of a float is exact):
     about 1 ms for a floor program of the tests' models, where PuLP's ``toDict`` as JSON took 8."""
@@ -150,6 +152,6 @@ def _program_key(prob: pulp.LpProblem, name: str, options: SolverOptions, object
         [(row, constraint.sense, constraint.constant, [(variable.name, coefficient) for variable, coefficient in
                                                        constraint.items()])
          for row, constraint in prob.constraints.items()],
-        [(variable.name, variable.cat, variable.lowBound, variable.upBound) for variable in prob.variables()],
+        [(variable.name, variable.cat, variable.lowBound, variable.upBound) for variable in variables],
     )
     return hashlib.sha256(repr(program).encode()).digest()

@@ -22,7 +22,7 @@ import pytest
 
 # The helpers the tests share are in support.py, which imports torch and autockpt. This file imports neither: pytest-
 # xdist's controller imports it too and runs no test, and it started the workers only once torch and autockpt were
-# imported (2.6 s of each run's wall time, 2026-11-29; issue 46).
+# imported (2.6 s into each run; 0.4 s without them, 2026-11-29; issue 46).
 
 # issue 20: the default run (`python -m pytest -q`, tests marked slow included) takes at most 6 minutes on 2 cores.
 # Said at the end of every such run, so that a test which makes the suite slow shows where it is added.
@@ -32,8 +32,8 @@ _session_started = time.monotonic()
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """In every process that runs tests (an xdist worker, or the one process of ``-n 0``), the settings every test
-    runs under (``support``: one intra-op thread, the fixed timing plans are made with) before any test module is
-    imported: a module that imports nothing from ``support`` gets them too."""
+    runs under (``support``: one intra-op thread, the fixed timing and checkpoint kind plans are made with) before
+    any test module is imported: a module that imports nothing from ``support`` gets them too."""
     global _session_started
     _session_started = time.monotonic()
     if not session.config.pluginmanager.hasplugin("dsession"):  # xdist's controller: runs no test

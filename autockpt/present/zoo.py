@@ -2,7 +2,8 @@
 
 Used by the demo, the tests and the benchmarks. Hugging Face decoder (gpt2, llama), encoder (bert, vit) and
 encoder-decoder (t5) models, a diffusers UNet and VAE, and plain PyTorch models (mlp, cnn, transformer, control_flow). ``build(name, size)`` returns a ``ZooCase``; sizes are "tiny" (tests)
-and "small" (benchmarks). Hugging Face and diffusers entries need ``pip install autockpt[zoo]``.
+and "small" (benchmarks); ``blocks=`` sets how many repeated blocks a model has at its size's widths and inputs.
+Hugging Face and diffusers entries need ``pip install autockpt[zoo]``.
 """
 
 from __future__ import annotations
@@ -29,20 +30,28 @@ class ZooCase:
 SIZES = ("tiny", "small", "bench")
 
 
-def build(name: str, size: str = "tiny", *, seed: int = 0) -> ZooCase:
+def build(name: str, size: str = "tiny", *, seed: int = 0, blocks: int | None = None) -> ZooCase:
+    """The zoo model ``name`` at ``size``, its weights drawn after ``torch.manual_seed(seed)``. ``blocks``: how many
+    repeated blocks it has (layers of the transformers, residual blocks of the conv net, hidden layers of the MLP
+    and of control_flow; None: the size's), its widths, inputs and loss the size's; the UNet and VAE have none."""
     if name not in BUILDERS:
         raise ValueError(f"unknown zoo model {name!r}; choose one of {', '.join(sorted(BUILDERS))}")
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
+    if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1):
+        raise ValueError(f"blocks must be an integer >= 1 or None (the size's), got {blocks!r}")
+    if blocks is not None and name in ("unet", "vae"):
+        raise ValueError(f"the zoo's {name} has no repeated blocks to set: give blocks=None")
     torch.manual_seed(seed)
-    return BUILDERS[name](size)
+    return BUILDERS[name](size, blocks)
 
 
 # ----------------------------------------------------------------------------------------------- plain PyTorch
 
 
-def _mlp(size: str) -> ZooCase:
+def _mlp(size: str, blocks: int | None) -> ZooCase:
     width, depth, batch = {"tiny": (128, 16, 256), "small": (512, 16, 1024), "bench": (1024, 24, 2048)}[size]
+    depth = blocks or depth
     layers: list[nn.Module] = []
     for _ in range(depth):
         layers += [nn.Linear(width, width), nn.GELU()]
@@ -80,9 +89,9 @@ class ConvNet(nn.Module):
         return self.head(x.mean(dim=(2, 3)))
 
 
-def _cnn(size: str) -> ZooCase:
-    channels, blocks, batch, hw = {"tiny": (16, 12, 8, 16), "small": (32, 8, 16, 32), "bench": (64, 8, 32, 32)}[size]
-    model = ConvNet(channels, blocks)
+def _cnn(size: str, blocks: int | None) -> ZooCase:
+    channels, depth, batch, hw = {"tiny": (16, 12, 8, 16), "small": (32, 8, 16, 32), "bench": (64, 8, 32, 32)}[size]
+    model = ConvNet(channels, blocks or depth)
     return ZooCase(name="cnn", model=model, args=(torch.randn(batch, 3, hw, hw),), loss_fn=_mean_square)
 
 
@@ -126,13 +135,13 @@ class TinyTransformer(nn.Module):
         return self.head(self.ln(x))
 
 
-def _transformer(size: str) -> ZooCase:
+def _transformer(size: str, blocks: int | None) -> ZooCase:
     vocab, dim, heads, layers, seq, batch = {
         "tiny": (64, 64, 4, 6, 64, 4),
         "small": (256, 256, 8, 8, 256, 8),
         "bench": (512, 384, 6, 6, 512, 4),
     }[size]
-    model = TinyTransformer(vocab, dim, heads, layers, seq)
+    model = TinyTransformer(vocab, dim, heads, blocks or layers, seq)
     ids = torch.randint(0, vocab, (batch, seq))
     return ZooCase(name="transformer", model=model, args=(ids,), loss_fn=lambda logits: _lm_loss(logits, ids))
 
@@ -154,15 +163,16 @@ class DataDependentNet(nn.Module):
         return self.head(x)
 
 
-def _control_flow(size: str) -> ZooCase:
+def _control_flow(size: str, blocks: int | None) -> ZooCase:
     width, depth, batch = {"tiny": (128, 16, 256), "small": (512, 12, 1024), "bench": (1024, 16, 2048)}[size]
-    return ZooCase(name="control_flow", model=DataDependentNet(width, depth), args=(torch.randn(batch, width),))
+    model = DataDependentNet(width, blocks or depth)
+    return ZooCase(name="control_flow", model=model, args=(torch.randn(batch, width),))
 
 
 # ------------------------------------------------------------------------------------- Hugging Face, diffusers
 
 
-def _gpt2(size: str) -> ZooCase:
+def _gpt2(size: str, blocks: int | None) -> ZooCase:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     layers, dim, heads, seq, batch, vocab = {
@@ -170,13 +180,14 @@ def _gpt2(size: str) -> ZooCase:
         "small": (6, 128, 4, 128, 4, 512),
         "bench": (6, 384, 6, 512, 4, 2048),
     }[size]
+    layers = blocks or layers
     config = GPT2Config(
         n_layer=layers, n_embd=dim, n_head=heads, n_positions=seq, vocab_size=vocab, bos_token_id=0, eos_token_id=0
     )
     return _token_case("gpt2", GPT2LMHeadModel(config), vocab, batch, seq)
 
 
-def _vit(size: str) -> ZooCase:
+def _vit(size: str, blocks: int | None) -> ZooCase:
     from transformers import ViTConfig, ViTForImageClassification
 
     layers, dim, heads, image, patch, batch = {
@@ -184,6 +195,7 @@ def _vit(size: str) -> ZooCase:
         "small": (6, 128, 4, 64, 8, 8),
         "bench": (8, 256, 8, 96, 8, 16),
     }[size]
+    layers = blocks or layers
     config = ViTConfig(
         hidden_size=dim, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=4 * dim,
         image_size=image, patch_size=patch, num_labels=10,
@@ -204,10 +216,11 @@ def _token_case(name: str, model: nn.Module, vocab: int, batch: int, seq: int) -
     return ZooCase(name=name, model=model, args=(ids,), kwargs={"labels": ids})
 
 
-def _bert(size: str) -> ZooCase:
+def _bert(size: str, blocks: int | None) -> ZooCase:
     from transformers import BertConfig, BertForMaskedLM
 
     layers, dim, heads, seq, batch, vocab = _TOKEN_SIZES[size]
+    layers = blocks or layers
     config = BertConfig(
         vocab_size=vocab, hidden_size=dim, num_hidden_layers=layers, num_attention_heads=heads,
         intermediate_size=4 * dim, max_position_embeddings=seq,
@@ -215,10 +228,11 @@ def _bert(size: str) -> ZooCase:
     return _token_case("bert", BertForMaskedLM(config), vocab, batch, seq)
 
 
-def _t5(size: str) -> ZooCase:
+def _t5(size: str, blocks: int | None) -> ZooCase:
     from transformers import T5Config, T5ForConditionalGeneration
 
     layers, dim, heads, seq, batch, vocab = _TOKEN_SIZES[size]
+    layers = blocks or layers
     config = T5Config(
         vocab_size=vocab, d_model=dim, d_ff=4 * dim, num_layers=layers, num_decoder_layers=layers, num_heads=heads,
         d_kv=dim // heads, decoder_start_token_id=0,
@@ -226,10 +240,11 @@ def _t5(size: str) -> ZooCase:
     return _token_case("t5", T5ForConditionalGeneration(config), vocab, batch, seq)
 
 
-def _llama(size: str) -> ZooCase:
+def _llama(size: str, blocks: int | None) -> ZooCase:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     layers, dim, heads, seq, batch, vocab = _TOKEN_SIZES[size]
+    layers = blocks or layers
     config = LlamaConfig(
         vocab_size=vocab, hidden_size=dim, intermediate_size=4 * dim, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=heads // 2, max_position_embeddings=seq,
@@ -237,7 +252,7 @@ def _llama(size: str) -> ZooCase:
     return _token_case("llama", LlamaForCausalLM(config), vocab, batch, seq)
 
 
-def _unet(size: str) -> ZooCase:
+def _unet(size: str, blocks: int | None) -> ZooCase:
     from diffusers import UNet2DModel
 
     channels, image, batch = {"tiny": ((16, 32), 16, 2), "small": ((32, 64, 64), 32, 4), "bench": ((64, 128, 128), 64, 8)}[size]
@@ -252,7 +267,7 @@ def _unet(size: str) -> ZooCase:
     )
 
 
-def _vae(size: str) -> ZooCase:
+def _vae(size: str, blocks: int | None) -> ZooCase:
     """diffusers' ``AutoencoderKL`` trained as a reconstruction: encoder, the latent distribution's mode, decoder."""
     from diffusers import AutoencoderKL
 
@@ -274,7 +289,7 @@ def _lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-BUILDERS: dict[str, Callable[[str], ZooCase]] = {
+BUILDERS: dict[str, Callable[[str, int | None], ZooCase]] = {
     "mlp": _mlp,
     "cnn": _cnn,
     "transformer": _transformer,

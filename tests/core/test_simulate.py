@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 from edge_models import Chain
-from support import FREE_MACHINERY, planner_for, profile_of, rewritten, torch_actions, torch_scorer, with_regions
+from support import FREE_MACHINERY, planner_for, profile_of, rewritten, tiny, torch_actions, torch_scorer, with_regions
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -23,7 +23,6 @@ from autockpt.measure.capture import capture
 from autockpt.measure.loss import default_loss
 from autockpt.measure.sources import StepInputs
 from autockpt.measure.trace import trace_step
-from autockpt.present import zoo
 from autockpt.types import (
     Action,
     ActionPrice,
@@ -176,7 +175,7 @@ def test_the_vectorised_simulator_gives_the_reference_timeline(name: str) -> Non
     """``simulate`` (numpy, facts cached per region and action) and ``_predict`` (storage by storage) give equal
     timelines, every field (float sums bit for bit), on every candidate alone under each action and on random plans
     of mixed actions, in any region order."""
-    planner = planner_for(zoo.build(name), checkpoint="auto")  # both kinds: the trace has gradient lifetimes
+    planner = planner_for(tiny(name), checkpoint="auto")  # both kinds: the trace has gradient lifetimes
     # prices injected, not calibrated (issue 46: a calibration on a loaded machine measured 0.0 and failed the
     # precondition): nonzero and uneven per action, so that every float sum of the machinery is compared
     trace = planner.trace
@@ -234,7 +233,7 @@ def test_the_vectorised_simulator_on_hand_built_traces() -> None:
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
 def test_simulated_peak_equals_measured_peak_for_random_plans(name: str) -> None:
-    case = zoo.build(name)
+    case = tiny(name)
     loss_fn = case.loss_fn or default_loss
     graph = capture(case.model, case.args, case.kwargs)
     measured = trace_step(graph, case.args, case.kwargs, loss_fn)
@@ -275,7 +274,7 @@ def test_loss_function_that_saves_activations_is_accounted() -> None:
 
 def test_a_region_ending_in_a_matmul_does_not_rerun_it() -> None:
     """Early stop: the last Linear of a region saves only its inputs, so its matmul is not recomputed."""
-    case = zoo.build("mlp")
+    case = tiny("mlp")
     measured = profile_of(case)
     linear_units = [u.index for u in measured.units if u.flops > 0]
     region = Region(first_unit=linear_units[2] + 1, last_unit=linear_units[4])  # GELU, Linear, GELU, Linear

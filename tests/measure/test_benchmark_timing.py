@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from support import budget_at, needs_transformers
+from support import budget_at, needs_transformers, tiny
 
 import autockpt
 from autockpt.core.devices import DEVICE_SPECS
@@ -19,7 +19,6 @@ from autockpt.measure.devices_local import local_spec_name
 from autockpt.measure.fake import FakeTrace
 from autockpt.measure.timing import BenchmarkTiming, MeasuredTiming, RooflineTiming, timing_for
 from autockpt.measure.trace import timed_steps
-from autockpt.present import zoo
 from autockpt.types import CaptureKind, StepTrace
 
 _ZOO = [
@@ -40,7 +39,7 @@ class Timed:
 @functools.cache
 def timed(name: str) -> Timed:
     """A zoo model planned from a measured trace, and from a fake trace timed by the benchmark (once per session)."""
-    case = zoo.build(name, "tiny")
+    case = tiny(name)
     call = {"example_inputs": case.args, "example_kwargs": case.kwargs, "loss_fn": case.loss_fn}
     measured = autockpt.Planner.from_model(case.model, **call, timing="measured")
     timing = BenchmarkTiming()
@@ -95,7 +94,7 @@ def test_repeated_blocks_take_their_first_instances_times() -> None:
 
 
 def test_plans_from_benchmarked_times_name_the_timing_end_to_end() -> None:
-    case = zoo.build("mlp", "tiny")
+    case = tiny("mlp")
     planner = autockpt.Planner.from_model(case.model, example_inputs=case.args, trace_source=FakeTrace(),
                                           timing="benchmark")
     plan = planner.plan(budget_bytes=budget_at(planner, 0.5))  # the trace's figures: no full floor search
@@ -109,7 +108,7 @@ def test_plans_from_benchmarked_times_name_the_timing_end_to_end() -> None:
 
 
 def test_a_model_on_the_meta_device_is_benchmarked_on_the_cpu_and_stays_on_meta() -> None:
-    case = zoo.build("cnn", "tiny")  # fx: its modules are copied and given random weights on the CPU
+    case = tiny("cnn")  # fx: its modules are copied and given random weights on the CPU
     model = case.model.to("meta")
     timing = BenchmarkTiming()
     x = case.args[0].to("meta")

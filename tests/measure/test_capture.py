@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 from edge_models import Chain, ShapeBranchConvNet
-from support import assert_same_step, check_optimized, needs_transformers, optimize_at, twin
+from support import assert_same_step, check_optimized, needs_transformers, optimize_at, tiny, twin
 from torch import fx, nn
 
 import autockpt
@@ -147,7 +147,7 @@ def test_buffers_updated_outside_the_traced_tensors_advance_as_in_the_model(upda
 def test_inputs_passed_twice_are_not_merged_by_the_capture() -> None:
     """``model(ids, labels=ids)``: torch.export made the two one graph input, so the graph read the labels as token
     ids and a later batch with other labels (shifted, -100 on padding) computed something else, silently."""
-    case = zoo.build("gpt2")
+    case = tiny("gpt2")
     assert case.kwargs["labels"] is case.args[0]  # the example inputs share the tensor
     reference = twin(case)
     optimized = optimize_at(case, 0.5)
@@ -199,7 +199,7 @@ def test_exported_hugging_face_graphs_take_the_eager_attention_path(name: str) -
     """Exported as is, transformers builds an all-True attention mask that every attention converts and saves (the
     eager model skips it): the captured step costs more than the model it replaces. Captured on the eager library
     paths, the graph's peak is the eager model's."""
-    case = zoo.build(name)
+    case = tiny(name)
     graph = capture(case.model, case.args, case.kwargs)
     assert graph.kind is CaptureKind.EXPORT
     eager = autockpt.measure_step(case.model, case.args, case.kwargs, case.loss_fn).peak_bytes

@@ -10,14 +10,13 @@ from typing import Any
 
 import pytest
 import torch
-from support import budget_at, needs_diffusers, needs_transformers
+from support import budget_at, needs_diffusers, needs_transformers, tiny
 
 import autockpt
 from autockpt.errors import FakeStepError, ProfileError
 from autockpt.measure.fake import FakeTrace, _CpuFakeTensorMode
 from autockpt.measure.sources import TraceRequest
 from autockpt.measure.timing import MeasuredTiming
-from autockpt.present import zoo
 from autockpt.runtime.model_state import preserved_model_state
 from autockpt.types import CaptureKind, StepTrace
 
@@ -85,7 +84,7 @@ _CASES = [
 @functools.cache
 def planners(name: str, bf16: bool) -> Planners:
     """The measured and the fake planner of a tiny zoo model (once per test session)."""
-    case = zoo.build(name, "tiny")
+    case = tiny(name)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     # one program each (the loss as captured): the plans compared are the same program's on both traces; both
     # recompute kinds ("auto", not the tests' default): the traces then hold the gradient lifetimes autockpt's own
@@ -166,7 +165,7 @@ def test_flops_per_ms_gives_flop_proportional_placeholder_times() -> None:
 
 
 def test_the_loop_optimizer_is_stepped_on_fakes_and_the_users_is_left_alone() -> None:
-    case = zoo.build("mlp", "tiny")
+    case = tiny("mlp")
     optimizer = torch.optim.AdamW(case.model.parameters(), lr=1e-3)
     case.model(*case.args).square().mean().backward()
     optimizer.step()
@@ -263,7 +262,7 @@ def test_a_budget_under_the_static_bytes_is_refused_naming_them_and_stages() -> 
 
 
 def test_data_dependent_control_flow_is_refused_naming_the_op_and_line() -> None:
-    case = zoo.build("control_flow", "tiny")
+    case = tiny("control_flow")
     with pytest.raises(FakeStepError, match=r"_local_scalar_dense.*zoo.py:\d+ in forward: if x.mean\(\) > 0") as error:
         autockpt.Planner.from_model(case.model, example_inputs=case.args, trace_source=FakeTrace())
     assert error.value.op == "aten._local_scalar_dense.default"

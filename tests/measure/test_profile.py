@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from support import tiny
 from torch import nn
 
 import autockpt
@@ -13,7 +14,6 @@ from autockpt.measure import trace as trace_module
 from autockpt.measure.capture import capture
 from autockpt.measure.costs import measure_action_price
 from autockpt.planning.planner import baseline_plan
-from autockpt.present import zoo
 from autockpt.types import Action, ActionPrice, CostModel, Region
 
 
@@ -130,7 +130,7 @@ def test_every_timed_step_of_a_module_level_capture_times_its_units() -> None:
     """Module-level captures number their units from submodule hooks. The hooks are installed once for all timed
     steps, and the numbering once ran on from one step into the next: only the first step's units matched, the median
     of three was 0 ms for every unit, and the solver saw recomputation as free."""
-    case = zoo.build("control_flow")  # data-dependent Python control flow: only module-level capture works
+    case = tiny("control_flow")  # data-dependent Python control flow: only module-level capture works
     graph = capture(case.model, case.args, case.kwargs)
     assert graph.kind is autockpt.types.CaptureKind.MODULE
     modules = [unit.index for unit in graph.units if unit.op == "module"]

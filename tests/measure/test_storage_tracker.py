@@ -7,14 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from support import needs_transformers
+from support import needs_transformers, tiny
 from torch.distributed import HashStore
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from autockpt.measure.loss import default_loss
 from autockpt.measure.step import step_peak_tracker
 from autockpt.measure.storage_tracker import StorageTracker
-from autockpt.present import zoo
 
 CPU = torch.device("cpu")
 
@@ -71,7 +70,7 @@ def test_the_step_peak_tracker_is_memtrackers_peak_snapshot_to_the_byte(name: st
     """``measure_step``'s tracker (MemTracker without its per-module peak copies): the same peak snapshot, every
     category, as torch's MemTracker on the same step (a conv net with BatchNorm; a Hugging Face decoder stepped with
     AdamW, whose states an untracked step made first)."""
-    case = zoo.build(name)
+    case = tiny(name)
     optimizer = torch.optim.AdamW(case.model.parameters())
     loss_fn = case.loss_fn or default_loss
     if name == "gpt2":

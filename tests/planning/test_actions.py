@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from support import assert_same_step, budget_at, twin
+from support import assert_same_step, budget_at, tiny, twin
 
 import autockpt
 from autockpt.core.simulate import simulate
@@ -43,14 +43,14 @@ def test_a_policy_refuses_overlapping_regions_and_a_placement_gaps() -> None:
 
 @pytest.fixture(scope="module")
 def transformer_planner() -> tuple[zoo.ZooCase, autockpt.Planner]:
-    case = zoo.build("transformer", "tiny")
+    case = tiny("transformer")
     # both recompute kinds ("auto", not the tests' default): the plans here give regions either action
     return case, autockpt.Planner.from_model(case.model, example_inputs=case.args, example_kwargs=case.kwargs,
                                              loss_fn=case.loss_fn, checkpoint="auto")
 
 
 def test_the_old_spelling_of_the_checkpoint_choice_still_plans_for_that_action() -> None:
-    case = zoo.build("mlp", "tiny")
+    case = tiny("mlp")
     # checkpoint="auto", autockpt's default (the tests' default is torch's kind): the older spelling then decides
     old = autockpt.Planner.from_model(case.model, example_inputs=case.args, loss_fn=case.loss_fn, checkpoint="auto",
                                       solver_options=autockpt.SolverOptions(checkpoint="recompute_function"))
@@ -111,7 +111,7 @@ def test_a_version_1_plan_file_loads_as_a_policy_and_applies() -> None:
     assert loaded.planned_action is Action.RECOMPUTE_OWN
     assert loaded.region_overhead_ms == v1["plan"]["region_overhead_ms"]
     assert loaded.policy.placement.stages == (Stage(first_unit=0, last_unit=len(loaded.nodes) - 1, device=""),)
-    case = zoo.build("transformer", "tiny")
+    case = zoo.build("transformer", "tiny")  # the model the file was recorded for: the size's 6 layers
     reference = twin(case)
     module = autockpt.apply_plan(case.model, loaded, example_inputs=case.args, example_kwargs=case.kwargs)
     assert_same_step(module, reference, case)

@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from support import budget_at, mlp, planner_for, probe, run_step, twin, zoo_with_blocks
+from support import budget_at, mlp, planner_for, probe, run_step, tiny, twin, zoo_with_blocks
 from torch import nn
 
 import autockpt
@@ -43,7 +43,7 @@ def cnn_probe() -> autockpt.Plan:
     ],
 )
 def test_bad_budgets_are_value_errors(kwargs: dict, match: str) -> None:
-    case = zoo.build("mlp")
+    case = tiny("mlp")
     with pytest.raises(ValueError, match=match):
         autockpt.plan(case.model, example_inputs=case.args, **kwargs)
 
@@ -90,7 +90,7 @@ def test_budget_gb_means_ten_to_the_ninth_bytes() -> None:
     ],
 )
 def test_bad_arguments_say_what_was_expected(call, error, match) -> None:
-    case = zoo.build("mlp")
+    case = tiny("mlp")
     with pytest.raises(error, match=match):
         call(case.model, case.args[0])
 
@@ -106,7 +106,7 @@ def test_bad_arguments_say_what_was_expected(call, error, match) -> None:
 )
 def test_a_loss_function_that_returns_no_scalar_loss_is_named(loss_fn, match: str) -> None:
     """It failed inside profiling with a ProfileError that blamed the captured graph."""
-    case = zoo.build("mlp")
+    case = tiny("mlp")
     with pytest.raises(autockpt.errors.LossFunctionError, match=match) as caught:
         autockpt.plan(case.model, budget_gb=1, example_inputs=case.args, loss_fn=loss_fn)
     assert "loss_fn returned" in str(caught.value) and ".mean()" in str(caught.value)
@@ -145,7 +145,7 @@ def test_optimized_module_shares_parameters_and_state_dict_keys(cnn_probe: autoc
 
 
 def test_eval_mode_and_no_grad_run_the_original(cnn_probe: autockpt.Plan, caplog: pytest.LogCaptureFixture) -> None:
-    case = zoo.build("transformer")
+    case = tiny("transformer")
     reference = twin(case)
     planner = planner_for(case)
     optimized = planner.optimize(budget_bytes=budget_at(planner, 0.5))
@@ -165,7 +165,7 @@ def test_eval_mode_and_no_grad_run_the_original(cnn_probe: autockpt.Plan, caplog
 
 @pytest.mark.parametrize("name", ["mlp", "control_flow"])  # fx capture; module-level capture (shape-generic)
 def test_smaller_batches_keep_the_plan_and_larger_ones_warn(name: str, caplog: pytest.LogCaptureFixture) -> None:
-    case = zoo.build(name)
+    case = tiny(name)
     planner = planner_for(case)
     optimized = planner.optimize(budget_bytes=budget_at(planner, 0.5))
     x = case.args[0]

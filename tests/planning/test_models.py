@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from support import assert_same_step, budget_at, checkpoint_for, needs_transformers, planner_for, twin, zoo_params
+from support import assert_same_step, budget_at, checkpoint_for, needs_transformers, planner_for, tiny, twin, zoo_params
 
 import autockpt
 from autockpt.present import zoo
@@ -28,7 +28,7 @@ def planned() -> Callable[[str], Planned]:
 
     def planned_for(name: str) -> Planned:
         if name not in made:
-            case = zoo.build(name)
+            case = tiny(name)
             # the diffusers models' programs at a 5 % gap (1 % by default), the UNet's with two refinement rounds
             # (5; its test 28 -> 18 s on an idle 2-core machine): what this file checks (budget kept, step equal,
             # prediction close) holds for any plan
@@ -85,7 +85,7 @@ def test_more_hugging_face_architectures_at_half_budget(name: str) -> None:
     """Encoder-decoder (T5) and a RoPE/grouped-query decoder (Llama) through the export path. The encoder (BERT) is
     planned from its fake trace and measured in ``test_trace_choice.py``, and its eager course is checked in
     ``tests/measure/test_eager_course.py``."""
-    case = zoo.build(name)
+    case = tiny(name)
     reference = twin(case)
     planner = planner_for(case)
     budget = budget_at(planner, 0.5)
@@ -105,12 +105,13 @@ def test_memory_floor_is_at_most_half_way_on_transformers(name: str, planned: Ca
 
 
 @pytest.mark.parametrize("name", ["mlp", "transformer"])
-def test_unmodified_prediction_is_close_to_the_original_eager_model(name: str, planned: Callable[[str], Planned]) -> None:
+def test_unmodified_prediction_is_close_to_the_original_eager_model(name: str) -> None:
     # the captured graph frees intermediates as soon as they are dead (fx codegen), eager Python code keeps local
-    # variables until the function returns: the two peaks may differ a little, in the graph's favour
-    case = zoo.build(name)
+    # variables until the function returns: the two peaks may differ a little, in the graph's favour (on the
+    # transformer 179,192 B whatever its layers: the size's 6, for which the 2 % was set, not the tests' 3)
+    case = zoo.build(name, "tiny")
     measured = autockpt.measure_step(case.model, case.args, case.kwargs, case.loss_fn).peak_bytes
-    predicted = planned(name)[1].trace.baseline_peak_bytes
+    predicted = planner_for(case).trace.baseline_peak_bytes
     assert -0.02 * measured <= predicted - measured <= 0.001 * measured
 
 

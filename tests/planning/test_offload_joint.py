@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import assert_same_step, budget_at, twin
+from support import assert_same_step, budget_at, tiny, twin
 from support import mlp as seeded_mlp
 
 import autockpt
@@ -164,13 +164,13 @@ def test_the_plan_shows_the_pool_and_applies_from_a_file(pooled: PoolCase, tmp_p
 
 
 def test_host_pool_arguments_are_checked() -> None:
-    case = zoo.build("mlp")
+    case = tiny("mlp")
     for wrong in (-1, "lots", True, float("nan")):
         with pytest.raises(ValueError, match="host_pool_gb"):
             pool_planner(case, wrong)  # type: ignore[arg-type]
     assert pool_planner(case, "auto").host_pool_bytes > 0
     with pytest.raises(ValueError, match="graph capture"):
-        pool_planner(zoo.build("control_flow"))  # module-level capture: offloading cannot run there
+        pool_planner(tiny("control_flow"))  # module-level capture: offloading cannot run there
 
 
 def test_the_cli_reads_the_host_pool() -> None:

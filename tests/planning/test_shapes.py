@@ -9,7 +9,7 @@ import logging
 
 import pytest
 import torch
-from support import assert_same_step, budget_at, twin
+from support import assert_same_step, budget_at, tiny, twin
 
 import autockpt
 from autockpt.present import zoo
@@ -105,7 +105,7 @@ def test_shapes_can_be_prepared_before_training(decoder: Optimized) -> None:
 
 def test_conv_net_image_sizes_keep_the_plan_and_the_budget() -> None:
     """BatchNorm conv net (fx capture): two image sizes; running statistics advance as the plain model's."""
-    run = optimized(zoo.build("cnn"), 0.4)
+    run = optimized(tiny("cnn"), 0.4)
     images = run.case.args[0]
     for size in (16, 12, 16):
         case = at(run.case, (images[..., :size, :size].contiguous(),), {})

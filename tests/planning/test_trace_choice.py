@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from support import checkpoint_for
+from support import checkpoint_for, tiny
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
@@ -59,7 +59,7 @@ def test_optimize_under_a_device_memory_below_the_unmodified_peak_runs_no_unmodi
 ) -> None:
     """Item 3: the plan comes from the fake trace, only the optimized step is measured, it keeps the budget, and its
     gradients are the unmodified model's (computed apart, on a copy)."""
-    case = zoo.build("transformer", "tiny")
+    case = tiny("transformer")
     reference = copy.deepcopy(case.model)
     measured = autockpt.Planner.from_model(
         reference, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn, trace="measured",
@@ -92,7 +92,7 @@ def test_optimize_under_a_device_memory_below_the_unmodified_peak_runs_no_unmodi
 
 
 def test_auto_measures_a_step_that_fits_the_device_memory() -> None:
-    case = zoo.build("mlp", "tiny")
+    case = tiny("mlp")
     peak = _unmodified_peak(case)
     planner = autockpt.Planner.from_model(
         case.model, example_inputs=case.args, loss_fn=case.loss_fn, device_memory_bytes=2 * peak, timing="auto",
@@ -106,7 +106,7 @@ def test_auto_measures_a_step_that_fits_the_device_memory() -> None:
 
 
 def test_auto_falls_back_to_measuring_a_step_fakes_cannot_run() -> None:
-    case = zoo.build("control_flow", "tiny")
+    case = tiny("control_flow")
     planner = autockpt.Planner.from_model(
         case.model, example_inputs=case.args, loss_fn=case.loss_fn, device_memory_bytes=1,
     )
@@ -118,7 +118,7 @@ def test_auto_falls_back_to_measuring_a_step_fakes_cannot_run() -> None:
 
 def test_a_meta_model_is_traced_on_fakes_and_refused_by_optimize() -> None:
     with torch.device("meta"):
-        case = zoo.build("gpt2", "tiny")
+        case = tiny("gpt2")
     plan = autockpt.plan(case.model, example_inputs=case.args, example_kwargs=case.kwargs, target="a100-80gb")
     assert plan.provenance.trace == "fake" and plan.provenance.device == "a100-80gb"
     assert plan.provenance.timing == "roofline" and plan.budget_bytes == 80 * 10**9
@@ -130,7 +130,7 @@ def test_a_meta_model_is_traced_on_fakes_and_refused_by_optimize() -> None:
 
 
 def test_bad_trace_arguments_say_what_was_expected() -> None:
-    case = zoo.build("mlp", "tiny")
+    case = tiny("mlp")
     with pytest.raises(ValueError, match="trace='exact': choose one of auto, fake, measured"):
         autockpt.plan(case.model, 1.0, example_inputs=case.args, trace="exact")
     with pytest.raises(ValueError, match="device_memory_bytes must be a positive whole number of bytes, got -5"):
@@ -141,8 +141,8 @@ def test_bad_trace_arguments_say_what_was_expected() -> None:
 
 def test_estimate_of_a_meta_model_equals_the_real_models() -> None:
     with torch.device("meta"):
-        meta = zoo.build("llama", "tiny")
-    real = zoo.build("llama", "tiny")
+        meta = tiny("llama")
+    real = tiny("llama")
     on_meta = autockpt.estimate(meta.model, example_inputs=meta.args, example_kwargs=meta.kwargs, optimizer="adamw")
     measured = autockpt.estimate(real.model, example_inputs=real.args, example_kwargs=real.kwargs, optimizer="adamw")
     assert on_meta.rows() == measured.rows()
@@ -191,7 +191,7 @@ def test_a_plan_from_the_fake_trace_measures_as_predicted_and_under_its_budget(n
     conv net). The encoder-decoder (T5) and the vision transformer (ViT, an encoder as BERT is; issue 46: no two tests
     proving the same fact): their fake traces are their measured timelines, to the byte
     (``tests/measure/test_fake_trace.py``), and their measured plans keep their budget (``test_models.py``)."""
-    case = zoo.build(name, "tiny")
+    case = tiny(name)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     call = {"example_inputs": case.args, "example_kwargs": case.kwargs, "loss_fn": case.loss_fn}
     with autocast:
@@ -218,12 +218,12 @@ def test_example_inputs_as_fake_tensors_or_a_plan_files_specs() -> None:
 
     from autockpt.records.plan_inputs import recorded_inputs
 
-    real = zoo.build("gpt2", "tiny")
+    real = tiny("gpt2")
     # traced, not planned: the figures compared are the trace's (a plan would search its floor four times over)
     reference = autockpt.Planner.from_model(real.model, example_inputs=real.args, example_kwargs=real.kwargs,
                                             trace="fake")
     with torch.device("meta"):
-        meta = zoo.build("gpt2", "tiny")
+        meta = tiny("gpt2")
     with FakeTensorMode() as mode:
         fake_args = tuple(mode.from_tensor(a) for a in real.args)
         fake_kwargs = {k: mode.from_tensor(v) for k, v in real.kwargs.items()}
@@ -249,9 +249,9 @@ def test_a_meta_model_with_real_token_ids_is_captured_as_a_graph_and_planned_as_
     """The usual way: weights on meta, token ids on the CPU. The inputs join the model on meta for the capture (fx
     and export check a graph by running it, which fails on two devices), so the plan is a graph's, with the real
     model's bytes; such a planner cannot measure (optimize refuses, saying why)."""
-    real = zoo.build("llama", "tiny")
+    real = tiny("llama")
     with torch.device("meta"):
-        meta = zoo.build("llama", "tiny").model
+        meta = tiny("llama").model
     planner = autockpt.Planner.from_model(meta, example_inputs=real.args, example_kwargs=real.kwargs)
     reference = autockpt.Planner.from_model(
         real.model, example_inputs=real.args, example_kwargs=real.kwargs, trace="fake"
@@ -268,7 +268,7 @@ def test_auto_traces_on_fakes_when_the_measured_step_runs_out_of_memory(monkeypa
     from autockpt.errors import ProfileError
     from autockpt.measure import trace as trace_module
 
-    case = zoo.build("mlp", "tiny")
+    case = tiny("mlp")
     real_trace_step = trace_module.trace_step
 
     def out_of_memory(graph: object, args: tuple, kwargs: dict, *rest: object, **options: object) -> object:
@@ -284,7 +284,7 @@ def test_auto_traces_on_fakes_when_the_measured_step_runs_out_of_memory(monkeypa
 
 
 def test_max_batch_size_on_fakes_says_the_step_cannot_run_there() -> None:
-    case = zoo.build("control_flow", "tiny")
+    case = tiny("control_flow")
     with pytest.raises(FakeStepError):
         max_batch_size(lambda: case.model, lambda n: ExampleBatch(args=(torch.randn(n, *case.args[0].shape[1:]),)),
                        budget_gb=1.0, strategy="none", trace="fake", limit=8)

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import needs_transformers, zoo_with_blocks
+from support import needs_transformers, tiny, zoo_with_blocks
 
 import autockpt
 from autockpt.core.breakdown import logits_storages, memory_breakdown
-from autockpt.present import zoo
 from autockpt.types import OUTSIDE_GRAPH_UNIT
 from autockpt.units import format_bytes
 
@@ -25,7 +24,7 @@ def gpt2_fake() -> Planned:
     """The tiny GPT-2 (its loss computed inside the model from labels), traced on fakes and timed for an H100, AdamW:
     a plan half way from its floor to its unmodified peak, of the program as captured (its events are the trace's)."""
     pytest.importorskip("transformers")
-    case = zoo.build("gpt2", "tiny")
+    case = tiny("gpt2")
     planner = autockpt.Planner.from_model(
         case.model, example_inputs=case.args, example_kwargs=case.kwargs, trace="fake", target="h100-sxm-80gb",
         optimizer=torch.optim.AdamW, loss_chunk_tokens=0,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import assert_same_step, budget_at, checkpoint_for, needs_transformers, twin, zoo_with_blocks
+from support import assert_same_step, budget_at, checkpoint_for, needs_transformers, tiny, twin, zoo_with_blocks
 
 import autockpt
 from autockpt.present import zoo
@@ -64,7 +64,7 @@ def test_a_plan_for_other_shapes_or_another_model_is_refused(transformer_plan: a
     smaller_batch = (case.args[0][:2],)
     with pytest.raises(autockpt.PlanMismatchError, match=r"input args\[0\]: plan int64\[4, 64\], given int64\[2, 64\]"):
         autockpt.apply_plan(case.model, transformer_plan, example_inputs=smaller_batch)
-    other = zoo.build("mlp")
+    other = tiny("mlp")
     with pytest.raises(autockpt.PlanMismatchError, match="parameters in the plan but not given: pos, embed.weight"):
         autockpt.apply_plan(other.model, transformer_plan, example_inputs=other.args)
 
@@ -117,7 +117,7 @@ def test_the_report_timeline_and_tables_match_the_plan(transformer_plan: autockp
 
 
 def test_estimate_breaks_the_step_down() -> None:
-    case = zoo.build("cnn")
+    case = tiny("cnn")
     breakdown = autockpt.estimate(case.model, example_inputs=case.args, loss_fn=case.loss_fn, optimizer="adam", depth=1)
     params = list(case.model.parameters())
     parameter_bytes = sum(p.numel() * p.element_size() for p in params)
@@ -157,12 +157,12 @@ def test_the_html_report_renders_in_headless_chromium(transformer_plan: autockpt
 
 @pytest.mark.parametrize("name", ["control_flow", pytest.param("gpt2", marks=needs_transformers)])
 def test_saved_plans_apply_through_the_module_and_export_captures(name: str, tmp_path: Path) -> None:
-    case = zoo.build(name)
+    case = tiny(name)
     planner = autockpt.Planner.from_model(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
     plan = planner.plan(budget_bytes=budget_at(planner, 0.5))
     assert plan.capture.value == ("module" if name == "control_flow" else "export") and plan.regions
     plan.save(tmp_path / "plan.json")
-    fresh = zoo.build(name)
+    fresh = tiny(name)
     reference = twin(fresh)
     module = autockpt.apply_plan(fresh.model, autockpt.load_plan(tmp_path / "plan.json"), example_inputs=fresh.args,
                                  example_kwargs=fresh.kwargs)

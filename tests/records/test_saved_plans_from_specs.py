@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import assert_same_step, needs_transformers, twin
+from support import assert_same_step, needs_transformers, tiny, twin
 
 import autockpt
 from autockpt.present import zoo
@@ -22,7 +22,7 @@ Planned = tuple[zoo.ZooCase, autockpt.Plan]  # a zoo case and a plan made for it
 @pytest.fixture(scope="module")
 def keyword_plan() -> Planned:
     """GPT-2 planned with its token ids by keyword, as the CLI's ``--input input_ids=...`` passes them."""
-    case = zoo.build("gpt2")
+    case = tiny("gpt2")
     ids = case.args[0]
     case = dataclasses.replace(case, args=(), kwargs={"input_ids": ids, "labels": ids})
     planner = autockpt.Planner.from_model(case.model, example_kwargs=case.kwargs)
@@ -34,7 +34,7 @@ def keyword_plan() -> Planned:
 @pytest.fixture(scope="module")
 def positional_plan() -> Planned:
     """The MLP planned with its (floating) input positionally."""
-    case = zoo.build("mlp")
+    case = tiny("mlp")
     planner = autockpt.Planner.from_model(case.model, example_inputs=case.args)
     the_plan = planner.plan(budget_bytes=_half_way(planner))
     assert the_plan.regions

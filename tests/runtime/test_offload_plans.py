@@ -8,7 +8,7 @@ plans for the runtime and the simulator; what the solver chooses with a pool is 
 from __future__ import annotations
 
 import pytest
-from support import assert_same_step, budget_at, planner_for, twin, zoo_params
+from support import assert_same_step, budget_at, planner_for, tiny, twin, zoo_params
 
 import autockpt
 from autockpt.present import zoo
@@ -29,7 +29,7 @@ def offload_plan(case: zoo.ZooCase) -> tuple[autockpt.Planner, autockpt.Plan]:
 
 @pytest.mark.parametrize("name", zoo_params("mlp", "cnn", "gpt2"))
 def test_offloaded_regions_are_predicted_and_train_like_pytorch(name: str) -> None:
-    case = zoo.build(name)
+    case = tiny(name)
     reference = twin(case)
     planner, plan = offload_plan(case)
     assert plan.regions and plan.policy.actions == (Action.OFFLOAD,) * len(plan.regions)
@@ -49,14 +49,14 @@ def test_offloaded_regions_are_predicted_and_train_like_pytorch(name: str) -> No
 
 
 def test_the_pool_is_the_aligned_sum_of_the_moved_storages() -> None:
-    case = zoo.build("mlp")
+    case = tiny("mlp")
     _, plan = offload_plan(case)
     assert plan.host_pool_bytes % slot_bytes(1) == 0
     assert plan.transfer_ms > 0 and plan.predicted_overhead > 0  # CPU copies are synchronous: all of it is paid
 
 
 def test_offload_needs_a_graph_capture() -> None:
-    case = zoo.build("control_flow")  # falls to the module-level capture
+    case = tiny("control_flow")  # falls to the module-level capture
     planner, plan = offload_plan(case)
     with pytest.raises(ValueError, match="graph capture"):
         planner.apply(plan)

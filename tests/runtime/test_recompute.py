@@ -10,7 +10,7 @@ import logging
 
 import pytest
 import torch
-from support import FREE_MACHINERY, assert_same_step, budget_at, planner_for, twin, zoo_params, zoo_with_blocks
+from support import FREE_MACHINERY, assert_same_step, budget_at, planner_for, tiny, twin, zoo_params, zoo_with_blocks
 from torch import nn
 
 import autockpt
@@ -31,7 +31,7 @@ MODELS = zoo_params("transformer", "control_flow")
 
 @pytest.mark.parametrize("name", MODELS)
 def test_budget_is_kept_and_step_matches_pytorch(name: str) -> None:
-    case = zoo.build(name)
+    case = tiny(name)
     reference = twin(case)
     planner = planner_for(case, FUNCTION)  # one capture and profile for the probe and the plan
     budget = budget_at(planner, 0.5)
@@ -46,7 +46,7 @@ def test_budget_is_kept_and_step_matches_pytorch(name: str) -> None:
 
 @pytest.mark.parametrize("strategy", ["every_1", "sqrt_n", "for_transformers"])
 def test_the_simulator_is_exact_for_block_aligned_and_cut_regions(strategy: str) -> None:
-    case = zoo.build("transformer")
+    case = tiny("transformer")
     planner = autockpt.Planner.from_model(case.model, example_inputs=case.args, loss_fn=case.loss_fn,
                                           checkpoint=Action.RECOMPUTE_OWN)
     the_plan = baseline_plan(planner, strategy)
@@ -117,7 +117,7 @@ def test_autockpts_checkpoint_is_predicted_exactly_on_resnet_regions(first: str,
 
 
 def test_a_plan_file_keeps_its_checkpoint_kind(tmp_path) -> None:
-    case = zoo.build("mlp")
+    case = tiny("mlp")
     planner = planner_for(case, FUNCTION)
     the_plan = planner.plan(budget_bytes=budget_at(planner, 0.5))
     the_plan.save(tmp_path / "plan.json")
@@ -170,7 +170,7 @@ def _floor(planner: autockpt.Planner) -> int:
 
 
 def test_auto_optimize_times_both_kinds_plans_and_returns_one_that_trains_like_pytorch() -> None:
-    case = zoo.build("gpt2")
+    case = tiny("gpt2")
     planner = planner_for(case, checkpoint="auto")  # the default options
     budget = budget_at(planner, 0.5)
     optimized = planner.optimize(budget_bytes=budget)

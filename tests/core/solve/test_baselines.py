@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import assert_same_step, needs_transformers, twin
+from support import assert_same_step, needs_transformers, tiny, twin
 from torch import nn
 
 import autockpt
@@ -27,7 +27,7 @@ def _planner(case: zoo.ZooCase) -> autockpt.Planner:
 
 @pytest.fixture(scope="module")
 def transformer() -> tuple[zoo.ZooCase, autockpt.Planner]:
-    case = zoo.build("transformer", "tiny")
+    case = tiny("transformer")
     return case, _planner(case)
 
 
@@ -43,7 +43,7 @@ def test_parse_strategy() -> None:
 def test_blocks_are_the_repeated_layers(transformer: tuple[zoo.ZooCase, autockpt.Planner]) -> None:
     _, planner = transformer
     blocks = find_blocks(planner.graph)
-    assert [b.name for b in blocks] == [f"blocks.{i}" for i in range(6)]
+    assert [b.name for b in blocks] == [f"blocks.{i}" for i in range(len(transformer[0].model.blocks))]
     units = planner.graph.units
     for block in blocks:  # every unit of the block's module lies inside its range, none of another block's
         inside = {u.index for u in units if u.module_path == block.name or u.module_path.startswith(block.name + ".")}
@@ -88,7 +88,7 @@ def test_none_and_speed_optimized_change_nothing(transformer: tuple[zoo.ZooCase,
 
 def test_in_place_hazards_are_split_and_the_step_still_matches() -> None:
     """The CNN writes in place (ReLU(inplace), out += x): every baseline region passes the hazard filter and runs."""
-    case = zoo.build("cnn", "tiny")
+    case = tiny("cnn")
     planner = _planner(case)
     hazards = mutation_hazards(planner.trace)
     assert hazards, "the CNN should have in-place writes for this test to mean anything"
@@ -103,7 +103,7 @@ def test_in_place_hazards_are_split_and_the_step_still_matches() -> None:
 
 
 def test_module_level_capture() -> None:
-    case = zoo.build("control_flow", "tiny")
+    case = tiny("control_flow")
     planner = _planner(case)
     assert planner.graph.kind is autockpt.types.CaptureKind.MODULE
     unavailable = baseline_regions(planner.graph, planner.trace, "sqrt_n")
@@ -125,9 +125,10 @@ def test_hugging_face_blocks_and_every_1_matches_hf_checkpointing() -> None:
     """every_1 finds GPT-2's layers from the graph and saves as much memory as HF's own checkpointing."""
     import copy
 
-    case = zoo.build("gpt2", "tiny")
+    case = tiny("gpt2")
     planner = _planner(case)
-    assert [b.name for b in find_blocks(planner.graph)] == [f"transformer.h.{i}" for i in range(4)]
+    layers = len(case.model.transformer.h)
+    assert [b.name for b in find_blocks(planner.graph)] == [f"transformer.h.{i}" for i in range(layers)]
     module = planner.apply(baseline_plan(planner, "every_1"))
     assert_same_step(module, twin(case), case)
     ours = autockpt.measure_step(module, case.args, case.kwargs, case.loss_fn).peak_bytes

@@ -6,13 +6,13 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from support import tiny
 
 import autockpt
 from autockpt.core.solve.candidates import candidate_regions
 from autockpt.core.solve.exact import min_peak_bytes
 from autockpt.core.solve.greedy import greedy_regions
 from autockpt.core.solve.prepare import prepare
-from autockpt.present import zoo
 from experiments.common.random_graphs import modelled_planner, scorer_of
 
 
@@ -43,7 +43,7 @@ def test_without_any_solution_in_time_a_greedy_plan_is_used(monkeypatch: pytest.
     from autockpt.core.solve.base import ProgramAnswer
     from autockpt.types import PlanStatus, SolverStats
 
-    case = zoo.build("mlp")
+    case = tiny("mlp")
     planner = autockpt.Planner.from_model(case.model, example_inputs=case.args)
     budget = int(planner.trace.static_bytes + 0.6 * (planner.trace.baseline_peak_bytes - planner.trace.static_bytes))
 

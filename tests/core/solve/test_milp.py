@@ -9,7 +9,7 @@ from typing import Any
 import pulp
 import pytest
 import torch
-from support import FREE_MACHINERY, torch_scorer
+from support import FREE_MACHINERY, tiny, torch_scorer
 from torch import nn
 
 import autockpt
@@ -19,7 +19,6 @@ from autockpt.core.solve.default import solve_prepared
 from autockpt.core.solve.prepare import prepare
 from autockpt.measure.capture import capture
 from autockpt.measure.trace import trace_step
-from autockpt.present import zoo
 from autockpt.types import Action, Region, StepTrace
 
 
@@ -96,7 +95,7 @@ def test_a_cheaper_baseline_plan_is_returned_when_the_program_misses_it(monkeypa
     from autockpt.planning.planner import baseline_plan
     from autockpt.types import PlanStatus, SolverStats
 
-    case = zoo.build("transformer")
+    case = tiny("transformer")
     # one checkpoint kind: the baselines are scored for torch's, so the plan must be made for it too
     planner = autockpt.Planner.from_model(
         case.model, example_inputs=case.args, solver_options=autockpt.SolverOptions(checkpoint="torch_non_reentrant")

@@ -100,7 +100,10 @@ def mlp(depth: int = 6, classes: int = 8) -> torch.nn.Module:
 # The blocks of the zoo's tiny models the tests build (``tiny``): fewer where more blocks only repeat what two show
 # (issue 46: every capture, trace, program and step grows with them; the sizes themselves stay the benchmarks'). A
 # test whose fact needs the size's blocks (block families, plan files recorded for a model) builds ``zoo.build``.
-TEST_BLOCKS = {"gpt2": 2, "bert": 2, "t5": 2, "llama": 2, "vit": 2, "transformer": 3, "cnn": 6}
+# The plain transformer keeps its 6 layers: with 3, budgets a third of the way to its peak fell under the block
+# program's floor, and the flat programs solved there took longer than the layers saved (4.7 s against 0.6 s for
+# test_actions' mixed regions).
+TEST_BLOCKS = {"gpt2": 2, "bert": 2, "t5": 2, "llama": 2, "vit": 2, "cnn": 6}
 
 
 def tiny(name: str) -> zoo.ZooCase:

@@ -124,7 +124,7 @@ def test_a_hugging_face_model_on_the_meta_device_is_benchmarked_with_token_ids_i
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=32,
     )
     with torch.device("meta"):

@@ -186,7 +186,7 @@ def test_a_model_on_the_meta_device_plans_and_stays_there() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=32,
     )
     with torch.device("meta"):
@@ -219,7 +219,7 @@ def test_a_model_on_the_meta_device_is_captured_at_batch_size_1() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=4, max_position_embeddings=256, use_cache=False,
     )
     with torch.device("meta"):

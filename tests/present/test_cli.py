@@ -169,7 +169,7 @@ def test_a_hugging_face_config_is_planned_on_the_meta_device(tmp_path: Path) -> 
     import torch
     import transformers
 
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                                       num_key_value_heads=2, vocab_size=1000)
     config.dtype = "bfloat16"
     config.to_json_file(tmp_path / "config.json")

@@ -31,7 +31,7 @@ def bf16() -> torch.autocast:
 def _decoder() -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     config = transformers.GPTNeoXConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=128, hidden_size=64, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
         max_position_embeddings=256,
     )
     return transformers.GPTNeoXForCausalLM(config), torch.randint(0, 128, (2, 128))

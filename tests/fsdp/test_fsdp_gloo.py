@@ -66,9 +66,9 @@ def _plan_case(case: str, folder: Path) -> PlannedCase:
     config = {**CONFIG, "kind": kind, "model": {**CONFIG["model"], "vocab": vocab}}
     if kind in ("llama", "hf-llama"):
         config["model"]["heads"] = 4
-    # two blocks but for the decoder's cases (issue 46: each fake-world measurement runs every block's ops; the
-    # decoder's four are where a host pool lowers the floor, and where its budgets give four blocks decisions)
-    if kind != "decoder":
+    # two blocks (issue 46: each fake-world measurement runs every block's ops) but for the decoder's cases of the
+    # pool and of the budgets that give its four blocks decisions (with fewer, the pool no longer lowers the floor)
+    if kind != "decoder" or case == "loss-in-chunks":
         config["model"]["layers"] = 2
     try:
         chunks = "auto" if case == "loss-in-chunks" else 0

@@ -20,10 +20,12 @@ def test_blocks_set_the_repeated_blocks_and_keep_the_sizes_widths_and_inputs() -
 
 
 @needs_transformers
-def test_a_hugging_face_model_gets_the_layers_asked_for() -> None:
-    case = zoo.build("llama", "tiny", blocks=1)
-    assert case.model.config.num_hidden_layers == 1 == len(case.model.model.layers)
-    assert case.model.config.hidden_size == zoo.build("llama", "tiny").model.config.hidden_size
+@pytest.mark.parametrize("name", ["gpt2", "bert", "t5", "llama", "vit"])
+def test_a_hugging_face_model_gets_the_layers_asked_for(name: str) -> None:
+    config, sized = zoo.build(name, "tiny", blocks=1).model.config, zoo.build(name, "tiny").model.config
+    assert config.num_hidden_layers == 1 < sized.num_hidden_layers  # each config's own name for it (n_layer, ...)
+    assert getattr(config, "num_decoder_layers", 1) == 1  # T5's decoder too
+    assert config.hidden_size == sized.hidden_size
 
 
 @pytest.mark.parametrize(

@@ -111,11 +111,6 @@ def tiny(name: str) -> zoo.ZooCase:
     return zoo.build(name, "tiny", blocks=TEST_BLOCKS.get(name))
 
 
-def zoo_with_blocks(name: str, blocks: int) -> zoo.ZooCase:
-    """The zoo's tiny ``name`` with ``blocks`` blocks, the same widths, inputs and loss."""
-    return zoo.build(name, "tiny", blocks=blocks)
-
-
 def loss_of(output: torch.Tensor) -> torch.Tensor:
     return output.square().mean()
 

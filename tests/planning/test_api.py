@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from support import budget_at, mlp, planner_for, probe, run_step, tiny, twin, zoo_with_blocks
+from support import budget_at, mlp, planner_for, probe, run_step, tiny, twin
 from torch import nn
 
 import autockpt
@@ -18,7 +18,7 @@ from autockpt.present import zoo
 def small_cnn() -> zoo.ZooCase:
     """The zoo's CNN with 3 residual blocks, not 12: what these tests check does not depend on the model's size, and
     every plan of the CNN searches both recompute kinds' floors (issue 46)."""
-    return zoo_with_blocks("cnn", 3)
+    return zoo.build("cnn", "tiny", blocks=3)
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import needs_transformers, tiny, zoo_with_blocks
+from support import needs_transformers, tiny
 
 import autockpt
 from autockpt.core.breakdown import logits_storages, memory_breakdown
+from autockpt.present import zoo
 from autockpt.types import OUTSIDE_GRAPH_UNIT
 from autockpt.units import format_bytes
 
@@ -88,7 +89,8 @@ def test_the_logits_are_the_output_and_what_the_loss_makes_of_it(gpt2_fake: Plan
 
 
 def test_a_loss_outside_the_model_counts_as_logits() -> None:
-    case = zoo_with_blocks("transformer", 2)  # 2 layers, not 6: where the logits are counted does not depend on them
+    # 2 layers, not 6: where the logits are counted does not depend on them
+    case = zoo.build("transformer", "tiny", blocks=2)
     planner = autockpt.Planner.from_model(case.model, example_inputs=case.args, loss_fn=case.loss_fn, trace="fake")
     plan = planner.plan(budget_bytes=10**15)
     found = logits_storages(planner.trace)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import assert_same_step, budget_at, checkpoint_for, needs_transformers, tiny, twin, zoo_with_blocks
+from support import assert_same_step, budget_at, checkpoint_for, needs_transformers, tiny, twin
 
 import autockpt
 from autockpt.present import zoo
@@ -21,7 +21,7 @@ from autockpt.units import format_bytes
 def small_transformer() -> zoo.ZooCase:
     """The zoo's tiny transformer with 2 layers, not 6: a plan file's contents do not depend on the model's depth,
     and each plan of it searches both recompute kinds' floors (issue 46)."""
-    return zoo_with_blocks("transformer", 2)
+    return zoo.build("transformer", "tiny", blocks=2)
 
 
 @pytest.fixture(scope="module")

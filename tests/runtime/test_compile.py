@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo
-from support import assert_same_step, budget_at, needs_transformers, twin, zoo_params, zoo_with_blocks
+from support import assert_same_step, budget_at, needs_transformers, twin, zoo_params
 from torch._dynamo.utils import counters
 
 import autockpt
@@ -115,7 +115,7 @@ def test_compile_keeps_the_plan_in_one_graph(name: str, action: Action) -> None:
     """fx captures. aot_eager: Dynamo and AOTAutograd's partitioner, without Inductor's code generation (seconds,
     not a minute). The zoo's models with fewer blocks (3 residual blocks, not 12; 2 layers, not 6): Dynamo and
     AOTAutograd trace every op of both models, and more blocks repeat the same ops (issue 46)."""
-    compare_compiled(zoo_with_blocks(name, 3 if name == "cnn" else 2), action, "aot_eager")
+    compare_compiled(zoo.build(name, "tiny", blocks=3 if name == "cnn" else 2), action, "aot_eager")
 
 
 @needs_transformers

@@ -8,14 +8,14 @@ import dataclasses
 import pytest
 import torch
 from edge_models import ShapeBranchConvNet, frozen_batchnorm_case
-from support import check_optimized, mlp, optimize_at, zoo_with_blocks
+from support import check_optimized, mlp, optimize_at
 
 import autockpt
 from autockpt.present import zoo
 
 
 def test_optimizing_an_eval_mode_model_keeps_its_mode() -> None:
-    case = zoo_with_blocks("cnn", 3)  # 3 residual blocks, not 12: the mode does not depend on the depth
+    case = zoo.build("cnn", "tiny", blocks=3)  # 3 residual blocks, not 12: the mode does not depend on the depth
     case.model.eval()
     optimized = optimize_at(case, 0.5)
     assert not optimized.training and not case.model.training

@@ -10,7 +10,7 @@ import logging
 
 import pytest
 import torch
-from support import FREE_MACHINERY, assert_same_step, budget_at, planner_for, tiny, twin, zoo_params, zoo_with_blocks
+from support import FREE_MACHINERY, assert_same_step, budget_at, planner_for, tiny, twin, zoo_params
 from torch import nn
 
 import autockpt
@@ -144,7 +144,7 @@ def test_auto_plans_for_both_kinds_and_keeps_the_cheaper_predicted_plan() -> Non
     transformer with 2 layers, not 6 (issue 46: its solves are quicker). Its kinds' floors differ by 2 KB in most
     runs and were equal in one full-suite run (2026-11-28; the floor found for one kind moved by 2 KB, cause not
     found), so that they differ is not asserted; that the auto floor is the lower one is."""
-    case = zoo_with_blocks("transformer", 2)
+    case = zoo.build("transformer", "tiny", blocks=2)
     auto = autockpt.Planner.from_model(case.model, example_inputs=case.args, loss_fn=case.loss_fn, checkpoint="auto")
     assert auto.actions == RECOMPUTE_KINDS
     # each kind alone on the same captured and measured step, at the same prices (made from them, not traced again)

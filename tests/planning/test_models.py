@@ -87,7 +87,8 @@ def test_more_hugging_face_architectures_at_half_budget(name: str) -> None:
     ``tests/measure/test_eager_course.py``."""
     case = tiny(name)
     reference = twin(case)
-    planner = planner_for(case)
+    # T5's programs at a 5 % gap, as the diffusers models' (``planned``): what is checked holds for any plan
+    planner = planner_for(case, autockpt.SolverOptions(relative_gap=0.05) if name == "t5" else None)
     budget = budget_at(planner, 0.5)
     optimized = planner.optimize(budget_bytes=budget)
     assert_same_step(optimized, reference, case)

@@ -104,22 +104,20 @@ def compare_compiled(case: zoo.ZooCase, action: Action, backend: str,
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("name", "action"),
+    ("name", "action", "blocks", "fraction"),
     [
         # both actions compile to the same form (rewrite.py: torch's checkpoint around each region's body), so one
         # model each (issue 46's suite time); BatchNorm statistics are updated in place inside its regions
-        pytest.param(*zoo_params("cnn")[0].values, Action.RECOMPUTE_OWN, id="cnn-batchnorm-recompute_function"),
-        pytest.param(*zoo_params("transformer")[0].values, Action.RECOMPUTE_TORCH, id="transformer-dropout"),
+        pytest.param(*zoo_params("cnn")[0].values, Action.RECOMPUTE_OWN, 3, 0.5, id="cnn-batchnorm-recompute_function"),
+        # one layer's floor is about 70 % of the way from static bytes to its peak: its budget at 0.8
+        pytest.param(*zoo_params("transformer")[0].values, Action.RECOMPUTE_TORCH, 1, 0.8, id="transformer-dropout"),
     ],
 )
-def test_compile_keeps_the_plan_in_one_graph(name: str, action: Action) -> None:
+def test_compile_keeps_the_plan_in_one_graph(name: str, action: Action, blocks: int, fraction: float) -> None:
     """fx captures. aot_eager: Dynamo and AOTAutograd's partitioner, without Inductor's code generation (seconds,
     not a minute). The zoo's models with fewer blocks (3 residual blocks, not 12; 1 layer, not 6): Dynamo and
     AOTAutograd trace every op of both models, and more blocks repeat the same ops (issue 46)."""
-    if name == "cnn":
-        compare_compiled(zoo.build(name, "tiny", blocks=3), action, "aot_eager")
-    else:  # one layer: its floor is about 70 % of the way from static bytes to its peak
-        compare_compiled(zoo.build(name, "tiny", blocks=1), action, "aot_eager", fraction=0.8)
+    compare_compiled(zoo.build(name, "tiny", blocks=blocks), action, "aot_eager", fraction=fraction)
 
 
 @needs_transformers

@@ -1,10 +1,10 @@
 """One rank's sharded training step, measured in this process for a world of N ranks: torch's fake process group
 (``torch.testing._internal.distributed.fake_pg``), a copy of the model on the meta device sharded by
-``fully_shard`` on a 1-D mesh of N, made fake by ``to_empty`` under ``FakeTensorMode``, the optimizer's states made by a
-step on zero gradients, then one training step (the loop's second) under ``FSDPMemTracker``, whose peak and breakdown
-by its categories are read: the second step peaks at least as high as the first, which holds the same bytes but the
-states, and measuring it alone takes half the time of both (the same figures, to the byte, on the test decoders with
-and without mixed precision, foreach and checkpointing).
+``fully_shard`` on a 1-D mesh of N, made fake by ``to_empty`` under ``FakeTensorMode``, then its forward and backward
+under ``FSDPMemTracker``, whose peak and breakdown by its categories are read. The optimizer's steps are added from
+``OptimizerSteps``: what its first two ``optimizer.step()`` calls make and leave, measured once per model on plain fakes
+of the shards (they touch the parameters, their gradients and the states only: the same under every decision). The
+figures are the loop's second step's (its states live throughout), which peaks at least as high as the first.
 
 No real tensor is made and no collective runs: the fake process group completes every collective at once and every
 rank sees rank 0's view. FSDP2 pads every rank's shard to rank 0's size (``_fsdp_param.py``: the sharded parameter's
@@ -55,6 +55,17 @@ class RankMemory:
     # the second optimizer.step(): what is live as it starts, and at its foreach peak (empty: no step, or no foreach)
     step_start: tuple[tuple[str, int], ...] = ()
     step_foreach_peak: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimizerSteps:
+    """The optimizer's first two ``optimizer.step()`` calls on one rank's shards, by ``FSDPMemTracker``'s categories
+    (``_optimizer_steps``): the same whatever is checkpointed or offloaded, so measured once per model."""
+
+    states: tuple[tuple[str, int], ...]  # what the first step leaves: its states, live from then on
+    first_added: tuple[tuple[str, int], ...]  # the first step's peak over the bytes live as it starts
+    second_added: tuple[tuple[str, int], ...]  # the second step's peak over the bytes live as it starts
+    foreach: bool  # some parameter group steps with the foreach implementation on the ranks' device
 
 
 def existing_fake_group(world_size: int) -> bool:
@@ -116,6 +127,7 @@ def measure_sharded_step(
     step_loss: Callable[[Any, Any], torch.Tensor], make_optimizer: Callable[[list], Any] | None,
     selective: Sequence[str] = (), offloaded: Sequence[str] = (), device_type: str = "cpu",
     checkpointed_parts: Sequence[str] = (), loss_chunk: tuple[str, int] | None = None,
+    optimizer_steps: OptimizerSteps | None = None,
 ) -> RankMemory:
     """Rank 0's peak over a training step (the loop's second: the optimizer's states made) of ``model`` sharded over
     ``world_size`` ranks, the ``checkpointed`` units under checkpoint, the ``selective`` ones under selective
@@ -124,21 +136,21 @@ def measure_sharded_step(
     ``inputs``: (args, kwargs, target), one rank's batch (real or meta tensors: the step runs on fakes of them);
     ``step_loss(output, target)`` the loss; ``device_type``: the device the ranks will run on ("cuda", "cpu"), whose
     default decides whether the optimizer steps with its foreach implementation; ``loss_chunk``: (the root's
-    projection, chunk tokens) whose loss runs in chunks (``runtime/logits_standin.py``), or None. Runs inside
-    ``fake_world(world_size)``.
+    projection, chunk tokens) whose loss runs in chunks (``runtime/logits_standin.py``), or None;
+    ``optimizer_steps``: ``make_optimizer``'s steps on this model's shards (``measure_optimizer_steps``), measured here
+    when not given. Runs inside ``fake_world(world_size)``.
 
-    The sharded step runs the optimizer's for-loop implementation (``foreach=False``; fused kept): under
-    FakeTensorMode, ``FSDPMemTracker`` never sees the foreach implementation's temporaries of DTensor parameters freed
-    (torch 2.13: 208 MB of optimizer states where real tensors hold 104 MB, 4 blocks of width 512 at world 1). Where
-    a parameter group steps with foreach (``foreach=True``, or None, torch's default, on CUDA), each step is priced
-    once more as the bytes live when it starts plus what a foreach step adds over that (its states on the first step,
-    its temporaries), measured on plain fake tensors of the local shards' shapes (``_foreach_step_bytes``: tracked
-    exactly); the peak is the larger of the two."""
+    The optimizer's steps are priced as the bytes live when each starts (after backward; the states on the second)
+    plus what it adds at its peak, measured on plain fake tensors of the local shards' shapes, each group with the
+    implementation the ranks run (``_optimizer_steps``): under FakeTensorMode, ``FSDPMemTracker`` never sees the
+    foreach implementation's temporaries of DTensor parameters freed (torch 2.13: 208 MB of optimizer states where real
+    tensors hold 104 MB, 4 blocks of width 512 at world 1). The peak is the largest of the forward and backward's (the
+    states added) and the two steps'."""
     arguments = {"world_size": world_size, "units": units, "checkpointed": checkpointed,
                  "reshard_after_forward": reshard_after_forward, "mp_policy": mp_policy, "inputs": inputs,
                  "step_loss": step_loss, "make_optimizer": make_optimizer, "selective": selective,
                  "offloaded": offloaded, "device_type": device_type, "checkpointed_parts": checkpointed_parts,
-                 "loss_chunk": loss_chunk}
+                 "loss_chunk": loss_chunk, "optimizer_steps": optimizer_steps}
     # the eager model's course, as on the ranks (a library seeing fake tensors would mask and repeat instead)
     args, kwargs, _ = inputs
     reads = recorded_reads(model, args, kwargs)
@@ -162,27 +174,23 @@ def _measure_sharded_step(
     reshard_after_forward: bool, mp_policy: Any, inputs: Any,
     step_loss: Callable[[Any, Any], torch.Tensor], make_optimizer: Callable[[list], Any] | None,
     selective: Sequence[str], offloaded: Sequence[str], device_type: str, checkpointed_parts: Sequence[str],
-    loss_chunk: tuple[str, int] | None,
+    loss_chunk: tuple[str, int] | None, optimizer_steps: OptimizerSteps | None,
 ) -> RankMemory:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed.device_mesh import init_device_mesh
 
     device = "cpu"
-    mesh = init_device_mesh(device, (world_size,))  # outside FakeTensorMode
-    sharded = shard(meta_copy(model), units, checkpointed, mesh, reshard_after_forward=reshard_after_forward,
-                    mp_policy=mp_policy, selective=selective, offloaded=offloaded,
-                    host_pool_bytes=_UNBOUNDED_POOL_BYTES, fake_tensors=True, checkpointed_parts=checkpointed_parts,
-                    loss_chunk=loss_chunk)
+    sharded = _fake_sharded(model, world_size, units, checkpointed, reshard_after_forward, mp_policy,
+                            selective=selective, offloaded=offloaded, checkpointed_parts=checkpointed_parts,
+                            loss_chunk=loss_chunk)
     with FakeTensorMode(allow_non_fake_inputs=True):
         sharded.to_empty(device=device)
         args, kwargs, target = pytree.tree_map_only(
             torch.Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype, device=device), inputs
         )
-        params = [p for p in sharded.parameters() if p.requires_grad]
-        optimizer, foreach = _optimizer_with_states(make_optimizer, params, device_type)
-        starts: dict[str, int] = {}  # what is live as the measured optimizer.step() starts, by category
-        tracker = FSDPMemTracker(sharded, optimizer)
+        if make_optimizer is not None and optimizer_steps is None:
+            optimizer_steps = _optimizer_steps(make_optimizer, _trained(sharded), device_type)
+        tracker = FSDPMemTracker(sharded)  # no optimizer: its steps are ``optimizer_steps``
         tracker.track_inputs((args, kwargs, target))
         copies = gloo_reduce_scatter_copies() if device_type == "cpu" and world_size > 1 else contextlib.nullcontext()
         with tracker, copies:
@@ -193,21 +201,20 @@ def _measure_sharded_step(
             del output  # as in the one-expression step: the output lives on only where backward saved it
             loss.backward()
             del loss
-            if optimizer is not None:  # the last thing measured: no gradients to clear after it
-                starts = _by_category(tracker.get_tracker_snapshot("current")[torch.device(device)])
-                optimizer.step()
+            after_backward = _by_category(tracker.get_tracker_snapshot("current")[torch.device(device)])
         snapshot = _by_category(tracker.get_tracker_snapshot("peak")[torch.device(device)])
         timeline = _timeline(tracker, sharded, units, torch.device(device))
-        during: list[dict[str, int]] = []  # each foreach step at its peak
-        if any(foreach):
-            # the first step starts with what the second does but the states, which it makes
-            first = {**starts, "OptState": 0}
-            for start, added in zip((first, starts), _foreach_step_bytes(make_optimizer, params, foreach)):
-                during.append({**start, **{k: start.get(k, 0) + v for k, v in added.items() if v}})
-            snapshot = max([snapshot, *during], key=lambda bytes_by: sum(bytes_by.values()))
-    step_start = tuple(starts.items())
-    step_foreach_peak = tuple(during[-1].items()) if during else ()
-    timeline += [TimelinePoint(label=label, breakdown=point) for label, point in
+    step_start: dict[str, int] = {}  # what is live as the second optimizer.step() starts, by category
+    step_foreach_peak: dict[str, int] = {}
+    if optimizer_steps is not None:
+        states = dict(optimizer_steps.states)  # live through the loop's second step, which is the one measured
+        snapshot, timeline = _added(snapshot, states), [_point_with(point, states) for point in timeline]
+        step_start = _added(after_backward, states)
+        during = [_added(after_backward, dict(optimizer_steps.first_added)),  # the first step makes the states
+                  _added(step_start, dict(optimizer_steps.second_added))]
+        snapshot = max([snapshot, *during], key=lambda bytes_by: sum(bytes_by.values()))
+        step_foreach_peak = during[-1] if optimizer_steps.foreach else {}
+    timeline += [TimelinePoint(label=label, breakdown=tuple(point.items())) for label, point in
                  (("optimizer.step() starts", step_start), ("optimizer.step() peak (foreach)", step_foreach_peak))
                  if point]
     breakdown = tuple(snapshot.items())
@@ -216,8 +223,8 @@ def _measure_sharded_step(
                  world_size, len(checkpointed), len(units), len(selective), len(offloaded), len(checkpointed_parts),
                  peak)
     pool = unit_pool(sharded)
-    figures = {"peak_bytes": peak, "breakdown": breakdown, "timeline": tuple(timeline), "step_start": step_start,
-               "step_foreach_peak": step_foreach_peak}
+    figures = {"peak_bytes": peak, "breakdown": breakdown, "timeline": tuple(timeline),
+               "step_start": tuple(step_start.items()), "step_foreach_peak": tuple(step_foreach_peak.items())}
     if pool is None:
         return RankMemory(**figures)
     moved = {name: [0, 0] for name in offloaded}
@@ -228,25 +235,42 @@ def _measure_sharded_step(
                       moved=tuple((name, b, n) for name, (b, n) in moved.items()))
 
 
-def _optimizer_with_states(make_optimizer: Callable[[list], Any] | None, params: list[torch.Tensor],
-                           device_type: str) -> tuple[Any, list[bool]]:
-    """The optimizer over the sharded ``params``, stepping with its for-loop implementation (``measure_sharded_step``
-    says why), with the states a first step makes, and per parameter group whether the ranks step it with foreach on
-    ``device_type`` (``_foreach_groups``). The states are made by a step on zero gradients, without a forward or
-    backward (they would be half a measurement's time): the step measured is the loop's second, which peaks at least
-    as high as its first (the same bytes, the states too). No ``make_optimizer``: (None, [])."""
-    if make_optimizer is None:
-        return None, []
-    optimizer = make_optimizer(params)
-    foreach = _foreach_groups(optimizer, device_type)
-    for group in optimizer.param_groups:
-        if not group.get("fused"):
-            group["foreach"] = False
-    for param in params:
-        param.grad = torch.zeros_like(param)
-    optimizer.step()
-    optimizer.zero_grad()
-    return optimizer, foreach
+def _fake_sharded(model: nn.Module, world_size: int, units: Sequence[str], checkpointed: Sequence[str],
+                  reshard_after_forward: bool, mp_policy: Any, **decisions: Any) -> nn.Module:
+    """A meta copy of ``model`` sharded over the fake world of ``world_size`` ranks under the decisions given (its
+    offloaded units in a fake host pool as large as they need)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,))  # outside FakeTensorMode
+    return shard(meta_copy(model), units, checkpointed, mesh, reshard_after_forward=reshard_after_forward,
+                 mp_policy=mp_policy, host_pool_bytes=_UNBOUNDED_POOL_BYTES, fake_tensors=True, **decisions)
+
+
+def _trained(sharded: nn.Module) -> list[torch.Tensor]:
+    return [p for p in sharded.parameters() if p.requires_grad]
+
+
+def measure_optimizer_steps(
+    model: nn.Module, *, world_size: int, units: Sequence[str], reshard_after_forward: bool, mp_policy: Any,
+    make_optimizer: Callable[[list], Any], device_type: str = "cpu",
+) -> OptimizerSteps:
+    """``make_optimizer``'s first two steps on rank 0's shards of ``model`` (``measure_sharded_step``'s arguments),
+    measured once for every decision's step. Runs inside ``fake_world(world_size)``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    sharded = _fake_sharded(model, world_size, units, (), reshard_after_forward, mp_policy)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        sharded.to_empty(device="cpu")
+        return _optimizer_steps(make_optimizer, _trained(sharded), device_type)
+
+
+def _added(bytes_by: dict[str, int], more: dict[str, int]) -> dict[str, int]:
+    """Bytes by category, ``more``'s added (its categories in ``bytes_by``'s order, new ones after)."""
+    return {**bytes_by, **{k: bytes_by.get(k, 0) + v for k, v in more.items() if v}}
+
+
+def _point_with(point: TimelinePoint, more: dict[str, int]) -> TimelinePoint:
+    return TimelinePoint(label=point.label, breakdown=tuple(_added(dict(point.breakdown), more).items()))
 
 
 @contextlib.contextmanager
@@ -323,36 +347,47 @@ def _foreach_groups(optimizer: Any, device_type: str) -> list[bool]:
             for group in optimizer.param_groups]
 
 
-def _foreach_step_bytes(make_optimizer: Callable[[list], Any], params: Sequence[torch.Tensor],
-                        foreach: Sequence[bool]) -> list[dict[str, int]]:
-    """What each of two foreach ``optimizer.step()`` calls adds at its peak over the bytes live when it starts, by
-    ``FSDPMemTracker``'s categories ("OptState": the states made on the first step and the temporaries): the
-    optimizer ``make_optimizer`` makes over plain fake tensors of the sharded parameters' local shapes, each given a
-    gradient, its groups foreach as ``foreach`` says, measured by a ``MemTracker`` per step (it sees plain fakes
-    freed). Under the caller's FakeTensorMode."""
+def _optimizer_steps(make_optimizer: Callable[[list], Any], params: Sequence[torch.Tensor],
+                     device_type: str) -> OptimizerSteps:
+    """What each of two ``optimizer.step()`` calls adds at its peak over the bytes live when it starts, and the states
+    the first leaves, by ``FSDPMemTracker``'s categories ("OptState": the states and the temporaries): the optimizer
+    ``make_optimizer`` makes over plain fake tensors of the sharded parameters' local shapes, each given a gradient,
+    its groups stepping as torch steps them on ``device_type`` (``_foreach_groups``; fused kept), measured by a
+    ``MemTracker`` per step (it sees plain fakes freed, the foreach temporaries too). Under the caller's
+    FakeTensorMode."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     shards = [nn.Parameter(torch.empty(p.to_local().shape if hasattr(p, "to_local") else p.shape, dtype=p.dtype,
                                        device=p.device)) for p in params]
     optimizer = make_optimizer(shards)
+    foreach = _foreach_groups(optimizer, device_type)
     for group, uses_foreach in zip(optimizer.param_groups, foreach):
         if not group.get("fused"):
             group["foreach"] = uses_foreach
-    added = []
-    for _ in range(2):
+    added, states = [], {}
+    for step in range(2):
         for shard_ in shards:
             shard_.grad = torch.empty_like(shard_)
         tracker = MemTracker()
-        tracker.track_external(*shards, optimizer)
+        # the gradients too: untracked, MemTracker counts one as a state where a step copies it (SGD's momentum)
+        tracker.track_external(*shards, *(shard_.grad for shard_ in shards), optimizer)
         with tracker:
             device = shards[0].device
             start = _by_category(tracker.get_tracker_snapshot("current")[device])
             optimizer.step()
             peak = _by_category(tracker.get_tracker_snapshot("peak")[device])
+            if step == 0:
+                states = _as_fsdp_categories(_by_category(tracker.get_tracker_snapshot("current")[device]), start)
         optimizer.zero_grad()
-        step_added: dict[str, int] = {}
-        for category, nbytes in peak.items():
-            name = _AS_FSDP_CATEGORY.get(category, category)
-            step_added[name] = step_added.get(name, 0) + nbytes - start.get(category, 0)
-        added.append(step_added)
-    return added
+        added.append(_as_fsdp_categories(peak, start))
+    return OptimizerSteps(states=tuple(states.items()), first_added=tuple(added[0].items()),
+                          second_added=tuple(added[1].items()), foreach=any(foreach))
+
+
+def _as_fsdp_categories(bytes_by: dict[str, int], start: dict[str, int]) -> dict[str, int]:
+    """``MemTracker``'s bytes by category over ``start``'s, by ``FSDPMemTracker``'s category names."""
+    over: dict[str, int] = {}
+    for category, nbytes in bytes_by.items():
+        name = _AS_FSDP_CATEGORY.get(category, category)
+        over[name] = over.get(name, 0) + nbytes - start.get(category, 0)
+    return over

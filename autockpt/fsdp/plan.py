@@ -40,7 +40,13 @@ from autockpt.fsdp.choose import (
     optimizer_step_ms,
     step_time,
 )
-from autockpt.fsdp.fake_world import RankMemory, existing_fake_group, fake_world, measure_sharded_step
+from autockpt.fsdp.fake_world import (
+    RankMemory,
+    existing_fake_group,
+    fake_world,
+    measure_optimizer_steps,
+    measure_sharded_step,
+)
 from autockpt.fsdp.root_loss import NONE as NO_ROOT_LOSS
 from autockpt.fsdp.root_loss import RootLoss, root_loss
 from autockpt.fsdp.shard import (
@@ -180,13 +186,20 @@ class FSDPPlanner:
         loss = root_loss(model, planner, tuple(unit_names), options.loss_chunk_tokens)
         # the device the ranks run on: torch's optimizers default to foreach on CUDA, whose temporaries count
         device_type = spec.device_type if spec is not None else "cuda" if torch.cuda.is_available() else "cpu"
+        optimizer_steps = None  # the same whatever the decisions: measured once, added to each decision's step
+        if make_optimizer is not None:
+            with fake_world(world_size):
+                optimizer_steps = measure_optimizer_steps(
+                    model, world_size=world_size, units=unit_names, reshard_after_forward=reshard_after_forward,
+                    mp_policy=mp_policy, make_optimizer=make_optimizer, device_type=device_type,
+                )
 
         def measure(decisions: Mapping[str, UnitOption], chunk_tokens: int) -> RankMemory:
             return measure_sharded_step(
                 model, world_size=world_size, units=unit_names, reshard_after_forward=reshard_after_forward,
                 mp_policy=mp_policy, inputs=(args, kwargs, example_target), step_loss=step_loss,
                 make_optimizer=make_optimizer, device_type=device_type, **_as_sets(decisions),
-                loss_chunk=(loss.projection, chunk_tokens) if chunk_tokens else None,
+                loss_chunk=(loss.projection, chunk_tokens) if chunk_tokens else None, optimizer_steps=optimizer_steps,
             )
 
         return cls(model, world_size=world_size, unit_names=tuple(unit_names), times=times, spec=spec,

@@ -90,13 +90,15 @@ def _sharded(config: dict[str, Any], fplan: Any) -> nn.Module:
 
 
 def tracked_peak(config: dict[str, Any], fplan: Any, ids: torch.Tensor, target: torch.Tensor,
-                 foreach: bool | None = None) -> tuple[int, dict]:
-    """This rank's peak over two AdamW steps (``foreach``: AdamW's) of a freshly sharded model, by FSDPMemTracker on
-    real tensors, and its breakdown by the tracker's categories."""
+                 foreach: bool | None = None, make_optimizer: Any = None) -> tuple[int, dict]:
+    """This rank's peak over two AdamW steps (``foreach``: AdamW's; ``make_optimizer(parameters)``: another
+    optimizer) of a freshly sharded model, by FSDPMemTracker on real tensors, and its breakdown by the tracker's
+    categories."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     model = _sharded(config, fplan)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, foreach=foreach)
+    optimizer = (make_optimizer(model.parameters()) if make_optimizer is not None
+                 else torch.optim.AdamW(model.parameters(), lr=LR, foreach=foreach))
     tracker = FSDPMemTracker(model, optimizer)
     tracker.track_inputs(((ids,), {}, target))
     with tracker:

@@ -515,18 +515,19 @@ def test_a_measurement_runs_one_forward_and_backward_and_no_optimizer_step() -> 
 
 @needs_transformers
 def test_a_hugging_face_llama_with_its_key_value_cache_on_is_refused_saying_so() -> None:
-    """Its key/value cache grows between forward and backward, which selective checkpointing cannot repeat. A
-    Hugging Face Llama's default units and plans are checked on two gloo ranks (``test_fsdp_gloo.py``)."""
+    """Its key/value cache grows between forward and backward, which selective checkpointing cannot repeat. One
+    decoder layer, named as the unit (one block is no repeated block to find); a Hugging Face Llama's default units
+    and plans are checked on two gloo ranks (``test_fsdp_gloo.py``)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+    config = LlamaConfig(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     ids = torch.randint(0, 256, (2, 64))
     with pytest.raises(RuntimeError, match="use_cache"):
         autockpt.plan_fsdp(model, world_size=4, budget_bytes=10**9, example_inputs=(ids,),
-                           example_kwargs={"labels": ids})
+                           example_kwargs={"labels": ids}, units=["model.layers.0"])
 
 
 @pytest.fixture(scope="module")

@@ -123,6 +123,10 @@ def _cheapest_chain(
     prev_state = [np.full(size, -1, dtype=np.int64) for _ in range(num + 1)]
     cost[0][0] = 0.0
     states = np.arange(size)
+    # per prefix length, the range of states reached so far (outside it every cost is infinite): an option is
+    # weighed over that range only, not over all ``size`` states (most prefixes reach few)
+    reached = [[size, -1] for _ in range(num + 1)]
+    reached[0] = [0, 0]
     option_list: list[ChainOption] = []
     for k in range(num + 1):
         cost[k][states < lower[k]] = np.inf
@@ -135,16 +139,19 @@ def _cheapest_chain(
             relief = np.array(window_relief[k : k + option.length])
             least = _buckets_needed(int((option.need_bytes - relief).max()) - budget, bucket)
             shift = option.retained_gain_bytes // bucket
-            source = cost[k][: size - shift].copy()
-            source[: max(least, 0)] = np.inf
-            candidate = source + option.cost_ms
-            target = cost[k + option.length][shift:]
-            better = candidate < target
-            if better.any():
+            first, last = max(reached[k][0], lower[k], least), min(reached[k][1], size - 1 - shift)
+            if first > last:
+                continue
+            candidate = cost[k][first : last + 1] + option.cost_ms
+            target = slice(first + shift, last + shift + 1)
+            better = candidate < cost[k + option.length][target]
+            if better.any():  # masked copies: boolean indexing gathers and scatters, twice the passes
                 option_list.append(option)
-                target[better] = candidate[better]
-                back[k + option.length][shift:][better] = len(option_list) - 1
-                prev_state[k + option.length][shift:][better] = states[: size - shift][better]
+                np.copyto(cost[k + option.length][target], candidate, where=better)
+                np.copyto(back[k + option.length][target], len(option_list) - 1, where=better)
+                np.copyto(prev_state[k + option.length][target], states[first : last + 1], where=better)
+                span = reached[k + option.length]
+                span[0], span[1] = min(span[0], first + shift), max(span[1], last + shift)
     end = cost[num]
     if not np.isfinite(end).any():
         return None

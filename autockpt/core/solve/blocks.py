@@ -47,8 +47,8 @@ from autockpt.units import GB
 logger = logging.getLogger(__name__)
 
 MAX_BLOCK_PLANS = 20_000  # disjoint region sets enumerated per family; more than this: solve flat
-_DOMINANCE_CHUNK = 256  # menu plans compared with the kept ones at once (bounds the comparison's memory)
 MAX_INSTANCES_PER_RUN = 12  # longest run of whole instances offered as one region (every_n with n up to this)
+_DOMINANCE_CHUNK = 256  # menu plans compared with the kept ones at once (bounds the comparison's memory)
 
 
 def prepare_blocks(
@@ -202,8 +202,8 @@ def _undominated(plans: list[BlockPlan], window_bases: list[np.ndarray]) -> list
                 & (need[a][:, None, :] <= need[b][None, :, :]).all(axis=2)).any(axis=0)
 
     # in order, a chunk at a time: the plans kept before a chunk rule out most of it at once (menus of up to 17,216
-    # plans; one at a time, in Python, was most of the block solver's time); the rest are compared one by one with
-    # those kept from the chunk before them, as the order requires
+    # plans; one at a time, in Python, was most of the block solver's time); each plan left is then compared with the
+    # plans of its chunk kept before it, as the order requires
     for start in range(0, len(order), _DOMINANCE_CHUNK):
         chunk = order[start : start + _DOMINANCE_CHUNK]
         before = len(kept)

@@ -8,7 +8,10 @@ changes, storage by storage (the rule of each action below; ``recompute.py`` run
   when backward first reaches the region, the region is re-run and a fresh copy lives until the saver that used it
   last has run its backward. ``torch.utils.checkpoint(use_reentrant=False)`` stops re-running at the pack of the
   region's last saved tensor (early stop, ``Action.RECOMPUTE_TORCH``); autockpt's own checkpoint
-  (``Action.RECOMPUTE_OWN``) re-runs the whole region;
+  (``Action.RECOMPUTE_OWN``) re-runs the whole region. The copy is counted through its saver's whole backward
+  event, as the measured step held the saved tensor until its node was released; torch's checkpoint lets go of a
+  copy right after the backward op that reads it, so what the node makes after that op (a Linear's bias gradient)
+  is predicted with the copy alive: over by those bytes where that sets the peak, never under;
 * a storage that a region reads from outside is held by the checkpoint until the region's backward is done;
 * ``Action.RECOMPUTE_OWN`` also holds the gradients of the region's outputs until the region's backward is done
   (from the event each went in, the rest of which it then raises: ``StorageLife.gradient_versions``, per version of

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import statistics
 from typing import Any
 
 import pytest
@@ -18,7 +17,6 @@ from autockpt.core.structure import find_repeated_blocks
 from autockpt.measure.devices_local import local_spec_name
 from autockpt.measure.fake import FakeTrace
 from autockpt.measure.timing import BenchmarkTiming, MeasuredTiming, RooflineTiming, timing_for
-from autockpt.measure.trace import timed_steps
 from autockpt.types import CaptureKind, StepTrace
 
 _ZOO = [
@@ -53,7 +51,7 @@ def memory_of(trace: StepTrace) -> tuple[Any, ...]:
 
 
 @pytest.mark.parametrize("name", _ZOO)
-def test_every_unit_of_a_fake_trace_gets_a_benchmarked_time_near_the_measured_one(name: str) -> None:
+def test_every_unit_of_a_fake_trace_gets_a_benchmarked_time_and_keeps_its_memory(name: str) -> None:
     both = timed(name)
     trace = both.benchmarked.trace
     assert both.benchmarked.graph.kind in (CaptureKind.FX, CaptureKind.EXPORT)
@@ -64,16 +62,8 @@ def test_every_unit_of_a_fake_trace_gets_a_benchmarked_time_near_the_measured_on
     assert trace.forward_ms == pytest.approx(sum(u.forward_ms for u in trace.units))
     assert trace.step_ms > trace.forward_ms and trace.times_measured
     assert memory_of(trace) == memory_of(both.measured.trace)  # the memory timeline is the fake trace's, untouched
-    # a sanity bound on this CPU, not a timing assert: within 0.2x-5x of the measured step (0.9x-1.2x seen on these
-    # models); a busy machine can slow either side by more, so up to three readings are taken
-    step = both.measured.request
-    ratios = [both.benchmarked.trace.step_ms / both.measured.trace.step_ms]
-    while not 0.2 < ratios[-1] < 5 and len(ratios) < 3:
-        _, step_ms = timed_steps(both.measured.graph, step.args, step.kwargs, step.loss, timed_units=(), repeats=5)
-        again = BenchmarkTiming().timed(both.benchmarked.trace, both.benchmarked.graph, both.benchmarked.request)
-        ratios.append(again.step_ms / statistics.median(step_ms))
-    print(f"{name}: benchmark / measured step time: {', '.join(f'{r:.2f}' for r in ratios)}")
-    assert 0.2 < ratios[-1] < 5
+    # how near the benchmark's step is to the measured one (0.85x-1.05x on these models) is a measured time, so it
+    # is measured by experiments/bench/bench_roofline.py (its "bench ratio"), not asserted here
 
 
 def test_repeated_blocks_take_their_first_instances_times() -> None:

@@ -125,7 +125,9 @@ def test_a_target_times_the_step_there_and_its_memory_is_the_default_budget(
                                           timing="auto")
     assert planner.target is spec
     assert planner.costs.link is not None and planner.costs.link.host_to_device_gb_per_s == 25.0
-    assert planner.trace.step_ms < measured.trace.step_ms  # an L4 runs this MLP faster than two busy CPU cores
+    # the target's roofline times, not this machine's measured ones (no test compares against a measured time)
+    on_target = RooflineTiming(spec).timed(measured.trace, measured.graph, measured.request)
+    assert planner.trace.step_ms == pytest.approx(on_target.step_ms)
     the_plan = planner.plan()  # the target's memory
     assert the_plan.budget_bytes == spec.memory_bytes
     assert any("timing: roofline on small-l4" in note for note in the_plan.notes)

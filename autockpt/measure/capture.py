@@ -53,13 +53,18 @@ def capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         (CaptureKind.EXPORT, "export on eager library paths", _capture_export_on_eager_paths),
         (CaptureKind.EXPORT, "export", _capture_export),
     )
+    plain_export_failure: Exception | None = None  # the plain export's, where an earlier attempt ran it
     for kind, label, attempt in attempts:
         try:
+            if attempt is _capture_export and plain_export_failure is not None:
+                raise plain_export_failure  # the same export on the same inputs: not run twice
             executable, extra_notes = attempt(model, args, kwargs)
             buffers.restore()
             _check_same_outputs(model, executable, args, kwargs)
         except Exception as error:  # noqa: BLE001  any failure means: try the next path
             buffers.restore()
+            if isinstance(error, _PlainExportFailed):
+                error = plain_export_failure = error.__cause__
             reason = f"{label} capture not used: {type(error).__name__}: {first_line(error)}"
             logger.info(reason)
             notes.append(reason)
@@ -222,7 +227,10 @@ def _capture_export_on_eager_paths(model: nn.Module, args: tuple, kwargs: dict) 
                 raise  # not about values, no values (meta), or the eager model reads none
     # values read on the eager course only (a library's check it skips when traced) are asserted; a model whose own
     # control flow reads values fails the traced course too, and is left to the module level (any value, no replans)
-    _capture_export(model, args, kwargs)
+    try:
+        _capture_export(model, args, kwargs)
+    except Exception as error:
+        raise _PlainExportFailed from error
     # that export is dropped, but lives on in reference cycles: collected now, since a capture of new shapes runs
     # inside a training step, under its budget (measured: 0.47 MB over it in tests/planning/test_trainer.py)
     gc.collect()
@@ -237,6 +245,11 @@ def _capture_export_on_eager_paths(model: nn.Module, args: tuple, kwargs: dict) 
             "is planned again for it"
         )
     return executable, notes
+
+
+class _PlainExportFailed(Exception):
+    """The export as is failed inside the eager-paths attempt (its ``__cause__``): ``capture``'s next attempt, the
+    same export, is answered with that failure instead of being run again (a third of a module-level capture)."""
 
 
 def value_guards(executable: fx.GraphModule) -> list[str]:

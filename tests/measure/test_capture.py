@@ -31,7 +31,17 @@ from autockpt.types import CaptureKind
     ],
     ids=["fx", "export", "module"],
 )
-def test_each_path_is_taken_where_the_earlier_ones_fail_and_runs_as_the_model(build, kind: CaptureKind) -> None:
+def test_each_path_is_taken_where_the_earlier_ones_fail_and_runs_as_the_model(
+    build, kind: CaptureKind, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    exports: list[tuple] = []
+    export = torch.export.export
+
+    def counted_export(*args, **kwargs):
+        exports.append(args)
+        return export(*args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", counted_export)
     torch.manual_seed(0)
     model, x = build()
     graph = capture(model, (x,), {})
@@ -39,6 +49,11 @@ def test_each_path_is_taken_where_the_earlier_ones_fail_and_runs_as_the_model(bu
     # one note per earlier path, saying why it was not used
     assert len(graph.notes) == {CaptureKind.FX: 0, CaptureKind.EXPORT: 1, CaptureKind.MODULE: 3}[kind], graph.notes
     assert all(note.split(":")[0].endswith("capture not used") for note in graph.notes)
+    # values read by the model's own branch: export on the eager paths, then as is inside that attempt (whose failure
+    # the export attempt then says, not running it a third time)
+    assert len(exports) == {CaptureKind.FX: 0, CaptureKind.EXPORT: 1, CaptureKind.MODULE: 2}[kind]
+    if kind is CaptureKind.MODULE:
+        assert graph.notes[1].split(": ", 1)[1] == graph.notes[2].split(": ", 1)[1], graph.notes
     # the executable computes what the model computes, with the model's own parameters
     torch.testing.assert_close(graph.executable(x), model(x))
     assert {id(p) for p in graph.executable.parameters()} <= {id(p) for p in model.parameters()}

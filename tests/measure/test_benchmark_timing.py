@@ -36,10 +36,11 @@ class Timed:
 
 @functools.cache
 def timed(name: str) -> Timed:
-    """A zoo model planned from a measured trace, and from a fake trace timed by the benchmark (once per session)."""
+    """A zoo model planned from a measured trace (its memory timeline; the tests' fixed times, so no timed steps),
+    and from a fake trace timed by the benchmark (once per session)."""
     case = tiny(name)
     call = {"example_inputs": case.args, "example_kwargs": case.kwargs, "loss_fn": case.loss_fn}
-    measured = autockpt.Planner.from_model(case.model, **call, timing="measured")
+    measured = autockpt.Planner.from_model(case.model, **call, trace="measured")
     timing = BenchmarkTiming()
     benchmarked = autockpt.Planner.from_model(case.model, **call, trace_source=FakeTrace(), timing=timing)
     return Timed(measured, benchmarked, timing)

@@ -60,6 +60,7 @@ from autockpt.measure.costs import calibrate
 from autockpt.measure.loop import named_optimizer
 from autockpt.measure.loss import checked_loss, default_loss
 from autockpt.measure.sources import example_arguments
+from autockpt.measure.timing import RooflineTiming
 from autockpt.planning.options import PlanOptions, budget_to_bytes, pool_bytes_of, resolve_options
 from autockpt.planning.planner import Planner
 from autockpt.record_types import ModelFingerprint
@@ -126,8 +127,9 @@ class FSDPPlanner:
                  spec: Any, pool_limit: int | None, reshard_after_forward: bool, mp_policy: Any,
                  make_optimizer: Callable[[list], Any] | None, device_type: str, provenance: Any,
                  fingerprint: ModelFingerprint, measure: Callable[[Mapping[str, UnitOption], int], RankMemory],
-                 loss: RootLoss = NO_ROOT_LOSS) -> None:
+                 loss: RootLoss = NO_ROOT_LOSS, link: LinkPrice | None = None) -> None:
         self.model, self.world_size, self.unit_names, self.spec = model, world_size, unit_names, spec
+        self.link = link  # the host link offloading is priced over (with a host pool; ``_link``)
         self.inner = [u for u in unit_names if u != ROOT]
         self.root, self.blocks = times[ROOT], [times[u] for u in self.inner]
         self.pool_limit, self.reshard_after_forward, self.mp_policy = pool_limit, reshard_after_forward, mp_policy
@@ -169,8 +171,6 @@ class FSDPPlanner:
         args, kwargs = example_arguments(example_inputs, example_kwargs)  # a list is the arguments, as everywhere
 
         if timing == "auto" and spec is not None and getattr(mp_policy, "param_dtype", None) is not None:
-            from autockpt.measure.timing import RooflineTiming
-
             timing = RooflineTiming(spec, dtype=mp_policy.param_dtype)  # the dtype FSDP computes in, not the trace's
         trace_target = pytree.tree_map_only(
             torch.Tensor, lambda t: torch.zeros(t.shape, dtype=t.dtype) if t.device.type == "meta" else t,
@@ -205,7 +205,8 @@ class FSDPPlanner:
         return cls(model, world_size=world_size, unit_names=tuple(unit_names), times=times, spec=spec,
                    pool_limit=pool_limit, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
                    make_optimizer=make_optimizer, device_type=device_type, provenance=planner.provenance,
-                   fingerprint=model_fingerprint(model, planner.graph, args, kwargs), measure=measure, loss=loss)
+                   fingerprint=model_fingerprint(model, planner.graph, args, kwargs), measure=measure, loss=loss,
+                   link=_link(spec, timing) if pool_limit is not None else None)
 
     def measure(self, decisions: Mapping[str, UnitOption], chunk_tokens: int = 0) -> RankMemory:
         """The sharded step under ``decisions`` on the fake process group (the root's loss in chunks of
@@ -293,14 +294,13 @@ class FSDPPlanner:
                                for u in blocks if u.part(name) is not None}
                         for name in (part_candidates(blocks) if baseline.peak_bytes > budget else ())}
         every_part = {name: measure(choice) for name, choice in part_choices.items()}
-        link = _link(self.spec) if pool_limit is not None else None
-        options = _unit_options(blocks, baseline, every, every_part, link)
+        options = _unit_options(blocks, baseline, every, every_part, self.link)
         floor_options = {u: next(o for o in options[u] if o.decision is floor_decision) for u in inner}
         known_before = len(self._measured)
         decisions, measured = _fit([u.name for u in blocks], options, budget, baseline, floor, floor_options,
                                    measure, pool_limit)
         tries = len(self._measured) - known_before
-        return self._record(budget, decisions, measured, floor, every, list(every_part), link, tries, chunk_tokens)
+        return self._record(budget, decisions, measured, floor, every, list(every_part), self.link, tries, chunk_tokens)
 
     def _record(self, budget: int, decisions: dict[str, UnitOption], measured: RankMemory, floor: RankMemory,
                 every: Mapping[UnitDecision, RankMemory], parts_tried: list[str], link: LinkPrice | None, tries: int,
@@ -436,10 +436,14 @@ def _unit_options(
     return options
 
 
-def _link(spec: Any) -> LinkPrice:
-    """The host link offloading is priced over: the target's, else the one measured on this machine."""
+def _link(spec: Any, timing: Any) -> LinkPrice:
+    """The host link offloading is priced over: the target's; else, with the times of a roofline, that roofline's
+    device's (as ``RooflineTiming.priced`` prices a planner's link); else the one measured on this machine (once per
+    planner: every budget's plan is priced alike)."""
     if spec is not None:
         return link_price(spec)
+    if isinstance(timing, RooflineTiming):
+        return link_price(timing.spec)
     return calibrate(torch.device("cpu"), (), link=True).link
 
 

@@ -11,9 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from fsdp_planners import FSDP_GROUP, WORLD, shared_planner
-from support import needs_transformers
+from support import TEST_TIMING, needs_transformers
 
 import autockpt
+from autockpt.core.roofline import link_price
 from autockpt.errors import InfeasibleBudgetError, PlanFileError, PlanMismatchError
 from autockpt.fsdp import FSDPPlanner
 from autockpt.fsdp.choose import (
@@ -191,6 +192,16 @@ def test_with_a_host_pool_a_budget_full_checkpointing_per_block_cannot_keep_is_k
     # a bound no unit's slots fit: nothing offloaded, the floor is full checkpointing's
     bounded = _plan(budget_bytes=roomy.min_feasible_bytes, host_pool_gb=1e-6)
     assert bounded.offloaded == () and bounded.min_feasible_bytes == roomy.min_feasible_bytes
+
+
+def test_with_roofline_times_the_host_link_is_the_roofline_devices_not_measured(pooled) -> None:
+    """A host pool's copies are priced over the link of the device whose roofline gives the times (the tests' fixed
+    CPU, ``support.TEST_TIMING``), as a single-device planner prices them (``RooflineTiming.priced``), once per
+    planner: the link measured on this machine planned some units of test_fsdp_gloo.py's pooled case whole instead
+    of offloaded, once in 14 runs of the suite (issue 46: no test depends on the machine's load)."""
+    planner = shared_planner(CONFIG, host_pool_gb=1.0)  # ``pooled``'s
+    assert planner.link == link_price(TEST_TIMING.spec)
+    assert _default_planner().link is None  # no pool: nothing is moved, no link priced
 
 
 def test_a_meta_model_on_meta_inputs_stays_on_meta_and_plans_as_the_real_one(roomy) -> None:

@@ -1,8 +1,8 @@
 """What the tests share: small models, budgets, and PyTorch itself as the reference answer for every optimized model;
 and the settings every test runs under (one intra-op thread, the fixed times, machinery prices and checkpoint kind
-of every plan, unless a test names its own). Imported by the test modules (``from support import ...``) and, for the settings, by
-conftest.py in every process that runs tests (not in pytest-xdist's controller, which runs none: importing torch and
-autockpt there delayed the workers' start)."""
+of every plan, unless a test names its own). Imported by the test modules (``from support import ...``) and, for
+the settings, by conftest.py in every process that runs tests (not in pytest-xdist's controller, which runs none:
+importing torch and autockpt there delayed the workers' start)."""
 
 from __future__ import annotations
 

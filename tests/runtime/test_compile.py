@@ -126,11 +126,12 @@ def test_inductor_step_is_the_original_step_with_a_lower_peak() -> None:
     """Inductor (torch.compile's default) on the export capture of a GPT-NeoX-style decoder: one graph with one
     checkpoint op per region, no graph break, outputs, gradients and buffers equal to the compiled original's, and a
     compiled peak below the compiled original's, measured from allocator events. One layer: most of the test's time
-    is Inductor compiling the two models' C++ kernels (g++, one per kernel). Scalar C++ kernels (``cpp.vec_isa_ok=False``):
-    with a cold cache, finding the CPU's vector ISA compiles and loads a probe library per ISA (9 of the test's 33 s
-    on 2 cores, issue 46); the vector width changes neither the checkpoint ops nor the peak. No dropout: recomputed
-    dropout under torch.compile is the aot_eager test's transformer above (Inductor's ``fallback_random`` would run
-    the same aten random ops), and dropout here split the fused kernels: 29 compiled against 21 (issue 46)."""
+    is Inductor compiling the two models' C++ kernels (g++, one per kernel). Scalar C++ kernels
+    (``cpp.vec_isa_ok=False``): with a cold cache, finding the CPU's vector ISA compiles and loads a probe library per
+    ISA (9 of the test's 33 s on 2 cores, issue 46); the vector width changes neither the checkpoint ops nor the
+    peak. No dropout: recomputed dropout under torch.compile is the aot_eager test's transformer above (Inductor's
+    ``fallback_random`` would run the same aten random ops), and dropout here split the fused kernels: 29 compiled
+    against 21 (issue 46)."""
     import torch._inductor.config as inductor_config
 
     case = neox_case()

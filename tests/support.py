@@ -91,8 +91,8 @@ PlanOptions.__init__.__kwdefaults__["checkpoint"] = Action.RECOMPUTE_TORCH
 
 # The checkpoint machinery's prices and the host link on the CPU, fixed like the times above (issue 46): autockpt
 # measures them once per process (``costs.calibrate``: a chain of checkpointed regions run and timed, copies to a
-# host buffer), so a worker that measured them on a busy machine planned otherwise than one on an idle machine (a gloo
-# FSDP case with a host pool chose other units to offload, once). Figures of the order measured on this project's
+# host buffer), so a worker that measured them on a busy machine could plan otherwise than one on an idle machine
+# (ties between plans that differ in regions, or in what is offloaded). Figures of the order measured on this project's
 # CPUs (2026-11-29: torch's checkpoint 0.18 ms a region and 0.02 ms a saved tensor, autockpt's own 0.16 and 0.003 ms,
 # an offloaded tensor 0.007 ms; copies 6 GB/s each way). The tests of the calibration itself call
 # ``costs.measure_action_price`` and ``costs.measure_link``, which still measure.

@@ -197,8 +197,7 @@ def test_with_a_host_pool_a_budget_full_checkpointing_per_block_cannot_keep_is_k
 def test_with_roofline_times_the_host_link_is_the_roofline_devices_not_measured(pooled) -> None:
     """A host pool's copies are priced over the link of the device whose roofline gives the times (the tests' fixed
     CPU, ``support.TEST_TIMING``), as a single-device planner prices them (``RooflineTiming.priced``), once per
-    planner: the link measured on this machine planned some units of test_fsdp_gloo.py's pooled case whole instead
-    of offloaded, once in about 15 runs of the suite (issue 46: no test depends on the machine's load)."""
+    planner, not over a link measured on this machine (issue 46: no plan a test makes follows the machine's load)."""
     planner = shared_planner(CONFIG, host_pool_gb=1.0)  # ``pooled``'s
     assert planner.link == link_price(TEST_TIMING.spec)
     assert _default_planner().link is None  # no pool: nothing is moved, no link priced

@@ -36,8 +36,11 @@ CASES = {
     # its packed-sequence check's value replayed from the real model)
     "hf-llama-floor-selective": ("hf-llama", 256, ("floor", "selective"), None),
     # with a host pool: under what every unit checkpointed whole reaches (full checkpointing per block), above what
-    # every unit whole with its inputs in the pool reaches
-    "offloaded-under-the-floor": ("decoder", 256, ("pool floor", "floor"), {"full_offload"}),
+    # every unit whole with its inputs in the pool reaches. Which units are offloaded is not fixed: at this budget a
+    # plan with one unit whole and not offloaded predicts the same peak as all four offloaded, and the planner's answer
+    # flips within a byte of it (all four at the budget, one whole a byte under it; 2026-11-29), and one suite run in
+    # about 15 planned {full, full_offload} here. That some unit is offloaded is asserted (the plan's host pool bytes)
+    "offloaded-under-the-floor": ("decoder", 256, ("pool floor", "floor"), None),
     # a tenth of the way from nothing checkpointed to the floor, roofline times (the same choice on every machine):
     # some blocks keep all but one part (their attention or a norm) checkpointed
     "llama-parts": ("llama", 256, ("tenth", "baseline"), None),

@@ -60,7 +60,7 @@ from autockpt.measure.costs import calibrate
 from autockpt.measure.loop import named_optimizer
 from autockpt.measure.loss import checked_loss, default_loss
 from autockpt.measure.sources import example_arguments
-from autockpt.measure.timing import RooflineTiming
+from autockpt.measure.timing import RooflineTiming, priced_device
 from autockpt.planning.options import PlanOptions, budget_to_bytes, pool_bytes_of, resolve_options
 from autockpt.planning.planner import Planner
 from autockpt.record_types import ModelFingerprint
@@ -437,14 +437,11 @@ def _unit_options(
 
 
 def _link(spec: Any, timing: Any) -> LinkPrice:
-    """The host link offloading is priced over: the target's; else, with the times of a roofline, that roofline's
-    device's (as ``RooflineTiming.priced`` prices a planner's link); else the one measured on this machine (once per
-    planner: every budget's plan is priced alike)."""
-    if spec is not None:
-        return link_price(spec)
-    if isinstance(timing, RooflineTiming):
-        return link_price(timing.spec)
-    return calibrate(torch.device("cpu"), (), link=True).link
+    """The host link offloading is priced over: the priced device's (``priced_device``: the target, or the device
+    whose roofline gives the times), else the one measured on this machine (once per planner: every budget's plan is
+    priced alike)."""
+    priced = priced_device(spec, timing)
+    return link_price(priced) if priced is not None else calibrate(torch.device("cpu"), (), link=True).link
 
 
 def _measure_selective(measure: Callable[..., RankMemory], inner: Sequence[str]) -> RankMemory:

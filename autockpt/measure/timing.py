@@ -201,6 +201,15 @@ def uses_measured_times(timing: str | Timing, target: str | DeviceSpec | None) -
     return timing in ("auto", "measured") and target is None
 
 
+def priced_device(target: DeviceSpec | None, timing: str | Timing) -> DeviceSpec | None:
+    """The device whose figures price what a plan moves besides its times (host copies, sends between stages): the
+    target, else the device a ``RooflineTiming`` given as ``timing`` is a roofline of (the times and the moves of one
+    device, as ``RooflineTiming.priced`` prices a planner's link); None: measure them on this machine."""
+    if target is not None:
+        return target
+    return timing.spec if isinstance(timing, RooflineTiming) else None
+
+
 def timing_for(
     timing: str | Timing, target: str | DeviceSpec | None, device: torch.device, *, trace_measured: bool = True
 ) -> Timing:

@@ -33,7 +33,7 @@ from autockpt.core.devices import DeviceSpec, device_spec
 from autockpt.measure.fake import FakeStep, FakeTrace
 from autockpt.measure.fake_copy import fake_copies, fake_of, meta_of_fake
 from autockpt.measure.sources import StepInputs, TraceRequest
-from autockpt.measure.timing import RooflineTiming, uses_measured_times, with_timing
+from autockpt.measure.timing import priced_device, uses_measured_times, with_timing
 from autockpt.measure.trace import trace_step
 from autockpt.pipeline.request import PipelineRequest
 from autockpt.pipeline.stage_graphs import CrossingValue, crossing_tensors, graph_values
@@ -129,8 +129,7 @@ class WholeStep:
         over two: a copy reads and writes every byte); else, with the times of a roofline, that roofline's device's
         (the times and the sends of one device, whatever the machine's load); else a copy measured on the device the
         step runs on."""
-        spec = self.target if self.target is not None else (
-            self.timing.spec if isinstance(self.timing, RooflineTiming) else None)
+        spec = priced_device(self.target, self.timing)
         if spec is not None:
             return spec.hbm_gb_per_s / 2
         return device_copy_gb_per_s(self.device)

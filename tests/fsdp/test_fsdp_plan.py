@@ -194,11 +194,11 @@ def test_with_a_host_pool_a_budget_full_checkpointing_per_block_cannot_keep_is_k
     assert bounded.offloaded == () and bounded.min_feasible_bytes == roomy.min_feasible_bytes
 
 
-def test_with_roofline_times_the_host_link_is_the_roofline_devices_not_measured(pooled) -> None:
+def test_with_roofline_times_the_host_link_is_the_roofline_devices_not_measured() -> None:
     """A host pool's copies are priced over the link of the device whose roofline gives the times (the tests' fixed
     CPU, ``support.TEST_TIMING``), as a single-device planner prices them (``RooflineTiming.priced``), once per
     planner, not over a link measured on this machine (issue 46: no plan a test makes follows the machine's load)."""
-    planner = shared_planner(CONFIG, host_pool_gb=1.0)  # ``pooled``'s
+    planner = shared_planner(CONFIG, host_pool_gb=1.0)  # the ``pooled`` fixture's
     assert planner.link == link_price(TEST_TIMING.spec)
     assert _default_planner().link is None  # no pool: nothing is moved, no link priced
 

@@ -120,23 +120,23 @@ def test_compile_keeps_the_plan_in_one_graph(name: str, action: Action, blocks: 
     compare_compiled(zoo.build(name, "tiny", blocks=blocks), action, "aot_eager", fraction=fraction)
 
 
-@needs_transformers
 @pytest.mark.slow
 def test_inductor_step_is_the_original_step_with_a_lower_peak() -> None:
-    """Inductor (torch.compile's default) on the export capture of a GPT-NeoX-style decoder: one graph with one
-    checkpoint op per region, no graph break, outputs, gradients and buffers equal to the compiled original's, and a
-    compiled peak below the compiled original's, measured from allocator events. One layer: most of the test's time
-    is Inductor compiling the two models' C++ kernels (g++, one per kernel). Scalar C++ kernels
-    (``cpp.vec_isa_ok=False``): with a cold cache, finding the CPU's vector ISA compiles and loads a probe library per
-    ISA (9 of the test's 33 s on 2 cores, issue 46); the vector width changes neither the checkpoint ops nor the
-    peak. No dropout: recomputed dropout under torch.compile is the aot_eager test's transformer above (Inductor's
-    ``fallback_random`` would run the same aten random ops), and dropout here split the fused kernels: 29 compiled
-    against 21 (issue 46)."""
+    """Inductor (torch.compile's default): one graph with one checkpoint op per region, no graph break, outputs,
+    gradients and buffers equal to the compiled original's, and a compiled peak below the compiled original's,
+    measured from allocator events. Most of the test's time is Inductor compiling the two models' C++ kernels (g++,
+    one per kernel), so the smallest model with a region: the zoo's MLP with two blocks (5.8 s here, where a one-layer
+    GPT-NeoX took 16.8 s; issue 46). What Dynamo and AOTAutograd make of an export capture of a Hugging Face decoder
+    is ``test_optimize_compiled_keeps_the_budget_as_the_compiled_step_runs`` (aot_eager); Inductor's code generation
+    sees only the partitioned graphs. Scalar C++ kernels (``cpp.vec_isa_ok=False``): with a cold cache, finding the
+    CPU's vector ISA compiles and loads a probe library per ISA (9 of the test's 33 s on 2 cores, issue 46); the
+    vector width changes neither the checkpoint ops nor the peak. No dropout: recomputed dropout under torch.compile
+    is the aot_eager test's transformer above (Inductor's ``fallback_random`` would run the same aten random ops)."""
     import torch._inductor.config as inductor_config
 
-    case = neox_case()
+    case = zoo.build("mlp", "tiny", blocks=2)
     reference = twin(case)
-    module = optimized_at(case, 0.9, Action.RECOMPUTE_TORCH)  # one layer: the floor is at about 75 % of the way
+    module = optimized_at(case, 0.8, Action.RECOMPUTE_TORCH)  # two blocks: the floor is at about 70 % of the way
     loss_fn = case.loss_fn or autockpt.measure.loss.default_loss
     with inductor_config.patch({"cpp.vec_isa_ok": False}):
         compiled_reference, original = compiled_step(reference, case, "inductor")

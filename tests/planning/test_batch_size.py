@@ -1,4 +1,5 @@
-"""max_batch_size: the answer fits when measured, and the next batch up does not."""
+"""max_batch_size: the answer fits when measured, and the next batch up does not (the unmodified model's search,
+exact to the batch: ``test_trace_choice.py``, which searches on fake traces and measures the answer)."""
 
 from __future__ import annotations
 
@@ -25,17 +26,6 @@ def _inputs(batch: int) -> ExampleBatch:
 
 def _peak(model: nn.Module, batch: int) -> int:
     return autockpt.measure_step(model, _inputs(batch).args).peak_bytes
-
-
-def test_unmodified_model_max_batch_is_exact() -> None:
-    model = _model()
-    budget = _peak(model, 40)
-    result = max_batch_size(lambda: model, _inputs, budget_bytes=budget, strategy="none", start=16)
-    assert result.batch_size >= 40 and result.exact
-    assert result.measured_peak_bytes is not None and result.measured_peak_bytes <= budget
-    assert _peak(model, result.batch_size) <= budget < _peak(model, result.batch_size + 1)  # PyTorch agrees
-    assert result.plan is not None and result.plan.regions == ()
-    assert [t.batch_size for t in result.trials][:2] == [16, 32]  # doubling, then bisection
 
 
 def test_checkpointing_fits_a_larger_batch() -> None:

@@ -162,6 +162,9 @@ def test_max_batch_size_searches_on_fake_traces_and_measures_only_its_answer() -
     model = _mlp()
     budget = autockpt.measure_step(model, _batch(40).args).peak_bytes
     result = max_batch_size(lambda: model, _batch, budget_bytes=budget, strategy="none", start=16)
+    assert result.batch_size >= 40 and result.exact
+    assert result.plan is not None and result.plan.regions == ()
+    assert [t.batch_size for t in result.trials][:2] == [16, 32]  # doubling, then bisection
     measured = [t for t in result.trials if t.measured]
     assert [t.batch_size for t in measured] == [result.batch_size]
     assert all(t.detail == "predicted" for t in result.trials if not t.measured)

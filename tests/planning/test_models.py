@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import pytest
@@ -17,13 +16,13 @@ EXPECTED_CAPTURE = {
     "mlp": "fx", "cnn": "fx", "transformer": "fx", "control_flow": "module", "gpt2": "export", "vit": "export", "unet": "export",
     "vae": "export",
 }
-Planned = tuple[zoo.ZooCase, autockpt.Planner, Callable[[], autockpt.Plan]]
+Planned = tuple[zoo.ZooCase, autockpt.Planner]
 
 
 @pytest.fixture(scope="module")
 def planned() -> Callable[[str], Planned]:
-    """Per zoo model: its case, its Planner (``planner_for``: the model captured and profiled once for every budget
-    of this file) and the probe plan at an unlimited budget, made when first asked for (it searches the full floor)."""
+    """Per zoo model: its case and its Planner (``planner_for``: the model captured and profiled once for every
+    budget of this file)."""
     made: dict[str, Planned] = {}
 
     def planned_for(name: str) -> Planned:
@@ -35,14 +34,16 @@ def planned() -> Callable[[str], Planned]:
             solver = {"unet": autockpt.SolverOptions(relative_gap=0.05, refinement_rounds=2),
                       "vae": autockpt.SolverOptions(relative_gap=0.05)}.get(name)
             planner = planner_for(case, solver)
-            made[name] = case, planner, functools.cache(lambda: planner.plan(budget_bytes=10**15))
+            made[name] = case, planner
         return made[name]
 
     return planned_for
 
 
 # every model at half the way from static bytes to its unmodified peak; the two cheapest also near either end (the
-# same end-to-end fact at other budgets: one model each way is enough, issue 46's suite time)
+# same end-to-end fact at other budgets: one model each way is enough, issue 46's suite time). A plan kept at 0.3
+# (the transformer) and at 0.5 (GPT-2) is the floor at most half-way on transformers, which a test of its own
+# checked from the stated minimum (a full floor search, issue 46)
 CASES = [
     pytest.param(*model.values, fraction, marks=model.marks, id=f"{model.id}-{fraction}")
     for model in MODELS for fraction in ((0.3, 0.5, 0.7) if model.id in ("mlp", "transformer-dropout") else (0.5,))
@@ -62,7 +63,7 @@ def test_a_model_whose_backward_leaves_an_output_without_gradient(name: str, pla
 
 
 def _check_budget_kept(name: str, fraction: float, planned: Callable[[str], Planned]) -> None:
-    case, planner, _ = planned(name)
+    case, planner = planned(name)
     reference = twin(case)  # the model as earlier budgets' steps left it (BatchNorm statistics)
     budget = budget_at(planner, fraction)
 
@@ -97,12 +98,6 @@ def test_more_hugging_face_architectures_at_half_budget(name: str) -> None:
     assert plan.capture.value == "export" and plan.regions
     assert measured <= budget
     assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * measured
-
-
-@pytest.mark.parametrize("name", ["transformer", pytest.param("gpt2", marks=needs_transformers)])
-def test_memory_floor_is_at_most_half_way_on_transformers(name: str, planned: Callable[[str], Planned]) -> None:
-    plan = planned(name)[2]()
-    assert plan.min_feasible_bytes <= plan.static_bytes + 0.5 * (plan.baseline_peak_bytes - plan.static_bytes)
 
 
 @pytest.mark.parametrize("name", ["mlp", "transformer"])

@@ -107,9 +107,10 @@ def test_the_bound_is_never_over_the_exact_floor() -> None:
     floor (every region set enumerated) of random graphs is at or over it, on graphs where an op's own working set is
     the larger part of it (over what the step holds at its end: no optimizer here) and where it is not."""
     rise_sets_it = 0
-    for seed in (0, 2, 5, 6, 9, 10, 27, 40, 48):
+    # graphs whose exact floor is enumerated in at most 0.25 s (seeds 10 and 48, 2 s each, left for 24, 26, 35)
+    for seed in (0, 2, 5, 6, 9, 24, 26, 27, 35, 40):
         planner = modelled_planner(seed)
         bound = floor_lower_bound_bytes(planner.trace)
         assert bound <= min_peak_bytes(scorer_of(planner)), f"seed {seed}"
         rise_sets_it += bound > end_of_step_bytes(planner.trace)
-    assert rise_sets_it >= 2  # seeds 2, 10 and 48
+    assert rise_sets_it >= 3  # seeds 2, 24, 26 and 35

@@ -183,52 +183,25 @@ def test_the_loop_optimizer_is_stepped_on_fakes_and_the_users_is_left_alone() ->
 
 
 @needs_transformers
-def test_a_model_on_the_meta_device_plans_and_stays_there() -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32,
-    )
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    ids = torch.randint(0, 128, (2, 32))
-    traces = []
-    for given in (ids.to("meta"), ids):  # meta inputs, or real token ids beside the meta model
-        planner = autockpt.Planner.from_model(
-            model, example_inputs=(given,), example_kwargs={"labels": given}, trace_source=FakeTrace(),
-            loss_chunk_tokens=0,  # the subject is the capture on meta; the loss's chunks are test_loss_chunks.py's
-            checkpoint="torch_non_reentrant",  # one kind: both are planned from fake traces in test_trace_choice.py
-        )
-        assert planner.graph.kind is CaptureKind.EXPORT  # captured on meta: the outputs compared by shape
-        assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}
-        assert all(p.grad is None for p in model.parameters())
-        traces.append(planner.trace)
-    trace = traces[0]
-    assert_same_memory(traces[1], trace)
-    assert trace.parameter_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
-    plan = planner.plan(budget_bytes=budget_at(planner, 0.5))
-    assert plan.regions and plan.predicted_peak_bytes < trace.baseline_peak_bytes
-    assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}
-
-
-@needs_transformers
 def test_a_model_on_the_meta_device_is_captured_at_batch_size_1() -> None:
-    """At batch size 1, transformers checks for packed sequences with ``.item()``, which meta tensors cannot answer:
-    capture runs the model on a fake copy (transformers skips the check on fake tensors) and exports the model on
-    meta; the model stays there, the plan is rewritten onto a module on meta."""
+    """A model on the meta device is captured, traced and planned there, from meta inputs or real token ids beside
+    it (the same memory timeline), and stays there. At batch size 1, transformers checks for packed sequences with
+    ``.item()``, which meta tensors cannot answer: capture runs the model on a fake copy (transformers skips the
+    check on fake tensors) and exports the model on meta; the plan is rewritten onto a module on meta. Grouped-query
+    attention (two key/value heads), as the real-ids meta Llama of ``test_trace_choice.py`` at batch size 2."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=256, use_cache=False,
+        num_key_value_heads=2, max_position_embeddings=256, use_cache=False,
     )
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     ids = torch.randint(0, 320, (1, 64))
     with pytest.raises(RuntimeError, match="meta tensors"):  # what capture ran into
         model(ids.to("meta"), labels=ids.to("meta"))
-    for given in (ids.to("meta"), ids):
+    traces = []
+    for given in (ids.to("meta"), ids):  # meta inputs, or real token ids beside the meta model
         planner = autockpt.Planner.from_model(
             model, example_inputs=(given,), example_kwargs={"labels": given}, trace_source=FakeTrace(),
             loss_chunk_tokens=0,  # the subject is the capture on meta; the loss's chunks are test_loss_chunks.py's
@@ -237,6 +210,8 @@ def test_a_model_on_the_meta_device_is_captured_at_batch_size_1() -> None:
         assert planner.graph.kind is CaptureKind.EXPORT and planner.graph.model is model
         assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}
         assert all(p.grad is None for p in model.parameters())
+        traces.append(planner.trace)
+    assert_same_memory(traces[1], traces[0])
     trace = planner.trace
     assert trace.parameter_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
     plan = planner.plan(budget_bytes=budget_at(planner, 0.5))

@@ -23,10 +23,13 @@ from autockpt.types import Action, CaptureKind, Region, RegionAction
 
 FUNCTION = autockpt.SolverOptions(checkpoint="recompute_function")
 
-# the fx (transformer) and module-level (control_flow) captures of models that test_models.py plans under torch's
-# checkpoint; it plans the MLP, the BatchNorm CNN (fx), GPT-2 and the UNet (export) under autockpt's own, at the same
-# budget with the same checks (``support.checkpoint_for``), so they are not planned here again (issue 46)
-MODELS = zoo_params("transformer", "control_flow")
+# the module-level capture (control_flow), which test_models.py plans under torch's checkpoint; it plans the MLP, the
+# BatchNorm CNN (fx), GPT-2 and the UNet (export) under autockpt's own, at the same budget with the same checks
+# (``support.checkpoint_for``), so they are not planned here again (issue 46). Nor the fx transformer with dropout:
+# its step under autockpt's own (dropout masks included) and a prediction within 1 % of the measured peak are
+# test_the_simulator_is_exact_for_block_aligned_and_cut_regions's; a budget kept under autockpt's own on fx, and the
+# transformer's at 0.3-0.7 under torch's, are test_models.py's test_budget_is_kept_and_step_matches_pytorch
+MODELS = zoo_params("control_flow")
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -44,12 +47,22 @@ def test_budget_is_kept_and_step_matches_pytorch(name: str) -> None:
     assert abs(measured - plan.predicted_peak_bytes) <= 0.01 * measured, (measured, plan.predicted_peak_bytes)
 
 
-@pytest.mark.parametrize("strategy", ["every_1", "sqrt_n", "for_transformers"])
-def test_the_simulator_is_exact_for_block_aligned_and_cut_regions(strategy: str) -> None:
+@pytest.fixture(scope="module")
+def own_transformer() -> tuple[zoo.ZooCase, autockpt.Planner]:
+    """The zoo's tiny transformer (dropout) traced once for every strategy below: applying a plan and stepping the
+    module leave the planner's trace as it was (no optimizer step, no BatchNorm; a step starts from gradients None)."""
     case = tiny("transformer")
-    planner = autockpt.Planner.from_model(case.model, example_inputs=case.args, loss_fn=case.loss_fn,
-                                          checkpoint=Action.RECOMPUTE_OWN)
+    return case, autockpt.Planner.from_model(case.model, example_inputs=case.args, loss_fn=case.loss_fn,
+                                             checkpoint=Action.RECOMPUTE_OWN)
+
+
+@pytest.mark.parametrize("strategy", ["every_1", "sqrt_n", "for_transformers"])
+def test_the_simulator_is_exact_for_block_aligned_and_cut_regions(
+    strategy: str, own_transformer: tuple[zoo.ZooCase, autockpt.Planner]
+) -> None:
+    case, planner = own_transformer
     the_plan = baseline_plan(planner, strategy)
+    assert the_plan.regions and the_plan.planned_action is Action.RECOMPUTE_OWN
     module = planner.apply(the_plan)
     assert_same_step(module, twin(case), case)
     measured = autockpt.measure_step(module, case.args, case.kwargs, case.loss_fn).peak_bytes
@@ -170,12 +183,17 @@ def _floor(planner: autockpt.Planner) -> int:
 
 
 def test_auto_optimize_times_both_kinds_plans_and_returns_one_that_trains_like_pytorch() -> None:
-    case = tiny("gpt2")
+    """The MLP (fx), not GPT-2 (export; issue 46: 1 s against 2.7 s): "auto" plans both kinds on either capture
+    (test_auto_leaves_module_level_captures_on_torch_s_checkpoint), and the note is written only when both kinds'
+    plans kept the budget when measured and were timed against each other (``verify.faster``). Which kind is chosen
+    follows the machine's load: not asserted."""
+    case = tiny("mlp")
     planner = planner_for(case, checkpoint="auto")  # the default options
+    assert planner.actions == RECOMPUTE_KINDS
     budget = budget_at(planner, 0.5)
     optimized = planner.optimize(budget_bytes=budget)
     plan = autockpt.get_plan(optimized)
-    assert plan.regions and plan.measured_peak_bytes <= budget
+    assert plan.capture.value == "fx" and plan.regions and plan.measured_peak_bytes <= budget
     assert any(note.startswith(f"checkpoint {plan.planned_action.value} chosen by measured step time") for note in plan.notes)
     assert_same_step(optimized, twin(case), case)
 

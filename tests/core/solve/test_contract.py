@@ -42,7 +42,11 @@ def _check(result: SolveResult, problem: Problem, budget: int) -> None:
     assert result.min_feasible_bytes <= budget
 
 
-@pytest.mark.parametrize("seed", [6, 10, 11])  # random graphs of 12 units where checkpointing lowers the peak
+# Random graphs of 12 units where checkpointing lowers the peak. 75 in place of 10: on both the optimum is two regions
+# other than the floor's (6, 11: the floor's one region), which the default solver and the MILP alone reach; 10's
+# exact searches took 3-4 s, 75's 0.3 s (graph 10 stays in test_optimality.py). On 11 greedy and sqrt_n are refused
+# (as on 10), on 75 they answer.
+@pytest.mark.parametrize("seed", [6, 11, 75])
 def test_every_solver_keeps_the_contract_and_none_beats_the_exact_optimum(seed: int) -> None:
     problem, graph = _problem(seed)
     exact = ExactSolver()

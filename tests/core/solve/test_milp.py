@@ -62,9 +62,10 @@ SOLVERS = [
 
 @pytest.fixture(scope="module")
 def small_chain() -> tuple[StepTrace, list[Region], list[Region], list[tuple[tuple[Region, ...], Any]], Any]:
-    """A 5-layer chain's trace, regions, every disjoint region set simulated (the exhaustive answer both solvers are
-    held to: 1.6 s of simulations, made once) and the plan of none."""
-    model, x = _chain([128] * 5, 256)
+    """A 4-layer chain's trace, regions, every disjoint region set simulated (the exhaustive answer both solvers are
+    held to, made once) and the plan of none. 4 layers, not 5: 2,584 sets, not 17,711 (0.3 s, not 1.9 s); the budgets
+    below still give three feasible ones (one with a two-region optimum) and two infeasible ones."""
+    model, x = _chain([128] * 4, 256)
     graph = capture(model, (x,), {})
     measured = trace_step(graph, (x,), {}, lambda out: out.sum())
     segments, candidates = candidate_regions(graph, measured)

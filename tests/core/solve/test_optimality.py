@@ -69,7 +69,9 @@ def test_production_plan_is_within_one_percent_of_the_exact_optimum(seed: int, f
 # Seeds where experiments/bench/bench_optimality.py once found the production floor above the exact floor: the programs add
 # gains up, and these graphs have regions that interact (a recomputation burst on top of another region's gain).
 # Fixed by offering the best single region as a seed and a local descent from every floor plan with the simulator.
-FLOOR_SEEDS = [24, 38, 47, 54, 68]
+# 524 stands in for 47, the one of them whose floor only the descent's added region reaches (a descent that only drops
+# regions stops above it; 54 needs the drop): its exact floor is enumerated in 0.05 s, 47's in 3-4 s.
+FLOOR_SEEDS = [24, 38, 54, 68, 524]
 
 
 @pytest.mark.parametrize("seed", FLOOR_SEEDS)

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 from edge_models import Chain
-from support import FREE_MACHINERY, planner_for, profile_of, rewritten, tiny, torch_actions, torch_scorer, with_regions
+from support import FREE_MACHINERY, planner_for, tiny, torch_actions, torch_scorer
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -249,7 +249,7 @@ def test_simulated_peak_equals_measured_peak_for_random_plans(name: str) -> None
                 chosen.append(region)
         plan = planner.plan_for_regions(chosen, strategy="given")
         predicted = torch_scorer(measured).simulate(plan.regions).peak_bytes
-        module = rewritten(plan, case.model, case.args, case.kwargs)
+        module = planner.apply(plan)  # a copy of the captured graph rewritten, not a new capture per plan
         actual = autockpt.measure_step(module, case.args, case.kwargs, case.loss_fn).peak_bytes
         # exact for most plans; regions whose ops write in place are over-predicted by up to ~2 % (the safe side)
         assert -0.005 * actual <= predicted - actual <= 0.02 * actual, (chosen, predicted, actual)
@@ -261,13 +261,15 @@ def test_loss_function_that_saves_activations_is_accounted() -> None:
     model, x = Chain(depth=6), torch.randn(512, 128)
     model.head = nn.Linear(128, 2048)  # a wide output, so the loss's saved copy of it dominates the peak
     loss_fn = lambda out: out.exp().mean()
-    plan = autockpt.plan(model, budget_bytes=10**15, example_inputs=(x,), loss_fn=loss_fn)
-    measured_profile = trace_step(capture(model, (x,), {}), (x,), {}, loss_fn)
-    last = len(plan.nodes) - 1
+    # one capture and trace: the hand-made regions need no solved plan to carry them
+    planner = autockpt.Planner.from_model(model, example_inputs=(x,), loss_fn=loss_fn,
+                                          checkpoint=Action.RECOMPUTE_TORCH)
+    measured_profile = planner.trace
+    last = len(measured_profile.units) - 1
     for first in (last - 2, last - 4):
         region = Region(first_unit=first, last_unit=last)
         predicted = torch_scorer(measured_profile).simulate((region,)).peak_bytes
-        module = rewritten(with_regions(plan, (region,)), model, (x,))
+        module = planner.apply(planner.plan_for_regions([region], strategy="given"))
         measured = autockpt.measure_step(module, (x,), None, loss_fn).peak_bytes
         assert abs(predicted - measured) <= 0.01 * measured, (region, predicted, measured)
 
@@ -275,15 +277,14 @@ def test_loss_function_that_saves_activations_is_accounted() -> None:
 def test_a_region_ending_in_a_matmul_does_not_rerun_it() -> None:
     """Early stop: the last Linear of a region saves only its inputs, so its matmul is not recomputed."""
     case = tiny("mlp")
-    measured = profile_of(case)
+    # one capture and trace, for the windows and the rewrite; torch's checkpoint, as ``region_windows`` below
+    planner = planner_for(case, checkpoint=Action.RECOMPUTE_TORCH)
+    measured = planner.trace
     linear_units = [u.index for u in measured.units if u.flops > 0]
     region = Region(first_unit=linear_units[2] + 1, last_unit=linear_units[4])  # GELU, Linear, GELU, Linear
     (window,) = region_windows(measured, torch_actions((region,)))
     assert window.last_saver_unit == linear_units[4] and window.last_recomputed_unit == linear_units[4] - 1
-    # a plan to carry the region, of torch's checkpoint as ``region_windows`` above (one kind: "auto" searched both
-    # kinds' floors, 0.8 s each)
-    probe = planner_for(case, checkpoint=Action.RECOMPUTE_TORCH).plan(budget_bytes=10**15)
-    module = rewritten(with_regions(probe, (region,), Action.RECOMPUTE_TORCH), case.model, case.args)
+    module = planner.apply(planner.plan_for_regions([region], strategy="given"))  # scored, not solved: no floor search
 
     def step_flops(m: nn.Module) -> int:
         counter = FlopCounterMode(display=False)

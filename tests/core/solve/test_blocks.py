@@ -6,7 +6,7 @@ import itertools
 
 import pulp
 import pytest
-from support import assert_same_step, needs_transformers, tiny, twin, with_times_from_flops
+from support import assert_same_step, needs_transformers, twin, with_times_from_flops
 
 import autockpt
 from autockpt.core.solve.base import Scorer, SolverOptions
@@ -26,9 +26,19 @@ FRACTIONS = (0.3, 0.5, 0.7)
 
 
 @pytest.fixture(scope="module")
-def gpt2_planner() -> autockpt.Planner:
-    case = zoo.build("gpt2")  # 4 layers
-    return autockpt.Planner.from_model(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
+def gpt2_case() -> zoo.ZooCase:
+    return zoo.build("gpt2")  # 4 layers
+
+
+@pytest.fixture(scope="module")
+def gpt2_planner(gpt2_case: zoo.ZooCase) -> autockpt.Planner:
+    # the loss as captured (``loss_chunk_tokens=0``): the default's trace, but a plan does not also trace and solve
+    # the loss's chunked programs (0.9 s); chunked plans are tests/planning/test_loss_chunks.py's, and a chunked GPT-2
+    # plan applied from a file tests/records/test_saved_plans_from_specs.py's
+    case = gpt2_case
+    return autockpt.Planner.from_model(
+        case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn, loss_chunk_tokens=0
+    )
 
 
 def _budget(planner: autockpt.Planner, fraction: float) -> int:
@@ -135,10 +145,11 @@ def test_block_plans_fit_and_cost_about_what_the_flat_program_costs() -> None:
         assert blocks_result.timeline.overhead_ms <= 1.05 * flat_result.timeline.overhead_ms, fraction
 
 
-def test_an_optimized_model_solved_by_blocks_keeps_its_budget_and_trains_like_the_original() -> None:
-    case = tiny("gpt2")
-    reference = twin(case)
-    planner = autockpt.Planner.from_model(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
+def test_an_optimized_model_solved_by_blocks_keeps_its_budget_and_trains_like_the_original(
+    gpt2_case: zoo.ZooCase, gpt2_planner: autockpt.Planner
+) -> None:
+    case, planner = gpt2_case, gpt2_planner  # the module's planner: no capture and trace of a model of its own
+    reference = twin(case)  # a copy: the step below leaves gradients on the planner's model
     budget = _budget(planner, 0.4)
     plan = planner.plan(budget_bytes=budget)
     assert "block chain" in plan.solver_stats.status  # the plan came from the block program

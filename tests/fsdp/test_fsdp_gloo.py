@@ -33,17 +33,16 @@ CASES = {
     "floor-baseline-uneven": ("torch-encoder", 257, ("floor", "baseline"), None),
     # Hugging Face's Llama with grouped-query attention (RMSNorm, rotary causal attention, SwiGLU): the fake trace
     # takes the eager course the ranks take (issue 45: no T x T mask, keys and values not repeated across heads;
-    # its packed-sequence check's value replayed from the real model)
-    "hf-llama-floor-selective": ("hf-llama", 256, ("floor", "selective"), None),
+    # its packed-sequence check's value replayed from the real model). A tenth of the way from nothing checkpointed
+    # to the floor, roofline times (the same choice on every machine): a block keeps all but one part (its MLP)
+    # checkpointed. One case for both (issue 46: a Llama-style model of the workers' own had the parts case)
+    "hf-llama-parts": ("hf-llama", 256, ("tenth", "baseline"), None),
     # with a host pool: under what every unit checkpointed whole reaches (full checkpointing per block), above what
     # every unit whole with its inputs in the pool reaches. Which units are offloaded is not fixed: at this budget a
     # plan with one unit whole and not offloaded predicts the same peak as all four offloaded, and the planner's answer
     # flips within a byte of it (all four at the budget, one whole a byte under it; 2026-11-29), and one suite run in
     # about 15 planned {full, full_offload} here. That some unit is offloaded is asserted (the plan's host pool bytes)
     "offloaded-under-the-floor": ("decoder", 256, ("pool floor", "floor"), None),
-    # a tenth of the way from nothing checkpointed to the floor, roofline times (the same choice on every machine):
-    # some blocks keep all but one part (their attention or a norm) checkpointed
-    "llama-parts": ("llama", 256, ("tenth", "baseline"), None),
     # a vocabulary of 8192 (8 MB of logits a rank) at the floor, far under what every unit checkpointed whole
     # reaches with the loss as the model computes it: the root's head and cross-entropy run in chunks (issue 48),
     # and the peak is the root's gradient reduce-scatter, with gloo's copy of its input (``gloo_reduce_scatter_copies``)

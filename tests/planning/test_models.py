@@ -28,11 +28,11 @@ def planned() -> Callable[[str], Planned]:
     def planned_for(name: str) -> Planned:
         if name not in made:
             case = tiny(name)
-            # the diffusers models' programs at a 5 % gap (1 % by default), the UNet's with one refinement round
-            # (5; its test 28 -> 18 s on an idle 2-core machine with two, 3.3 -> 2.1 s of planning with one): what
-            # this file checks (budget kept, step equal, prediction close) holds for any plan
-            solver = {"unet": autockpt.SolverOptions(relative_gap=0.05, refinement_rounds=1),
-                      "vae": autockpt.SolverOptions(relative_gap=0.05)}.get(name)
+            # the diffusers models' programs at a 5 % gap (1 % by default) and one refinement round (5; the UNet's
+            # test 28 -> 18 s on an idle 2-core machine with two rounds, its planning 3.3 -> 2.1 s with one, the
+            # VAE's 2.3 -> 1.5 s): what this file checks (budget kept, step equal, prediction close) holds for any plan
+            diffusers = autockpt.SolverOptions(relative_gap=0.05, refinement_rounds=1)
+            solver = diffusers if name in ("unet", "vae") else None
             planner = planner_for(case, solver)
             made[name] = case, planner
         return made[name]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -93,24 +94,35 @@ def _grads(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[float, di
 KINDS = ["llama-gqa", "qwen2-gqa", "mistral-sliding", "gpt2-mha", "bert-encoder", "t5-encoder-decoder", "vit"]
 
 
-@functools.cache
-def _optimized(kind: str) -> tuple[torch.nn.Module, torch.nn.Module, tuple, dict]:
-    """The eager model (a copy, the reference), its optimized module at ``ROOMY``, and the example inputs: made once
-    per process, the GQA decoder's shared by the tests of its courses and of its capture (issue 46). Its steps start
-    from gradients set to None (``_grads``); the padded batch's course, planned when first stepped, is kept."""
-    model, args, kwargs = _case(kind)
-    reference = copy.deepcopy(model)
-    optimized = autockpt.optimize(model, budget_bytes=ROOMY, example_inputs=args, example_kwargs=kwargs, **ONE_KIND)
-    return reference, optimized, args, kwargs
+Optimized = tuple[torch.nn.Module, torch.nn.Module, tuple, dict]  # the reference, the optimized module, the inputs
+
+
+@pytest.fixture(scope="module")
+def optimized() -> Callable[[str], Optimized]:
+    """Per kind: the eager model (a copy, the reference), its optimized module at ``ROOMY``, and the example inputs,
+    made when first asked for; the GQA decoder's shared by the tests of its courses and of its capture (issue 46; a
+    module fixture: the file's tests run on one worker, conftest.py). Its steps start from gradients set to None
+    (``_grads``); only ``test_a_batch_that_takes_another_course_is_planned_for_it`` steps it on another course."""
+
+    @functools.cache
+    def optimized_for(kind: str) -> Optimized:
+        model, args, kwargs = _case(kind)
+        reference = copy.deepcopy(model)
+        module = autockpt.optimize(model, budget_bytes=ROOMY, example_inputs=args, example_kwargs=kwargs, **ONE_KIND)
+        return reference, module, args, kwargs
+
+    return optimized_for
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
-def test_the_captured_program_holds_no_more_than_the_eager_model(kind: str) -> None:
+def test_the_captured_program_holds_no_more_than_the_eager_model(
+    kind: str, optimized: Callable[[str], Optimized]
+) -> None:
     """The plan's self-check: both unmodified peaks measured (MemTracker), the captured one within 0.5 % of the
     eager one; the optimized module's loss and gradients are the eager model's."""
-    reference, optimized, args, kwargs = _optimized(kind)
-    plan = autockpt.get_plan(optimized)
+    reference, module, args, kwargs = optimized(kind)
+    plan = autockpt.get_plan(module)
     assert plan.capture.value == "export"
     eager, captured = plan.provenance.eager_peak_bytes, plan.provenance.captured_peak_bytes
     assert eager is not None and captured is not None
@@ -120,7 +132,7 @@ def test_the_captured_program_holds_no_more_than_the_eager_model(kind: str) -> N
     # the plan's own figures start from the eager program too
     assert plan.baseline_peak_bytes <= eager * 1.005
     want_loss, want = _grads(reference, args, kwargs)
-    got_loss, got = _grads(optimized, args, kwargs)
+    got_loss, got = _grads(module, args, kwargs)
     assert got_loss == pytest.approx(want_loss, rel=1e-5)
     assert got.keys() == want.keys()
     for name, grad in want.items():
@@ -128,30 +140,32 @@ def test_the_captured_program_holds_no_more_than_the_eager_model(kind: str) -> N
 
 
 @pytest.mark.slow
-def test_a_batch_that_takes_another_course_is_planned_for_it() -> None:
+def test_a_batch_that_takes_another_course_is_planned_for_it(optimized: Callable[[str], Optimized]) -> None:
     """Planned on a batch without padding (the eager model skips its mask), stepped on one with padding (the eager
     model builds it): the graph's run-time check sends the step to a plan made for that course, which gives the
     eager model's loss and gradients; the same course later reuses that plan."""
-    reference, optimized, args, kwargs = _optimized("llama-gqa")
-    assert value_guards(optimized.__dict__["_autockpt_executable"])
+    reference, module, args, kwargs = optimized("llama-gqa")
+    assert value_guards(module.__dict__["_autockpt_executable"])
     padded = dict(kwargs, attention_mask=kwargs["attention_mask"].clone())
     padded["attention_mask"][0, :5] = 0
-    assert len(optimized.course_variants()) == 0
+    assert len(module.course_variants()) == 0  # the shared module: no other test steps another course
     for _ in range(2):
         want_loss, want = _grads(reference, args, padded)
-        got_loss, got = _grads(optimized, args, padded)
+        got_loss, got = _grads(module, args, padded)
         assert got_loss == pytest.approx(want_loss, rel=1e-5)
         for name, grad in want.items():
             torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-5, msg=name)
-    assert len(optimized.course_variants()) == 1
+    assert len(module.course_variants()) == 1
     # the example's course still runs its own plan
     want_loss, _ = _grads(reference, args, kwargs)
-    assert _grads(optimized, args, kwargs)[0] == pytest.approx(want_loss, rel=1e-5)
-    assert len(optimized.course_variants()) == 1
+    assert _grads(module, args, kwargs)[0] == pytest.approx(want_loss, rel=1e-5)
+    assert len(module.course_variants()) == 1
 
 
-def test_without_a_plan_for_the_course_strict_mode_says_which_check_failed() -> None:
-    the_plan = autockpt.get_plan(_optimized("llama-gqa")[1])  # a plan made (and searched) once: the applied is new
+def test_without_a_plan_for_the_course_strict_mode_says_which_check_failed(
+    optimized: Callable[[str], Optimized],
+) -> None:
+    the_plan = autockpt.get_plan(optimized("llama-gqa")[1])  # a plan made (and searched) once: the applied is new
     model, args, kwargs = _case("llama-gqa")
     applied = autockpt.apply_plan(model, the_plan, example_inputs=args, example_kwargs=kwargs, strict=True)
     padded = dict(kwargs, attention_mask=kwargs["attention_mask"].clone())
@@ -160,9 +174,11 @@ def test_without_a_plan_for_the_course_strict_mode_says_which_check_failed() -> 
         applied(*args, **padded)
 
 
-def test_export_on_the_eager_course_uses_grouped_query_attention_without_a_mask() -> None:
+def test_export_on_the_eager_course_uses_grouped_query_attention_without_a_mask(
+    optimized: Callable[[str], Optimized],
+) -> None:
     """The optimized module's program (at ``ROOMY`` nothing is recomputed: the capture as it is)."""
-    executable = _optimized("llama-gqa")[1].__dict__["_autockpt_executable"]
+    executable = optimized("llama-gqa")[1].__dict__["_autockpt_executable"]
     attention = [n for n in executable.graph.nodes
                  if n.op == "call_function" and n.target is torch.ops.aten.scaled_dot_product_attention.default]
     assert attention
@@ -250,12 +266,14 @@ def test_the_remembered_bindings_are_forgotten_when_a_library_s_predicates_come(
 
 
 @pytest.mark.slow
-def test_a_fake_trace_of_a_graph_that_checks_values_gives_the_measured_bytes() -> None:
+def test_a_fake_trace_of_a_graph_that_checks_values_gives_the_measured_bytes(
+    optimized: Callable[[str], Optimized],
+) -> None:
     """The graph reads and asserts the mask's value; the fake trace reads it as an unbacked symbol, its check
     deferred, and predicts the measured trace's unmodified step to the byte."""
     # the measured trace's figures: the shared optimized module's plan (made from the measured trace, the loss as
     # captured); the fake trace of a model of its own, traced, not planned (a plan would search its floor too)
-    measured = autockpt.get_plan(_optimized("llama-gqa")[1])
+    measured = autockpt.get_plan(optimized("llama-gqa")[1])
     model, args, kwargs = _case("llama-gqa")
     fake = autockpt.Planner.from_model(model, example_inputs=args, example_kwargs=kwargs, trace="fake",
                                        timing="roofline")  # the local device, calibrated: no per-op benchmark

@@ -37,8 +37,7 @@ from experiments.common.fsdp_worker import CONFIG, batch, build, lm_loss, tracke
 pytestmark = FSDP_GROUP  # with test_fsdp_gloo.py: the planners both trace are shared
 V4_FSDP_PLAN = Path(__file__).parents[1] / "data" / "fsdp_plan_v4.json"  # as 0.2 wrote it (tests/data)
 FULL, SELECTIVE, OFFLOAD, PARTS = UnitDecision.FULL, UnitDecision.SELECTIVE, UnitDecision.OFFLOAD, UnitDecision.PARTS
-# RMSNorm, attention, SwiGLU; two blocks (issue 46: each fake-world measurement runs every block's ops), as
-# test_fsdp_gloo.py's Llama-style case plans it: one planner for both
+# RMSNorm, attention, SwiGLU; two blocks (issue 46: each fake-world measurement runs every block's ops)
 LLAMA = {**CONFIG, "kind": "llama", "model": {**CONFIG["model"], "heads": 4, "layers": 2}}
 
 

@@ -77,8 +77,10 @@ _CASES = [
     pytest.param("bert", True, marks=[needs_transformers, slow], id="hf-bert-bf16"),
     pytest.param("vit", False, marks=[needs_transformers, slow], id="hf-vit"),
     pytest.param("t5", False, marks=[needs_transformers, slow], id="hf-t5"),
-    # in float32, as the UNet's measured plan in test_models.py (bf16 autocast: the conv net, Llama and BERT above)
+    # in float32, as the UNet's measured plan in test_models.py (its fake-trace plan measured: not run again), and
+    # under bf16 autocast (GroupNorm, upsampling and diffusers' attention in mixed precision)
     pytest.param("unet", False, marks=[needs_diffusers, slow], id="diffusers-unet2d"),
+    pytest.param("unet", True, marks=[needs_diffusers, slow], id="diffusers-unet2d-bf16"),
 ]
 
 

@@ -76,6 +76,7 @@ def _check_budget_kept(name: str, fraction: float, planned: Callable[[str], Plan
     assert plan.regions, "a budget below the unmodified peak needs recomputation"
     assert measured <= budget
     assert plan.measured_peak_bytes is not None and plan.measured_peak_bytes <= budget
+    assert plan.min_feasible_bytes <= budget  # the stated minimum: a kept budget is never under it
     assert plan.planned_action is checkpoint_for(case)  # the kind ``planner_for`` plans this model with
     assert abs(measured - plan.predicted_peak_bytes) <= 0.01 * measured, (measured, plan.predicted_peak_bytes)
 

@@ -159,7 +159,7 @@ def test_a_saved_plan_applies_through_the_module_capture(tmp_path: Path) -> None
     """A plan of the module-level capture saved, loaded and applied to a fresh model. The others: fx, the transformer
     above; export, GPT-2's plan file applied to a copy of the model, test_saved_plans_from_specs.py::
     test_a_loaded_plan_applies_without_inputs_and_trains_like_pytorch (that GPT-2's capture is export:
-    tests/planning/test_models.py::test_budget_is_kept_and_step_matches_pytorch[gpt2-0.5])."""
+    tests/planning/test_models.py::test_budget_is_kept_and_step_matches_pytorch[hf-gpt2-0.5])."""
     name = "control_flow"
     case = tiny(name)
     planner = autockpt.Planner.from_model(case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)

@@ -138,10 +138,10 @@ def test_inductor_step_is_the_original_step_with_a_lower_peak() -> None:
     one per kernel), so the smallest model with a region: the zoo's MLP with two blocks (5.8 s here, where a one-layer
     GPT-NeoX took 16.8 s; issue 46). What Dynamo and AOTAutograd make of the export capture of a Hugging Face decoder
     is the aot_eager test's ``hf-gpt-neox-export`` above; Inductor's code generation sees only the partitioned
-    graphs. Scalar C++ kernels (``cpp.vec_isa_ok=False``): with a cold cache, finding the
-    CPU's vector ISA compiles and loads a probe library per ISA (9 of the test's 33 s on 2 cores, issue 46); the
-    vector width changes neither the checkpoint ops nor the peak. No dropout: recomputed dropout under torch.compile
-    is the aot_eager test's transformer above (Inductor's ``fallback_random`` would run the same aten random ops)."""
+    graphs. Scalar C++ kernels (``cpp.vec_isa_ok=False``): with a cold cache, finding the CPU's vector ISA compiles
+    and loads a probe library per ISA (9 of the test's 33 s on 2 cores, issue 46); the vector width changes neither
+    the checkpoint ops nor the peak. No dropout: recomputed dropout under torch.compile is the aot_eager test's
+    transformer above (Inductor's ``fallback_random`` would run the same aten random ops)."""
     import torch._inductor.config as inductor_config
 
     case = zoo.build("mlp", "tiny", blocks=2)

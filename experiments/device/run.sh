@@ -139,6 +139,19 @@ check_loss_chunks() {
         | tee "$1/loss_chunks_cuda.log" | tail -60
 }
 
+# edges (issue 46, items 1-3, results/edges_cuda/): the loop that drops the output before backward against the one
+# that holds it (GPT-NeoX under bf16 autocast), conv nets, a UNet and a VAE at the stated minimum, the VAE's
+# gradients against the eager model's; then the GPU tests (compile, foreign memory, models, optimizer step).
+# Prepared 2026-11-29 and dry-run on CPU (`--device cpu`, 188 s); not yet run on a GPU: no machine was lent that day.
+check_edges() {
+    machine "$1"
+    timeout 300 python3 -m experiments.probes.probe_edges_cuda --out "$1" 2>&1 | quiet | tee "$1/edges_cuda.log" \
+        | tail -40
+    timeout 180 python3 -m pytest -p no:cacheprovider -n 0 -q -m gpu -o addopts="" tests/runtime/test_compile.py \
+        tests/measure/test_foreign_memory.py tests/planning/test_models.py tests/measure/test_optimizer_step.py 2>&1 \
+        | tee "$1/gpu_tests.log" | tail -20
+}
+
 # The device runs below were made by hand on earlier leases (commands as HISTORY.md records them); they are named here
 # so that a rerun is one call. Not yet run through this runner.
 
@@ -210,6 +223,8 @@ named, then run its summarize script where it has one.
   loss_chunks      Llama-3.2-1B shape: eager vs autockpt's floors, loss as captured and in chunks; Liger beside
                    -> results/loss_chunks_cuda/
   saved_tensors    what autograd saves in one Llama-3-8B layer on the GPU       -> results/saved_tensors/
+  edges            issue 46 on CUDA: output dropped vs held, floors of conv nets/UNet/VAE, VAE gradients; GPU tests
+                   -> results/edges_cuda/
 END
 }
 

@@ -1,0 +1,262 @@
+"""Probe (issue 46, items 1-3, on a GPU): the edges users hit, measured with ``torch.cuda.max_memory_allocated``.
+
+    python -m experiments.probes.probe_edges_cuda --out DIR                    (needs a CUDA device)
+    python -m experiments.probes.probe_edges_cuda --out DIR --device cpu       (a dry run, MemTracker peaks)
+
+Three parts, one row per measured step (the plans are verified as ``optimize`` verifies them; the row's step is
+measured again by ``autockpt.measure_step`` in the loop the row names, gradients of earlier steps dropped):
+
+* ``loop`` (item 1): the issue's GPT-NeoX (hidden 128, 4 layers, vocabulary 2000, 4 x 256) under bf16 autocast,
+  planned for a loop that holds the output through backward (``output_held=True``, the default) and for one that
+  drops it (``False``: Hugging Face's Trainer, torchtitan), each at half-way from that loop's floor to its unmodified
+  peak, each plan's step measured in both loops; the eager model's step in both loops beside them.
+* ``floor`` (item 2): conv nets at the smallest budget autockpt states (``optimize(budget_bytes=1)`` refuses and
+  names it; ``optimize`` at it): the zoo's BatchNorm CNN, the issue's Hugging Face ResNet (hidden sizes 32-256,
+  depths 2, 8 x 3 x 96 x 96), torchvision's ResNet-18 where torchvision is installed, the zoo's UNet and VAE.
+* ``vae`` (item 3): diffusers' ``AutoencoderKL`` (the zoo's, tiny) at half-way: budget kept, and the largest
+  gradient difference against the eager model.
+
+Error = (measured - predicted) / measured (positive: predicted low). Writes ``edges_cuda.csv``, ``edges_cuda.md`` and
+the section ``probe_edges_cuda`` of the README.md in ``--out``. Nothing is typed in by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+import autockpt
+from autockpt.present import zoo
+from experiments.common.results_readme import write_section
+
+
+@dataclass(frozen=True)
+class Row:
+    part: str
+    model: str
+    plan: str  # what the plan was made for
+    loop: str  # the loop the step was measured in
+    budget_bytes: int | None
+    predicted_peak_bytes: int | None
+    measured_peak_bytes: int
+    reserved_peak_bytes: int | None
+    error: float | None  # (measured - predicted) / measured
+    kept: bool | None
+    max_grad_diff: float | None
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    model: nn.Module
+    args: tuple
+    kwargs: dict[str, Any]
+    loss_fn: Callable[[Any], torch.Tensor] | None
+
+
+def moved(value: Any, device: torch.device) -> Any:
+    return pytree.tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, value)
+
+
+def neox(device: torch.device) -> Case:
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(vocab_size=2000, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
+                           num_attention_heads=4, max_position_embeddings=256, use_cache=False)
+    ids = torch.randint(0, 2000, (4, 256), device=device)
+    return Case("gpt-neox", GPTNeoXForCausalLM(config).to(device), (), {"input_ids": ids, "labels": ids}, None)
+
+
+def hf_resnet(device: torch.device) -> Case:
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    torch.manual_seed(0)
+    config = ResNetConfig(embedding_size=32, hidden_sizes=[32, 64, 128, 256], depths=[2, 2, 2, 2], num_labels=10)
+    images = torch.randn(8, 3, 96, 96, device=device)
+    labels = torch.randint(0, 10, (8,), device=device)
+    return Case("hf-resnet", ResNetForImageClassification(config).to(device), (images,), {"labels": labels}, None)
+
+
+def resnet18(device: torch.device) -> Case | None:
+    try:
+        import torchvision
+    except ImportError:
+        return None
+    torch.manual_seed(0)
+    images = torch.randn(8, 3, 96, 96, device=device)
+    labels = torch.randint(0, 10, (8,), device=device)
+    model = torchvision.models.resnet18(num_classes=10).to(device)
+    return Case("resnet18", model, (images,), {}, lambda out: nn.functional.cross_entropy(out, labels))
+
+
+def from_zoo(name: str, device: torch.device) -> Case:
+    case = zoo.build(name)
+    args = moved(case.args, device)
+    loss_fn = case.loss_fn
+    if name == "vae":  # the zoo's loss holds its own (CPU) sample: the same reconstruction loss on the moved one
+        loss_fn = lambda out: (out.sample - args[0]).pow(2).mean()
+    return Case(name, case.model.to(device), args, moved(case.kwargs, device), loss_fn)
+
+
+def autocast(device: torch.device) -> torch.autocast:
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def step_row(part: str, case: Case, plan_for: str, module: nn.Module, *, held: bool,
+             plan: autockpt.Plan | None, budget: int | None, started: float) -> Row:
+    module.zero_grad(set_to_none=True)
+    measured = autockpt.measure_step(module, case.args, case.kwargs, case.loss_fn, output_held=held)
+    module.zero_grad(set_to_none=True)
+    predicted = None if plan is None else plan.predicted_peak_bytes
+    error = None if predicted is None else round((measured.peak_bytes - predicted) / measured.peak_bytes, 5)
+    return Row(part, case.name, plan_for, "output held" if held else "output dropped", budget, predicted,
+               measured.peak_bytes, measured.reserved_bytes, error,
+               None if budget is None else measured.peak_bytes <= budget, None, time.perf_counter() - started)
+
+
+def loop_rows(device: torch.device) -> list[Row]:
+    case = neox(device)
+    rows = []
+    with autocast(device):
+        for held in (True, False):
+            rows.append(step_row("loop", case, "eager", case.model, held=held, plan=None, budget=None,
+                                 started=time.perf_counter()))
+        for plan_held in (True, False):
+            started = time.perf_counter()
+            planner = autockpt.Planner.from_model(case.model, example_kwargs=case.kwargs,
+                                                  options=autockpt.PlanOptions(output_held=plan_held))
+            probe = planner.plan(budget_bytes=10**15)
+            budget = (probe.min_feasible_bytes + probe.baseline_peak_bytes) // 2
+            module = planner.optimize(budget_bytes=budget)
+            plan = autockpt.get_plan(module)
+            plan_for = "output held" if plan_held else "output dropped"
+            for held in (True, False):
+                rows.append(step_row("loop", case, plan_for, module, held=held, plan=plan, budget=budget,
+                                     started=started))
+    return rows
+
+
+def floor_row(case: Case) -> Row:
+    started = time.perf_counter()
+    kwargs = {"example_inputs": case.args, "example_kwargs": case.kwargs, "loss_fn": case.loss_fn}
+    try:
+        autockpt.optimize(case.model, budget_bytes=1, **kwargs)
+        raise AssertionError("a 1-byte budget was accepted")
+    except autockpt.InfeasibleBudgetError as error:
+        stated = error.min_feasible_bytes
+    module = autockpt.optimize(case.model, budget_bytes=stated, **kwargs)
+    return step_row("floor", case, "stated minimum", module, held=True, plan=autockpt.get_plan(module),
+                    budget=stated, started=started)
+
+
+def gradients(module: nn.Module, case: Case, named: dict[nn.Parameter, str]) -> dict[str, torch.Tensor]:
+    case.model.zero_grad(set_to_none=True)
+    output = module(*case.args, **case.kwargs)
+    case.loss_fn(output).backward()
+    grads = {named[p]: p.grad.detach().clone() for p in case.model.parameters() if p.grad is not None}
+    case.model.zero_grad(set_to_none=True)
+    return grads
+
+
+def vae_row(device: torch.device) -> Row:
+    case = from_zoo("vae", device)
+    started = time.perf_counter()
+    planner = autockpt.Planner.from_model(case.model, example_inputs=case.args, loss_fn=case.loss_fn)
+    probe = planner.plan(budget_bytes=10**15)
+    budget = (probe.min_feasible_bytes + probe.baseline_peak_bytes) // 2
+    module = planner.optimize(budget_bytes=budget)
+    named = {p: name for name, p in case.model.named_parameters()}
+    torch.manual_seed(1)
+    eager = gradients(case.model, case, named)
+    torch.manual_seed(1)
+    optimized = gradients(module, case, named)
+    assert eager.keys() == optimized.keys(), "the two steps gave gradients to different parameters"
+    diff = max(float((eager[k] - optimized[k]).abs().max()) for k in eager)
+    row = step_row("vae", case, "half-way", module, held=True, plan=autockpt.get_plan(module), budget=budget,
+                   started=started)
+    return Row(**{**row.__dict__, "max_grad_diff": diff})
+
+
+def markdown(table: pd.DataFrame, command: str, device: torch.device) -> str:
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (MemTracker)"
+    lines = [
+        (f"Made by `{command}` on {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}. Peaks in bytes of "
+         "one forward + backward (`max_memory_allocated` on CUDA; reserved beside it); error = (measured - predicted) "
+         "/ measured (positive: predicted low)."),
+        "",
+        ("| part | model | plan made for | loop measured | budget | predicted | measured | reserved | error | kept | "
+         "max grad diff | seconds |"),
+        "|---|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
+
+    def figure(value: Any, spec: str = ",.0f") -> str:
+        return "" if value is None or pd.isna(value) else format(value, spec)
+
+    for r in table.itertuples():
+        error = "" if r.error is None or pd.isna(r.error) else f"{100 * r.error:+.2f} %"
+        kept = "" if r.kept is None or pd.isna(r.kept) else ("yes" if r.kept else "no")
+        lines.append(f"| {r.part} | {r.model} | {r.plan} | {r.loop} | {figure(r.budget_bytes)} | "
+                     f"{figure(r.predicted_peak_bytes)} | {figure(r.measured_peak_bytes)} | "
+                     f"{figure(r.reserved_peak_bytes)} | {error} | {kept} | {figure(r.max_grad_diff, '.2e')} | "
+                     f"{r.seconds:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--parts", default="loop,floor,vae")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("needs a CUDA device (or --device cpu for a dry run)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    parts = args.parts.split(",")
+    rows: list[Row] = []
+
+    def run(make: Callable[[], list[Row]], what: str) -> None:
+        try:
+            new = make()
+        except Exception as error:  # noqa: BLE001  one failing case must not hide the others' figures
+            print(f"{what}: {type(error).__name__}: {str(error)[:400]}", flush=True)
+            return
+        for row in new:
+            print(row, flush=True)
+        rows.extend(new)
+        pd.DataFrame([r.__dict__ for r in rows]).to_csv(args.out / "edges_cuda.csv", index=False)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    if "loop" in parts:
+        run(lambda: loop_rows(device), "loop")
+    if "floor" in parts:
+        builders = [lambda: from_zoo("cnn", device), lambda: hf_resnet(device), lambda: resnet18(device),
+                    lambda: from_zoo("unet", device), lambda: from_zoo("vae", device)]
+        for build in builders:
+            run(lambda build=build: [floor_row(case)] if (case := build()) is not None else [], "floor")
+    if "vae" in parts:
+        run(lambda: [vae_row(device)], "vae")
+    command = "python -m experiments.probes.probe_edges_cuda " + " ".join(sys.argv[1:])
+    text = markdown(pd.DataFrame([r.__dict__ for r in rows]), command, device)
+    (args.out / "edges_cuda.md").write_text(text)
+    write_section("probe_edges_cuda", text, output=args.out)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -23,10 +23,13 @@ import torch.multiprocessing as mp
 PRELOADED = ("autockpt", "experiments.common.pipeline_worker", "experiments.common.fsdp_worker")
 
 
-def run_ranks(function: Callable[..., None], args: tuple, nprocs: int, limit_s: float, what: str) -> None:
+def run_ranks(function: Callable[..., None], args: tuple, nprocs: int, limit_s: float, what: str,
+              preload: tuple[str, ...] = ()) -> None:
     """``function(rank, *args)`` on ``nprocs`` ranks forked from the fork server; a rank's failure is raised with its
-    traceback, and ranks still running after ``limit_s`` are killed and the test fails naming ``what``."""
-    multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOADED))
+    traceback, and ranks still running after ``limit_s`` are killed and the test fails naming ``what``. ``preload``:
+    more modules the ranks import, made in the fork server too where this call starts it (a later call's are
+    imported by each rank, as the fork server runs already)."""
+    multiprocessing.get_context("forkserver").set_forkserver_preload([*PRELOADED, *preload])
     context = mp.start_processes(function, args=args, nprocs=nprocs, join=False, start_method="forkserver")
     deadline = time.monotonic() + limit_s
     # join returns when one process ends (False while others run) and raises when a rank failed, with its traceback

@@ -23,7 +23,7 @@ from torch import nn
 
 from experiments.common.pipeline_worker import MODELS, lm_loss
 
-__all__ = ["CONFIG", "batch", "build", "lm_loss", "own_tracked_peak", "run_rank", "time_alternating", "tracked_peak"]
+__all__ = ["CONFIG", "batch", "build", "lm_loss", "run_rank", "time_alternating", "tracked_peak"]
 
 # activations dominate the step: what checkpointing a unit frees shows in the peak
 CONFIG: dict[str, Any] = {"seed": 0, "model": {"vocab": 256, "width": 64, "layers": 4}, "batch": 4, "seq": 128}
@@ -108,19 +108,6 @@ def tracked_peak(config: dict[str, Any], fplan: Any, ids: torch.Tensor, target: 
                                                          for k, v in snapshot.items() if k != "Total"}
 
 
-def own_tracked_peak(config: dict[str, Any], fplan: Any, ids: torch.Tensor, target: torch.Tensor) -> int:
-    """This rank's peak over two AdamW steps of a freshly sharded model by autockpt's own ``StorageTracker`` (real
-    tensors; the cross-check of ``tracked_peak``), the host pool's capacity taken off as there."""
-    from autockpt.measure.storage_tracker import StorageTracker
-
-    model = _sharded(config, fplan)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    tracker = StorageTracker(torch.device("cpu"), [*model.parameters(), *model.buffers(), ids, target])
-    with tracker:
-        _two_steps(model, optimizer, ids, target)
-    return max(event.peak_bytes for event in tracker.events) - _pool_bytes(model)
-
-
 def _two_steps(model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor, target: torch.Tensor,
                after_first: Any = None) -> None:
     """Two training steps, as the plan counts them (the first makes the optimizer's states)."""
@@ -170,30 +157,46 @@ def _process_group(rank: int, world: int, init_file: str) -> Iterator[None]:
 
 
 def _rank_result(config: dict[str, Any], fplan: Any, rank: int, world: int) -> dict[str, Any]:
-    """This rank's two steps under ``fplan``: losses (averaged over the ranks), the first step's full gradients, the
-    parameter names, and the peaks of both trackers on fresh models."""
+    """This rank's first step's full gradients (a model of their own, untracked), then two steps of a fresh one
+    tracked by FSDPMemTracker and autockpt's own ``StorageTracker`` at once (each the other's cross-check; one run for
+    both: issue 46): both peaks, the losses (averaged over the ranks) and the parameter names. The second step's
+    gradients would need no run of their own, but they follow an AdamW update, whose first step moves every weight by
+    about the learning rate whatever its gradient's size: compared so, a Hugging Face Llama's differed from the single
+    process's by 1.2e-6 where the first step's keep within 1e-6."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    from autockpt.measure.storage_tracker import StorageTracker
+
     ids, target = batch(config, rank, world)
-    # 1. losses and gradients
+    model = _sharded(config, fplan)
+    lm_loss(model(ids), target).backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    del model
     model = _sharded(config, fplan)
     names = [n for n, _ in model.named_parameters()]
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, grads = [], {}
-    for step in range(2):
-        loss = lm_loss(model(ids), target)
-        loss.backward()
-        if step == 0:
-            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.detach().clone())
-    for value in losses:  # each rank's loss is its half's mean: the global one is their mean
-        dist.all_reduce(value, op=dist.ReduceOp.AVG)
-    del model, optimizer
-    # 2. the peak, on a fresh model: FSDPMemTracker on real tensors, two steps as the plan counts them
-    peak, breakdown = tracked_peak(config, fplan, ids, target)
+    fsdp_tracker = FSDPMemTracker(model, optimizer)
+    fsdp_tracker.track_inputs(((ids,), {}, target))
+    own_tracker = StorageTracker(torch.device("cpu"), [*model.parameters(), *model.buffers(), ids, target])
+    losses = []
+    with fsdp_tracker, own_tracker:
+        for step in range(2):
+            loss = lm_loss(model(ids), target)
+            loss.backward()
+            losses.append(loss.item())  # a float: no tensor kept into the next step
+            del loss
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 0:
+                fsdp_tracker.reset_mod_stats()
+    snapshot = fsdp_tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    pool = _pool_bytes(model)
+    averaged = torch.tensor(losses)
+    dist.all_reduce(averaged, op=dist.ReduceOp.AVG)  # each rank's loss is its half's mean: the global one is theirs
     return {
-        "losses": [v.item() for v in losses], "grads": grads, "names": names,
-        "peak_bytes": peak, "breakdown": breakdown, "own_peak_bytes": own_tracked_peak(config, fplan, ids, target),
+        "losses": averaged.tolist(), "grads": grads, "names": names, "peak_bytes": int(snapshot["Total"]) - pool,
+        "breakdown": {getattr(k, "value", str(k)): int(v) for k, v in snapshot.items() if k != "Total"},
+        "own_peak_bytes": max(event.peak_bytes for event in own_tracker.events) - pool,
     }
 
 

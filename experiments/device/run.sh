@@ -142,7 +142,7 @@ check_loss_chunks() {
 # edges (issue 46, items 1-3, results/edges_cuda/): the loop that drops the output before backward against the one
 # that holds it (GPT-NeoX under bf16 autocast), conv nets, a UNet and a VAE at the stated minimum, the VAE's
 # gradients against the eager model's; then the GPU tests (compile, foreign memory, models, optimizer step).
-# Prepared 2026-11-29 and dry-run on CPU (`--device cpu`, 188 s); not yet run on a GPU: no machine was lent that day.
+# Prepared 2026-11-29 and dry-run on CPU (`--device cpu`, about 3 minutes); not yet run on a GPU: none was lent that day.
 check_edges() {
     machine "$1"
     timeout 300 python3 -m experiments.probes.probe_edges_cuda --out "$1" 2>&1 | quiet | tee "$1/edges_cuda.log" \

@@ -9,12 +9,17 @@ measured again by ``autockpt.measure_step`` in the loop the row names, gradients
 * ``loop`` (item 1): the issue's GPT-NeoX (hidden 128, 4 layers, vocabulary 2000, 4 x 256) under bf16 autocast,
   planned for a loop that holds the output through backward (``output_held=True``, the default) and for one that
   drops it (``False``: Hugging Face's Trainer, torchtitan), each at half-way from that loop's floor to its unmodified
-  peak, each plan's step measured in both loops; the eager model's step in both loops beside them.
+  peak, each plan's step measured in both loops; the eager model's step in both loops beside them. Autocast is
+  entered for each planning and each step alone (it keeps its casts of the weights until its outermost block ends).
 * ``floor`` (item 2): conv nets at the smallest budget autockpt states (``optimize(budget_bytes=1)`` refuses and
   names it; ``optimize`` at it): the zoo's BatchNorm CNN, the issue's Hugging Face ResNet (hidden sizes 32-256,
   depths 2, 8 x 3 x 96 x 96), torchvision's ResNet-18 where torchvision is installed, the zoo's UNet and VAE.
-* ``vae`` (item 3): diffusers' ``AutoencoderKL`` (the zoo's, tiny) at half-way: budget kept, and the largest
-  gradient difference against the eager model.
+* ``vae`` (item 3): diffusers' ``AutoencoderKL`` (the zoo's, tiny) at half-way: budget kept (measured before the
+  gradients compared are made), and the largest gradient difference against the eager model's, relative to that
+  gradient's largest value, beside the same between two eager steps (what the device's kernels alone give).
+
+A refusal at the stated minimum is a row (not kept, the refusal's first line); a case that fails otherwise is printed
+with its name and leaves no row.
 
 Error = (measured - predicted) / measured (positive: predicted low). Writes ``edges_cuda.csv``, ``edges_cuda.md`` and
 the section ``probe_edges_cuda`` of the README.md in ``--out``. Nothing is typed in by hand.
@@ -23,6 +28,8 @@ the section ``probe_edges_cuda`` of the README.md in ``--out``. Nothing is typed
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import gc
 import sys
 import time
@@ -38,6 +45,7 @@ from torch.utils import _pytree as pytree
 
 import autockpt
 from autockpt.present import zoo
+from experiments.bench.bench_min_feasible import stated_minimum_bytes
 from experiments.common.results_readme import write_section
 
 
@@ -53,8 +61,10 @@ class Row:
     reserved_peak_bytes: int | None
     error: float | None  # (measured - predicted) / measured
     kept: bool | None
-    max_grad_diff: float | None
+    max_grad_diff: float | None  # largest |optimized - eager| over the parameters, relative to that gradient's largest
+    eager_rerun_grad_diff: float | None  # the same between two eager steps: what the device's kernels alone give
     seconds: float
+    failure: str = ""  # why the row has no plan (optimize refused the stated minimum)
 
 
 @dataclass(frozen=True)
@@ -116,50 +126,53 @@ def autocast(device: torch.device) -> torch.autocast:
 
 
 def step_row(part: str, case: Case, plan_for: str, module: nn.Module, *, held: bool,
-             plan: autockpt.Plan | None, budget: int | None, started: float) -> Row:
+             plan: autockpt.Plan | None, budget: int | None, under: contextlib.AbstractContextManager | None = None
+             ) -> Row:
+    """One step of ``module`` measured in the loop ``held`` names (``under``: a context the step runs in, entered
+    for it alone: autocast keeps its casts of the weights until its outermost block ends)."""
+    started = time.perf_counter()
     module.zero_grad(set_to_none=True)
-    measured = autockpt.measure_step(module, case.args, case.kwargs, case.loss_fn, output_held=held)
+    with under if under is not None else contextlib.nullcontext():
+        measured = autockpt.measure_step(module, case.args, case.kwargs, case.loss_fn, output_held=held)
     module.zero_grad(set_to_none=True)
     predicted = None if plan is None else plan.predicted_peak_bytes
     error = None if predicted is None else round((measured.peak_bytes - predicted) / measured.peak_bytes, 5)
     return Row(part, case.name, plan_for, "output held" if held else "output dropped", budget, predicted,
                measured.peak_bytes, measured.reserved_bytes, error,
-               None if budget is None else measured.peak_bytes <= budget, None, time.perf_counter() - started)
+               None if budget is None else measured.peak_bytes <= budget, None, None, time.perf_counter() - started)
 
 
 def loop_rows(device: torch.device) -> list[Row]:
+    """Autocast entered for each planning and each measured step on its own, as ``bench_output_loop.py`` does."""
     case = neox(device)
-    rows = []
-    with autocast(device):
-        for held in (True, False):
-            rows.append(step_row("loop", case, "eager", case.model, held=held, plan=None, budget=None,
-                                 started=time.perf_counter()))
-        for plan_held in (True, False):
-            started = time.perf_counter()
+    rows = [step_row("loop", case, "eager", case.model, held=held, plan=None, budget=None, under=autocast(device))
+            for held in (True, False)]
+    for plan_held in (True, False):
+        with autocast(device):
             planner = autockpt.Planner.from_model(case.model, example_kwargs=case.kwargs,
                                                   options=autockpt.PlanOptions(output_held=plan_held))
             probe = planner.plan(budget_bytes=10**15)
             budget = (probe.min_feasible_bytes + probe.baseline_peak_bytes) // 2
             module = planner.optimize(budget_bytes=budget)
-            plan = autockpt.get_plan(module)
-            plan_for = "output held" if plan_held else "output dropped"
-            for held in (True, False):
-                rows.append(step_row("loop", case, plan_for, module, held=held, plan=plan, budget=budget,
-                                     started=started))
+        plan = autockpt.get_plan(module)
+        plan_for = "output held" if plan_held else "output dropped"
+        rows += [step_row("loop", case, plan_for, module, held=held, plan=plan, budget=budget, under=autocast(device))
+                 for held in (True, False)]
     return rows
 
 
 def floor_row(case: Case) -> Row:
+    """``optimize`` at the stated minimum; a refusal there is a row of its own (not kept), as in bench_min_feasible."""
     started = time.perf_counter()
     kwargs = {"example_inputs": case.args, "example_kwargs": case.kwargs, "loss_fn": case.loss_fn}
+    stated = stated_minimum_bytes(case.model, **kwargs)
     try:
-        autockpt.optimize(case.model, budget_bytes=1, **kwargs)
-        raise AssertionError("a 1-byte budget was accepted")
+        module = autockpt.optimize(case.model, budget_bytes=stated, **kwargs)
     except autockpt.InfeasibleBudgetError as error:
-        stated = error.min_feasible_bytes
-    module = autockpt.optimize(case.model, budget_bytes=stated, **kwargs)
+        return Row("floor", case.name, "stated minimum", "output held", stated, None, -1, None, None, False, None,
+                   None, time.perf_counter() - started, str(error).splitlines()[0][:160])
     return step_row("floor", case, "stated minimum", module, held=True, plan=autockpt.get_plan(module),
-                    budget=stated, started=started)
+                    budget=stated)
 
 
 def gradients(module: nn.Module, case: Case, named: dict[nn.Parameter, str]) -> dict[str, torch.Tensor]:
@@ -171,23 +184,28 @@ def gradients(module: nn.Module, case: Case, named: dict[nn.Parameter, str]) -> 
     return grads
 
 
+def largest_relative_difference(want: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> float:
+    assert want.keys() == got.keys(), "the two steps gave gradients to different parameters"
+    return max(float((want[k] - got[k]).abs().max() / want[k].abs().max().clamp_min(1e-30)) for k in want)
+
+
 def vae_row(device: torch.device) -> Row:
     case = from_zoo("vae", device)
-    started = time.perf_counter()
     planner = autockpt.Planner.from_model(case.model, example_inputs=case.args, loss_fn=case.loss_fn)
     probe = planner.plan(budget_bytes=10**15)
     budget = (probe.min_feasible_bytes + probe.baseline_peak_bytes) // 2
     module = planner.optimize(budget_bytes=budget)
+    # measured first: the gradients compared below would be held beside the step, and max_memory_allocated counts
+    # every tensor the process holds
+    row = step_row("vae", case, "half-way", module, held=True, plan=autockpt.get_plan(module), budget=budget)
     named = {p: name for name, p in case.model.named_parameters()}
-    torch.manual_seed(1)
-    eager = gradients(case.model, case, named)
-    torch.manual_seed(1)
-    optimized = gradients(module, case, named)
-    assert eager.keys() == optimized.keys(), "the two steps gave gradients to different parameters"
-    diff = max(float((eager[k] - optimized[k]).abs().max()) for k in eager)
-    row = step_row("vae", case, "half-way", module, held=True, plan=autockpt.get_plan(module), budget=budget,
-                   started=started)
-    return Row(**{**row.__dict__, "max_grad_diff": diff})
+    steps = []
+    for stepped in (case.model, case.model, module):
+        torch.manual_seed(1)
+        steps.append(gradients(stepped, case, named))
+    eager, rerun, optimized = steps
+    return dataclasses.replace(row, max_grad_diff=largest_relative_difference(eager, optimized),
+                               eager_rerun_grad_diff=largest_relative_difference(eager, rerun))
 
 
 def markdown(table: pd.DataFrame, command: str, device: torch.device) -> str:
@@ -198,8 +216,8 @@ def markdown(table: pd.DataFrame, command: str, device: torch.device) -> str:
          "/ measured (positive: predicted low)."),
         "",
         ("| part | model | plan made for | loop measured | budget | predicted | measured | reserved | error | kept | "
-         "max grad diff | seconds |"),
-        "|---|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|",
+         "grad diff (relative) | eager rerun's | seconds | refused |"),
+        "|---|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|",
     ]
 
     def figure(value: Any, spec: str = ",.0f") -> str:
@@ -208,10 +226,11 @@ def markdown(table: pd.DataFrame, command: str, device: torch.device) -> str:
     for r in table.itertuples():
         error = "" if r.error is None or pd.isna(r.error) else f"{100 * r.error:+.2f} %"
         kept = "" if r.kept is None or pd.isna(r.kept) else ("yes" if r.kept else "no")
+        measured = r.measured_peak_bytes if r.measured_peak_bytes >= 0 else None  # -1: refused, not measured
         lines.append(f"| {r.part} | {r.model} | {r.plan} | {r.loop} | {figure(r.budget_bytes)} | "
-                     f"{figure(r.predicted_peak_bytes)} | {figure(r.measured_peak_bytes)} | "
+                     f"{figure(r.predicted_peak_bytes)} | {figure(measured)} | "
                      f"{figure(r.reserved_peak_bytes)} | {error} | {kept} | {figure(r.max_grad_diff, '.2e')} | "
-                     f"{r.seconds:.1f} |")
+                     f"{figure(r.eager_rerun_grad_diff, '.2e')} | {r.seconds:.1f} | {r.failure} |")
     return "\n".join(lines) + "\n"
 
 
@@ -233,22 +252,31 @@ def main() -> None:
             new = make()
         except Exception as error:  # noqa: BLE001  one failing case must not hide the others' figures
             print(f"{what}: {type(error).__name__}: {str(error)[:400]}", flush=True)
-            return
+            new = []
+        finally:  # what a case left is freed before the next is measured
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         for row in new:
             print(row, flush=True)
         rows.extend(new)
         pd.DataFrame([r.__dict__ for r in rows]).to_csv(args.out / "edges_cuda.csv", index=False)
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+
+    def floor_case(name: str, build: Callable[[], Case | None]) -> list[Row]:
+        case = build()
+        if case is None:
+            print(f"floor {name}: not run (torchvision is not installed)", flush=True)
+            return []
+        return [floor_row(case)]
 
     if "loop" in parts:
-        run(lambda: loop_rows(device), "loop")
+        run(lambda: loop_rows(device), "loop gpt-neox")
     if "floor" in parts:
-        builders = [lambda: from_zoo("cnn", device), lambda: hf_resnet(device), lambda: resnet18(device),
-                    lambda: from_zoo("unet", device), lambda: from_zoo("vae", device)]
-        for build in builders:
-            run(lambda build=build: [floor_row(case)] if (case := build()) is not None else [], "floor")
+        builders = {"cnn": lambda: from_zoo("cnn", device), "hf-resnet": lambda: hf_resnet(device),
+                    "resnet18": lambda: resnet18(device), "unet": lambda: from_zoo("unet", device),
+                    "vae": lambda: from_zoo("vae", device)}
+        for name, build in builders.items():
+            run(lambda name=name, build=build: floor_case(name, build), f"floor {name}")
     if "vae" in parts:
         run(lambda: [vae_row(device)], "vae")
     command = "python -m experiments.probes.probe_edges_cuda " + " ".join(sys.argv[1:])

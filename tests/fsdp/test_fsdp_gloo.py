@@ -160,6 +160,8 @@ def test_two_ranks_give_the_single_process_losses_and_gradients_under_the_budget
         for name, grad in grads.items():
             torch.testing.assert_close(result["grads"][name], grad, rtol=1e-4, atol=1e-6)
     race = _gloo_race_bytes(build(config), fplan.units)
+    if ranks[0]["measured_twice"]:
+        logger.warning("%s: a rank measured over its prediction, and the ranks measured again", case)
     for rank, result in enumerate(ranks):
         predicted = fplan.ranks[rank].peak_bytes
         for tracker, measured in (("FSDPMemTracker", result["peak_bytes"]), ("StorageTracker", result["own_peak_bytes"])):
@@ -169,7 +171,8 @@ def test_two_ranks_give_the_single_process_losses_and_gradients_under_the_budget
             # over only by the gloo race's all-gather buffer (docs/fsdp.md), which the budget then does not cover
             assert predicted * 0.99 <= measured <= predicted + race, (tracker, measured, predicted, result["breakdown"])
             assert measured <= budget or measured - predicted <= race
-    # rank 0's view is rank 0's, to the byte, in a run the race missed (it was never seen to hit both)
+    # rank 0's view is rank 0's, to the byte, in a run the race missed (a run over a rank's prediction is made
+    # again once on every rank, ``fsdp_worker._rank_result``; the race was never seen in two runs)
     assert min(ranks[0]["peak_bytes"], ranks[0]["own_peak_bytes"]) == fplan.ranks[0].peak_bytes
 
 

@@ -60,14 +60,21 @@ def stated_minimum_bytes(model: torch.nn.Module, **optimize_kwargs: Any) -> int:
     raise AssertionError("a 1-byte budget was accepted")
 
 
+def optimized_at_stated_minimum(model: torch.nn.Module, **optimize_kwargs: Any) -> tuple[int, Any, str]:
+    """The stated minimum, and ``optimize`` at it: the optimized module, or None and the refusal's first line."""
+    stated = stated_minimum_bytes(model, **optimize_kwargs)
+    try:
+        return stated, autockpt.optimize(model, budget_bytes=stated, **optimize_kwargs), ""
+    except autockpt.InfeasibleBudgetError as error:
+        return stated, None, str(error).splitlines()[0][:160]
+
+
 def run(case: zoo.ZooCase) -> Row:
     started = time.perf_counter()
     kwargs = {"example_inputs": case.args, "example_kwargs": case.kwargs, "loss_fn": case.loss_fn}
-    stated = stated_minimum_bytes(case.model, **kwargs)
-    try:
-        module = autockpt.optimize(case.model, budget_bytes=stated, **kwargs)
-    except autockpt.InfeasibleBudgetError as error:
-        return Row(case.name, stated, None, False, str(error).splitlines()[0][:160], time.perf_counter() - started)
+    stated, module, refusal = optimized_at_stated_minimum(case.model, **kwargs)
+    if module is None:
+        return Row(case.name, stated, None, False, refusal, time.perf_counter() - started)
     measured = autockpt.get_plan(module).measured_peak_bytes
     kept = measured is not None and measured <= stated
     return Row(case.name, stated, measured, kept, "", time.perf_counter() - started)

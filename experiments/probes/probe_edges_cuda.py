@@ -45,7 +45,7 @@ from torch.utils import _pytree as pytree
 
 import autockpt
 from autockpt.present import zoo
-from experiments.bench.bench_min_feasible import stated_minimum_bytes
+from experiments.bench.bench_min_feasible import optimized_at_stated_minimum
 from experiments.common.results_readme import write_section
 
 
@@ -165,12 +165,10 @@ def floor_row(case: Case) -> Row:
     """``optimize`` at the stated minimum; a refusal there is a row of its own (not kept), as in bench_min_feasible."""
     started = time.perf_counter()
     kwargs = {"example_inputs": case.args, "example_kwargs": case.kwargs, "loss_fn": case.loss_fn}
-    stated = stated_minimum_bytes(case.model, **kwargs)
-    try:
-        module = autockpt.optimize(case.model, budget_bytes=stated, **kwargs)
-    except autockpt.InfeasibleBudgetError as error:
+    stated, module, refusal = optimized_at_stated_minimum(case.model, **kwargs)
+    if module is None:
         return Row("floor", case.name, "stated minimum", "output held", stated, None, -1, None, None, False, None,
-                   None, time.perf_counter() - started, str(error).splitlines()[0][:160])
+                   None, time.perf_counter() - started, refusal)
     return step_row("floor", case, "stated minimum", module, held=True, plan=autockpt.get_plan(module),
                     budget=stated)
 

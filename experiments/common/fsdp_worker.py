@@ -103,20 +103,30 @@ def tracked_peak(config: dict[str, Any], fplan: Any, ids: torch.Tensor, target: 
     tracker.track_inputs(((ids,), {}, target))
     with tracker:
         _two_steps(model, optimizer, ids, target, after_first=tracker.reset_mod_stats)
+    return _fsdp_tracked_peak(tracker, model)
+
+
+def _fsdp_tracked_peak(tracker: Any, model: nn.Module) -> tuple[int, dict]:
+    """FSDPMemTracker's peak, the host pool's capacity taken off, and its breakdown by the tracker's categories."""
     snapshot = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     return int(snapshot["Total"]) - _pool_bytes(model), {getattr(k, "value", str(k)): int(v)
                                                          for k, v in snapshot.items() if k != "Total"}
 
 
 def _two_steps(model: nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor, target: torch.Tensor,
-               after_first: Any = None) -> None:
-    """Two training steps, as the plan counts them (the first makes the optimizer's states)."""
+               after_first: Any = None) -> list[float]:
+    """Two training steps, as the plan counts them (the first makes the optimizer's states); their losses."""
+    losses = []
     for step in range(2):
-        lm_loss(model(ids), target).backward()
+        loss = lm_loss(model(ids), target)
+        loss.backward()
+        losses.append(loss.item())  # a float: no tensor kept into the next step
+        del loss
         optimizer.step()
         optimizer.zero_grad()
         if step == 0 and after_first is not None:
             after_first()
+    return losses
 
 
 def _pool_bytes(model: nn.Module) -> int:
@@ -197,25 +207,11 @@ def _tracked_steps(config: dict[str, Any], fplan: Any, ids: torch.Tensor, target
     fsdp_tracker = FSDPMemTracker(model, optimizer)
     fsdp_tracker.track_inputs(((ids,), {}, target))
     own_tracker = StorageTracker(torch.device("cpu"), [*model.parameters(), *model.buffers(), ids, target])
-    losses = []
     with fsdp_tracker, own_tracker:
-        for step in range(2):
-            loss = lm_loss(model(ids), target)
-            loss.backward()
-            losses.append(loss.item())  # a float: no tensor kept into the next step
-            del loss
-            optimizer.step()
-            optimizer.zero_grad()
-            if step == 0:
-                fsdp_tracker.reset_mod_stats()
-    snapshot = fsdp_tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
-    pool = _pool_bytes(model)
-    return {
-        "peak_bytes": int(snapshot["Total"]) - pool,
-        "own_peak_bytes": max(event.peak_bytes for event in own_tracker.events) - pool,
-        "breakdown": {getattr(k, "value", str(k)): int(v) for k, v in snapshot.items() if k != "Total"},
-        "losses": losses,
-    }
+        losses = _two_steps(model, optimizer, ids, target, after_first=fsdp_tracker.reset_mod_stats)
+    peak, breakdown = _fsdp_tracked_peak(fsdp_tracker, model)
+    own_peak = max(event.peak_bytes for event in own_tracker.events) - _pool_bytes(model)
+    return {"peak_bytes": peak, "own_peak_bytes": own_peak, "breakdown": breakdown, "losses": losses}
 
 
 def time_alternating(rank: int, world: int, config: dict[str, Any], plan_paths: list[str], out_dir: str,

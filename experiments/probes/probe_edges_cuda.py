@@ -41,10 +41,11 @@ from typing import Any
 import pandas as pd
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 import autockpt
 from autockpt.present import zoo
+from autockpt.present.zoo import ZooCase as Case
+from experiments.bench.bench_cuda_prediction import on_device
 from experiments.bench.bench_min_feasible import optimized_at_stated_minimum
 from experiments.common.results_readme import write_section
 
@@ -67,19 +68,6 @@ class Row:
     failure: str = ""  # why the row has no plan (optimize refused the stated minimum)
 
 
-@dataclass(frozen=True)
-class Case:
-    name: str
-    model: nn.Module
-    args: tuple
-    kwargs: dict[str, Any]
-    loss_fn: Callable[[Any], torch.Tensor] | None
-
-
-def moved(value: Any, device: torch.device) -> Any:
-    return pytree.tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, value)
-
-
 def neox(device: torch.device) -> Case:
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
@@ -87,7 +75,8 @@ def neox(device: torch.device) -> Case:
     config = GPTNeoXConfig(vocab_size=2000, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
                            num_attention_heads=4, max_position_embeddings=256, use_cache=False)
     ids = torch.randint(0, 2000, (4, 256), device=device)
-    return Case("gpt-neox", GPTNeoXForCausalLM(config).to(device), (), {"input_ids": ids, "labels": ids}, None)
+    return Case(name="gpt-neox", model=GPTNeoXForCausalLM(config).to(device), args=(),
+                kwargs={"input_ids": ids, "labels": ids})
 
 
 def hf_resnet(device: torch.device) -> Case:
@@ -97,7 +86,8 @@ def hf_resnet(device: torch.device) -> Case:
     config = ResNetConfig(embedding_size=32, hidden_sizes=[32, 64, 128, 256], depths=[2, 2, 2, 2], num_labels=10)
     images = torch.randn(8, 3, 96, 96, device=device)
     labels = torch.randint(0, 10, (8,), device=device)
-    return Case("hf-resnet", ResNetForImageClassification(config).to(device), (images,), {"labels": labels}, None)
+    return Case(name="hf-resnet", model=ResNetForImageClassification(config).to(device), args=(images,),
+                kwargs={"labels": labels})
 
 
 def resnet18(device: torch.device) -> Case | None:
@@ -109,16 +99,16 @@ def resnet18(device: torch.device) -> Case | None:
     images = torch.randn(8, 3, 96, 96, device=device)
     labels = torch.randint(0, 10, (8,), device=device)
     model = torchvision.models.resnet18(num_classes=10).to(device)
-    return Case("resnet18", model, (images,), {}, lambda out: nn.functional.cross_entropy(out, labels))
+    return Case(name="resnet18", model=model, args=(images,),
+                loss_fn=lambda out: nn.functional.cross_entropy(out, labels))
 
 
 def from_zoo(name: str, device: torch.device) -> Case:
-    case = zoo.build(name)
-    args = moved(case.args, device)
-    loss_fn = case.loss_fn
+    case = on_device(zoo.build(name), device)
     if name == "vae":  # the zoo's loss holds its own (CPU) sample: the same reconstruction loss on the moved one
-        loss_fn = lambda out: (out.sample - args[0]).pow(2).mean()
-    return Case(name, case.model.to(device), args, moved(case.kwargs, device), loss_fn)
+        sample = case.args[0]
+        case = dataclasses.replace(case, loss_fn=lambda out: (out.sample - sample).pow(2).mean())
+    return case
 
 
 def autocast(device: torch.device) -> torch.autocast:

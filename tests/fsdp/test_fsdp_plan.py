@@ -37,8 +37,9 @@ from experiments.common.fsdp_worker import CONFIG, batch, build, lm_loss, tracke
 pytestmark = FSDP_GROUP  # with test_fsdp_gloo.py: the planners both trace are shared
 V4_FSDP_PLAN = Path(__file__).parents[1] / "data" / "fsdp_plan_v4.json"  # as 0.2 wrote it (tests/data)
 FULL, SELECTIVE, OFFLOAD, PARTS = UnitDecision.FULL, UnitDecision.SELECTIVE, UnitDecision.OFFLOAD, UnitDecision.PARTS
-# RMSNorm, attention, SwiGLU; two blocks (issue 46: each fake-world measurement runs every block's ops)
-LLAMA = {**CONFIG, "kind": "llama", "model": {**CONFIG["model"], "heads": 4, "layers": 2}}
+# Hugging Face's Llama (RMSNorm, grouped-query attention, SwiGLU), two decoder layers: the config of
+# test_fsdp_gloo.py's Llama cases, whose planner (roofline times) is shared: its measurements are made once
+HF_LLAMA = {**CONFIG, "kind": "hf-llama", "model": {**CONFIG["model"], "vocab": 256, "heads": 4, "layers": 2}}
 
 
 def _decisions(choice: dict[str, UnitOption]) -> dict[str, UnitDecision]:
@@ -99,8 +100,9 @@ def test_a_budget_between_floor_and_baseline_checkpoints_some_units_under_it(roo
 
 def test_a_budget_between_all_selective_and_the_baseline_checkpoints_some_units_selectively(roomy) -> None:
     """torchtitan's selective op list per unit: the all-selective peak lies between the floor and the baseline; a
-    budget above it is kept with some units selective (none whole), and the plan measures under it when measured
-    again on the fake process group."""
+    budget above it is kept with some units selective (none whole). test_fsdp_gloo.py's ``selective-baseline`` case
+    is this plan (the same shared planner and budget), run on two ranks and measured to the byte; its
+    ``hf-llama-floor-selective`` case is a budget under every unit selective, kept with whole units."""
     assert roomy.min_feasible_bytes < roomy.selective_peak_bytes < roomy.baseline_peak_bytes
     assert roomy.selective_step_ms < roomy.floor_step_ms
     budget = (roomy.selective_peak_bytes + roomy.baseline_peak_bytes) // 2
@@ -109,18 +111,6 @@ def test_a_budget_between_all_selective_and_the_baseline_checkpoints_some_units_
     assert fplan.decision(fplan.selective[0]) is UnitDecision.SELECTIVE
     assert fplan.predicted_peak_bytes <= budget
     assert fplan.baseline_step_ms < fplan.predicted_step_ms < fplan.selective_step_ms
-    ids, target = batch(CONFIG, rank=0, world=WORLD)
-    with fake_world(WORLD):
-        again = measure_sharded_step(
-            build(CONFIG), world_size=WORLD, units=fplan.units, checkpointed=fplan.checkpointed,
-            selective=fplan.selective, checkpointed_parts=fplan.checkpointed_parts, reshard_after_forward=True,
-            mp_policy=None, inputs=((ids,), {}, target),
-            step_loss=lm_loss, make_optimizer=NAMED_OPTIMIZERS["adamw"],
-        )
-    assert again.peak_bytes == fplan.predicted_peak_bytes <= budget
-    between = _plan(budget_bytes=(roomy.selective_peak_bytes + roomy.min_feasible_bytes) // 2)
-    assert between.checkpointed and between.predicted_peak_bytes <= between.budget_bytes
-    assert {between.decision(u) for u in between.units if u} <= set(UnitDecision)
 
 
 def test_selective_checkpointing_saves_the_matmul_and_attention_kernels_cpu_runs() -> None:
@@ -208,22 +198,22 @@ def test_a_meta_model_on_meta_inputs_stays_on_meta_and_plans_as_the_real_one(roo
         model = build(CONFIG)
     ids, target = batch(CONFIG, rank=0, world=WORLD)
     # the loss as the model computes it, as ``roomy``'s shared planner (``fsdp_planners``): its chunks are not weighed
-    fplan = _plan(model, example_inputs=(ids.to("meta"),), example_target=target.to("meta"), loss_chunk_tokens=0)
+    # its unmodified step (what a plan's baseline is), not a plan: the decisions' measurements are roomy's
+    planner = _planner(model, example_inputs=(ids.to("meta"),), example_target=target.to("meta"), loss_chunk_tokens=0)
+    baseline = planner.measure({})
     assert all(p.device.type == "meta" for p in model.parameters())
     # the same model: the same graph and parameters (a meta input has no value range to record)
-    assert (fplan.fingerprint.graph_digest, fplan.fingerprint.parameters) == (roomy.fingerprint.graph_digest,
-                                                                             roomy.fingerprint.parameters)
-    assert fplan.baseline_peak_bytes == roomy.baseline_peak_bytes
+    assert (planner.fingerprint.graph_digest, planner.fingerprint.parameters) == (roomy.fingerprint.graph_digest,
+                                                                                 roomy.fingerprint.parameters)
+    assert baseline.peak_bytes == roomy.baseline_peak_bytes
 
 
 def test_the_model_is_left_as_it_was() -> None:
-    """Planned at its floor (every unit checkpointed whole, measured on the fake process group): two layers, not four
-    (issue 46: each measurement steps the sharded model twice)."""
-    config = {**CONFIG, "model": {**CONFIG["model"], "layers": 2}}
-    model = build(config)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    planner = _planner(model, loss_chunk_tokens=0)
+    """The shared planner's model (every test of this group that plans the decoder measures on it: whole, selective,
+    offloaded units), planned here at its floor, is the model as ``build`` makes it."""
+    planner = _default_planner()
     planner.plan(budget_bytes=planner.plan(budget_bytes=10**9).min_feasible_bytes)
+    model, before = planner.model, dict(build(CONFIG).named_parameters())
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
     assert all(p.grad is None for p in model.parameters())
     assert not any(hasattr(m, "_autockpt_checkpointed_forward") for m in model.modules())
@@ -311,7 +301,7 @@ def test_given_units_and_a_mixed_precision_policy_are_kept() -> None:
     # default's first (the default units would be both layers, then the root)
     model = build({**CONFIG, "model": {**CONFIG["model"], "layers": 2}})
     fplan = _plan(model, units=["layers.1"], mp_policy=policy, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
-                  target="h100-sxm-80gb")
+                  target="h100-sxm-80gb", loss_chunk_tokens=0)  # the loss's chunks are not what is tested
     assert fplan.units == ("layers.1", "")
     assert fplan.mixed_precision.startswith("param bfloat16, reduce float32")
     assert fplan.interconnect_gb_per_s == 450.0 and fplan.provenance.timing == "roofline"
@@ -446,9 +436,10 @@ def test_the_time_model_prices_collectives_and_hides_them_behind_compute() -> No
 
 
 def test_keeping_parameters_unsharded_after_forward_costs_memory(roomy) -> None:
-    kept = _plan(reshard_after_forward=False, loss_chunk_tokens=0)  # as ``roomy``: the loss's chunks not weighed
+    kept = _planner(reshard_after_forward=False, loss_chunk_tokens=0)  # as ``roomy``: the loss's chunks not weighed
     assert kept.reshard_after_forward is False
-    assert kept.baseline_peak_bytes > roomy.baseline_peak_bytes  # each unit's gathered parameters live to backward
+    # each unit's gathered parameters live to backward: the unmodified step (a plan's baseline) peaks higher
+    assert kept.measure({}).peak_bytes > roomy.baseline_peak_bytes
 
 
 def test_planning_under_a_real_process_group_is_refused() -> None:
@@ -472,25 +463,30 @@ def test_the_optimizer_step_is_counted_as_torch_runs_it_with_foreach_temporaries
 
     config = {"seed": 0, "model": {"vocab": 256, "width": 256, "layers": 2}, "batch": 1, "seq": 8}
     ids, target = batch(config, rank=0, world=1)
+    # the loss as the model computes it (its chunks are not what is tested): at a roomy budget a plan's peak is
+    # the unmodified step's, which is all the foreach and SGD steps need (``measure({})``, the same figure)
     common = {"world_size": 1, "example_inputs": (ids,), "example_target": target, "loss_fn": lm_loss,
-              "budget_bytes": 10**9}
+              "loss_chunk_tokens": 0}
     # no target, no CUDA here: torch's default is the for-loop
-    loop = autockpt.plan_fsdp(build(config), optimizer="adamw", **common)
-    foreach = autockpt.plan_fsdp(build(config), optimizer=functools.partial(torch.optim.AdamW, foreach=True), **common)
-    on_gpu = autockpt.plan_fsdp(build(config), optimizer="adamw", target="h100-sxm-80gb", **common)  # CUDA: foreach
-    bare = autockpt.plan_fsdp(build(config), **common)  # the default, as everywhere: no optimizer step
+    loop = autockpt.plan_fsdp(build(config), optimizer="adamw", budget_bytes=10**9, **common)
+    foreach = FSDPPlanner.from_model(build(config), optimizer=functools.partial(torch.optim.AdamW, foreach=True),
+                                     **common).measure({}).peak_bytes
+    on_gpu = autockpt.plan_fsdp(build(config), optimizer="adamw", target="h100-sxm-80gb", budget_bytes=10**9,
+                                **common)  # CUDA: foreach
+    bare = autockpt.plan_fsdp(build(config), budget_bytes=10**9, **common)  # the default: no optimizer step
     momentum = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, foreach=True)
-    sgd = autockpt.plan_fsdp(build(config), optimizer=momentum, **common)
+    sgd = FSDPPlanner.from_model(build(config), optimizer=momentum, **common).measure({}).peak_bytes
     assert bare.predicted_peak_bytes < loop.predicted_peak_bytes and bare.optimizer_step_ms == 0
-    assert foreach.predicted_peak_bytes > loop.predicted_peak_bytes
-    assert on_gpu.predicted_peak_bytes == foreach.predicted_peak_bytes
+    assert foreach > loop.predicted_peak_bytes
+    assert on_gpu.predicted_peak_bytes == foreach
     assert any("foreach" in note for note in on_gpu.notes)
     assert on_gpu.optimizer_step_ms > 0 == loop.optimizer_step_ms  # priced over the target's memory bandwidth
     dist.init_process_group("gloo", rank=0, world_size=1, store=HashStore())
     try:
         assert tracked_peak(config, loop, ids, target, foreach=False)[0] == loop.predicted_peak_bytes
-        assert tracked_peak(config, foreach, ids, target, foreach=True)[0] == foreach.predicted_peak_bytes
-        assert tracked_peak(config, sgd, ids, target, make_optimizer=momentum)[0] == sgd.predicted_peak_bytes
+        # sharded as ``loop`` is (the same units, nothing checkpointed), stepped by the other optimizers
+        assert tracked_peak(config, loop, ids, target, foreach=True)[0] == foreach
+        assert tracked_peak(config, loop, ids, target, make_optimizer=momentum)[0] == sgd
     finally:
         dist.destroy_process_group()
 
@@ -540,44 +536,43 @@ def test_a_hugging_face_llama_with_its_key_value_cache_on_is_refused_saying_so()
     ids = torch.randint(0, 256, (2, 64))
     with pytest.raises(RuntimeError, match="use_cache"):
         autockpt.plan_fsdp(model, world_size=4, budget_bytes=10**9, example_inputs=(ids,),
-                           example_kwargs={"labels": ids}, units=["model.layers.0"])
+                           example_kwargs={"labels": ids}, units=["model.layers.0"], loss_chunk_tokens=0)
 
 
 @pytest.fixture(scope="module")
 def parted() -> FSDPPlan:
-    """A Llama-style plan (roofline times: the same choice on every machine) a little under nothing checkpointed's
-    peak, where checkpointing a part of some blocks (their attention or a norm) is the cheapest way to fit."""
-    planner = shared_planner(LLAMA, roofline=True)
+    """A Hugging Face Llama's plan (roofline times: the same choice on every machine) a little under nothing
+    checkpointed's peak, where checkpointing a part of some blocks (their attention or a norm) is the cheapest way to
+    fit: test_fsdp_gloo.py's ``hf-llama-parts`` case, which runs such a plan on two ranks and measures rank 0's peak
+    to the byte."""
+    planner = shared_planner(HF_LLAMA, roofline=True)
     roomy = planner.plan(budget_bytes=10**9)
     return planner.plan(budget_bytes=roomy.baseline_peak_bytes - (roomy.baseline_peak_bytes - roomy.min_feasible_bytes) // 10)
 
 
+@needs_transformers
 def test_a_unit_may_have_one_of_its_parts_checkpointed_and_the_plan_measures_it(parted) -> None:
-    """Parts: a module inside a unit (its attention, a norm), checkpointed alone; the plan's peak is the measured
-    one of its decisions (measured again here), its step time counts the parts' recomputation."""
+    """Parts: a module inside a unit (its attention, a norm, its MLP), checkpointed alone: they free bytes (the unit
+    kept whole, measured here), and the step time counts the parts' recomputation."""
     assert PARTS in {parted.decision(u) for u in parted.units if u}, parted.summary()
     assert parted.checkpointed_parts and all(
-        parted.decision(parted.unit_of(p)) is PARTS and p.split(".", 2)[2] in ("self_attn", "input_layernorm",
-                                                                              "post_attention_layernorm")
+        parted.decision(parted.unit_of(p)) is PARTS and p.rsplit(".", 1)[1] in (
+            "self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
         for p in parted.checkpointed_parts)
-    assert "one of the parts self_attn" in parted.notes[0] and "parts             layers." in parted.summary()
+    assert "one of the parts " in parted.notes[0] and "parts             model.layers." in parted.summary()
     assert parted.predicted_peak_bytes <= parted.budget_bytes < parted.baseline_peak_bytes
     assert parted.predicted_step_ms > parted.baseline_step_ms
-    ids, target = batch(LLAMA, rank=0, world=WORLD)
+    ids, target = batch(HF_LLAMA, rank=0, world=WORLD)
     with fake_world(WORLD):
-        again = measure_sharded_step(
-            build(LLAMA), world_size=WORLD, units=parted.units, checkpointed=parted.checkpointed,
-            selective=parted.selective, checkpointed_parts=parted.checkpointed_parts, reshard_after_forward=True,
-            mp_policy=None, inputs=((ids,), {}, target), step_loss=lm_loss, make_optimizer=NAMED_OPTIMIZERS["adamw"],
-        )
         kept = measure_sharded_step(
-            build(LLAMA), world_size=WORLD, units=parted.units, checkpointed=parted.checkpointed,
+            build(HF_LLAMA), world_size=WORLD, units=parted.units, checkpointed=parted.checkpointed,
             selective=parted.selective, reshard_after_forward=True, mp_policy=None, inputs=((ids,), {}, target),
             step_loss=lm_loss, make_optimizer=NAMED_OPTIMIZERS["adamw"],
         )
-    assert again.peak_bytes == parted.predicted_peak_bytes < kept.peak_bytes  # the parts free bytes
+    assert parted.predicted_peak_bytes < kept.peak_bytes  # the parts free bytes
 
 
+@needs_transformers
 def test_an_applied_plan_checkpoints_its_parts_and_files_keep_them(parted, tmp_path) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -589,7 +584,7 @@ def test_an_applied_plan_checkpoints_its_parts_and_files_keep_them(parted, tmp_p
     with pytest.raises(ValueError, match="it lies in no unit"):
         dataclasses.replace(parted, checkpointed_parts=("lm_head",))
     with torch.device("meta"):
-        model = build(LLAMA)
+        model = build(HF_LLAMA)
     dist.init_process_group("fake", rank=0, world_size=WORLD, store=FakeStore())
     try:
         sharded = autockpt.apply_fsdp(model, parted)
@@ -599,8 +594,8 @@ def test_an_applied_plan_checkpoints_its_parts_and_files_keep_them(parted, tmp_p
     finally:
         dist.destroy_process_group()
     with torch.device("meta"):
-        model = build(LLAMA)
-    with pytest.raises(PlanMismatchError, match=r"part\(s\) \['layers.\d.no_such_part'\] are not modules"):
+        model = build(HF_LLAMA)
+    with pytest.raises(PlanMismatchError, match=r"part\(s\) \['model.layers.\d.no_such_part'\] are not modules"):
         autockpt.apply_fsdp(model, dataclasses.replace(parted, checkpointed_parts=(f"{unit}.no_such_part",)))
 
 

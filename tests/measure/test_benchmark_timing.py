@@ -19,6 +19,10 @@ from autockpt.measure.fake import FakeTrace
 from autockpt.measure.timing import BenchmarkTiming, MeasuredTiming, RooflineTiming, timing_for
 from autockpt.types import CaptureKind, StepTrace
 
+# the planners are cached per process (``functools.cache``): the tests that read them run on one xdist worker, which
+# makes them once
+pytestmark = pytest.mark.xdist_group("tests/measure/test_benchmark_timing.py")
+
 _ZOO = [
     pytest.param("mlp", id="mlp"),
     pytest.param("cnn", id="cnn-batchnorm-inplace"),

@@ -30,7 +30,7 @@ def transformer_plan() -> autockpt.Plan:
     # one checkpoint kind (``support.checkpoint_for``): a plan file records the kind planned, whichever it is
     planner = autockpt.Planner.from_model(case.model, example_inputs=case.args, loss_fn=case.loss_fn,
                                           checkpoint=checkpoint_for(case))
-    return planner.plan(budget_bytes=budget_at(planner, 0.4), pareto_points=4)  # the trace's figures: no roomy probe
+    return planner.plan(budget_bytes=budget_at(planner, 0.4), pareto_points=2)  # its ends: the floor, the unmodified step
 
 
 def test_a_saved_plan_reads_back_equal(transformer_plan: autockpt.Plan, tmp_path: Path) -> None:

@@ -53,7 +53,10 @@ def _not_traced(*args: Any, **kwargs: Any) -> bool:
 
 
 def _loaded_predicates() -> dict[int, Callable[..., Any]]:
-    """The predicates of the libraries already imported (a library not imported has no model to trace), by id."""
+    """The predicates of the libraries already imported (a library not imported has no model to trace), by id. Inside
+    ``eager_library_paths`` they are all ``_not_traced`` already: none (an entry nested in another, as a capture's
+    recording of value reads is, has nothing to replace; taking ``_not_traced`` for the predicates made it forget the
+    remembered scans and scan every module twice, 20 ms each with transformers imported)."""
     found: dict[int, Callable[..., Any]] = {}
     for module_name, names in _LIBRARY_PREDICATES.items():
         if module_name.split(".")[0] not in sys.modules:
@@ -64,7 +67,7 @@ def _loaded_predicates() -> dict[int, Callable[..., Any]]:
             continue
         for name in names:
             function = getattr(module, name, None)
-            if callable(function):
+            if callable(function) and function is not _not_traced:
                 found[id(function)] = function
     return found
 

@@ -241,6 +241,30 @@ def test_a_predicate_bound_after_an_earlier_call_is_replaced_too(monkeypatch: py
     assert "checks_tracing" not in vars(module)
 
 
+def test_an_entry_inside_another_keeps_the_remembered_bindings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capture records value reads inside its eager-paths block: that nested entry finds every predicate replaced
+    already, and neither it nor the next entry forgets the modules scanned (each scan of every module: 20 ms)."""
+    from transformers.utils import import_utils
+
+    from autockpt.measure import eager_paths
+
+    scans: list[int] = []
+    scan = eager_paths._binds_predicate
+    monkeypatch.setattr(eager_paths, "_binds_predicate", lambda value, predicates: scans.append(1) or scan(value, predicates))
+    with eager_library_paths():
+        pass  # every module scanned once (or remembered from earlier tests)
+    scans.clear()
+    with eager_library_paths():
+        outer = len(scans)  # one check per remembered binding: no module scanned again
+        with eager_library_paths():
+            assert import_utils.is_tracing.__name__ == "_not_traced"
+        assert import_utils.is_tracing.__name__ == "_not_traced"  # the inner exit restores what it found
+    assert import_utils.is_tracing.__name__ == "is_tracing"
+    with eager_library_paths():
+        pass
+    assert len(scans) == 2 * outer < 100, len(scans)
+
+
 def test_the_remembered_bindings_are_forgotten_when_a_library_s_predicates_come(monkeypatch: pytest.MonkeyPatch) -> None:
     """A namespace scanned for other predicates, its length unchanged, is scanned again for the new ones."""
     import types

@@ -222,8 +222,7 @@ def test_the_model_is_left_as_it_was() -> None:
 def test_save_and_load_give_the_same_plan(roomy, tmp_path) -> None:
     fplan = _plan(budget_bytes=(roomy.min_feasible_bytes + roomy.baseline_peak_bytes) // 2)
     assert autockpt.load_fsdp_plan(fplan.save(tmp_path / "plan.json")) == fplan
-    assert "| rank |" in fplan.report(tmp_path / "plan.md").read_text()
-    assert "<table" in fplan.report(tmp_path / "plan.html").read_text()
+    assert "| rank |" in fplan.report(tmp_path / "plan.md").read_text()  # the HTML report: the report test's
     mixed = dataclasses.replace(fplan, checkpointed=fplan.units[:1], selective=fplan.units[1:2])
     assert autockpt.load_fsdp_plan(mixed.save(tmp_path / "mixed.json")) == mixed
     offloaded = dataclasses.replace(fplan, checkpointed=fplan.units[:2], selective=(), offloaded=fplan.units[1:3],
@@ -269,6 +268,7 @@ def test_the_report_shows_rank_0_over_the_step_against_the_budget(roomy, tmp_pat
     assert "Rank 0 over the second step" in markdown and "| layers.3 backward peak |" in markdown
     page = roomy.report(tmp_path / "plan.html").read_text()
     assert page.count("<svg") == 1 and "stroke-dasharray" in page and "layers.0 forward peak" in page
+    assert "<table" in page
     data = json.loads(V4_FSDP_PLAN.read_text())
     for rank in data["ranks"]:  # a file of 0.2 saved before the timeline was recorded
         del rank["timeline"]

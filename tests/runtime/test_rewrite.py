@@ -5,6 +5,7 @@ train/eval flags, parameter and buffer tensor objects, dtypes, autocast."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -63,6 +64,21 @@ def _load_assigning(module: nn.Module) -> None:
     module.load_state_dict({name: value.clone() for name, value in module.state_dict().items()}, assign=True)
 
 
+# the plan below is cached per process: its tests, with those of the module fixture, run on one xdist worker
+pytestmark = pytest.mark.xdist_group("tests/runtime/test_rewrite.py")
+
+@functools.cache
+def _frozen_batchnorm_plan() -> autockpt.Plan:
+    """The half-way plan of ``frozen_batchnorm_case``'s model, made once for the tests below (issue 46)."""
+    return autockpt.get_plan(optimize_at(frozen_batchnorm_case(), 0.5))
+
+
+def _frozen_batchnorm_optimized(case: zoo.ZooCase) -> nn.Module:
+    """``case``'s own model (each test changes it) running the shared plan: captured again, neither planned nor
+    measured."""
+    return autockpt.apply_plan(case.model, _frozen_batchnorm_plan(), example_inputs=case.args)
+
+
 @pytest.mark.parametrize(
     "change, reason",
     [
@@ -77,7 +93,7 @@ def test_changes_after_planning_run_the_original_model(change, reason: str, capl
     with stale buffers (BatchNorm statistics advanced twice), missed new parameters' gradients or failed on dtypes."""
     case = frozen_batchnorm_case()
     reference = twin(case)
-    optimized = optimize_at(case, 0.5)
+    optimized = _frozen_batchnorm_optimized(case)
     change(optimized)
     change(reference)
     with caplog.at_level("WARNING", logger="autockpt.runtime.rewrite"):
@@ -116,7 +132,7 @@ def test_a_step_under_another_autocast_state_runs_the_original_model(caplog: pyt
     """Planned without autocast, trained under bfloat16 autocast: the export graph's baked-in casts failed."""
     case = frozen_batchnorm_case()
     reference = twin(case)
-    optimized = optimize_at(case, 0.5)
+    optimized = _frozen_batchnorm_optimized(case)
     with torch.autocast("cpu", dtype=torch.bfloat16), caplog.at_level("WARNING", logger="autockpt.runtime.rewrite"):
         assert_same_step(optimized, reference, case)
     assert "autocast is on (cpu bfloat16), planned off" in caplog.text

@@ -53,10 +53,11 @@ def _not_traced(*args: Any, **kwargs: Any) -> bool:
 
 
 def _loaded_predicates() -> dict[int, Callable[..., Any]]:
-    """The predicates of the libraries already imported (a library not imported has no model to trace), by id. Inside
-    ``eager_library_paths`` they are all ``_not_traced`` already: none (an entry nested in another, as a capture's
-    recording of value reads is, has nothing to replace; taking ``_not_traced`` for the predicates made it forget the
-    remembered scans and scan every module twice, 20 ms each with transformers imported)."""
+    """The predicates of the libraries already imported (a library not imported has no model to trace), by id; not
+    ``_not_traced``, which stands in for them inside ``eager_library_paths``: an entry nested in another (a capture
+    records value reads inside its own) finds none to replace, unless a library was imported since the outer entry.
+    Taking ``_not_traced`` for a predicate made it forget the remembered scans and scan every module twice, 20 ms each
+    with transformers imported."""
     found: dict[int, Callable[..., Any]] = {}
     for module_name, names in _LIBRARY_PREDICATES.items():
         if module_name.split(".")[0] not in sys.modules:

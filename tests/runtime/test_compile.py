@@ -121,8 +121,9 @@ def compare_compiled(case: zoo.ZooCase, action: Action, backend: str, fraction: 
     ],
 )
 def test_compile_keeps_the_plan_in_one_graph(name: str, action: Action, blocks: int, fraction: float) -> None:
-    """fx captures (an export capture: the test below). aot_eager: Dynamo and AOTAutograd's partitioner, without
-    Inductor's code generation (seconds, not a minute; Inductor: the test after). The zoo's models with fewer blocks
+    """fx captures (an export capture: test_optimize_compiled_keeps_the_budget_as_the_compiled_step_runs). aot_eager:
+    Dynamo and AOTAutograd's partitioner, without Inductor's code generation (seconds, not a minute; Inductor:
+    test_inductor_step_is_the_original_step_with_a_lower_peak). The zoo's models with fewer blocks
     (2 residual blocks, not 12; 1 layer, not 6): Dynamo and AOTAutograd trace every op of both models, and more blocks
     repeat the same ops (issue 46)."""
     compare_compiled(zoo.build(name, "tiny", blocks=blocks), action, "aot_eager", fraction=fraction)
@@ -135,9 +136,9 @@ def test_inductor_step_is_the_original_step_with_a_lower_peak() -> None:
     measured from allocator events. Most of the test's time is Inductor compiling the two models' C++ kernels (g++,
     one per kernel), so the smallest model with a region: the zoo's MLP with two blocks (5.8 s here, where a one-layer
     GPT-NeoX took 16.8 s; issue 46). What Dynamo and AOTAutograd make of the export capture of a Hugging Face decoder
-    is the aot_eager test's ``hf-gpt-neox-export`` above; Inductor's code generation sees only the partitioned
-    graphs. Scalar C++ kernels (``cpp.vec_isa_ok=False``): with a cold cache, finding the CPU's vector ISA compiles
-    and loads a probe library per ISA (9 of the test's 33 s on 2 cores, issue 46); the vector width changes neither
+    is test_optimize_compiled_keeps_the_budget_as_the_compiled_step_runs' (aot_eager); Inductor's code generation
+    sees only the partitioned graphs. Scalar C++ kernels (``cpp.vec_isa_ok=False``): with a cold cache, finding the
+    CPU's vector ISA compiles and loads a probe library per ISA (9 of the test's 33 s on 2 cores, issue 46); the vector width changes neither
     the checkpoint ops nor the peak. No dropout: recomputed dropout under torch.compile is the aot_eager test's
     transformer above (Inductor's ``fallback_random`` would run the same aten random ops)."""
     import torch._inductor.config as inductor_config

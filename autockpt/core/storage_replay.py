@@ -189,11 +189,10 @@ def storage_deltas(
         np.maximum(a.base_free, held_max),
     )
     plan_free[a.never_freed] = a.base_free[a.never_freed]
-    earlier, later = plan_free < a.base_free, plan_free > a.base_free
-    np.subtract.at(plan_delta, plan_free[earlier] + 1, a.nbytes[earlier])
-    np.add.at(plan_delta, a.base_free[earlier] + 1, a.nbytes[earlier])
-    np.add.at(plan_delta, a.base_free[later] + 1, a.nbytes[later])
-    np.subtract.at(plan_delta, plan_free[later] + 1, a.nbytes[later])
+    # each storage now freed at plan_free instead of base_free, freed earlier or later alike; where the two are the
+    # same event the bytes cancel (integers: exactly)
+    np.subtract.at(plan_delta, plan_free + 1, a.nbytes)
+    np.add.at(plan_delta, a.base_free + 1, a.nbytes)
 
     at_home = home >= 0
     home_first = np.where(at_home, first_backward[home], none)

@@ -111,19 +111,19 @@ def eager_library_paths() -> Iterator[None]:
     saved_flags = compiler.is_exporting, compiler.is_compiling
     predicates = _loaded_predicates()
     replaced: list[tuple[dict[str, Any], str, Any]] = []
-    if predicates:
-        _scans_for(predicates)
-        for module in list(sys.modules.values()):
-            namespace = getattr(module, "__dict__", None)
-            if not isinstance(namespace, dict):
-                continue
-            for name in _predicate_bindings(namespace, predicates):
-                value = namespace.get(name)
-                if _binds_predicate(value, predicates):  # still bound (a name rebound or deleted since is left alone)
-                    replaced.append((namespace, name, value))
-                    namespace[name] = _not_traced
-    compiler.is_exporting = compiler.is_compiling = _not_traced  # type: ignore[assignment]
-    try:
+    try:  # what was replaced is restored however the block ends, a failed scan included
+        if predicates:
+            _scans_for(predicates)
+            for module in list(sys.modules.values()):
+                namespace = getattr(module, "__dict__", None)
+                if not isinstance(namespace, dict):
+                    continue
+                for name in _predicate_bindings(namespace, predicates):
+                    value = namespace.get(name)
+                    if _binds_predicate(value, predicates):  # still bound (one rebound or deleted since: left alone)
+                        replaced.append((namespace, name, value))
+                        namespace[name] = _not_traced
+        compiler.is_exporting = compiler.is_compiling = _not_traced  # type: ignore[assignment]
         yield
     finally:
         compiler.is_exporting, compiler.is_compiling = saved_flags

@@ -265,6 +265,34 @@ def test_an_entry_inside_another_keeps_the_remembered_bindings(monkeypatch: pyte
     assert len(scans) == 2 * outer, len(scans)
 
 
+def test_a_scan_that_fails_leaves_every_binding_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bindings replaced before the scan failed on a later module are restored as the error leaves."""
+    import types
+
+    from transformers.utils import import_utils
+
+    from autockpt.measure import eager_paths
+
+    original = import_utils.is_tracing
+    monkeypatch.setattr(import_utils, "is_tracing", original)  # put back by monkeypatch should the test fail
+    bound, failing = types.ModuleType("autockpt_test_bound"), types.ModuleType("autockpt_test_failing")
+    bound.checks_tracing = original
+    monkeypatch.setitem(sys.modules, bound.__name__, bound)
+    monkeypatch.setitem(sys.modules, failing.__name__, failing)  # scanned after ``bound`` (sys.modules' order)
+    scan = eager_paths._predicate_bindings
+
+    def failing_scan(namespace: dict, predicates: dict) -> tuple[str, ...]:
+        if namespace is vars(failing):
+            raise RuntimeError("the scan failed")
+        return scan(namespace, predicates)
+
+    monkeypatch.setattr(eager_paths, "_predicate_bindings", failing_scan)
+    with pytest.raises(RuntimeError, match="the scan failed"), eager_library_paths():
+        pass
+    assert bound.checks_tracing is original and import_utils.is_tracing is original
+    assert torch.compiler.is_exporting.__name__ != "_not_traced"
+
+
 def test_the_remembered_bindings_are_forgotten_when_a_library_s_predicates_come(monkeypatch: pytest.MonkeyPatch) -> None:
     """A namespace scanned for other predicates, its length unchanged, is scanned again for the new ones."""
     import types

@@ -21,6 +21,9 @@ from autockpt.runtime.model_state import preserved_model_state
 from autockpt.types import CaptureKind, StepTrace
 
 slow = pytest.mark.slow
+# the planners are cached per process (``functools.cache``): the tests that read them run on one xdist worker, which
+# makes them once
+pytestmark = pytest.mark.xdist_group("tests/measure/test_fake_trace.py")
 
 
 def memory_of(trace: StepTrace) -> dict[str, Any]:
@@ -37,10 +40,6 @@ def memory_of(trace: StepTrace) -> dict[str, Any]:
         "loop": (trace.optimizer_state_bytes, trace.loop),
         "foreign_bytes": trace.foreign_bytes,
     }
-
-# the planners are cached per process (``functools.cache``): the tests that read them run on one xdist worker, which
-# makes them once
-pytestmark = pytest.mark.xdist_group("tests/measure/test_fake_trace.py")
 
 
 def assert_same_memory(fake: StepTrace, measured: StepTrace) -> None:

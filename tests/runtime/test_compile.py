@@ -88,10 +88,10 @@ def _fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()  # compiled graphs hold the test's models
 
 
-def compare_compiled(case: zoo.ZooCase, action: Action, backend: str, fraction: float = 0.5) -> tuple[int, int, int]:
+def compare_compiled(case: zoo.ZooCase, action: Action, backend: str, fraction: float = 0.5) -> None:
     """The step of the plan at ``fraction`` compiled against the original's compiled step: no more graphs and graph
-    breaks, one checkpoint op per planned region, the same outputs, gradients and buffers. The graphs of each and the
-    optimized step's graph breaks, as their first steps compiled them (the same-step check runs them again)."""
+    breaks (as their first steps compiled them), one checkpoint op per planned region, the same outputs, gradients
+    and buffers."""
     reference = twin(case)
     module = optimized_at(case, fraction, action)
     compiled_reference, original = compiled_step(reference, case, backend)
@@ -103,7 +103,6 @@ def compare_compiled(case: zoo.ZooCase, action: Action, backend: str, fraction: 
     # the plan is in the graph: one checkpoint op per planned region
     assert planned.checkpoints == len(module.plan.regions)
     assert_same_step(compiled, compiled_reference, case)
-    return original_graphs, planned_graphs, planned_breaks
 
 
 @pytest.mark.slow
@@ -135,12 +134,12 @@ def test_inductor_step_is_the_original_step_with_a_lower_peak() -> None:
     gradients and buffers equal to the compiled original's, and a compiled peak below the compiled original's,
     measured from allocator events. Most of the test's time is Inductor compiling the two models' C++ kernels (g++,
     one per kernel), so the smallest model with a region: the zoo's MLP with two blocks (5.8 s here, where a one-layer
-    GPT-NeoX took 16.8 s; issue 46). What Dynamo and AOTAutograd make of the export capture of a Hugging Face decoder
-    is test_optimize_compiled_keeps_the_budget_as_the_compiled_step_runs' (aot_eager); Inductor's code generation
+    GPT-NeoX took 16.8 s; issue 46). What Dynamo and AOTAutograd make of an export capture of a Hugging Face decoder
+    is ``test_optimize_compiled_keeps_the_budget_as_the_compiled_step_runs`` (aot_eager); Inductor's code generation
     sees only the partitioned graphs. Scalar C++ kernels (``cpp.vec_isa_ok=False``): with a cold cache, finding the
-    CPU's vector ISA compiles and loads a probe library per ISA (9 of the test's 33 s on 2 cores, issue 46); the vector width changes neither
-    the checkpoint ops nor the peak. No dropout: recomputed dropout under torch.compile is the aot_eager test's
-    transformer above (Inductor's ``fallback_random`` would run the same aten random ops)."""
+    CPU's vector ISA compiles and loads a probe library per ISA (9 of the test's 33 s on 2 cores, issue 46); the
+    vector width changes neither the checkpoint ops nor the peak. No dropout: recomputed dropout under torch.compile
+    is the aot_eager test's transformer above (Inductor's ``fallback_random`` would run the same aten random ops)."""
     import torch._inductor.config as inductor_config
 
     case = zoo.build("mlp", "tiny", blocks=2)

@@ -27,6 +27,10 @@ import autockpt
 from autockpt.core.region_rules import region_windows
 from autockpt.present import zoo
 
+# the frozen-BatchNorm tests' plan is cached per process: they and the module fixture's tests run on one xdist
+# worker
+pytestmark = pytest.mark.xdist_group("tests/runtime/test_rewrite.py")
+
 
 def test_recomputed_flops_are_exactly_the_planned_units() -> None:
     case = tiny("mlp")
@@ -63,9 +67,6 @@ def _round_trip_dtype(module: nn.Module) -> None:
 def _load_assigning(module: nn.Module) -> None:
     module.load_state_dict({name: value.clone() for name, value in module.state_dict().items()}, assign=True)
 
-
-# the plan below is cached per process: its tests, with those of the module fixture, run on one xdist worker
-pytestmark = pytest.mark.xdist_group("tests/runtime/test_rewrite.py")
 
 @functools.cache
 def _frozen_batchnorm_plan() -> autockpt.Plan:

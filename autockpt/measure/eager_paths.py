@@ -14,6 +14,10 @@ What a library consults to decide it is traced comes in two kinds:
   named in ``_LIBRARY_PREDICATES``, and every module-level binding of those functions (``from ... import
   is_tracing``) answers "not traced" for the duration.
 
+Each replaced function has a stand-in of its own. A module imported inside the block (a library importing lazily as
+the model runs) binds the stand-in of a name it imports from a replaced one; once the last block ends, such a binding
+gets its own function back, so that no library goes on believing it is never traced (a later ``torch.compile``).
+
 The eager course may read tensor values (``if padding_mask.all()``). Those reads are recorded on one eager forward of
 the real model (``recorded_reads``); under ``torch.export`` (``capture.py``) each read is then checked equal to its
 recorded value, which the exported graph asserts at run time (``aten._assert_scalar``): a later batch whose values
@@ -48,16 +52,41 @@ _LIBRARY_PREDICATES: dict[str, tuple[str, ...]] = {
 }
 
 
-def _not_traced(*args: Any, **kwargs: Any) -> bool:
-    return False
+# id(stand-in) -> (the stand-in, the predicate it replaces): one stand-in per predicate, so that a binding of one
+# found after the block (a module imported inside it took the replaced name: ``from torch.compiler import
+# is_compiling``) is put back to its own predicate, not left answering "not traced" for the rest of the process
+_STAND_INS: dict[int, tuple[Callable[..., Any], Callable[..., Any]]] = {}
+
+
+def _stand_in(predicate: Callable[..., Any]) -> Callable[..., Any]:
+    """The function that answers "not traced" in place of ``predicate`` (made once per predicate; a stand-in is its
+    own: a nested block finds torch's flags replaced already)."""
+    if _replaced_by(predicate) is not None:
+        return predicate
+    for stand_in, replaced in _STAND_INS.values():
+        if replaced is predicate:
+            return stand_in
+
+    def _not_traced(*args: Any, **kwargs: Any) -> bool:
+        return False
+
+    _STAND_INS[id(_not_traced)] = (_not_traced, predicate)
+    return _not_traced
+
+
+def _replaced_by(value: Any) -> Callable[..., Any] | None:
+    """The predicate ``value`` stands in for, or None when it is no stand-in (checked by identity: no attribute of an
+    arbitrary object is read, a lazy module's or ``torch.ops``' would import or make one)."""
+    known = _STAND_INS.get(id(value))
+    return known[1] if known is not None and known[0] is value else None
 
 
 def _loaded_predicates() -> dict[int, Callable[..., Any]]:
     """The predicates of the libraries already imported (a library not imported has no model to trace), by id; not
-    ``_not_traced``, which stands in for them inside ``eager_library_paths``: an entry nested in another (a capture
-    records value reads inside its own) finds none to replace, unless a library was imported since the outer entry.
-    Taking ``_not_traced`` for a predicate made it forget the remembered scans and scan every module twice, 20 ms each
-    with transformers imported."""
+    their stand-ins, which answer inside ``eager_library_paths``: an entry nested in another (a capture records value
+    reads inside its own) finds none to replace, unless a library was imported since the outer entry. Taking a
+    stand-in for a predicate made it forget the remembered scans and scan every module twice, 20 ms each with
+    transformers imported."""
     found: dict[int, Callable[..., Any]] = {}
     for module_name, names in _LIBRARY_PREDICATES.items():
         if module_name.split(".")[0] not in sys.modules:
@@ -68,7 +97,7 @@ def _loaded_predicates() -> dict[int, Callable[..., Any]]:
             continue
         for name in names:
             function = getattr(module, name, None)
-            if callable(function) and function is not _not_traced:
+            if callable(function) and _replaced_by(function) is None:
                 found[id(function)] = function
     return found
 
@@ -104,6 +133,35 @@ def _predicate_bindings(namespace: dict[str, Any], predicates: dict[int, Callabl
     return names
 
 
+# the namespaces of the loaded modules, and their lengths, as the outermost open block began: a module imported inside
+# a block, or one whose namespace grew (a lazy attribute cached), may have taken a stand-in from a replaced name,
+# which the outermost exit puts back
+_OPEN_BLOCKS = [0]
+_AT_ENTRY: list[list[int]] = [[], []]  # ids, lengths
+
+
+def _namespaces() -> list[dict[str, Any]]:
+    return [namespace for module in list(sys.modules.values())
+            if isinstance(namespace := getattr(module, "__dict__", None), dict)]
+
+
+def _put_back_stand_ins_bound_inside() -> None:
+    """The stand-ins still bound once every block has restored what it replaced: names a module imported inside a
+    block (or grown since) bound from a replaced one. Each gets its own predicate back."""
+    namespaces = _namespaces()
+    ids, lengths = _AT_ENTRY
+    if list(map(id, namespaces)) == ids and list(map(len, namespaces)) == lengths:
+        return  # no module imported, none grown (compared in C: a Python loop over 3,000 modules took 0.8 ms)
+    at_entry = dict(zip(ids, lengths))
+    for namespace in namespaces:
+        if at_entry.get(id(namespace)) == len(namespace):
+            continue  # unchanged: every stand-in in it was placed, and restored, by a block
+        for name, value in list(namespace.items()):
+            predicate = _replaced_by(value)
+            if predicate is not None:
+                namespace[name] = predicate
+
+
 @contextlib.contextmanager
 def eager_library_paths() -> Iterator[None]:
     """For the duration, libraries take the course they take in eager mode (see the module docstring)."""
@@ -111,24 +169,30 @@ def eager_library_paths() -> Iterator[None]:
     saved_flags = compiler.is_exporting, compiler.is_compiling
     predicates = _loaded_predicates()
     replaced: list[tuple[dict[str, Any], str, Any]] = []
+    namespaces = _namespaces()
+    outermost = _OPEN_BLOCKS[0] == 0
+    if outermost:
+        _AT_ENTRY[:] = list(map(id, namespaces)), list(map(len, namespaces))
+    _OPEN_BLOCKS[0] += 1
     try:  # what was replaced is restored however the block ends, a failed scan included
         if predicates:
             _scans_for(predicates)
-            for module in list(sys.modules.values()):
-                namespace = getattr(module, "__dict__", None)
-                if not isinstance(namespace, dict):
-                    continue
+            for namespace in namespaces:
                 for name in _predicate_bindings(namespace, predicates):
                     value = namespace.get(name)
                     if _binds_predicate(value, predicates):  # still bound (one rebound or deleted since: left alone)
                         replaced.append((namespace, name, value))
-                        namespace[name] = _not_traced
-        compiler.is_exporting = compiler.is_compiling = _not_traced  # type: ignore[assignment]
+                        namespace[name] = _stand_in(value)
+        compiler.is_exporting = _stand_in(saved_flags[0])  # type: ignore[assignment]
+        compiler.is_compiling = _stand_in(saved_flags[1])  # type: ignore[assignment]
         yield
     finally:
         compiler.is_exporting, compiler.is_compiling = saved_flags
         for namespace, name, value in reversed(replaced):
             namespace[name] = value
+        _OPEN_BLOCKS[0] -= 1
+        if outermost:
+            _put_back_stand_ins_bound_inside()
 
 
 # the ops that read a tensor's value into Python (``.item()``, ``bool(tensor)``, ``int(tensor)``)

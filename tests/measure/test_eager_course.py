@@ -363,3 +363,31 @@ def test_the_self_check_warns_when_the_captured_program_holds_more_than_the_eage
     assert len(warnings) == 1 and "Cause:" in warnings[0]
     assert any("more than the eager model's" in record.getMessage() for record in caplog.records)
     assert "eager model" in the_plan.summary()
+
+
+def test_a_module_imported_inside_the_block_gets_the_real_predicates_back(tmp_path, monkeypatch) -> None:
+    """A library may import a module as the model runs, inside the block: that module binds the stand-ins of the
+    names it imports. After the last block ends they are its own functions again; before, such a module answered
+    "not traced" for the rest of the process, under a later ``torch.compile`` too."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers.utils import import_utils
+
+    fake = FakeTensorMode().from_tensor(torch.empty(1))
+    (tmp_path / "autockpt_test_lazy_outer.py").write_text(
+        "from torch.compiler import is_compiling, is_exporting\n"
+        "from transformers.utils.import_utils import is_tracing\n"
+    )
+    (tmp_path / "autockpt_test_lazy_inner.py").write_text("from torch.compiler import is_compiling\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("autockpt_test_lazy_outer", "autockpt_test_lazy_inner"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    with eager_library_paths():
+        import autockpt_test_lazy_outer as outer  # the eager course inside the block
+
+        assert not outer.is_tracing(fake) and outer.is_compiling.__name__ == "_not_traced"
+        with eager_library_paths():
+            import autockpt_test_lazy_inner as inner
+        assert inner.is_compiling.__name__ == "_not_traced"  # the outer block is still open
+    assert (outer.is_compiling, outer.is_exporting) == (torch.compiler.is_compiling, torch.compiler.is_exporting)
+    assert outer.is_tracing is import_utils.is_tracing and inner.is_compiling is torch.compiler.is_compiling
+    assert outer.is_tracing(fake)  # a fake tensor is traced, as transformers judges it

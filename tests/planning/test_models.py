@@ -87,8 +87,9 @@ def _check_budget_kept(name: str, fraction: float, planned: Callable[[str], Plan
 def test_more_hugging_face_architectures_at_half_budget(name: str) -> None:
     """Encoder-decoder (T5) and a RoPE/grouped-query decoder (Llama) through the export path. The encoder (BERT) is
     planned from its fake trace and measured in ``test_trace_choice.py``, and its eager course is checked in
-    ``tests/measure/test_eager_course.py``."""
-    case = tiny(name)
+    ``tests/measure/test_eager_course.py``. One layer each (issue 46: T5 4.7 -> 3.3 s, Llama 2.2 -> 1.3 s): both
+    plan regions at half budget, and the repeated blocks' program is GPT-2's above."""
+    case = zoo.build(name, "tiny", blocks=1)
     reference = twin(case)
     # T5's programs at a 5 % gap, as the diffusers models' (``planned``): what is checked holds for any plan
     planner = planner_for(case, autockpt.SolverOptions(relative_gap=0.05) if name == "t5" else None)

@@ -59,8 +59,10 @@ _STAND_INS: dict[int, tuple[Callable[..., Any], Callable[..., Any]]] = {}
 
 
 def _stand_in(predicate: Callable[..., Any]) -> Callable[..., Any]:
-    """The function that answers "not traced" in place of ``predicate`` (made once per predicate; a stand-in is its
-    own: a nested block finds torch's flags replaced already)."""
+    """The function that answers "not traced" in place of ``predicate`` while a block is open, and asks
+    ``predicate`` once none is (a binding the put-back cannot reach: a default argument, a cache keyed by the
+    function). Made once per predicate; a stand-in passed in is returned as is (a nested block finds torch's flags
+    already replaced)."""
     if _replaced_by(predicate) is not None:
         return predicate
     for stand_in, replaced in _STAND_INS.values():
@@ -68,7 +70,7 @@ def _stand_in(predicate: Callable[..., Any]) -> Callable[..., Any]:
             return stand_in
 
     def _not_traced(*args: Any, **kwargs: Any) -> bool:
-        return False
+        return False if _OPEN_BLOCKS[0] else predicate(*args, **kwargs)
 
     _STAND_INS[id(_not_traced)] = (_not_traced, predicate)
     return _not_traced
@@ -133,11 +135,11 @@ def _predicate_bindings(namespace: dict[str, Any], predicates: dict[int, Callabl
     return names
 
 
-# the namespaces of the loaded modules, and their lengths, as the outermost open block began: a module imported inside
-# a block, or one whose namespace grew (a lazy attribute cached), may have taken a stand-in from a replaced name,
-# which the outermost exit puts back
+# how many blocks are open (they nest, on one thread, as torch's flags they replace assume); and the ids and lengths of
+# the loaded modules' namespaces as the outermost began: a module imported inside a block, or one whose namespace
+# grew (a lazy attribute cached), may have taken a stand-in from a replaced name, which the last exit puts back
 _OPEN_BLOCKS = [0]
-_AT_ENTRY: list[list[int]] = [[], []]  # ids, lengths
+_AT_ENTRY: list[list[int]] = [[], []]
 
 
 def _namespaces() -> list[dict[str, Any]]:
@@ -160,6 +162,7 @@ def _put_back_stand_ins_bound_inside() -> None:
             predicate = _replaced_by(value)
             if predicate is not None:
                 namespace[name] = predicate
+                _SCANNED.pop(id(namespace), None)  # scanned with the stand-in bound: its length hides the change
 
 
 @contextlib.contextmanager
@@ -169,8 +172,9 @@ def eager_library_paths() -> Iterator[None]:
     saved_flags = compiler.is_exporting, compiler.is_compiling
     predicates = _loaded_predicates()
     replaced: list[tuple[dict[str, Any], str, Any]] = []
-    namespaces = _namespaces()
     outermost = _OPEN_BLOCKS[0] == 0
+    # kept to the exit: the ids compared there are of namespaces alive throughout (no id reused)
+    namespaces = _namespaces() if predicates or outermost else []
     if outermost:
         _AT_ENTRY[:] = list(map(id, namespaces)), list(map(len, namespaces))
     _OPEN_BLOCKS[0] += 1
@@ -191,7 +195,7 @@ def eager_library_paths() -> Iterator[None]:
         for namespace, name, value in reversed(replaced):
             namespace[name] = value
         _OPEN_BLOCKS[0] -= 1
-        if outermost:
+        if _OPEN_BLOCKS[0] == 0:
             _put_back_stand_ins_bound_inside()
 
 

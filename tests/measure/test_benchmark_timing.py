@@ -17,7 +17,6 @@ from autockpt.core.structure import find_repeated_blocks
 from autockpt.measure.devices_local import local_spec_name
 from autockpt.measure.fake import FakeTrace
 from autockpt.measure.timing import BenchmarkTiming, MeasuredTiming, RooflineTiming, timing_for
-from autockpt.present import zoo
 from autockpt.types import CaptureKind, StepTrace
 
 # the planners are cached per process (``functools.cache``): the tests that read them run on one xdist worker, which
@@ -42,9 +41,8 @@ class Timed:
 @functools.cache
 def timed(name: str) -> Timed:
     """A zoo model planned from a measured trace (its memory timeline; the tests' fixed times, so no timed steps),
-    and from a fake trace timed by the benchmark (once per session). GPT-2 with one layer: every unit is checked
-    alike, and a second layer repeats the first's ops."""
-    case = zoo.build(name, "tiny", blocks=1) if name == "gpt2" else tiny(name)
+    and from a fake trace timed by the benchmark (once per session)."""
+    case = tiny(name)
     call = {"example_inputs": case.args, "example_kwargs": case.kwargs, "loss_fn": case.loss_fn}
     measured = autockpt.Planner.from_model(case.model, **call, trace="measured")
     timing = BenchmarkTiming()

@@ -368,7 +368,10 @@ def test_the_self_check_warns_when_the_captured_program_holds_more_than_the_eage
 def test_a_module_imported_inside_the_block_gets_the_real_predicates_back(tmp_path, monkeypatch) -> None:
     """A library may import a module as the model runs, inside the block: that module binds the stand-ins of the
     names it imports. After the last block ends they are its own functions again; before, such a module answered
-    "not traced" for the rest of the process, under a later ``torch.compile`` too."""
+    "not traced" for the rest of the process, under a later ``torch.compile`` too. So are the names a module loaded
+    before the block bound inside it; and a stand-in kept where no scan reaches asks its own function."""
+    import types
+
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers.utils import import_utils
 
@@ -379,15 +382,21 @@ def test_a_module_imported_inside_the_block_gets_the_real_predicates_back(tmp_pa
     )
     (tmp_path / "autockpt_test_lazy_inner.py").write_text("from torch.compiler import is_compiling\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    loaded = types.ModuleType("autockpt_test_loaded_before")
     for name in ("autockpt_test_lazy_outer", "autockpt_test_lazy_inner"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
+        monkeypatch.setitem(sys.modules, name, None)  # registered, so that monkeypatch removes them afterwards
+        del sys.modules[name]
+    monkeypatch.setitem(sys.modules, loaded.__name__, loaded)
     with eager_library_paths():
         import autockpt_test_lazy_outer as outer  # the eager course inside the block
 
         assert not outer.is_tracing(fake) and outer.is_compiling.__name__ == "_not_traced"
+        loaded.is_tracing = import_utils.is_tracing  # a namespace that grew: bound from the replaced name
+        kept = {"check": outer.is_tracing}  # where no scan reaches
         with eager_library_paths():
             import autockpt_test_lazy_inner as inner
         assert inner.is_compiling.__name__ == "_not_traced"  # the outer block is still open
     assert (outer.is_compiling, outer.is_exporting) == (torch.compiler.is_compiling, torch.compiler.is_exporting)
     assert outer.is_tracing is import_utils.is_tracing and inner.is_compiling is torch.compiler.is_compiling
-    assert outer.is_tracing(fake)  # a fake tensor is traced, as transformers judges it
+    assert loaded.is_tracing is import_utils.is_tracing
+    assert outer.is_tracing(fake) and kept["check"](fake)  # a fake tensor is traced, as transformers judges it

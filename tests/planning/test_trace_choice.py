@@ -195,7 +195,7 @@ def test_a_plan_from_the_fake_trace_measures_as_predicted_and_under_its_budget(n
     The encoder-decoder (T5), the vision transformer (ViT, an encoder as BERT is) and the diffusion UNet (issue 46: no
     two tests proving the same fact): their fake traces are their measured timelines, to the byte
     (``tests/measure/test_fake_trace.py``), and their measured plans keep their budget (``test_models.py``). One layer
-    each: the prediction is checked op by op, and each plans regions between its floor and its unmodified peak."""
+    each: the peak's prediction holds at any depth, and each plans regions between its floor and its peak."""
     case = zoo.build(name, "tiny", blocks=1)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     call = {"example_inputs": case.args, "example_kwargs": case.kwargs, "loss_fn": case.loss_fn}

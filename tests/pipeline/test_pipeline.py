@@ -14,57 +14,33 @@ import random
 
 import pytest
 import torch
+from pipeline_planners import CONFIG, MICROBATCHES, PIPELINE_GROUP, batch, shared_planner
 from spawned_ranks import run_ranks
 from support import TEST_TIMING
 
 import autockpt
 from autockpt.core.solve.split import SplitProblem, StageOption, exhaustive_split, solve_split
 from autockpt.errors import InfeasibleBudgetError, PlanMismatchError
-from autockpt.pipeline import PipelinePlanner
 from autockpt.pipeline.run import stage_module_for
 from autockpt.pipeline.stage_table import spread
 from autockpt.record_types import PipelineRecord, PipelineStageRecord
 from experiments.common.pipeline_worker import build, lm_loss, run_rank
 
-_CONFIG = {"seed": 0, "model": {"vocab": 1024, "width": 32, "layers": 4, "tied": False}}
-_MICROBATCHES = 4
-# one worker for the module: its planners (``_planner``) are traced once, not once on each worker that runs a test
-pytestmark = pytest.mark.xdist_group("pipeline")
-
-
-def _batch(config: dict = _CONFIG) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1)
-    shape, vocab = (8, config.get("seq", 16)), config["model"]["vocab"]
-    return torch.randint(0, vocab, shape, generator=generator), torch.randint(0, vocab, shape, generator=generator)
+# one worker for the module and the pipeline report's: the planners (``pipeline_planners``) are traced once
+pytestmark = PIPELINE_GROUP
 
 
 def _plan(config: dict, num_stages: int = 2, **kwargs) -> autockpt.PipelinePlan:
-    ids, target = _batch(config)
+    ids, target = batch(config)
     return autockpt.plan_pipeline(
-        build(config), num_stages, microbatches=_MICROBATCHES, example_inputs=(ids,), example_target=target,
+        build(config), num_stages, microbatches=MICROBATCHES, example_inputs=(ids,), example_target=target,
         loss_fn=lm_loss, **kwargs,
     )
 
 
-_PLANNERS: dict[str, PipelinePlanner] = {}
-
-
-def _planner(config: dict, num_stages: int = 2, max_cut_candidates: int = 16) -> PipelinePlanner:
-    """One capture and profile per model, stage count and number of cut candidates in this worker, for every budget
-    a test asks: the autockpt split first (``plan``), the even split beside it (``compare``)."""
-    key = repr((config, num_stages, max_cut_candidates))
-    if key not in _PLANNERS:
-        ids, target = _batch(config)
-        _PLANNERS[key] = PipelinePlanner.from_model(
-            build(config), num_stages, microbatches=_MICROBATCHES, example_inputs=(ids,), example_target=target,
-            loss_fn=lm_loss, splits=("autockpt", "even-layers"), max_cut_candidates=max_cut_candidates,
-        )
-    return _PLANNERS[key]
-
-
 def _run(config: dict, pplan: autockpt.PipelinePlan, tmp_path) -> list[dict]:
     """Every rank's losses, gradients and measured peaks (two steps)."""
-    ids, target = _batch(config)
+    ids, target = batch(config)
     pplan.save(tmp_path / "plan.json")
     torch.save({"ids": ids, "target": target}, tmp_path / "batch.pt")
     run_ranks(
@@ -76,7 +52,7 @@ def _run(config: dict, pplan: autockpt.PipelinePlan, tmp_path) -> list[dict]:
 
 def _reference(config: dict) -> tuple[float, dict[str, torch.Tensor]]:
     model = build(config)
-    ids, target = _batch(config)
+    ids, target = batch(config)
     loss = lm_loss(model(ids), target)
     loss.backward()
     return loss.item(), {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}
@@ -86,9 +62,9 @@ def _reference(config: dict) -> tuple[float, dict[str, torch.Tensor]]:
 def tight_budget() -> int:
     """A budget about 30 % of the way from the tightest split's floor to what the plain even split needs, so
     that recomputation and the split both matter."""
-    roomy = _planner(_CONFIG).compare(budget_bytes=10**9)["even-layers"]
+    roomy = shared_planner(CONFIG).compare(budget_bytes=10**9)["even-layers"]
     with pytest.raises(InfeasibleBudgetError) as refused:
-        _planner(_CONFIG).plan(budget_bytes=100_000)
+        shared_planner(CONFIG).plan(budget_bytes=100_000)
     floor = refused.value.min_feasible_bytes
     return int(floor + 0.3 * (max(s.predicted_peak_bytes for s in roomy.stages) - floor))
 
@@ -97,14 +73,14 @@ def tight_budget() -> int:
 def test_a_planner_that_answered_other_budgets_plans_as_plan_pipeline_does(tight_budget) -> None:
     """Three stages run on spawned ranks in the test below (at the stated minimum): the same end-to-end fact is not
     run again here for two (issue 46's suite time)."""
-    pplan = _planner(_CONFIG).plan(budget_bytes=tight_budget)
+    pplan = shared_planner(CONFIG).plan(budget_bytes=tight_budget)
     assert len(pplan.stages) == 2 and pplan.cuts
     # sends between stages priced at the copy bandwidth of the tests' fixed CPU, whose roofline gives the times: not
     # at a copy measured by each planner, which could choose other cuts on a busy machine (issue 46)
-    assert _planner(_CONFIG).link_gb_per_s == TEST_TIMING.spec.hbm_gb_per_s / 2
+    assert shared_planner(CONFIG).link_gb_per_s == TEST_TIMING.spec.hbm_gb_per_s / 2
     # a planner that answered other budgets first plans as plan_pipeline does from scratch (the same cuts, bytes
     # and regions; times are measured again by each)
-    fresh = _plan(_CONFIG, budget_bytes=tight_budget)
+    fresh = _plan(CONFIG, budget_bytes=tight_budget)
 
     def decided(plan: autockpt.PipelinePlan) -> tuple:
         return plan.cuts, [(s.first_unit, s.last_unit, s.predicted_peak_bytes, s.retained_bytes,
@@ -116,7 +92,7 @@ def test_a_planner_that_answered_other_budgets_plans_as_plan_pipeline_does(tight
 def _assert_single_process_step_under_budget(config: dict, pplan: autockpt.PipelinePlan, results: list[dict]) -> None:
     """Mean microbatch loss and every gradient equal the single-process model's; each rank kept its budget."""
     loss, grads = _reference(config)
-    assert abs(sum(results[-1]["losses"]) / _MICROBATCHES - loss) < 1e-5
+    assert abs(sum(results[-1]["losses"]) / MICROBATCHES - loss) < 1e-5
     seen = set()
     for stage, result in zip(pplan.stages, results):
         assert result["same_objects"], "a stage module must hold the model's own Parameter objects"
@@ -150,8 +126,8 @@ def test_three_stages_with_tied_weights_give_the_single_process_step_at_the_mini
     loss function runs it. Two cut candidates for the two cuts: what is checked holds at any split (the split program
     is tested against the exhaustive search below). One run of ranks for all of it (issue 46: two tests spawned a
     two-stage and a three-stage run for these facts)."""
-    config = {**_CONFIG, "model": {**_CONFIG["model"], "tied": True, "vocab": 4096}, "seq": 128}
-    planner = _planner(config, num_stages=3, max_cut_candidates=2)
+    config = {**CONFIG, "model": {**CONFIG["model"], "tied": True, "vocab": 4096}, "seq": 128}
+    planner = shared_planner(config, num_stages=3, max_cut_candidates=2)
     with pytest.raises(InfeasibleBudgetError) as refused:
         planner.plan(budget_bytes=100_000)
     pplan = planner.plan(budget_bytes=refused.value.min_feasible_bytes)
@@ -164,7 +140,7 @@ def test_three_stages_with_tied_weights_give_the_single_process_step_at_the_mini
     assert any("the tensors the last rank receives" in note for note in pplan.notes)
     assert f"the loss in chunks of {pplan.stage_plans[-1].loss_chunk_tokens} tokens" in pplan.summary()
     results = _run(config, pplan, tmp_path)
-    assert len(results[-1]["losses"]) == _MICROBATCHES  # the step filled the list it was given
+    assert len(results[-1]["losses"]) == MICROBATCHES  # the step filled the list it was given
     _assert_single_process_step_under_budget(config, pplan, results)
     assert "embed.weight" in results[0]["grads"] and "head.weight" in results[2]["grads"]
     assert "head.weight" in results[2]["state_dict_keys"]  # the stage module's keys are the model's own
@@ -173,20 +149,20 @@ def test_three_stages_with_tied_weights_give_the_single_process_step_at_the_mini
 
 @pytest.mark.slow
 def test_the_chosen_split_keeps_a_budget_the_even_split_cannot(tight_budget) -> None:
-    answers = _planner(_CONFIG).compare(budget_bytes=tight_budget)
+    answers = shared_planner(CONFIG).compare(budget_bytes=tight_budget)
     assert isinstance(answers["even-layers"], InfeasibleBudgetError)
     pplan = answers["autockpt"]
     assert all(s.predicted_peak_bytes <= tight_budget for s in pplan.stages)
-    assert pplan.cuts != _planner(_CONFIG).compare(budget_bytes=10**9)["even-layers"].cuts
+    assert pplan.cuts != shared_planner(CONFIG).compare(budget_bytes=10**9)["even-layers"].cuts
 
 
 @pytest.mark.slow
 def test_an_infeasible_budget_names_the_smallest_one_and_that_one_plans(tmp_path) -> None:
     with pytest.raises(InfeasibleBudgetError) as refused:
-        _planner(_CONFIG).plan(budget_bytes=100_000)
+        shared_planner(CONFIG).plan(budget_bytes=100_000)
     smallest = refused.value.min_feasible_bytes
     assert "smallest budget a split keeps" in str(refused.value)
-    pplan = _planner(_CONFIG).plan(budget_bytes=smallest)
+    pplan = shared_planner(CONFIG).plan(budget_bytes=smallest)
     assert max(s.predicted_peak_bytes for s in pplan.stages) <= smallest
     pplan.save(tmp_path / "p.json")
     again = autockpt.load_pipeline_plan(tmp_path / "p.json")
@@ -200,7 +176,7 @@ def test_an_infeasible_budget_names_the_smallest_one_and_that_one_plans(tmp_path
 
 
 def test_a_pipeline_plan_says_how_its_stages_were_traced(tmp_path) -> None:
-    pplan = _planner(_CONFIG).compare(budget_bytes=10**9)["even-layers"]
+    pplan = shared_planner(CONFIG).compare(budget_bytes=10**9)["even-layers"]
     provenance = pplan.provenance
     # the tests' timing (``support.TEST_TIMING``): a roofline of a fixed CPU, on the CPU the step ran on
     assert (provenance.trace, provenance.timing, provenance.device) == ("measured", "roofline", "cpu")
@@ -234,8 +210,8 @@ def test_the_split_program_finds_the_exhaustive_best() -> None:
 
 
 def test_bad_requests_say_what_to_do() -> None:
-    ids, target = _batch()
-    model = build(_CONFIG)
+    ids, target = batch()
+    model = build(CONFIG)
     with pytest.raises(ValueError, match="at least as many microbatches as stages"):
         autockpt.plan_pipeline(model, 4, budget_bytes=10**9, microbatches=2, example_inputs=(ids,),
                                example_target=target, loss_fn=lm_loss)
@@ -259,13 +235,13 @@ def test_one_cut_candidate_is_the_middle_boundary() -> None:
 
 
 def test_a_last_stage_whose_loss_cannot_be_chunked_is_planned_alone_and_says_why() -> None:
-    ids, target = _batch()
+    ids, target = batch()
 
     def smoothed(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(), label_smoothing=0.1)
 
     pplan = autockpt.plan_pipeline(
-        build(_CONFIG), 2, budget_bytes=10**9, microbatches=_MICROBATCHES, example_inputs=(ids,),
+        build(CONFIG), 2, budget_bytes=10**9, microbatches=MICROBATCHES, example_inputs=(ids,),
         example_target=target, loss_fn=smoothed, split=(10,), max_cut_candidates=1,
     )
     assert not pplan.stages[-1].with_loss and pplan.stage_plans[-1].loss_chunk_tokens == 0
@@ -277,16 +253,16 @@ def test_a_last_stage_whose_loss_cannot_be_chunked_is_planned_alone_and_says_why
 
 @pytest.mark.slow
 def test_a_plan_for_another_model_is_refused_by_every_rank() -> None:
-    pplan = _plan(_CONFIG, budget_bytes=10**9, split=(10,))
-    other = build({**_CONFIG, "model": {**_CONFIG["model"], "layers": 3}})
+    pplan = shared_planner(CONFIG).compare(budget_bytes=10**9)["even-layers"]  # any split of the shared planner's
+    other = build({**CONFIG, "model": {**CONFIG["model"], "layers": 3}})
     with pytest.raises(PlanMismatchError, match="another model"):
         stage_module_for(other, pplan, 0)
     # the last stage was planned with its loss function: without it, no stage module is made
     assert pplan.stages[-1].with_loss
     with pytest.raises(TypeError, match="give the loss_fn the plan was made with"):
-        stage_module_for(build(_CONFIG), pplan, 1)
-    last = stage_module_for(build(_CONFIG), pplan, 1, loss_fn=lm_loss)
-    _, target = _batch()
+        stage_module_for(build(CONFIG), pplan, 1)
+    last = stage_module_for(build(CONFIG), pplan, 1, loss_fn=lm_loss)
+    _, target = batch()
     received = torch.randn(2, 16, 32, requires_grad=True)
     assert last(received) == (received,)  # it passes on what it receives; its loss runs the stage and the loss
     assert last.loss((received,), target[:2]).shape == ()

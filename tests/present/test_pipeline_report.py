@@ -11,29 +11,31 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+from pipeline_planners import CONFIG, PIPELINE_GROUP, shared_planner
 
 import autockpt
 from autockpt.present.pipeline_report import schedule_boxes, schedule_order, stage_memory
 from autockpt.record_types import SharedParameter
 from autockpt.types import PipelineSchedule
 from autockpt.units import format_bytes
-from experiments.common.pipeline_worker import build, lm_loss
 
-_CONFIG = {"seed": 0, "model": {"vocab": 1024, "width": 32, "layers": 4, "tied": False}}
 _BUDGET = 1_500_000  # the smallest a split of this model keeps is about 1.33 MB: tight enough to draw the budget
 MISSING = "No plots: matplotlib could not be imported"
+# with the pipeline tests: their planner of the same model (``pipeline_planners``) captured once
+pytestmark = PIPELINE_GROUP
 
 
 @pytest.fixture(scope="module")
 def pplan() -> autockpt.PipelinePlan:
-    generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 1024, (8, 16), generator=generator)
-    target = torch.randint(0, 1024, (8, 16), generator=generator)
-    return autockpt.plan_pipeline(
-        build(_CONFIG), 2, budget_bytes=_BUDGET, microbatches=4, example_inputs=(ids,), example_target=target,
-        loss_fn=lm_loss,
-    )
+    return shared_planner(CONFIG).plan(budget_bytes=_BUDGET)
+
+
+@pytest.fixture(scope="module")
+def html_report(pplan: autockpt.PipelinePlan, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The plan's HTML page, drawn once for the tests that read it."""
+    path = tmp_path_factory.mktemp("pipeline_report") / "pipeline.html"
+    pplan.report(path)
+    return path.read_text()
 
 
 @pytest.fixture
@@ -70,10 +72,8 @@ def _check_stage_sections(pplan: autockpt.PipelinePlan, sections: dict[int, str]
         assert format_bytes(record.retained_bytes) in section and format_bytes(record.schedule_buffer_bytes) in section
 
 
-def test_html_has_one_timeline_per_stage_and_the_schedule(pplan: autockpt.PipelinePlan, tmp_path: Path) -> None:
-    path = tmp_path / "pipeline.html"
-    pplan.report(path)
-    text = path.read_text()
+def test_html_has_one_timeline_per_stage_and_the_schedule(pplan: autockpt.PipelinePlan, html_report: str) -> None:
+    text = html_report
     assert MISSING not in text
     assert "GB = 10<sup>9</sup>" in text or "GB = 10^9" in text
     assert f"{pplan.predicted_step_ms:.2f} ms" in text and f"{pplan.link_gb_per_s:.2f} GB/s" in text
@@ -97,10 +97,8 @@ def test_html_has_one_timeline_per_stage_and_the_schedule(pplan: autockpt.Pipeli
     assert "<td>1</td><td>F0 B0 F1 B1 F2 B2 F3 B3</td>" in schedule
 
 
-def test_peak_is_said_as_the_planner_forms_it(pplan: autockpt.PipelinePlan, tmp_path: Path) -> None:
-    path = tmp_path / "pipeline.html"
-    pplan.report(path)
-    sections = _html_stage_sections(path.read_text())
+def test_peak_is_said_as_the_planner_forms_it(pplan: autockpt.PipelinePlan, html_report: str) -> None:
+    sections = _html_stage_sections(html_report)
     for record, plan in zip(pplan.stages, pplan.stage_plans):
         memory = stage_memory(record, plan)
         assert plan.memory_after is not None and max(plan.memory_after.total_bytes) == plan.predicted_peak_bytes

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo
-from support import assert_same_step, budget_at, needs_transformers, twin, zoo_params
+from support import assert_same_step, budget_at, needs_transformers, run_step, twin, zoo_params
 from torch._dynamo.utils import counters
 
 import autockpt
@@ -96,13 +96,16 @@ def compare_compiled(case: zoo.ZooCase, action: Action, backend: str, fraction: 
     module = optimized_at(case, fraction, action)
     compiled_reference, original = compiled_step(reference, case, backend)
     original_graphs, original_breaks = original.graphs, graph_breaks()
+    # the original's step to compare with, run before the planned module's compile resets Dynamo (after it, the
+    # compiled original would be compiled again: 1.4 s of the test, issue 46)
+    expected = run_step(compiled_reference, case)
     compiled, planned = compiled_step(module, case, backend)
     planned_graphs, planned_breaks = planned.graphs, graph_breaks()
     assert planned_graphs <= original_graphs, f"optimized: {planned_graphs} graphs, original: {original_graphs}"
     assert planned_breaks <= original_breaks
     # the plan is in the graph: one checkpoint op per planned region
     assert planned.checkpoints == len(module.plan.regions)
-    assert_same_step(compiled, compiled_reference, case)
+    assert_same_step(compiled, compiled_reference, case, expected=expected)
 
 
 @pytest.mark.slow
@@ -159,7 +162,7 @@ def test_inductor_step_is_the_original_step_with_a_lower_peak() -> None:
 
 @needs_transformers
 @pytest.mark.slow
-def test_optimize_compiled_keeps_the_budget_as_the_compiled_step_runs() -> None:
+def test_optimize_compiled_keeps_the_budget_as_the_compiled_step_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """``optimize(..., compiled=..., optimizer=AdamW)``: the compiled loop step (forward, backward,
     ``optimizer.step()``; first step and a later one), measured by the allocator's events (MemTracker cannot see
     inside compiled code), is under the budget; the model's gradients and weights are as they were; the step is the
@@ -167,7 +170,9 @@ def test_optimize_compiled_keeps_the_budget_as_the_compiled_step_runs() -> None:
     compiled step's peak differ from the eager plan's; Inductor's code generation took 233 s of a 2-core suite here
     (it is compiled once in ``test_inductor_step_is_the_original_step_with_a_lower_peak`` and on CUDA below). The
     plan kept, an export capture of a Hugging Face decoder, compiles to one graph with one checkpoint op per region
-    and no graph break, as the original does."""
+    and no graph break, as the original does. The search for a looser plan once one fits is off (a compile per
+    try): which of the plans that fit is kept is ``tests/planning/test_compiled_choice.py``'s, on scripted readings."""
+    monkeypatch.setattr("autockpt.planning.compiled.LOOSEN_ATTEMPTS", 0)
     backend = "aot_eager"
     case = neox_case()  # each plan tried is compiled: one layer compiles in half the time of two
     reference = twin(case)
@@ -188,13 +193,14 @@ def test_optimize_compiled_keeps_the_budget_as_the_compiled_step_runs() -> None:
                                      optimizer=torch.optim.AdamW)
     assert measured.peak_bytes <= budget, f"compiled loop step {measured.peak_bytes} bytes, budget {budget}"
     # the reference behind Dynamo alone (backend "eager"), so that both name their parameters "_orig_mod.*"
-    assert_same_step(compiled, torch.compile(reference, backend="eager"), case)
+    original = GraphCount("eager")  # Dynamo's graphs: the backend does not change them
+    assert_same_step(compiled, torch.compile(reference, backend=original), case)
+    assert original.graphs == 1
     kept = compiled._orig_mod
     assert kept.plan.regions, "the test needs a plan that checkpoints something"
-    _, planned = compiled_step(kept, case, backend)
+    # Dynamo's graphs again, of the plan kept (compiled by aot_eager inside optimize): counted behind backend "eager"
+    _, planned = compiled_step(kept, case, "eager")
     assert planned.graphs == 1 and graph_breaks() == 0 and planned.checkpoints == len(kept.plan.regions)
-    _, original = compiled_step(reference, case, "eager")  # Dynamo's graphs: the backend does not change them
-    assert original.graphs == 1
 
 
 @pytest.mark.parametrize(
@@ -213,16 +219,17 @@ def test_every_optimized_module_compiles_past_dynamos_recompile_limit() -> None:
     another's guards: with one ``forward`` code object shared by every optimized module, the ninth compiled in a
     process ran eager (a warning only), so ``optimize(..., compiled=True)``, which compiles up to six, measured eager
     steps as compiled ones after a sweep or two. Each module compiles its own graph, however many came before. The
-    limit lowered to 2 for the test: two modules past it prove the same as two past 8, in 4 compiles, not 10."""
+    limit lowered to 1 for the test: two modules past it prove the same as two past 8, in 3 compiles, not 10."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[layer for _ in range(4) for layer in (torch.nn.Linear(32, 32), torch.nn.GELU())])
+    model = torch.nn.Sequential(*[layer for _ in range(2) for layer in (torch.nn.Linear(32, 32), torch.nn.GELU())])
     x = torch.randn(64, 32)
     planner = autockpt.Planner.from_model(model, example_inputs=(x,), loss_fn=lambda y: y.square().mean())
-    plan = planner.plan(budget_bytes=budget_at(planner, 0.5))
+    plan = planner.plan(budget_bytes=budget_at(planner, 0.8))  # two blocks: the floor is past half way
+    assert plan.regions, "the test needs a plan that checkpoints something"
     count = GraphCount("eager")
     modules = []  # kept alive, as a sweep's would be
-    with torch._dynamo.config.patch(recompile_limit=2):
+    with torch._dynamo.config.patch(recompile_limit=1):
         for index in range(torch._dynamo.config.recompile_limit + 2):
             modules.append(torch.compile(planner.apply(plan), backend=count))
             modules[-1](x).square().mean().backward()

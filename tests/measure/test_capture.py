@@ -209,12 +209,12 @@ def test_an_output_export_cannot_return_is_not_dropped() -> None:
 
 
 @needs_transformers
-@pytest.mark.parametrize("name", ["llama", "vit"])
-def test_exported_hugging_face_graphs_take_the_eager_attention_path(name: str) -> None:
+def test_exported_hugging_face_graphs_take_the_eager_attention_path() -> None:
     """Exported as is, transformers builds an all-True attention mask that every attention converts and saves (the
     eager model skips it): the captured step costs more than the model it replaces. Captured on the eager library
-    paths, the graph's peak is the eager model's."""
-    case = tiny(name)
+    paths, the graph's peak is the eager model's. A decoder given no mask (the zoo's Llama); the ViT, with its
+    self-check, and the decoders given a mask are ``test_eager_course.py``'s (issue 46)."""
+    case = tiny("llama")
     graph = capture(case.model, case.args, case.kwargs)
     assert graph.kind is CaptureKind.EXPORT
     eager = autockpt.measure_step(case.model, case.args, case.kwargs, case.loss_fn).peak_bytes

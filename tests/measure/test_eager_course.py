@@ -38,8 +38,6 @@ def _decoder(kind: str) -> torch.nn.Module:
               "vocab_size": 256, "max_position_embeddings": 512}
     if kind == "llama-gqa":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, num_key_value_heads=2))
-    if kind == "qwen2-gqa":
-        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, num_key_value_heads=2))
     if kind == "mistral-sliding":  # a window shorter than the sequence: the eager model builds its mask too
         return transformers.MistralForCausalLM(transformers.MistralConfig(**common, num_key_value_heads=2,
                                                                           sliding_window=32))
@@ -75,7 +73,7 @@ def _other_model(kind: str) -> tuple[torch.nn.Module, tuple, dict]:
 
 def _case(kind: str) -> tuple[torch.nn.Module, tuple, dict]:
     torch.manual_seed(0)
-    if kind in ("llama-gqa", "qwen2-gqa", "mistral-sliding"):
+    if kind in ("llama-gqa", "mistral-sliding"):
         ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
         # an attention mask without padding, as a tokenizer gives it: the eager model reads it and skips it
         return _decoder(kind), (ids,), {"labels": ids, "attention_mask": torch.ones_like(ids)}
@@ -91,7 +89,9 @@ def _grads(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[float, di
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-KINDS = ["llama-gqa", "qwen2-gqa", "mistral-sliding", "gpt2-mha", "bert-encoder", "t5-encoder-decoder", "vit"]
+# Qwen2 left out (issue 46's suite time): transformers builds it from the two decoders here (its attention, MLP and
+# layers are Llama's, biases on the projections aside; its model, which builds the mask, is Mistral's)
+KINDS = ["llama-gqa", "mistral-sliding", "gpt2-mha", "bert-encoder", "t5-encoder-decoder", "vit"]
 
 
 Optimized = tuple[torch.nn.Module, torch.nn.Module, tuple, dict]  # the reference, the optimized module, the inputs

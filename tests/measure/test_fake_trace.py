@@ -15,8 +15,9 @@ from support import budget_at, needs_diffusers, needs_transformers, tiny
 import autockpt
 from autockpt.errors import FakeStepError, ProfileError
 from autockpt.measure.fake import FakeTrace, _CpuFakeTensorMode
-from autockpt.measure.sources import TraceRequest
+from autockpt.measure.sources import MeasuredTrace, TraceRequest
 from autockpt.measure.timing import MeasuredTiming
+from autockpt.planning.build import solves_by_blocks
 from autockpt.present import zoo
 from autockpt.runtime.model_state import preserved_model_state
 from autockpt.types import CaptureKind, StepTrace
@@ -89,35 +90,68 @@ _CASES = [
 
 
 _ONE_LAYER = {"gpt2", "llama", "bert", "vit", "t5"}
+# the cases whose plans are compared (a measured planner of their own); the others' timelines only
+_PLANNED = {("mlp", False), ("cnn", True), ("transformer", False)}
+
+
+def _case_and_call(name: str, bf16: bool) -> tuple[zoo.ZooCase, dict[str, Any], contextlib.AbstractContextManager]:
+    """A tiny zoo model, the planners' arguments and its autocast. The Hugging Face models with one layer: their
+    timelines are compared op by op, and a second layer repeats the first's ops (issue 46: T5's two planners 4.8 ->
+    2.6 s, GPT-2's 1.5 -> 1.0 s); the plans are compared on the zoo's own models. One program each (the loss as
+    captured); both recompute kinds ("auto", not the tests' default): the traces then hold the gradient lifetimes
+    autockpt's own checkpoint is priced with, which the fake trace must give as measured too."""
+    case = zoo.build(name, "tiny", blocks=1) if name in _ONE_LAYER else tiny(name)
+    call = {"example_inputs": case.args, "example_kwargs": case.kwargs, "loss_fn": case.loss_fn, "loss_chunk_tokens": 0,
+            "checkpoint": "auto"}
+    return case, call, _autocast(bf16)
+
+
+def _autocast(bf16: bool) -> contextlib.AbstractContextManager:
+    return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+
+
+@functools.cache
+def fake_planner(name: str, bf16: bool) -> autockpt.Planner:
+    """The fake planner of a tiny zoo model (once per test session); the fake trace leaves the model as it was."""
+    case, call, autocast = _case_and_call(name, bf16)
+    with autocast:
+        before = state_of(case.model)
+        # the fake trace's own times (placeholders) kept: MeasuredTiming given as a Timing, not "auto" (a benchmark)
+        fake = autockpt.Planner.from_model(case.model, **call, trace_source=FakeTrace(), timing=MeasuredTiming())
+    assert_same_state(before, case.model)
+    return fake
 
 
 @functools.cache
 def planners(name: str, bf16: bool) -> Planners:
-    """The measured and the fake planner of a tiny zoo model (once per test session). The Hugging Face models with
-    one layer: their timelines are compared op by op, and a second layer repeats the first's ops (issue 46: T5's two
-    planners 4.8 -> 2.6 s, GPT-2's 1.5 -> 1.0 s); the plans are compared on the zoo's own models."""
-    case = zoo.build(name, "tiny", blocks=1) if name in _ONE_LAYER else tiny(name)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-    # one program each (the loss as captured): the plans compared are the same program's on both traces; both
-    # recompute kinds ("auto", not the tests' default): the traces then hold the gradient lifetimes autockpt's own
-    # checkpoint is priced with, which the fake trace must give as measured too
-    call = {"example_inputs": case.args, "example_kwargs": case.kwargs, "loss_fn": case.loss_fn, "loss_chunk_tokens": 0,
-            "checkpoint": "auto"}
+    """The measured and the fake planner of a case whose plans are compared (``_PLANNED``)."""
+    assert (name, bf16) in _PLANNED
+    case, call, autocast = _case_and_call(name, bf16)
     with autocast:
         measured = autockpt.Planner.from_model(case.model, **call)
-        before = state_of(case.model)
-        # the fake trace's own times (placeholders) kept: MeasuredTiming given as a Timing, not "auto" (a benchmark)
-        fake = autockpt.Planner.from_model(case.model, **call, trace_source=FakeTrace(), timing=MeasuredTiming())
-    assert_same_state(before, case.model)  # the fake trace leaves the model as it was
-    return Planners(measured, fake)
+    return Planners(measured, fake_planner(name, bf16))
+
+
+def measured_trace(name: str, bf16: bool) -> StepTrace:
+    """The measured trace of the fake planner's own captured program and request (what its planner would hold):
+    the timelines compared are one program's, captured once (issue 46: an export capture and an eager self-check
+    step less per model)."""
+    if (name, bf16) in _PLANNED:
+        return planners(name, bf16).measured.trace
+    fake = fake_planner(name, bf16)
+    step = fake.request
+    request = TraceRequest(time_repeated_blocks_once=solves_by_blocks(fake.options, fake.graph),
+                           gradient_lifetimes=True)
+    with _autocast(bf16), preserved_model_state(step.model, step.args, step.kwargs):
+        return MeasuredTrace().trace(fake.graph, step, request)
 
 
 @pytest.mark.parametrize(("name", "bf16"), _CASES)
 def test_fake_trace_is_the_measured_memory_timeline(name: str, bf16: bool) -> None:
-    both = planners(name, bf16)
-    assert_same_memory(both.fake.trace, both.measured.trace)
-    assert both.fake.trace.times_measured is False and both.measured.trace.times_measured is True
-    assert all(u.forward_ms == 0.0 for u in both.fake.trace.units) and both.fake.trace.step_ms == 0.0
+    fake, measured = fake_planner(name, bf16).trace, measured_trace(name, bf16)
+    assert_same_memory(fake, measured)
+    assert fake.times_measured is False and measured.times_measured is True
+    assert all(u.forward_ms == 0.0 for u in fake.units) and fake.step_ms == 0.0
 
 
 # the same plan follows from the same timeline (every case above): two kinds checked end to end, a conv net under
@@ -195,11 +229,12 @@ def test_the_loop_optimizer_is_stepped_on_fakes_and_the_users_is_left_alone() ->
 
 @needs_transformers
 def test_a_model_on_the_meta_device_is_captured_at_batch_size_1() -> None:
-    """A model on the meta device is captured, traced and planned there, from meta inputs or real token ids beside
-    it (the same memory timeline), and stays there. At batch size 1, transformers checks for packed sequences with
-    ``.item()``, which meta tensors cannot answer: capture runs the model on a fake copy (transformers skips the
-    check on fake tensors) and exports the model on meta; the plan is rewritten onto a module on meta. Grouped-query
-    attention (two key/value heads), as the real-ids meta Llama of ``test_trace_choice.py`` at batch size 2."""
+    """A model on the meta device is captured, traced and planned there from meta inputs, and stays there. At batch
+    size 1, transformers checks for packed sequences with ``.item()``, which meta tensors cannot answer: capture runs
+    the model on a fake copy (transformers skips the check on fake tensors) and exports the model on meta; the plan is
+    rewritten onto a module on meta. Grouped-query attention (two key/value heads), as the meta Llama of
+    ``test_trace_choice.py`` given real token ids at batch size 2 (real ids beside a meta model are made meta tensors
+    before the capture, ``build.aligned_step``: they would repeat this case; issue 46)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -211,18 +246,15 @@ def test_a_model_on_the_meta_device_is_captured_at_batch_size_1() -> None:
     ids = torch.randint(0, 320, (1, 64))
     with pytest.raises(RuntimeError, match="meta tensors"):  # what capture ran into
         model(ids.to("meta"), labels=ids.to("meta"))
-    traces = []
-    for given in (ids.to("meta"), ids):  # meta inputs, or real token ids beside the meta model
-        planner = autockpt.Planner.from_model(
-            model, example_inputs=(given,), example_kwargs={"labels": given}, trace_source=FakeTrace(),
-            loss_chunk_tokens=0,  # the subject is the capture on meta; the loss's chunks are test_loss_chunks.py's
-            checkpoint="torch_non_reentrant",  # one kind: both are planned from fake traces in test_trace_choice.py
-        )
-        assert planner.graph.kind is CaptureKind.EXPORT and planner.graph.model is model
-        assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}
-        assert all(p.grad is None for p in model.parameters())
-        traces.append(planner.trace)
-    assert_same_memory(traces[1], traces[0])
+    given = ids.to("meta")
+    planner = autockpt.Planner.from_model(
+        model, example_inputs=(given,), example_kwargs={"labels": given}, trace_source=FakeTrace(),
+        loss_chunk_tokens=0,  # the subject is the capture on meta; the loss's chunks are test_loss_chunks.py's
+        checkpoint="torch_non_reentrant",  # one kind: both are planned from fake traces in test_trace_choice.py
+    )
+    assert planner.graph.kind is CaptureKind.EXPORT and planner.graph.model is model
+    assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}
+    assert all(p.grad is None for p in model.parameters())
     trace = planner.trace
     assert trace.parameter_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
     plan = planner.plan(budget_bytes=budget_at(planner, 0.5))

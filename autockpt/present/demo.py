@@ -34,15 +34,16 @@ def main(argv: list[str] | None = None, prog: str = "autockpt demo") -> None:
     print(f"model: {args.model} ({args.size}), {sum(p.numel() for p in case.model.parameters()):,} parameters")
     torch.manual_seed(0)  # same dropout masks for both measured steps, so the losses compare
     unmodified = autockpt.measure_step(case.model, case.args, case.kwargs, case.loss_fn)
-    probe = autockpt.plan(case.model, budget_bytes=10**15, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
-    budget = int(probe.static_bytes + args.fraction * (probe.baseline_peak_bytes - probe.static_bytes))
-    print(f"budget: {format_bytes(budget)} ({args.fraction:.0%} of the way from static memory to the unmodified peak)")
-
+    # autockpt.optimize in two steps, to set the budget from the step's own figures: one capture and trace for both
     started = time.perf_counter()
-    optimized = autockpt.optimize(
-        case.model, budget_bytes=budget, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn
+    planner = autockpt.Planner.from_model(
+        case.model, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn
     )
-    print(f"optimize took {time.perf_counter() - started:.1f} s\n")
+    trace = planner.trace
+    budget = int(trace.static_bytes + args.fraction * (trace.baseline_peak_bytes - trace.static_bytes))
+    print(f"budget: {format_bytes(budget)} ({args.fraction:.0%} of the way from static memory to the unmodified peak)")
+    optimized = planner.optimize(budget_bytes=budget)
+    print(f"optimize took {time.perf_counter() - started:.1f} s (capture, trace, plan and a verified step)\n")
     plan = autockpt.get_plan(optimized)
     print(plan.summary())
 

@@ -275,6 +275,19 @@ def built_for_graph(built: BuiltStep, graph: Graph, options: PlanOptions) -> Bui
         )
 
 
+def trace_request(options: PlanOptions, graph: Graph, spec: DeviceSpec | None,
+                  optimizer_step: OptimizerStepCost | None = None) -> TraceRequest:
+    """What a planner of ``options`` asks the trace of ``graph`` for (``spec``: the target planned for, if any;
+    ``optimizer_step``: the optimizer's step measured already, on another program of the same step)."""
+    return TraceRequest(
+        time_repeated_blocks_once=solves_by_blocks(options, graph),
+        gradient_lifetimes=Action.RECOMPUTE_OWN in recompute_actions(checkpoint_choice(options), graph.kind),
+        optimizer=options.optimizer, gradient_accumulation_steps=options.gradient_accumulation_steps,
+        output_held=options.output_held, planned_device_type=spec.device_type if spec is not None else None,
+        optimizer_step=optimizer_step, times_used=uses_measured_times(options.timing, options.target),
+    )
+
+
 def _traced_and_priced(
     step: StepInputs, graph: Graph, options: PlanOptions, trace: str | TraceSource, spec: DeviceSpec | None,
     memory: int | None, without_values: bool, *, capture_time_s: float, eager: Provenance | None = None,
@@ -287,13 +300,8 @@ def _traced_and_priced(
     # a model on the meta device is planned for the CPU, where its fake step runs and its machinery is priced
     price_device = torch.device("cpu") if step.device.type == "meta" else step.device
     actions = recompute_actions(checkpoint_choice(options), graph.kind)
-    chosen = traced_step(trace, graph, step, TraceRequest(
-        time_repeated_blocks_once=solves_by_blocks(options, graph),
-        gradient_lifetimes=Action.RECOMPUTE_OWN in actions,
-        optimizer=options.optimizer, gradient_accumulation_steps=options.gradient_accumulation_steps,
-        output_held=options.output_held, planned_device_type=spec.device_type if spec is not None else None,
-        optimizer_step=optimizer_step, times_used=uses_measured_times(options.timing, options.target),
-    ), memory, without_values=without_values)
+    chosen = traced_step(trace, graph, step, trace_request(options, graph, spec, optimizer_step), memory,
+                         without_values=without_values)
     if chosen.reason:
         logger.info("trace='auto' chose the %s trace: %s", chosen.source, chosen.reason)
     if chosen.trace.loop is not None:

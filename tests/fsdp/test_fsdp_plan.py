@@ -182,6 +182,7 @@ def test_with_a_host_pool_a_budget_full_checkpointing_per_block_cannot_keep_is_k
     # a bound no unit's slots fit (1,000 B, what host_pool_gb=1e-6 gives): nothing offloaded, the floor is full
     # checkpointing's. The pool planner's copy with that bound: its measurements are the same model's and batch's,
     # and a planner of its own traced and measured them again (issue 46)
+    # (the copy shares the planner's measurements: they are keyed by decisions and chunk, which no bound changes)
     bounded_planner = copy.copy(shared_planner(CONFIG, host_pool_gb=1.0))
     bounded_planner.pool_limit = 1000
     bounded = bounded_planner.plan(budget_bytes=roomy.min_feasible_bytes)
@@ -493,6 +494,19 @@ def test_the_optimizer_step_is_counted_as_torch_runs_it_with_foreach_temporaries
         assert tracked_peak(config, loop, ids, target, make_optimizer=momentum)[0] == sgd
     finally:
         dist.destroy_process_group()
+
+
+def test_an_optimizer_group_steps_with_foreach_where_torch_would() -> None:
+    """What the planner measures an optimizer's step with, per group: foreach where asked, or by torch's default on
+    CUDA (the case above plans AdamW for an H100 and the CPU's for-loop, and SGD with foreach=True on the CPU)."""
+    from autockpt.fsdp.fake_world import _foreach_groups
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    assert _foreach_groups(torch.optim.AdamW(params, foreach=True), "cpu") == [True]
+    assert _foreach_groups(torch.optim.AdamW(params), "cpu") == [False]
+    assert _foreach_groups(torch.optim.AdamW(params), "cuda") == [True]
+    assert _foreach_groups(torch.optim.AdamW(params, foreach=False), "cuda") == [False]
+    assert _foreach_groups(torch.optim.AdamW(params, fused=True), "cuda") == [False]
 
 
 def test_a_measurement_runs_one_forward_and_backward_and_no_optimizer_step() -> None:

@@ -89,8 +89,8 @@ def _grads(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[float, di
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-# Qwen2 left out (issue 46's suite time): transformers builds it from the two decoders here (its attention, MLP and
-# layers are Llama's, biases on the projections aside; its model, which builds the mask, is Mistral's)
+# Qwen2 left out (issue 46's suite time): transformers builds it from Llama's attention, MLP and layers (biases on the
+# projections aside), and without a sliding window its model masks through the Llama's path (``create_causal_mask``)
 KINDS = ["llama-gqa", "mistral-sliding", "gpt2-mha", "bert-encoder", "t5-encoder-decoder", "vit"]
 
 

@@ -14,8 +14,10 @@ from click.testing import CliRunner
 from support import needs_transformers
 
 import autockpt
+from autockpt.present import zoo
 from autockpt.present.cli import main
 from autockpt.present.workload import parse_budget, parse_input_spec
+from autockpt.units import format_bytes
 
 MLP = ["cli_models:small_mlp", "--input", "float32[128,64]"]
 
@@ -164,8 +166,16 @@ def test_python_dash_m_and_the_console_script_run_the_same_cli(monkeypatch: pyte
 
 
 def test_demo_runs_a_built_in_example() -> None:
-    code, out, _ = run("demo", "--model", "mlp", "--size", "tiny")
+    """The budget the demo sets is the fraction asked of the way from the step's static bytes to its unmodified peak,
+    and the module it optimizes checkpoints something and keeps it."""
+    code, out, _ = run("demo", "--model", "mlp", "--size", "tiny", "--fraction", "0.6")
     assert code == 0 and "within budget" in out
+    case = zoo.build("mlp", "tiny")
+    trace = autockpt.Planner.from_model(case.model, example_inputs=case.args, example_kwargs=case.kwargs,
+                                        loss_fn=case.loss_fn).trace
+    budget = int(trace.static_bytes + 0.6 * (trace.baseline_peak_bytes - trace.static_bytes))
+    assert f"budget: {format_bytes(budget)} (60% of the way" in out
+    assert re.search(r"recomputed\s+\d+ of \d+ units in [1-9]\d* checkpointed region", out), out
 
 
 @needs_transformers

@@ -8,6 +8,7 @@ sweep's method): MemTracker does not see inside compiled code.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -188,7 +189,9 @@ def test_optimize_compiled_keeps_the_budget_as_the_compiled_step_runs(monkeypatc
     assert all(torch.equal(param, weight) for param, weight in zip(case.model.parameters(), weights))
     the_plan = autockpt.get_plan(compiled)
     (note,) = [note for note in the_plan.notes if "compiled with torch.compile" in note]
-    assert note.count(", compiled ") >= 2, f"the test means to tighten at least once: {note}"
+    # the test means to tighten at least once: the plan for the budget itself compiled over it
+    readings = [(int(target), int(peak)) for target, peak in re.findall(r"planned for (\d+), compiled (\d+)", note)]
+    assert len(readings) >= 2 and readings[0][0] == budget < readings[0][1], note
     measured = measure_compiled_step(compiled, case.args, case.kwargs, loss_fn, static_from=compiled._orig_mod,
                                      optimizer=torch.optim.AdamW)
     assert measured.peak_bytes <= budget, f"compiled loop step {measured.peak_bytes} bytes, budget {budget}"

@@ -180,9 +180,8 @@ def test_with_a_host_pool_a_budget_full_checkpointing_per_block_cannot_keep_is_k
         )
     assert again.peak_bytes == pooled.predicted_peak_bytes and again.host_pool_bytes == pooled.host_pool_bytes
     # a bound no unit's slots fit (1,000 B, what host_pool_gb=1e-6 gives): nothing offloaded, the floor is full
-    # checkpointing's. The pool planner's copy with that bound: its measurements are the same model's and batch's,
-    # and a planner of its own traced and measured them again (issue 46)
-    # (the copy shares the planner's measurements: they are keyed by decisions and chunk, which no bound changes)
+    # checkpointing's. The pool planner's copy with that bound shares its measurements, keyed by decisions and chunk,
+    # which no bound changes (a planner of its own traced and measured them again, issue 46)
     bounded_planner = copy.copy(shared_planner(CONFIG, host_pool_gb=1.0))
     bounded_planner.pool_limit = 1000
     bounded = bounded_planner.plan(budget_bytes=roomy.min_feasible_bytes)

@@ -94,16 +94,18 @@ _ONE_LAYER = {"gpt2", "llama", "bert", "vit", "t5"}
 _PLANNED = {("mlp", False), ("cnn", True), ("transformer", False)}
 
 
-def _case_and_call(name: str, bf16: bool) -> tuple[zoo.ZooCase, dict[str, Any], contextlib.AbstractContextManager]:
-    """A tiny zoo model, the planners' arguments and its autocast. The Hugging Face models with one layer: their
-    timelines are compared op by op, and a second layer repeats the first's ops (issue 46: T5's two planners 4.8 ->
-    2.6 s, GPT-2's 1.5 -> 1.0 s); the plans are compared on the zoo's own models. One program each (the loss as
-    captured); both recompute kinds ("auto", not the tests' default): the traces then hold the gradient lifetimes
-    autockpt's own checkpoint is priced with, which the fake trace must give as measured too."""
+@functools.cache
+def _case_and_call(name: str, bf16: bool) -> tuple[zoo.ZooCase, dict[str, Any]]:
+    """A tiny zoo model and the planners' arguments, one per case (``bf16`` keys it only: a case's planners trace one
+    model, which no other case's steps touch). The Hugging Face models with one layer: their timelines are compared op
+    by op, and a second layer repeats the first's ops (issue 46: T5's two planners 4.8 -> 2.6 s, GPT-2's 1.5 ->
+    1.0 s); the plans are compared on the zoo's own models. One program each (the loss as captured); both recompute
+    kinds ("auto", not the tests' default): the traces then hold the gradient lifetimes autockpt's own checkpoint is
+    priced with, which the fake trace must give as measured too."""
     case = zoo.build(name, "tiny", blocks=1) if name in _ONE_LAYER else tiny(name)
     call = {"example_inputs": case.args, "example_kwargs": case.kwargs, "loss_fn": case.loss_fn, "loss_chunk_tokens": 0,
             "checkpoint": "auto"}
-    return case, call, _autocast(bf16)
+    return case, call
 
 
 def _autocast(bf16: bool) -> contextlib.AbstractContextManager:
@@ -113,8 +115,8 @@ def _autocast(bf16: bool) -> contextlib.AbstractContextManager:
 @functools.cache
 def fake_planner(name: str, bf16: bool) -> autockpt.Planner:
     """The fake planner of a tiny zoo model (once per test session); the fake trace leaves the model as it was."""
-    case, call, autocast = _case_and_call(name, bf16)
-    with autocast:
+    case, call = _case_and_call(name, bf16)
+    with _autocast(bf16):
         before = state_of(case.model)
         # the fake trace's own times (placeholders) kept: MeasuredTiming given as a Timing, not "auto" (a benchmark)
         fake = autockpt.Planner.from_model(case.model, **call, trace_source=FakeTrace(), timing=MeasuredTiming())
@@ -126,8 +128,8 @@ def fake_planner(name: str, bf16: bool) -> autockpt.Planner:
 def planners(name: str, bf16: bool) -> Planners:
     """The measured and the fake planner of a case whose plans are compared (``_PLANNED``)."""
     assert (name, bf16) in _PLANNED
-    case, call, autocast = _case_and_call(name, bf16)
-    with autocast:
+    case, call = _case_and_call(name, bf16)
+    with _autocast(bf16):
         measured = autockpt.Planner.from_model(case.model, **call)
     return Planners(measured, fake_planner(name, bf16))
 

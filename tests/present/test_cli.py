@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from support import needs_transformers
+from support import budget_at, needs_transformers
 
 import autockpt
 from autockpt.present import zoo
@@ -171,10 +171,9 @@ def test_demo_runs_a_built_in_example() -> None:
     code, out, _ = run("demo", "--model", "mlp", "--size", "tiny", "--fraction", "0.6")
     assert code == 0 and "within budget" in out
     case = zoo.build("mlp", "tiny")
-    trace = autockpt.Planner.from_model(case.model, example_inputs=case.args, example_kwargs=case.kwargs,
-                                        loss_fn=case.loss_fn).trace
-    budget = int(trace.static_bytes + 0.6 * (trace.baseline_peak_bytes - trace.static_bytes))
-    assert f"budget: {format_bytes(budget)} (60% of the way" in out
+    planner = autockpt.Planner.from_model(case.model, example_inputs=case.args, example_kwargs=case.kwargs,
+                                          loss_fn=case.loss_fn)
+    assert f"budget: {format_bytes(budget_at(planner, 0.6))} (60% of the way" in out
     assert re.search(r"recomputed\s+\d+ of \d+ units in [1-9]\d* checkpointed region", out), out
 
 

@@ -232,16 +232,19 @@ class FSDPPlanner:
         chunks = (0, *lowering) if self.measure({}).peak_bytes > budget else (0,)
         if self.loss.fixed and self.loss.chunk_tokens:  # a chunk given: that program alone, as for one device
             chunks = lowering = self.loss.chunk_tokens
-        plans, refusals = [], []
+        plans, refusals, planned = [], [], set()
         for chunk_tokens in chunks:
             if chunk_tokens and plans and plans[0].predicted_step_ms <= plans[0].baseline_step_ms + self.loss.extra_ms:
                 break  # a plan with the loss in chunks takes the step and the logits made again: none is faster
+            planned.add(chunk_tokens)
             try:
                 plans.append(self._plan_at(budget, chunk_tokens))
             except InfeasibleBudgetError as refusal:
                 refusals.append(refusal)
         floor = min(found.min_feasible_bytes for found in (*plans, *refusals))
-        for other in set(lowering) - set(chunks):  # the floor stated is the lowest of them all
+        # the floor stated is the lowest of them all, the chunks not planned included (a budget that one chunk
+        # keeps leaves the smaller ones unplanned, and they reach lower)
+        for other in set(lowering) - planned:
             every, floor_decision = self._every_whole(other)
             floor = min(floor, every[floor_decision].peak_bytes)
         if not plans:

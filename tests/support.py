@@ -150,10 +150,6 @@ def budget_at(plan: autockpt.Plan | autockpt.Planner, fraction: float) -> int:
     return int(trace.static_bytes + fraction * (trace.baseline_peak_bytes - trace.static_bytes))
 
 
-def probe(case: zoo.ZooCase) -> autockpt.Plan:
-    return autockpt.plan(case.model, budget_bytes=10**15, example_inputs=case.args, example_kwargs=case.kwargs, loss_fn=case.loss_fn)
-
-
 # The checkpoint kind the shared helpers plan with, per zoo model: one kind each, both kinds across the families (an
 # MLP, a conv net with BatchNorm, Hugging Face decoders and an encoder-decoder, a diffusion UNet on autockpt's own;
 # dropout, the module-level capture, encoders and the VAE on torch's). "auto", the default, plans both kinds and, in

@@ -23,6 +23,7 @@ from autockpt.measure.capture import capture
 from autockpt.measure.loss import default_loss
 from autockpt.measure.sources import StepInputs
 from autockpt.measure.trace import trace_step
+from autockpt.present import zoo
 from autockpt.types import (
     Action,
     ActionPrice,
@@ -170,12 +171,19 @@ def _reference(trace: StepTrace, costs: CostModel, plan: tuple[RegionAction, ...
     return _predict(trace, costs, plan, detailed=False).timeline
 
 
+def _unsolved(name: str) -> zoo.ZooCase:
+    """The zoo's tiny ``name`` for the tests here, which solve no program (candidate and hand-drawn regions): the
+    transformer with two of its six layers, which only repeat what two show when nothing is solved (``tiny`` keeps
+    six for budgets a solver answers)."""
+    return zoo.build(name, "tiny", blocks=2) if name == "transformer" else tiny(name)
+
+
 @pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
 def test_the_vectorised_simulator_gives_the_reference_timeline(name: str) -> None:
     """``simulate`` (numpy, facts cached per region and action) and ``_predict`` (storage by storage) give equal
     timelines, every field (float sums bit for bit), on every candidate alone under each action and on random plans
     of mixed actions, in any region order."""
-    planner = planner_for(tiny(name), checkpoint="auto")  # both kinds: the trace has gradient lifetimes
+    planner = planner_for(_unsolved(name), checkpoint="auto")  # both kinds: the trace has gradient lifetimes
     # prices injected, not calibrated (issue 46: a calibration on a loaded machine measured 0.0 and failed the
     # precondition): nonzero and uneven per action, so that every float sum of the machinery is compared
     trace = planner.trace
@@ -233,7 +241,7 @@ def test_the_vectorised_simulator_on_hand_built_traces() -> None:
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
 def test_simulated_peak_equals_measured_peak_for_random_plans(name: str) -> None:
-    case = tiny(name)
+    case = _unsolved(name)
     loss_fn = case.loss_fn or default_loss
     graph = capture(case.model, case.args, case.kwargs)
     measured = trace_step(graph, case.args, case.kwargs, loss_fn)

@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from support import budget_at, mlp, planner_for, probe, run_step, tiny, twin
+from support import budget_at, mlp, planner_for, run_step, tiny, twin
 from torch import nn
 
 import autockpt
@@ -22,8 +22,11 @@ def small_cnn() -> zoo.ZooCase:
 
 
 @pytest.fixture(scope="module")
-def cnn_probe() -> autockpt.Plan:
-    return probe(small_cnn())
+def cnn_probe() -> autockpt.Planner:
+    """The CNN's static bytes and unmodified peak, read from its trace (``budget_at``): no plan at an unlimited
+    budget, which searches both kinds' floors."""
+    case = small_cnn()
+    return autockpt.Planner.from_model(case.model, example_inputs=case.args, loss_fn=case.loss_fn)
 
 
 @pytest.mark.parametrize(
@@ -62,9 +65,9 @@ def test_infeasible_budget_reports_the_smallest_feasible() -> None:
     assert str(error.min_feasible_bytes) in str(error)
 
 
-def test_budget_at_or_above_unmodified_peak_gives_identity_plan(cnn_probe: autockpt.Plan) -> None:
+def test_budget_at_or_above_unmodified_peak_gives_identity_plan(cnn_probe: autockpt.Planner) -> None:
     case = small_cnn()
-    plan = autockpt.plan(case.model, budget_bytes=cnn_probe.baseline_peak_bytes, example_inputs=case.args, loss_fn=case.loss_fn)
+    plan = autockpt.plan(case.model, budget_bytes=cnn_probe.trace.baseline_peak_bytes, example_inputs=case.args, loss_fn=case.loss_fn)
     assert plan.status is autockpt.types.PlanStatus.IDENTITY
     assert plan.regions == () and plan.recomputed_units == ()
     assert plan.predicted_peak_bytes == plan.baseline_peak_bytes
@@ -118,7 +121,7 @@ def test_model_without_trainable_parameters_is_rejected() -> None:
         autockpt.plan(model, budget_gb=1, example_inputs=(torch.randn(2, 4),))
 
 
-def test_planning_leaves_weights_buffers_grads_and_rng_untouched(cnn_probe: autockpt.Plan) -> None:
+def test_planning_leaves_weights_buffers_grads_and_rng_untouched(cnn_probe: autockpt.Planner) -> None:
     case = small_cnn()
     model = case.model
     model.eval()  # planning switches to train mode internally and must switch back
@@ -132,7 +135,7 @@ def test_planning_leaves_weights_buffers_grads_and_rng_untouched(cnn_probe: auto
         assert torch.equal(value, before[key]), key
 
 
-def test_optimized_module_shares_parameters_and_state_dict_keys(cnn_probe: autockpt.Plan) -> None:
+def test_optimized_module_shares_parameters_and_state_dict_keys(cnn_probe: autockpt.Planner) -> None:
     case = small_cnn()
     optimized = autockpt.optimize(case.model, budget_bytes=budget_at(cnn_probe, 0.5), example_inputs=case.args, loss_fn=case.loss_fn)
     assert list(optimized.state_dict()) == list(case.model.state_dict())
@@ -144,7 +147,7 @@ def test_optimized_module_shares_parameters_and_state_dict_keys(cnn_probe: autoc
     reference.load_state_dict(optimized.state_dict())
 
 
-def test_eval_mode_and_no_grad_run_the_original(cnn_probe: autockpt.Plan, caplog: pytest.LogCaptureFixture) -> None:
+def test_eval_mode_and_no_grad_run_the_original(caplog: pytest.LogCaptureFixture) -> None:
     case = tiny("transformer")
     reference = twin(case)
     planner = planner_for(case)
@@ -179,7 +182,7 @@ def test_smaller_batches_keep_the_plan_and_larger_ones_warn(name: str, caplog: p
     assert f"larger than the planned {tuple(x.shape)}" in caplog.text and "without the plan" in caplog.text
 
 
-def test_plan_summary_and_dataframe_agree_with_regions(cnn_probe: autockpt.Plan) -> None:
+def test_plan_summary_and_dataframe_agree_with_regions(cnn_probe: autockpt.Planner) -> None:
     case = small_cnn()
     plan = autockpt.plan(case.model, budget_bytes=budget_at(cnn_probe, 0.5), example_inputs=case.args, loss_fn=case.loss_fn)
     frame = plan.to_dataframe()

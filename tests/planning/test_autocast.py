@@ -37,39 +37,42 @@ def _decoder() -> tuple[nn.Module, torch.Tensor]:
     return transformers.GPTNeoXForCausalLM(config), torch.randint(0, 128, (2, 128))
 
 
-def test_gpt_neox_plans_under_bf16_autocast_keep_the_budget_and_predict_the_peak() -> None:
+@pytest.fixture(scope="module")
+def bf16_decoder() -> tuple[nn.Module, torch.Tensor, autockpt.Planner, int, int]:
+    """The decoder, its ids and its planner under bf16 autocast, with the floor and the unmodified peak: the two
+    tests below plan the same model alike (planning leaves the model as it was)."""
     model, ids = _decoder()
-    reference = copy.deepcopy(model)
     with bf16():
         # the loss as captured: gradients are compared bit for bit below, which chunks of a bf16 projection are
         # not (within one bf16 rounding: tests/measure/test_chunked_tail.py)
         planner = autockpt.Planner.from_model(model, example_inputs=(ids,), example_kwargs={"labels": ids},
                                               loss_chunk_tokens=0)
         probe = planner.plan(budget_bytes=10**15)
-        floor, top = probe.min_feasible_bytes, probe.baseline_peak_bytes
-        modules = []
-        for fraction in (0.2, 0.6):  # of the way from the floor to the unmodified peak
-            budget = int(floor + fraction * (top - floor))
-            module = planner.optimize(budget_bytes=budget)
-            plan = autockpt.get_plan(module)
-            measured = plan.measured_peak_bytes
-            assert plan.regions, f"{fraction}: nothing checkpointed"
-            assert measured is not None and measured <= budget, f"{fraction}: measured {measured} > budget {budget}"
-            assert abs(plan.predicted_peak_bytes - measured) <= 0.02 * measured, (
-                f"{fraction}: predicted {plan.predicted_peak_bytes}, measured {measured}"
-            )
-            modules.append((module, plan.predicted_peak_bytes))
-    for module, predicted in modules:
-        # a step in its own context, and two steps in one context (the second reuses nothing of the first)
-        with bf16():
-            alone = autockpt.measure_step(module, (ids,), {"labels": ids}).peak_bytes
-        with bf16():
-            first = autockpt.measure_step(module, (ids,), {"labels": ids}).peak_bytes
-            second = autockpt.measure_step(module, (ids,), {"labels": ids}).peak_bytes
-        assert alone == first == second
-        assert abs(predicted - alone) <= 0.02 * alone
+    return model, ids, planner, probe.min_feasible_bytes, probe.baseline_peak_bytes
 
-    module = modules[0][0]
+
+def test_gpt_neox_plans_under_bf16_autocast_keep_the_budget_and_predict_the_peak(bf16_decoder) -> None:
+    model, ids, planner, floor, top = bf16_decoder
+    reference = copy.deepcopy(model)
+    # a fifth of the way from the floor to the unmodified peak (two fifths: the next test's, whose prediction is
+    # exact; a third budget, three fifths, was dropped as proving the same, issue 46)
+    budget = int(floor + 0.2 * (top - floor))
+    with bf16():
+        module = planner.optimize(budget_bytes=budget)
+    plan = autockpt.get_plan(module)
+    measured = plan.measured_peak_bytes
+    assert plan.regions, "nothing checkpointed"
+    assert measured is not None and measured <= budget, f"measured {measured} > budget {budget}"
+    assert abs(plan.predicted_peak_bytes - measured) <= 0.02 * measured, (plan.predicted_peak_bytes, measured)
+    # a step in its own context, and two steps in one context (the second reuses nothing of the first)
+    with bf16():
+        alone = autockpt.measure_step(module, (ids,), {"labels": ids}).peak_bytes
+    with bf16():
+        first = autockpt.measure_step(module, (ids,), {"labels": ids}).peak_bytes
+        second = autockpt.measure_step(module, (ids,), {"labels": ids}).peak_bytes
+    assert alone == first == second
+    assert abs(plan.predicted_peak_bytes - alone) <= 0.02 * alone
+
     for params in (module.parameters(), reference.parameters()):
         for param in params:
             param.grad = None
@@ -104,20 +107,14 @@ def _memtracker_peak_bytes(module: nn.Module, ids: torch.Tensor, *, keep_output:
     return tracker.get_tracker_snapshot("peak")[ids.device]["Total"]
 
 
-def test_memtracker_measures_an_optimized_bf16_step_as_the_prediction_and_measure_step() -> None:
+def test_memtracker_measures_an_optimized_bf16_step_as_the_prediction_and_measure_step(bf16_decoder) -> None:
     """Issue 37 item 1: MemTracker around the optimized step, run as ``measure_step`` runs it (the output kept until
     backward is done), gives the predicted peak and ``measure_step``'s to the byte, in a context of its own and on
     the second step of one context. MemTracker's lower figure in the issue is a step that drops the output before
     backward (``model(ids, labels=ids).loss.backward()``): it peaks lower by at most the output's bf16 logits, which
     backward does not keep (the loss reads a float32 copy of them); here by all of their bytes."""
-    model, ids = _decoder()
+    model, ids, planner, floor, top = bf16_decoder
     with bf16():
-        # the loss as captured: gradients are compared bit for bit below, which chunks of a bf16 projection are
-        # not (within one bf16 rounding: tests/measure/test_chunked_tail.py)
-        planner = autockpt.Planner.from_model(model, example_inputs=(ids,), example_kwargs={"labels": ids},
-                                              loss_chunk_tokens=0)
-        probe = planner.plan(budget_bytes=10**15)
-        floor, top = probe.min_feasible_bytes, probe.baseline_peak_bytes
         budget = int(floor + 0.4 * (top - floor))
         plan = planner.plan(budget_bytes=budget)
         module = planner.apply(plan)

@@ -25,10 +25,13 @@ def test_optimize_at_the_stated_minimum_keeps_it() -> None:
     config = transformers.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=10)
     model = transformers.ResNetForImageClassification(config)
     kwargs = {"example_inputs": (torch.randn(4, 3, 32, 32),), "example_kwargs": {"labels": torch.randint(0, 10, (4,))}}
+    # one planner for both calls (``autockpt.optimize`` is ``Planner.from_model(...).optimize``); two fresh calls
+    # are the next test's
+    planner = autockpt.Planner.from_model(model, **kwargs)
     with pytest.raises(autockpt.InfeasibleBudgetError) as caught:
-        autockpt.optimize(model, budget_bytes=1, **kwargs)
+        planner.optimize(budget_bytes=1)
     stated = caught.value.min_feasible_bytes
-    module = autockpt.optimize(model, budget_bytes=stated, **kwargs)
+    module = planner.optimize(budget_bytes=stated)
     plan = autockpt.get_plan(module)
     measured = plan.measured_peak_bytes
     assert measured is not None and measured <= stated

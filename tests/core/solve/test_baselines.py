@@ -27,7 +27,9 @@ def _planner(case: zoo.ZooCase) -> autockpt.Planner:
 
 @pytest.fixture(scope="module")
 def transformer() -> tuple[zoo.ZooCase, autockpt.Planner]:
-    case = tiny("transformer")
+    # three of the tiny transformer's six layers: every_1, every_2 and every_4 still choose different blocks, and
+    # the strategies here solve no program (``tiny`` keeps six for budgets a solver answers)
+    case = zoo.build("transformer", "tiny", blocks=3)
     return case, _planner(case)
 
 

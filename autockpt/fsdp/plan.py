@@ -232,24 +232,33 @@ class FSDPPlanner:
         chunks = (0, *lowering) if self.measure({}).peak_bytes > budget else (0,)
         if self.loss.fixed and self.loss.chunk_tokens:  # a chunk given: that program alone, as for one device
             chunks = lowering = self.loss.chunk_tokens
-        plans, refusals, planned = [], [], set()
+        plans, refusals = [], []
+        floors: dict[int, int] = {}  # per program weighed (its chunk of tokens; 0: the loss unchunked), its floor
         for chunk_tokens in chunks:
             if chunk_tokens and plans and plans[0].predicted_step_ms <= plans[0].baseline_step_ms + self.loss.extra_ms:
                 break  # a plan with the loss in chunks takes the step and the logits made again: none is faster
-            planned.add(chunk_tokens)
             try:
                 plans.append(self._plan_at(budget, chunk_tokens))
+                floors[chunk_tokens] = plans[-1].min_feasible_bytes
             except InfeasibleBudgetError as refusal:
                 refusals.append(refusal)
-        floor = min(found.min_feasible_bytes for found in (*plans, *refusals))
-        # the floor stated is the lowest of them all, the chunks not planned included (a budget that one chunk
-        # keeps leaves the smaller ones unplanned, and they reach lower)
-        for other in set(lowering) - planned:
-            every, floor_decision = self._every_whole(other)
-            floor = min(floor, every[floor_decision].peak_bytes)
+                floors[chunk_tokens] = refusal.min_feasible_bytes
         if not plans:
             raise min(refusals, key=lambda refusal: refusal.min_feasible_bytes)
-        return dataclasses.replace(min(plans, key=lambda found: found.predicted_step_ms), min_feasible_bytes=floor)
+        # the floor stated is the lowest of them all, the chunks not planned included (a budget the loss unchunked
+        # or in larger chunks keeps leaves the others unplanned, and they may reach lower)
+        for other in set(lowering) - set(floors):
+            every, floor_decision = self._every_whole(other)
+            floors[other] = every[floor_decision].peak_bytes
+        best = min(plans, key=lambda the_plan: the_plan.predicted_step_ms)
+        floor_chunk = min(floors, key=lambda chunk: (floors[chunk], chunk))
+        notes = best.notes
+        if floors[floor_chunk] < best.min_feasible_bytes:  # another program's floor: said (the plan's figures aren't)
+            loss = f"in chunks of {floor_chunk} tokens" if floor_chunk else "as the model computes it"
+            said = (f"the floor stated ({format_bytes(floors[floor_chunk])}) is reached with the root's loss {loss}; "
+                    f"this plan's own program reaches {format_bytes(best.min_feasible_bytes)}")
+            notes += (said,)
+        return dataclasses.replace(best, min_feasible_bytes=floors[floor_chunk], notes=notes)
 
     def _floor_lowering_chunks(self) -> tuple[int, ...]:
         """The chunks weighed (``RootLoss.chunk_tokens``) under which every unit checkpointed whole peaks lower than

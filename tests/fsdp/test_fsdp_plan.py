@@ -648,10 +648,11 @@ def test_default_units_from_the_module_tree_take_the_outermost_list_of_identical
     assert container_blocks(model, ran + ["unused.b"]) == ["blocks.0", "blocks.1", "blocks.2", "unused.b"]
 
 
-def test_a_budget_a_large_chunk_keeps_states_the_floor_of_the_smallest_chunk() -> None:
-    """The root's loss in chunks weighed (``loss_chunk_tokens="auto"``): where the largest chunk keeps the budget,
-    the smaller ones are not planned (none is faster), yet the floor the plan states is the lowest any chunk reaches
-    (it stated the largest chunk's, 46 % higher on this model, before 2026-11-30)."""
+def test_a_budget_a_large_chunk_keeps_states_the_lowest_floor_of_every_chunk() -> None:
+    """The root's loss in chunks weighed (``loss_chunk_tokens="auto"``): where the largest chunk keeps the budget
+    with nothing checkpointed, the smaller ones are not planned (none is faster), yet the floor the plan states is the
+    lowest any chunk reaches, and a note says which program reaches it (it stated the largest chunk's, 46 % higher on
+    this model, before 2026-11-30)."""
     # test_fsdp_gloo.py's loss-in-chunks case: a vocabulary of 8192, two blocks; its planner is shared
     config = {**CONFIG, "model": {**CONFIG["model"], "vocab": 8192, "layers": 2}}
     planner = shared_planner(config, loss_chunk_tokens="auto")
@@ -662,5 +663,8 @@ def test_a_budget_a_large_chunk_keeps_states_the_floor_of_the_smallest_chunk() -
     largest = max(chunks)
     assert min(floors.values()) < floors[largest] < floors[0], floors
     fplan = planner.plan(budget_bytes=(floors[largest] + floors[0]) // 2)
-    assert fplan.loss_chunk_tokens == largest
-    assert fplan.min_feasible_bytes == min(floors.values())
+    # nothing checkpointed: no chunked plan is faster, and the smaller chunks are not planned
+    assert fplan.loss_chunk_tokens == largest and not fplan.checkpointed + fplan.selective + fplan.checkpointed_parts
+    lowest = min(floors, key=floors.get)
+    assert fplan.min_feasible_bytes == floors[lowest] < floors[largest]
+    assert any(f"reached with the root's loss in chunks of {lowest} tokens" in note for note in fplan.notes)

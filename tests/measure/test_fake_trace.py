@@ -197,7 +197,8 @@ def test_a_plan_from_placeholder_times_keeps_the_budget_and_says_times_were_not_
     # its timing note does not claim measured times (the timing is the trace source's own)
     assert "timing: none measured (the trace source ran no real step)" in plan.notes
     assert "timing: measured on the model's device" not in plan.notes
-    # a plan of the measured trace says its times were measured (its notes come with any plan: none solved here)
+    # a plan of the measured trace states its timing and does not say it was not measured (its notes come with any
+    # plan: none solved here)
     measured_notes = both.measured.plan_for_regions(plan.regions, strategy="given").notes
     assert any(note.startswith("timing: ") for note in measured_notes)
     assert not any("not measured" in note for note in measured_notes)

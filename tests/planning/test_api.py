@@ -22,9 +22,9 @@ def small_cnn() -> zoo.ZooCase:
 
 
 @pytest.fixture(scope="module")
-def cnn_probe() -> autockpt.Planner:
-    """The CNN's static bytes and unmodified peak, read from its trace (``budget_at``): no plan at an unlimited
-    budget, which searches both kinds' floors."""
+def cnn_planner() -> autockpt.Planner:
+    """The CNN's planner, for its static bytes and unmodified peak (``budget_at``: its trace's, without a plan at an
+    unlimited budget, which searches the full floor)."""
     case = small_cnn()
     return autockpt.Planner.from_model(case.model, example_inputs=case.args, loss_fn=case.loss_fn)
 
@@ -65,9 +65,10 @@ def test_infeasible_budget_reports_the_smallest_feasible() -> None:
     assert str(error.min_feasible_bytes) in str(error)
 
 
-def test_budget_at_or_above_unmodified_peak_gives_identity_plan(cnn_probe: autockpt.Planner) -> None:
+def test_budget_at_or_above_unmodified_peak_gives_identity_plan(cnn_planner: autockpt.Planner) -> None:
     case = small_cnn()
-    plan = autockpt.plan(case.model, budget_bytes=cnn_probe.trace.baseline_peak_bytes, example_inputs=case.args, loss_fn=case.loss_fn)
+    plan = autockpt.plan(case.model, budget_bytes=cnn_planner.trace.baseline_peak_bytes, example_inputs=case.args,
+                         loss_fn=case.loss_fn)
     assert plan.status is autockpt.types.PlanStatus.IDENTITY
     assert plan.regions == () and plan.recomputed_units == ()
     assert plan.predicted_peak_bytes == plan.baseline_peak_bytes
@@ -121,13 +122,13 @@ def test_model_without_trainable_parameters_is_rejected() -> None:
         autockpt.plan(model, budget_gb=1, example_inputs=(torch.randn(2, 4),))
 
 
-def test_planning_leaves_weights_buffers_grads_and_rng_untouched(cnn_probe: autockpt.Planner) -> None:
+def test_planning_leaves_weights_buffers_grads_and_rng_untouched(cnn_planner: autockpt.Planner) -> None:
     case = small_cnn()
     model = case.model
     model.eval()  # planning switches to train mode internally and must switch back
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
-    autockpt.optimize(model, budget_bytes=budget_at(cnn_probe, 0.5), example_inputs=case.args, loss_fn=case.loss_fn)
+    autockpt.optimize(model, budget_bytes=budget_at(cnn_planner, 0.5), example_inputs=case.args, loss_fn=case.loss_fn)
     assert torch.equal(torch.get_rng_state(), rng)
     assert not model.training and all(not m.training for m in model.modules())
     assert all(p.grad is None for p in model.parameters())
@@ -135,9 +136,10 @@ def test_planning_leaves_weights_buffers_grads_and_rng_untouched(cnn_probe: auto
         assert torch.equal(value, before[key]), key
 
 
-def test_optimized_module_shares_parameters_and_state_dict_keys(cnn_probe: autockpt.Planner) -> None:
+def test_optimized_module_shares_parameters_and_state_dict_keys(cnn_planner: autockpt.Planner) -> None:
     case = small_cnn()
-    optimized = autockpt.optimize(case.model, budget_bytes=budget_at(cnn_probe, 0.5), example_inputs=case.args, loss_fn=case.loss_fn)
+    optimized = autockpt.optimize(case.model, budget_bytes=budget_at(cnn_planner, 0.5), example_inputs=case.args,
+                                  loss_fn=case.loss_fn)
     assert list(optimized.state_dict()) == list(case.model.state_dict())
     assert all(a is b for a, b in zip(optimized.parameters(), case.model.parameters()))
     optimizer = torch.optim.SGD(optimized.parameters(), lr=0.1)
@@ -182,9 +184,10 @@ def test_smaller_batches_keep_the_plan_and_larger_ones_warn(name: str, caplog: p
     assert f"larger than the planned {tuple(x.shape)}" in caplog.text and "without the plan" in caplog.text
 
 
-def test_plan_summary_and_dataframe_agree_with_regions(cnn_probe: autockpt.Planner) -> None:
+def test_plan_summary_and_dataframe_agree_with_regions(cnn_planner: autockpt.Planner) -> None:
     case = small_cnn()
-    plan = autockpt.plan(case.model, budget_bytes=budget_at(cnn_probe, 0.5), example_inputs=case.args, loss_fn=case.loss_fn)
+    plan = autockpt.plan(case.model, budget_bytes=budget_at(cnn_planner, 0.5), example_inputs=case.args,
+                         loss_fn=case.loss_fn)
     frame = plan.to_dataframe()
     assert list(frame.columns[:6]) == ["name", "op", "module_path", "saved_bytes", "output_bytes", "forward_ms"]
     assert len(frame) == len(plan.nodes)

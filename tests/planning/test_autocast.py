@@ -40,7 +40,8 @@ def _decoder() -> tuple[nn.Module, torch.Tensor]:
 @pytest.fixture(scope="module")
 def bf16_decoder() -> tuple[nn.Module, torch.Tensor, autockpt.Planner, int, int]:
     """The decoder, its ids and its planner under bf16 autocast, with the floor and the unmodified peak: the two
-    tests below plan the same model alike (planning leaves the model as it was)."""
+    tests below plan the same model alike (planning leaves its weights as they were, and every step measured starts
+    from gradients None)."""
     model, ids = _decoder()
     with bf16():
         # the loss as captured: gradients are compared bit for bit below, which chunks of a bf16 projection are
@@ -51,7 +52,9 @@ def bf16_decoder() -> tuple[nn.Module, torch.Tensor, autockpt.Planner, int, int]
     return model, ids, planner, probe.min_feasible_bytes, probe.baseline_peak_bytes
 
 
-def test_gpt_neox_plans_under_bf16_autocast_keep_the_budget_and_predict_the_peak(bf16_decoder) -> None:
+def test_gpt_neox_plans_under_bf16_autocast_keep_the_budget_and_predict_the_peak(
+    bf16_decoder: tuple[nn.Module, torch.Tensor, autockpt.Planner, int, int],
+) -> None:
     model, ids, planner, floor, top = bf16_decoder
     reference = copy.deepcopy(model)
     # a fifth of the way from the floor to the unmodified peak (two fifths: the next test's, whose prediction is
@@ -107,7 +110,9 @@ def _memtracker_peak_bytes(module: nn.Module, ids: torch.Tensor, *, keep_output:
     return tracker.get_tracker_snapshot("peak")[ids.device]["Total"]
 
 
-def test_memtracker_measures_an_optimized_bf16_step_as_the_prediction_and_measure_step(bf16_decoder) -> None:
+def test_memtracker_measures_an_optimized_bf16_step_as_the_prediction_and_measure_step(
+    bf16_decoder: tuple[nn.Module, torch.Tensor, autockpt.Planner, int, int],
+) -> None:
     """Issue 37 item 1: MemTracker around the optimized step, run as ``measure_step`` runs it (the output kept until
     backward is done), gives the predicted peak and ``measure_step``'s to the byte, in a context of its own and on
     the second step of one context. MemTracker's lower figure in the issue is a step that drops the output before

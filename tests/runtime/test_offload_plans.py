@@ -1,8 +1,9 @@
 """Plans whose regions offload (issue 21, CPU): the simulator's device timeline and pool size against a real step
 (MemTracker's total minus the pool's host buffer, which it counts), and training equal to PyTorch's.
 
-These plans take a solved plan's regions and give them all ``Action.OFFLOAD`` (``Planner.plan_for_regions``): fixed
-plans for the runtime and the simulator; what the solver chooses with a pool is tested in test_offload_joint.py.
+These plans take a solved plan's regions (the module-level capture's refusal: every_2's) and give them all
+``Action.OFFLOAD`` (``Planner.plan_for_regions``): fixed plans for the runtime and the simulator; what the solver
+chooses with a pool is tested in test_offload_joint.py.
 """
 
 from __future__ import annotations

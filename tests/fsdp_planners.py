@@ -1,5 +1,6 @@
 """FSDP planners the FSDP test modules share: the same model, batch and options give the same planner, traced once
-per worker. Both modules are one xdist group (``FSDP_GROUP``), so each planner is made once in the suite."""
+per worker. Both modules are in the xdist group of the tests that spawn ranks (``spawned_ranks.RANKS_GROUP``), so
+each planner is made once in the suite."""
 
 from __future__ import annotations
 
@@ -7,15 +8,12 @@ import functools
 import json
 from typing import Any
 
-import pytest
-
 from autockpt.core.devices import device_spec
 from autockpt.fsdp import FSDPPlanner
 from autockpt.measure.timing import RooflineTiming
 from experiments.common.fsdp_worker import batch, build, lm_loss
 
 WORLD = 2
-FSDP_GROUP = pytest.mark.xdist_group("fsdp")
 
 
 def shared_planner(config: dict[str, Any], *, roofline: bool = False, host_pool_gb: float = 0.0,

@@ -1,10 +1,9 @@
 """Pipeline planners the pipeline test modules share: the same model, batch and stage count give the same planner,
-captured and profiled once per worker. The modules that use it are one xdist group (``PIPELINE_GROUP``), so each
-planner is made once in the suite."""
+captured and profiled once per worker. The modules that use it are in the xdist group of the tests that spawn ranks
+(``spawned_ranks.RANKS_GROUP``), so each planner is made once in the suite."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from autockpt.pipeline import PipelinePlanner
@@ -12,7 +11,6 @@ from experiments.common.pipeline_worker import build, lm_loss
 
 CONFIG = {"seed": 0, "model": {"vocab": 1024, "width": 32, "layers": 4, "tied": False}}
 MICROBATCHES = 4
-PIPELINE_GROUP = pytest.mark.xdist_group("pipeline")
 
 _PLANNERS: dict[str, PipelinePlanner] = {}
 

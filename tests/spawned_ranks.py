@@ -10,6 +10,7 @@ timeout and kill what is left.
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing
 import time
 from collections.abc import Callable
@@ -19,17 +20,22 @@ import torch.multiprocessing as mp
 
 # the modules every rank imports: made once in the fork server, before it forks the first rank. autockpt too: the
 # workers import it inside their rank functions, which cost each rank about a second of CPU (issue 46; py-spy over
-# the whole suite: 8.4 s in the pipeline tests' ranks)
-PRELOADED = ("autockpt", "experiments.common.pipeline_worker", "experiments.common.fsdp_worker")
+# the whole suite: 8.4 s in the pipeline tests' ranks). Hugging Face's Llama where transformers is installed: the
+# FSDP ranks' cases build it (2.4 s of CPU a rank when each imports it)
+PRELOADED = (
+    "autockpt", "experiments.common.pipeline_worker", "experiments.common.fsdp_worker",
+    *(("transformers.models.llama.modeling_llama",) if importlib.util.find_spec("transformers") else ()),
+)
+
+# the modules whose tests spawn ranks: one xdist group, so that one worker's fork server starts them all (its
+# imports cost about 4.5 s of CPU, where two workers each started one; issue 46)
+RANKS_GROUP = pytest.mark.xdist_group("ranks")
 
 
-def run_ranks(function: Callable[..., None], args: tuple, nprocs: int, limit_s: float, what: str,
-              preload: tuple[str, ...] = ()) -> None:
+def run_ranks(function: Callable[..., None], args: tuple, nprocs: int, limit_s: float, what: str) -> None:
     """``function(rank, *args)`` on ``nprocs`` ranks forked from the fork server; a rank's failure is raised with its
-    traceback, and ranks still running after ``limit_s`` are killed and the test fails naming ``what``. ``preload``:
-    more modules the ranks import, made in the fork server too where this call starts it (a later call's are
-    imported by each rank, as the fork server runs already)."""
-    multiprocessing.get_context("forkserver").set_forkserver_preload([*PRELOADED, *preload])
+    traceback, and ranks still running after ``limit_s`` are killed and the test fails naming ``what``."""
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOADED))
     context = mp.start_processes(function, args=args, nprocs=nprocs, join=False, start_method="forkserver")
     deadline = time.monotonic() + limit_s
     # join returns when one process ends (False while others run) and raises when a rank failed, with its traceback

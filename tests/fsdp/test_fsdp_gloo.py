@@ -14,14 +14,14 @@ from typing import Any
 
 import pytest
 import torch
-from fsdp_planners import FSDP_GROUP, WORLD, shared_planner
-from spawned_ranks import run_ranks
+from fsdp_planners import WORLD, shared_planner
+from spawned_ranks import RANKS_GROUP, run_ranks
 from support import needs_transformers
 
 from experiments.common.fsdp_worker import CONFIG, build, reference, run_rank
 
 logger = logging.getLogger(__name__)
-pytestmark = FSDP_GROUP  # with test_fsdp_plan.py: the planners both trace are shared
+pytestmark = RANKS_GROUP  # with test_fsdp_plan.py: the planners both trace are shared
 
 
 # budgets halfway between two of the measured peaks: nothing checkpointed ("baseline"), every unit selective
@@ -107,10 +107,8 @@ def gloo_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Plann
     planned = {case: _plan_case(case, folder) for case in cases}
     runnable = [case for case in cases if planned[case].failure is None]
     jobs = [(planned[c].config, str(folder / f"{c}.json"), str(folder / f"{c}.rank{{rank}}.pkl")) for c in runnable]
-    # Hugging Face's Llama imported once in the fork server, not in each rank (2.4 s of CPU a rank)
-    llama = ("transformers.models.llama.modeling_llama",) if any(CASES[c][0] == "hf-llama" for c in runnable) else ()
     run_ranks(run_rank, (WORLD, jobs, str(folder / "init")), WORLD, 120 + 60 * len(runnable),
-              f"FSDP ranks running {len(runnable)} cases", preload=llama)
+              f"FSDP ranks running {len(runnable)} cases")
     return {
         case: (planned[case], [pickle.loads((folder / f"{case}.rank{r}.pkl").read_bytes()) for r in range(WORLD)]
                if case in runnable else [])

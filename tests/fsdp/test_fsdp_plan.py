@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from fsdp_planners import FSDP_GROUP, WORLD, shared_planner
+from fsdp_planners import WORLD, shared_planner
+from spawned_ranks import RANKS_GROUP
 from support import TEST_TIMING, needs_transformers
 
 import autockpt
@@ -35,7 +36,7 @@ from autockpt.records.fsdp_plan import FSDPPlan, UnitDecision
 from autockpt.types import LinkPrice
 from experiments.common.fsdp_worker import CONFIG, batch, build, lm_loss, tracked_peak
 
-pytestmark = FSDP_GROUP  # with test_fsdp_gloo.py: the planners both trace are shared
+pytestmark = RANKS_GROUP  # with test_fsdp_gloo.py: the planners both trace are shared
 V4_FSDP_PLAN = Path(__file__).parents[1] / "data" / "fsdp_plan_v4.json"  # as 0.2 wrote it (tests/data)
 FULL, SELECTIVE, OFFLOAD, PARTS = UnitDecision.FULL, UnitDecision.SELECTIVE, UnitDecision.OFFLOAD, UnitDecision.PARTS
 # Hugging Face's Llama (RMSNorm, grouped-query attention, SwiGLU), two decoder layers: the config of

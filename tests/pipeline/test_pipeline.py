@@ -14,8 +14,8 @@ import random
 
 import pytest
 import torch
-from pipeline_planners import CONFIG, MICROBATCHES, PIPELINE_GROUP, batch, shared_planner
-from spawned_ranks import run_ranks
+from pipeline_planners import CONFIG, MICROBATCHES, batch, shared_planner
+from spawned_ranks import RANKS_GROUP, run_ranks
 from support import TEST_TIMING
 
 import autockpt
@@ -26,8 +26,9 @@ from autockpt.pipeline.stage_table import spread
 from autockpt.record_types import PipelineRecord, PipelineStageRecord
 from experiments.common.pipeline_worker import build, lm_loss, run_rank
 
-# one worker for the module and the pipeline report's: the planners (``pipeline_planners``) are traced once
-pytestmark = PIPELINE_GROUP
+# one worker for the module, the pipeline report's and the FSDP tests: the planners (``pipeline_planners``) are traced
+# once, and the ranks of both kinds fork from one fork server
+pytestmark = RANKS_GROUP
 
 
 def _plan(config: dict, num_stages: int = 2, **kwargs) -> autockpt.PipelinePlan:

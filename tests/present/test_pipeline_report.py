@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from pipeline_planners import CONFIG, PIPELINE_GROUP, shared_planner
+from pipeline_planners import CONFIG, shared_planner
+from spawned_ranks import RANKS_GROUP
 
 import autockpt
 from autockpt.present.pipeline_report import schedule_boxes, schedule_order, stage_memory
@@ -22,7 +23,7 @@ from autockpt.units import format_bytes
 _BUDGET = 1_500_000  # the smallest a split of this model keeps is about 1.33 MB: tight enough to draw the budget
 MISSING = "No plots: matplotlib could not be imported"
 # with the pipeline tests: their planner of the same model (``pipeline_planners``) captured once
-pytestmark = PIPELINE_GROUP
+pytestmark = RANKS_GROUP
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from support import assert_same_step, budget_at, checkpoint_for, needs_transformers, planner_for, tiny, twin, zoo_params
 
 import autockpt
+from autockpt.measure.capture import value_guards
 from autockpt.present import zoo
 
 MODELS = zoo_params("mlp", "cnn", "transformer", "control_flow", "gpt2", "vit", "unet")
@@ -88,8 +90,13 @@ def test_more_hugging_face_architectures_at_half_budget(name: str) -> None:
     """Encoder-decoder (T5) and a RoPE/grouped-query decoder (Llama) through the export path. The encoder (BERT) is
     planned from its fake trace and measured in ``test_trace_choice.py``, and its eager course is checked in
     ``tests/measure/test_eager_course.py``. One layer each (issue 46: T5 4.7 -> 3.3 s, Llama 2.2 -> 1.3 s): both
-    plan regions at half budget, and the repeated blocks' program is GPT-2's above."""
+    plan regions at half budget, and the repeated blocks' program is GPT-2's above. T5 is given an attention mask
+    without padding, as a tokenizer gives it: its eager course reads the mask's values, so this is also its eager-course
+    check (issue 45; once a test of its own in ``test_eager_course.py``, issue 46): the captured program holds no more
+    than the eager model, and a plan with regions on a graph that asserts those values keeps the budget."""
     case = zoo.build(name, "tiny", blocks=1)
+    if name == "t5":
+        case = dataclasses.replace(case, kwargs={**case.kwargs, "attention_mask": torch.ones_like(case.args[0])})
     reference = twin(case)
     # T5's programs at a 5 % gap, as the diffusers models' (``planned``): what is checked holds for any plan
     planner = planner_for(case, autockpt.SolverOptions(relative_gap=0.05) if name == "t5" else None)
@@ -101,6 +108,12 @@ def test_more_hugging_face_architectures_at_half_budget(name: str) -> None:
     assert plan.capture.value == "export" and plan.regions
     assert measured <= budget
     assert abs(measured - plan.predicted_peak_bytes) <= 0.05 * measured
+    if name == "t5":  # the plan's self-check: both unmodified peaks measured, the captured within 0.5 % of the eager
+        eager, captured = plan.provenance.eager_peak_bytes, plan.provenance.captured_peak_bytes
+        assert eager is not None and captured is not None and captured <= eager * 1.005, (captured, eager)
+        assert plan.baseline_peak_bytes <= eager * 1.005 and "eager model" in plan.summary()
+        assert not any("more than the eager" in note for note in plan.notes)
+        assert value_guards(optimized.__dict__["_autockpt_executable"]), "the mask's values are read on the eager course"
 
 
 @pytest.mark.parametrize("name", ["mlp", "transformer"])

@@ -68,7 +68,7 @@ class Planners:
     fake: autockpt.Planner
 
 
-# the traces are compared on all; the plans on two of the first four
+# the traces are compared on all; the plans on cnn-bf16 (``_PLANNED``: the cases with a measured planner of their own)
 _PLAN_CASES = [
     pytest.param("mlp", False, id="mlp"),
     pytest.param("cnn", True, id="cnn-bf16"),  # mixed-precision batch norm: the CPU kernels' float32 statistics
@@ -91,7 +91,7 @@ _CASES = [
 
 _ONE_LAYER = {"gpt2", "llama", "bert", "vit", "t5"}
 # the cases whose plans are compared (a measured planner of their own); the others' timelines only
-_PLANNED = {("mlp", False), ("cnn", True), ("transformer", False)}
+_PLANNED = {("mlp", False), ("cnn", True)}
 
 
 @functools.cache
@@ -158,9 +158,9 @@ def test_fake_trace_is_the_measured_memory_timeline(name: str, bf16: bool) -> No
         assert measured.times_measured is True
 
 
-# the same plan follows from the same timeline (every case above): two kinds checked end to end, a conv net under
-# autocast and a transformer with dropout (issue 46: no two tests proving the same fact)
-@pytest.mark.parametrize(("name", "bf16"), [case for case in _PLAN_CASES if case.id in ("cnn-bf16", "transformer-dropout")])
+# the same plan follows from the same timeline (every case above): checked end to end on a conv net under autocast
+# (issue 46: no two tests proving the same fact; the transformer with dropout was a second model, 1.4 s)
+@pytest.mark.parametrize(("name", "bf16"), [case for case in _PLAN_CASES if case.id == "cnn-bf16"])
 def test_a_plan_from_the_fake_trace_predicts_the_same_peak(name: str, bf16: bool) -> None:
     both = planners(name, bf16)
     budget = budget_at(both.measured, 0.5)  # from the trace's figures: no full floor search (issue 46)

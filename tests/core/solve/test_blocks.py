@@ -135,14 +135,15 @@ def test_block_plans_fit_and_cost_about_what_the_flat_program_costs() -> None:
     flat = prepare(profile, costs, Action.RECOMPUTE_TORCH, segments, candidates, seeds)
     assert by_blocks.blocks is not None
     options = SolverOptions(solver="highs" if pulp.HiGHS(msg=False).available() else "cbc")
-    for fraction in (FRACTIONS[0], FRACTIONS[-1]):  # near the floor and near the peak: each a flat program to solve
-        budget = _budget(planner, fraction)
-        blocks_result, flat_result = solve_prepared(by_blocks, budget, options), solve_prepared(flat, budget, options)
-        assert blocks_result.timeline.peak_bytes <= budget
-        assert blocks_result.min_feasible_bytes <= flat_result.min_feasible_bytes
-        # the block program cannot cross block boundaries except with whole blocks; measured on the zoo and GPT-2
-        # up to 48 layers it stays within 2 % of the flat program (often below it)
-        assert blocks_result.timeline.overhead_ms <= 1.05 * flat_result.timeline.overhead_ms, fraction
+    # near the floor, where the block program's constraint (whole blocks across block boundaries) binds most; near
+    # the peak a block program has little to choose (issue 46: its flat program was a second of the suite)
+    budget = _budget(planner, FRACTIONS[0])
+    blocks_result, flat_result = solve_prepared(by_blocks, budget, options), solve_prepared(flat, budget, options)
+    assert blocks_result.timeline.peak_bytes <= budget
+    assert blocks_result.min_feasible_bytes <= flat_result.min_feasible_bytes
+    # the block program cannot cross block boundaries except with whole blocks; measured on the zoo and GPT-2 up to
+    # 48 layers it stays within 2 % of the flat program (often below it)
+    assert blocks_result.timeline.overhead_ms <= 1.05 * flat_result.timeline.overhead_ms
 
 
 def test_an_optimized_model_solved_by_blocks_keeps_its_budget_and_trains_like_the_original(

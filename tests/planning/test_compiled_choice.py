@@ -136,16 +136,35 @@ def test_a_budget_under_the_eager_floor_states_the_structural_plans_compiled_pea
     assert "structural plans" in str(refusal.value)
 
 
+class _CompiledWrapper(nn.Module):
+    """What the timing reads of ``torch.compile(module)``'s wrapper: the module it compiled, as ``_orig_mod``. (A real
+    compile traced the checkpointed step with Dynamo for most of this test's 4 s, issue 46; compiled steps are
+    measured and timed for real in ``tests/runtime/test_compile.py``.)"""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self._orig_mod = module
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        return self._orig_mod(*args, **kwargs)
+
+
 def test_candidates_are_timed_in_train_mode_when_the_model_is_in_eval_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An optimized module in eval mode runs the original model: timing candidates so would compare nothing."""
+    """An optimized module in eval mode runs the original model: timing candidates so would compare nothing. A
+    compiled candidate's mode is its compiled module's (``_orig_mod``: another module than the first candidate)."""
     planner, floor, unmodified = mlp_planner()
     planner.model.eval()
-    module = planner.apply(planner.plan(budget_bytes=(floor + unmodified) // 2))
-    assert not module.training
-    planned_runs = []
+    the_plan = planner.plan(budget_bytes=(floor + unmodified) // 2)
+    module, compiled_module = planner.apply(the_plan), planner.apply(the_plan)
+    assert not module.training and not compiled_module.training
+    planned_runs: dict[int, int] = {}
     run_planned = OptimizedModule._run_planned
-    monkeypatch.setattr(OptimizedModule, "_run_planned",
-                        lambda self, args, kwargs: planned_runs.append(1) or run_planned(self, args, kwargs))
-    planner.alternating_step_seconds([module, torch.compile(module, backend="eager")])
-    assert len(planned_runs) >= 10, f"{len(planned_runs)} steps ran the plan"
-    assert not module.training and not planner.model.training
+
+    def counted(self: OptimizedModule, args: tuple, kwargs: dict) -> object:
+        planned_runs[id(self)] = planned_runs.get(id(self), 0) + 1
+        return run_planned(self, args, kwargs)
+
+    monkeypatch.setattr(OptimizedModule, "_run_planned", counted)
+    planner.alternating_step_seconds([module, _CompiledWrapper(compiled_module).eval()])
+    assert min(planned_runs.get(id(m), 0) for m in (module, compiled_module)) >= 5, planned_runs
+    assert not module.training and not compiled_module.training and not planner.model.training

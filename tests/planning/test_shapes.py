@@ -4,7 +4,6 @@ a larger one warns with the numbers, or raises in strict mode; the optimized mod
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 
 import pytest
@@ -53,26 +52,17 @@ def decoder() -> Optimized:
 
 def test_decoder_sequences_keep_the_plan_and_the_budget(decoder: Optimized) -> None:
     ids = decoder.case.args[0]
-    # dynamic padding: a new length every few batches, then the planned one again (optimize measured it first)
-    for length in (192, 128, 256):
+    # dynamic padding: a new length, then the planned one again (optimize measured it first); the new length's step
+    # twice (issue 46: a second new length was one more capture of the same fact)
+    for length in (192, 256, 192):
         short = ids[:, :length].contiguous()
         case = at(decoder.case, (short,), {"labels": short})
         peak = autockpt.measure_step(decoder.module, case.args, case.kwargs).peak_bytes
         assert peak <= decoder.budget, f"sequence {length}: measured {peak} bytes, budget {decoder.budget}"
         assert_same_step(decoder.module, decoder.reference, case)
     shapes = [variant.description for variant in decoder.module.shape_variants()]
-    assert shapes == ["(2, 192), labels=(2, 192)", "(2, 128), labels=(2, 128)"]  # each captured once
+    assert shapes == ["(2, 192), labels=(2, 192)"]  # captured once
     assert all(variant.seconds > 0 for variant in decoder.module.shape_variants())
-
-
-def test_a_loops_scalar_argument_keeps_the_plan(decoder: Optimized) -> None:
-    """HF Trainer passes ``num_items_in_batch`` (a 0-d tensor) the example did not have: the loss must follow it."""
-    short = decoder.case.args[0][:, :160].contiguous()
-    extra = {"labels": short, "num_items_in_batch": torch.tensor(100)}
-    peak = autockpt.measure_step(decoder.module, (short,), extra).peak_bytes
-    assert peak <= decoder.budget
-    torch.testing.assert_close(decoder.module(short, **extra).loss, decoder.reference(short, **extra).loss)
-    assert "input_ids" in inspect.signature(decoder.module.forward).parameters  # as the model's: Trainer reads it
 
 
 def test_a_larger_step_warns_with_the_numbers_or_raises_when_strict(

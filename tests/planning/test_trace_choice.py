@@ -17,6 +17,7 @@ from autockpt import SolverOptions
 from autockpt.errors import FakeStepError
 from autockpt.measure import sources, step
 from autockpt.planning.batch_size import ExampleBatch, max_batch_size
+from autockpt.planning.estimate import estimate_from_planner
 from autockpt.present import zoo
 from autockpt.runtime.rewrite import OptimizedModule
 
@@ -140,16 +141,6 @@ def test_bad_trace_arguments_say_what_was_expected() -> None:
         autockpt.plan(case.model, example_inputs=case.args, target="h900")
 
 
-def test_estimate_of_a_meta_model_equals_the_real_models() -> None:
-    with torch.device("meta"):  # one layer each: the figures compared are the same for any depth
-        meta = zoo.build("llama", "tiny", blocks=1)
-    real = zoo.build("llama", "tiny", blocks=1)
-    on_meta = autockpt.estimate(meta.model, example_inputs=meta.args, example_kwargs=meta.kwargs, optimizer="adamw")
-    measured = autockpt.estimate(real.model, example_inputs=real.args, example_kwargs=real.kwargs, optimizer="adamw")
-    assert on_meta.rows() == measured.rows()
-    assert on_meta.provenance.trace == "fake" and measured.provenance.trace == "measured"
-
-
 def _mlp() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
@@ -251,20 +242,23 @@ def figures(planner: autockpt.Planner) -> tuple[int, int]:
     return planner.trace.baseline_peak_bytes, planner.trace.static_bytes
 
 
-def test_a_meta_model_with_real_token_ids_is_captured_as_a_graph_and_planned_as_the_real_one() -> None:
+def test_a_meta_model_with_real_token_ids_is_captured_as_a_graph_and_estimated_as_the_real_one() -> None:
     """The usual way: weights on meta, token ids on the CPU. The inputs join the model on meta for the capture (fx
     and export check a graph by running it, which fails on two devices), so the plan is a graph's, with the real
-    model's bytes; such a planner cannot measure (optimize refuses, saying why)."""
+    model's bytes: its estimate is the real model's, measured; such a planner cannot measure (optimize refuses,
+    saying why). Inputs given on meta too take the same path (``build.aligned_step`` makes real ids beside a meta
+    model meta tensors; at batch size 1: ``tests/measure/test_fake_trace.py``; issue 46: a test of their own)."""
     real = zoo.build("llama", "tiny", blocks=1)  # one layer: the figures compared are equal for any depth
     with torch.device("meta"):
         meta = zoo.build("llama", "tiny", blocks=1).model
-    planner = autockpt.Planner.from_model(meta, example_inputs=real.args, example_kwargs=real.kwargs)
-    reference = autockpt.Planner.from_model(
-        real.model, example_inputs=real.args, example_kwargs=real.kwargs, trace="fake"
-    )
+    # what ``autockpt.estimate`` makes (one recompute kind, no optimizer in the traced step), on the meta model
+    planner = autockpt.Planner.from_model(meta, example_inputs=real.args, example_kwargs=real.kwargs,
+                                          checkpoint="torch_non_reentrant")
     assert planner.graph.kind.value in ("fx", "export") and not planner.example_values
-    assert planner.trace.baseline_peak_bytes == reference.trace.baseline_peak_bytes
-    assert planner.trace.static_bytes == reference.trace.static_bytes
+    on_meta = estimate_from_planner(planner, "adamw", 2)
+    measured = autockpt.estimate(real.model, example_inputs=real.args, example_kwargs=real.kwargs, optimizer="adamw")
+    assert on_meta.rows() == measured.rows()
+    assert on_meta.provenance.trace == "fake" and measured.provenance.trace == "measured"
     with pytest.raises(ValueError, match="no step to measure"):
         planner.optimize(budget_bytes=planner.trace.baseline_peak_bytes)
 

@@ -320,3 +320,25 @@ def _loss_chunked(module: torch.nn.Module) -> bool:
 def twin(case: zoo.ZooCase) -> torch.nn.Module:
     """An independent copy of the case's model (same weights) to serve as the reference."""
     return copy.deepcopy(case.model)
+
+
+def trace_memory(trace: StepTrace) -> dict[str, Any]:
+    """Everything of a trace but its times."""
+    return {
+        "events": trace.events,
+        "storages": trace.storages,
+        "units": [(u.index, u.flops, u.output_bytes, u.saved_bytes, u.saved_tensors) for u in trace.units],
+        "baseline_peak_bytes": trace.baseline_peak_bytes,
+        "static_bytes": trace.static_bytes,
+        "parts": (trace.parameter_bytes, trace.buffer_bytes, trace.input_bytes, trace.gradient_bytes),
+        "gradient_bytes_by_event": trace.gradient_bytes_by_event,
+        "gradient_lifetimes": trace.gradient_lifetimes,
+        "loop": (trace.optimizer_state_bytes, trace.loop),
+        "foreign_bytes": trace.foreign_bytes,
+    }
+
+
+def assert_same_memory(fake: StepTrace, measured: StepTrace) -> None:
+    fake_parts, measured_parts = trace_memory(fake), trace_memory(measured)
+    for name, want in measured_parts.items():
+        assert fake_parts[name] == want, f"{name} differs"

@@ -147,10 +147,9 @@ class Planner:
         # the device as the step will find it: profiling held copies of the buffers and the user's gradients aside
         self._follow_foreign_bytes()
         self.fingerprint = model_fingerprint(step.model, graph, step.args, step.kwargs)
-        # rewriting edits graph.executable in place: later rewrites take copies of it as it was (or, for a capture
-        # per module call, which has no executable, a new capture)
+        # rewriting edits an executable in place: each rewrite takes a copy of graph.executable (or, for a capture
+        # per module call, which has no fx graph, the graph the first time and a new capture afterwards)
         self._executable_used = False
-        self._pristine: Graph | None = None
         self._problems: dict[Action, Problem] = {}  # per action: scored candidates and floors, shared by every budget
         self._joint: dict[int, JointProblem] = {}  # per pool capacity: every recompute action's candidates and offload
         self._context: PlanningContext | None = None
@@ -438,16 +437,15 @@ class Planner:
             yield
 
     def _fresh_graph(self) -> Graph:
-        """The traced graph the first time; afterwards a copy of its executable as it was before that rewrite
-        (rewriting edits the executable in place): the graph a new capture gives, without the seconds an export
-        takes, which verifying a plan paid for every candidate it measured. A capture per module call again."""
-        copyable = isinstance(self.graph.executable, fx.GraphModule)
+        """The traced graph with an executable of its own (the fx graph copied, the parameters shared): rewriting
+        edits the executable in place, and ``self.graph`` stays the captured program for every later plan, rewrite
+        and trace of it (a new capture would cost the seconds an export takes). An executable that is no fx graph is
+        the traced graph's the first time, and a new capture's afterwards."""
+        if isinstance(self.graph.executable, fx.GraphModule):
+            return copied_graph(self.graph)
         if not self._executable_used:
             self._executable_used = True
-            self._pristine = copied_graph(self.graph) if copyable else None
             return self.graph
-        if self._pristine is not None:
-            return copied_graph(self._pristine)
         graph = captured_program(self.model, self.request.args, self.request.kwargs, self.loss_chunk_tokens)
         if len(graph.units) != len(self.graph.units):
             raise RuntimeError(

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import pytest
 import torch
-from support import budget_at, needs_transformers, tiny
+from support import assert_same_memory, budget_at, needs_transformers, tiny
 
 import autockpt
 from autockpt.core.devices import DEVICE_SPECS
@@ -17,7 +16,7 @@ from autockpt.core.structure import find_repeated_blocks
 from autockpt.measure.devices_local import local_spec_name
 from autockpt.measure.fake import FakeTrace
 from autockpt.measure.timing import BenchmarkTiming, MeasuredTiming, RooflineTiming, timing_for
-from autockpt.types import CaptureKind, StepTrace
+from autockpt.types import CaptureKind
 
 # the planners are cached per process (``functools.cache``): the tests that read them run on one xdist worker, which
 # makes them once
@@ -51,11 +50,6 @@ def timed(name: str) -> Timed:
     return Timed(measured, benchmarked, timing)
 
 
-def memory_of(trace: StepTrace) -> tuple[Any, ...]:
-    units = [(u.index, u.flops, u.output_bytes, u.saved_bytes, u.saved_tensors) for u in trace.units]
-    return trace.events, trace.storages, units, trace.baseline_peak_bytes, trace.static_bytes
-
-
 @pytest.mark.parametrize("name", _ZOO)
 def test_every_unit_of_a_fake_trace_gets_a_benchmarked_time_and_keeps_its_memory(name: str) -> None:
     both = timed(name)
@@ -67,7 +61,7 @@ def test_every_unit_of_a_fake_trace_gets_a_benchmarked_time_and_keeps_its_memory
     assert all(u.forward_ms > 0 for u in trace.units)  # views and getitems too: their dispatch takes time
     assert trace.forward_ms == pytest.approx(sum(u.forward_ms for u in trace.units))
     assert trace.step_ms > trace.forward_ms and trace.times_measured
-    assert memory_of(trace) == memory_of(both.measured.trace)  # the memory timeline is the fake trace's, untouched
+    assert_same_memory(trace, both.measured.trace)  # the memory timeline is the fake trace's, untouched
     # how near the benchmark's step is to the measured one (0.85x-1.05x on these models) is a measured time, so it
     # is measured by experiments/bench/bench_roofline.py (its "bench ratio"), not asserted here
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from support import TEST_TIMING, budget_at, needs_diffusers, needs_transformers, tiny
+from support import TEST_TIMING, assert_same_memory, budget_at, needs_transformers, tiny
 
 import autockpt
 from autockpt.errors import FakeStepError, ProfileError
@@ -26,28 +26,6 @@ slow = pytest.mark.slow
 # the planners are cached per process (``functools.cache``): the tests that read them run on one xdist worker, which
 # makes them once
 pytestmark = pytest.mark.xdist_group("tests/measure/test_fake_trace.py")
-
-
-def memory_of(trace: StepTrace) -> dict[str, Any]:
-    """Everything of a trace but its times."""
-    return {
-        "events": trace.events,
-        "storages": trace.storages,
-        "units": [(u.index, u.flops, u.output_bytes, u.saved_bytes, u.saved_tensors) for u in trace.units],
-        "baseline_peak_bytes": trace.baseline_peak_bytes,
-        "static_bytes": trace.static_bytes,
-        "parts": (trace.parameter_bytes, trace.buffer_bytes, trace.input_bytes, trace.gradient_bytes),
-        "gradient_bytes_by_event": trace.gradient_bytes_by_event,
-        "gradient_lifetimes": trace.gradient_lifetimes,
-        "loop": (trace.optimizer_state_bytes, trace.loop),
-        "foreign_bytes": trace.foreign_bytes,
-    }
-
-
-def assert_same_memory(fake: StepTrace, measured: StepTrace) -> None:
-    fake_parts, measured_parts = memory_of(fake), memory_of(measured)
-    for name, want in measured_parts.items():
-        assert fake_parts[name] == want, f"{name} differs"
 
 
 def state_of(model: torch.nn.Module) -> list[tuple[str, torch.device, torch.Tensor | None, Any]]:
@@ -82,10 +60,10 @@ _CASES = [
     pytest.param("bert", True, marks=[needs_transformers, slow], id="hf-bert-bf16"),
     pytest.param("vit", False, marks=[needs_transformers, slow], id="hf-vit"),
     pytest.param("t5", False, marks=[needs_transformers, slow], id="hf-t5"),
-    # in float32, as the UNet's measured plan in test_models.py (its fake-trace plan measured: not run again); under
-    # bf16 autocast the models above (a conv net, two transformers) and each mixed-precision normalisation's kernel
-    # on fakes (GroupNorm's included, test_fake_normalisations_make_what_the_cpu_kernels_make), issue 46
-    pytest.param("unet", False, marks=[needs_diffusers, slow], id="diffusers-unet2d"),
+    # the diffusion UNet's fake trace is compared with the measured trace of test_models.py's planner (one capture of
+    # it for both files, issue 46); under bf16 autocast the models above (a conv net, two transformers) and each
+    # mixed-precision normalisation's kernel on fakes (GroupNorm's included,
+    # test_fake_normalisations_make_what_the_cpu_kernels_make)
 ]
 
 

@@ -7,11 +7,24 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from support import assert_same_step, budget_at, checkpoint_for, needs_transformers, planner_for, tiny, twin, zoo_params
+from support import (
+    assert_same_memory,
+    assert_same_step,
+    budget_at,
+    checkpoint_for,
+    needs_transformers,
+    planner_for,
+    tiny,
+    twin,
+    zoo_params,
+)
 
 import autockpt
 from autockpt.measure.capture import value_guards
+from autockpt.measure.fake import FakeTrace
+from autockpt.planning.build import trace_request
 from autockpt.present import zoo
+from autockpt.runtime.model_state import enter_training_modes, preserved_model_state
 
 MODELS = zoo_params("mlp", "cnn", "transformer", "control_flow", "gpt2", "vit", "unet")
 EXPECTED_CAPTURE = {
@@ -63,6 +76,20 @@ def test_a_model_whose_backward_leaves_an_output_without_gradient(name: str, pla
     """Issue 46: the VAE's latent distribution computes a log-variance its mode never reads; backward hands the
     chunk's gradient hook None (it crashed profiling)."""
     _check_budget_kept(name, 0.5, planned)
+
+
+@pytest.mark.parametrize("name", zoo_params("unet"))
+def test_the_fake_trace_of_the_unet_is_its_measured_timeline(name: str, planned: Callable[[str], Planned]) -> None:
+    """FakeTrace (issue 36) on the diffusion UNet (float32 GroupNorm, upsampling, a 0-d timestep input): event for
+    event the measured trace of this file's planner, from its own captured graph (one capture of the UNet for this
+    and ``tests/measure/test_fake_trace.py``'s other models, issue 46)."""
+    _, planner = planned(name)
+    step = planner.request
+    with preserved_model_state(step.model, step.args, step.kwargs):
+        enter_training_modes(step.model)  # as ``build.built_step`` traces
+        fake = FakeTrace().trace(planner.graph, step, trace_request(planner.options, planner.graph, None))
+    assert planner.provenance.trace == "measured" and fake.times_measured is False
+    assert_same_memory(fake, planner.trace)
 
 
 def _check_budget_kept(name: str, fraction: float, planned: Callable[[str], Planned]) -> None:

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 from edge_models import ShapeBranchConvNet, frozen_batchnorm_case
-from support import check_optimized, mlp, optimize_at
+from support import budget_at, check_optimized, mlp, optimize_at
 
 import autockpt
 from autockpt.present import zoo
@@ -58,3 +58,17 @@ def test_planning_leaves_example_inputs_that_require_grad_as_they_were() -> None
     assert x.grad is None
     autockpt.measure.loss.default_loss(optimized(x)).backward()  # the optimized module gives the input its gradient
     assert x.grad is not None
+
+
+def test_a_planners_graph_is_the_captured_program_after_it_rewrote_plans() -> None:
+    """Rewriting edits a graph's executable in place: each module a planner applies gets a copy, and the planner's
+    own graph stays the captured program, which later plans, rewrites and traces of it read (the first rewrite once
+    edited it: a fake trace of it afterwards had other units than the planner's trace)."""
+    case = zoo.ZooCase(name="mlp", model=mlp(), args=(torch.randn(64, 128),))
+    planner = autockpt.Planner.from_model(case.model, example_inputs=case.args)
+    code, units = planner.graph.executable.code, planner.graph.units
+    first = planner.apply(planner.plan(budget_bytes=budget_at(planner, 0.8)))
+    second = planner.apply(planner.plan(budget_bytes=budget_at(planner, 0.9)))
+    assert first.plan.regions and second.plan.regions
+    assert planner.graph.executable.code == code and planner.graph.units == units
+    torch.testing.assert_close(first(*case.args), case.model(*case.args))

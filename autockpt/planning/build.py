@@ -341,9 +341,9 @@ def priced_against(reference: BuiltStep, reference_graph: Graph, program: BuiltS
     measurements, so that the two are compared on what differs between them, not on the noise of two traces (two
     traces of one CPU step were 20 % apart, enough to pick the slower program). Where both steps were measured on
     the device: each unit both programs run (by node name) takes ``reference``'s time, and the step takes
-    ``reference``'s time scaled by the median ratio of the two in alternating rounds (``reference_graph``: a
-    runnable copy of ``reference``'s program, not rewritten). Other times (benchmarked, roofline, placeholders) are
-    each program's own."""
+    ``reference``'s time scaled by the median ratio of the two in alternating rounds (``reference_graph``:
+    ``reference``'s program, runnable, not rewritten). Other times (benchmarked, roofline, placeholders) are each
+    program's own."""
     if not (reference.provenance.timing == "measured" and program.provenance.timing == "measured"):
         return program
     forward_ms = {unit.name: cost.forward_ms for unit, cost in zip(reference.graph.units, reference.trace.units)}

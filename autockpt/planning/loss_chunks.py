@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from autockpt.core.simulate import simulate
 from autockpt.errors import InfeasibleBudgetError
-from autockpt.measure.chunked_tail import copied_graph, with_chunked_loss
+from autockpt.measure.chunked_tail import with_chunked_loss
 from autockpt.measure.loss_tail import LossTail, find_loss_tail
 from autockpt.planning.build import BuiltStep, built_for_graph, priced_against
 from autockpt.planning.options import PlanOptions
@@ -86,17 +86,17 @@ def planner_of_programs(
     search = find_loss_tail(built.graph)
     tail = search.tail if search.tail is None or search.tail.tokens else with_tokens_from_trace(search.tail, built)
     chunks = chunk_candidates(tail, options.loss_chunk_tokens, built.trace.baseline_peak_bytes)
-    # the chunked programs are made when first weighed, maybe after a rewrite edited the planner's executable
-    pristine = copied_graph(built.graph) if chunks and options.loss_chunk_tokens == "auto" else built.graph
+    # the chunked programs are made when first weighed, from the captured program (which no rewrite edits: each
+    # rewrite takes a copy of it, ``Planner.apply``)
 
     def program(chunk_tokens: int) -> Any:
         if on_stage is not None:
             on_stage("profile")
         assert tail is not None
-        chunked = with_chunked_loss(pristine, tail, chunk_tokens).graph
+        chunked = with_chunked_loss(built.graph, tail, chunk_tokens).graph
         program_built = built_for_graph(built, chunked, options)
         if options.loss_chunk_tokens == "auto":  # weighed against the captured program: timed on its measurements
-            program_built = priced_against(built, pristine, program_built)
+            program_built = priced_against(built, built.graph, program_built)
         return make(program_built, chunk_tokens)
 
     if options.loss_chunk_tokens != "auto" and chunks:

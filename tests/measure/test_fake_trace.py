@@ -46,7 +46,8 @@ class Planners:
     fake: autockpt.Planner
 
 
-# the traces are compared on all; the plans on cnn-bf16 (``_PLANNED``: the cases with a measured planner of their own)
+# the traces are compared on all; the plans on cnn-bf16; the mlp's measured planner is read for its notes (``_PLANNED``:
+# the cases with a measured planner of their own)
 _PLAN_CASES = [
     pytest.param("mlp", False, id="mlp"),
     pytest.param("cnn", True, id="cnn-bf16"),  # mixed-precision batch norm: the CPU kernels' float32 statistics

@@ -139,7 +139,7 @@ def test_a_budget_under_the_eager_floor_states_the_structural_plans_compiled_pea
 class _CompiledWrapper(nn.Module):
     """What the timing reads of ``torch.compile(module)``'s wrapper: the module it compiled, as ``_orig_mod``. (A real
     compile traced the checkpointed step with Dynamo for most of this test's 4 s, issue 46; compiled steps are
-    measured and timed for real in ``tests/runtime/test_compile.py``.)"""
+    measured for real in ``tests/runtime/test_compile.py``.)"""
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()

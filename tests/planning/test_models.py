@@ -81,8 +81,9 @@ def test_a_model_whose_backward_leaves_an_output_without_gradient(name: str, pla
 @pytest.mark.parametrize("name", zoo_params("unet"))
 def test_the_fake_trace_of_the_unet_is_its_measured_timeline(name: str, planned: Callable[[str], Planned]) -> None:
     """FakeTrace (issue 36) on the diffusion UNet (float32 GroupNorm, upsampling, a 0-d timestep input): event for
-    event the measured trace of this file's planner, from its own captured graph (one capture of the UNet for this
-    and ``tests/measure/test_fake_trace.py``'s other models, issue 46)."""
+    event the measured trace of this file's planner, traced from the planner's own captured graph. The other models'
+    fake traces are ``tests/measure/test_fake_trace.py``'s; the UNet's is here, so that it is captured once (issue
+    46)."""
     _, planner = planned(name)
     step = planner.request
     with preserved_model_state(step.model, step.args, step.kwargs):

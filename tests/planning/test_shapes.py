@@ -4,6 +4,7 @@ a larger one warns with the numbers, or raises in strict mode; the optimized mod
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 
 import pytest
@@ -62,6 +63,9 @@ def test_decoder_sequences_keep_the_plan_and_the_budget(decoder: Optimized) -> N
         assert_same_step(decoder.module, decoder.reference, case)
     shapes = [variant.description for variant in decoder.module.shape_variants()]
     assert shapes == ["(2, 192), labels=(2, 192)"]  # captured once
+    # the model's signature, as Trainer reads it (it drops the columns forward does not name; Trainer's own loop, with
+    # a scalar argument the example did not have, is tests/planning/test_trainer.py's)
+    assert "input_ids" in inspect.signature(decoder.module.forward).parameters
     assert all(variant.seconds > 0 for variant in decoder.module.shape_variants())
 
 

@@ -66,9 +66,11 @@ def test_a_planners_graph_is_the_captured_program_after_it_rewrote_plans() -> No
     edited it: a fake trace of it afterwards had other units than the planner's trace)."""
     case = zoo.ZooCase(name="mlp", model=mlp(), args=(torch.randn(64, 128),))
     planner = autockpt.Planner.from_model(case.model, example_inputs=case.args)
-    code, units = planner.graph.executable.code, planner.graph.units
+    code = planner.graph.executable.code
     first = planner.apply(planner.plan(budget_bytes=budget_at(planner, 0.8)))
     second = planner.apply(planner.plan(budget_bytes=budget_at(planner, 0.9)))
     assert first.plan.regions and second.plan.regions
-    assert planner.graph.executable.code == code and planner.graph.units == units
+    assert planner.graph.executable.code == code
+    executables = [module.__dict__["_autockpt_executable"] for module in (first, second)]
+    assert len({id(e) for e in (*executables, planner.graph.executable)}) == 3  # one copy each
     torch.testing.assert_close(first(*case.args), case.model(*case.args))

@@ -151,13 +151,14 @@ def budget_at(plan: autockpt.Plan | autockpt.Planner, fraction: float) -> int:
 
 
 # The checkpoint kind the shared helpers plan with, per zoo model: one kind each, both kinds across the families (an
-# MLP, a conv net with BatchNorm, Hugging Face decoders and an encoder-decoder, a diffusion UNet on autockpt's own;
-# dropout, the module-level capture, encoders and the VAE on torch's). "auto", the default, plans both kinds and, in
+# MLP, a conv net with BatchNorm, Hugging Face decoders and an encoder-decoder, a diffusion UNet and the VAE on
+# autockpt's own, whose trace records gradient lifetimes: the VAE's test is about a gradient hook handed None;
+# dropout, the module-level capture and encoders on torch's). "auto", the default, plans both kinds and, in
 # ``optimize``, measures both plans and times their steps against each other to keep the faster: twice the planning
 # and measuring of one kind, and a choice that moves with the machine's load (issue 46). Its own tests plan "auto"
 # (``tests/runtime/test_recompute.py``); the tests that call ``autockpt.optimize`` or ``plan`` with defaults plan
 # torch's kind (the tests' default, above).
-_OWN_CHECKPOINT_MODELS = frozenset({"mlp", "cnn", "gpt2", "t5", "unet"})
+_OWN_CHECKPOINT_MODELS = frozenset({"mlp", "cnn", "gpt2", "t5", "unet", "vae"})
 
 
 def checkpoint_for(case: zoo.ZooCase) -> Action:

@@ -23,10 +23,13 @@ from autockpt.core.solve.base import Scorer, region_actions
 from autockpt.measure import costs as costs_module
 from autockpt.measure.capture import capture, plain_outputs
 from autockpt.measure.loss import default_loss
+from autockpt.measure.sources import TraceSource
 from autockpt.measure.timing import RooflineTiming
 from autockpt.measure.trace import trace_step
+from autockpt.planning.build import trace_request
 from autockpt.planning.options import PlanOptions
 from autockpt.present import zoo
+from autockpt.runtime.model_state import enter_training_modes, preserved_model_state
 from autockpt.runtime.rewrite import rewrite
 from autockpt.types import Action, ActionPrice, CostModel, LinkPrice, Policy, Region, RegionAction, StepTrace
 
@@ -343,3 +346,14 @@ def assert_same_memory(fake: StepTrace, measured: StepTrace) -> None:
     fake_parts, measured_parts = trace_memory(fake), trace_memory(measured)
     for name, want in measured_parts.items():
         assert fake_parts[name] == want, f"{name} differs"
+
+
+def retraced(planner: autockpt.Planner, source: TraceSource, options: PlanOptions | None = None) -> StepTrace:
+    """The planner's own captured graph traced again by ``source``, asked for what a planner of ``options`` (the
+    planner's own by default) asks, in the state ``build.built_step`` traces in (training modes entered, the model's
+    state put back): the timeline to compare with the planner's trace, without a second capture."""
+    step = planner.request
+    request = trace_request(options or planner.options, planner.graph, None)
+    with preserved_model_state(step.model, step.args, step.kwargs):
+        enter_training_modes(step.model)
+        return source.trace(planner.graph, step, request)

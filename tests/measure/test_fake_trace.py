@@ -10,16 +10,14 @@ from typing import Any
 
 import pytest
 import torch
-from support import TEST_TIMING, assert_same_memory, budget_at, needs_transformers, tiny
+from support import TEST_TIMING, assert_same_memory, budget_at, needs_transformers, retraced, tiny
 
 import autockpt
 from autockpt.errors import FakeStepError, ProfileError
 from autockpt.measure.fake import FakeTrace, _CpuFakeTensorMode
-from autockpt.measure.sources import MeasuredTrace, TraceRequest
+from autockpt.measure.sources import MeasuredTrace
 from autockpt.measure.timing import MeasuredTiming
-from autockpt.planning.build import trace_request
 from autockpt.present import zoo
-from autockpt.runtime.model_state import enter_training_modes, preserved_model_state
 from autockpt.types import CaptureKind, StepTrace
 
 slow = pytest.mark.slow
@@ -120,11 +118,8 @@ def measured_trace(name: str, bf16: bool) -> StepTrace:
     if (name, bf16) in _PLANNED:
         return planners(name, bf16).measured.trace
     fake = fake_planner(name, bf16)
-    step = fake.request
-    request = trace_request(dataclasses.replace(fake.options, timing=TEST_TIMING), fake.graph, None)
-    with _autocast(bf16), preserved_model_state(step.model, step.args, step.kwargs):
-        enter_training_modes(step.model)  # as ``build.built_step`` traces
-        return MeasuredTrace().trace(fake.graph, step, request)
+    with _autocast(bf16):
+        return retraced(fake, MeasuredTrace(), dataclasses.replace(fake.options, timing=TEST_TIMING))
 
 
 @pytest.mark.parametrize(("name", "bf16"), _CASES)
@@ -185,10 +180,7 @@ def test_a_plan_from_placeholder_times_keeps_the_budget_and_says_times_were_not_
 
 def test_flops_per_ms_gives_flop_proportional_placeholder_times() -> None:
     both = planners("mlp", False)
-    step = both.fake.request
-    request = TraceRequest(time_repeated_blocks_once=True, gradient_lifetimes=True)
-    with preserved_model_state(step.model, step.args, step.kwargs):
-        trace = FakeTrace(flops_per_ms=1e6).trace(both.fake.graph, step, request)
+    trace = retraced(both.fake, FakeTrace(flops_per_ms=1e6))
     assert trace.times_measured is False
     assert [u.forward_ms for u in trace.units] == [u.flops / 1e6 for u in trace.units]
     assert trace.forward_ms > 0 and trace.step_ms == pytest.approx(3 * trace.forward_ms)

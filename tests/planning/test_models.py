@@ -14,6 +14,7 @@ from support import (
     checkpoint_for,
     needs_transformers,
     planner_for,
+    retraced,
     tiny,
     twin,
     zoo_params,
@@ -22,9 +23,7 @@ from support import (
 import autockpt
 from autockpt.measure.capture import value_guards
 from autockpt.measure.fake import FakeTrace
-from autockpt.planning.build import trace_request
 from autockpt.present import zoo
-from autockpt.runtime.model_state import enter_training_modes, preserved_model_state
 
 MODELS = zoo_params("mlp", "cnn", "transformer", "control_flow", "gpt2", "vit", "unet")
 EXPECTED_CAPTURE = {
@@ -86,10 +85,7 @@ def test_the_fake_trace_of_the_unet_is_its_measured_timeline(name: str, planned:
     fake traces are ``tests/measure/test_fake_trace.py``'s; the UNet's is here, so that it is captured once (issue
     46)."""
     _, planner = planned(name)
-    step = planner.request
-    with preserved_model_state(step.model, step.args, step.kwargs):
-        enter_training_modes(step.model)  # as ``build.built_step`` traces
-        fake = FakeTrace().trace(planner.graph, step, trace_request(planner.options, planner.graph, None))
+    fake = retraced(planner, FakeTrace())
     assert planner.provenance.trace == "measured" and fake.times_measured is False
     assert_same_memory(fake, planner.trace)
 
